@@ -1,0 +1,40 @@
+# Two entry points: `make demo` and `make test`. Both build .venv from scratch when it is missing.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test test-deps lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# The CPU torch wheel goes in first, so nothing later pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0 numpy
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/memwatch demo
+
+test: $(STAMP) test-deps
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+# Debian packages that the end-to-end tests use as real servers and compilers.
+test-deps:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends prometheus gcc >/dev/null; \
+	  else echo "prometheus is missing: install Debian's 'prometheus' package (tests that need it will fail)"; fi; }
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,56 @@
+"""The probe interface: one small seam between the Monitor and whatever measures memory.
+
+A probe answers two questions on every engine step — what the PyTorch caching allocator holds and
+what the driver says is used/free — as fast as it can. Values it cannot know are ``-1`` on the hot
+path (:meth:`Probe.read`) and ``None`` in the public :class:`Reading`; a probe never raises from
+``read``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+UNKNOWN = -1
+"""Sentinel for a value a probe cannot read, used on the hot path instead of ``None``."""
+
+
+class DeviceInfo(NamedTuple):
+    """What a probe knows about its device, recorded once per run."""
+
+    index: int
+    name: str | None
+    total_bytes: int | None
+
+
+class Reading(NamedTuple):
+    """One probe reading with ``None`` for what is not available."""
+
+    allocated_bytes: int | None
+    peak_bytes: int | None
+    reserved_bytes: int | None
+    driver_used_bytes: int | None
+    driver_free_bytes: int | None
+
+
+class Probe:
+    """Base class for probes. Subclasses override :meth:`read` and, where they can, the rest."""
+
+    name = "probe"
+
+    def read(self) -> tuple[int, int, int, int, int]:
+        """Return ``(allocated, peak, reserved, driver_used, driver_free)`` in bytes, ``-1`` if unknown."""
+        return (UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN)
+
+    def reset_peak(self) -> None:
+        """Reset the allocator's peak so that the next ``read`` reports the peak since now."""
+
+    def device_info(self) -> DeviceInfo:
+        return DeviceInfo(0, None, None)
+
+    def unavailable_reason(self) -> str | None:
+        """One sentence saying why this probe reads nothing, or ``None`` when it works."""
+        return None
+
+    def reading(self) -> Reading:
+        """The current reading with ``None`` for unknown values (not for the hot path)."""
+        return Reading(*(None if v < 0 else v for v in self.read()))
