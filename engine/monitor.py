@@ -1,0 +1,355 @@
+"""``Monitor``: the API an engine (or an adapter) calls; the only object most users touch.
+
+It turns engine moments — phases, steps, the KV sizing, preemptions, an OOM — into ring records.
+The rules it keeps, in order of importance:
+
+* It never raises into the engine. Any internal fault turns the monitor off with one log warning;
+  every later call is a no-op.
+* It never blocks and never allocates GPU memory. A step reads the probe and packs one record.
+* It is cheap: a step costs about a microsecond plus whatever the probe costs.
+
+Per-step peaks: once the ``serve`` phase starts, each ``step()`` reads the allocator peak and then
+resets it, so every serving sample carries that step's own peak (``peak_is_step``). This takes the
+global peak counter away from other code in the process during serving; pass
+``per_step_peak=False`` if something else relies on ``torch.cuda.max_memory_allocated()`` then.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .probes.base import UNKNOWN, Probe
+from .ring import (
+    DEFAULT_CAPACITY,
+    FIRST_CUSTOM_PHASE,
+    PHASE_CODES,
+    SAMPLE_PEAK_IS_STEP,
+    STEP_KIND_CODES,
+    RingWriter,
+)
+from .runtime import ensure_runtime_dir, ring_path
+
+log = logging.getLogger("memwatch")
+
+STANDARD_PHASES = ("load", "warmup", "kv_alloc", "cudagraph", "serve")
+
+
+def new_run_id() -> str:
+    """A short, unique, time-ordered run id: 8 hex digits of seconds, 4 random."""
+    return f"{int(time.time()):08x}{secrets.token_hex(2)}"
+
+
+class Monitor:
+    """Records one rank of one engine run into a ring in the runtime directory.
+
+    Everything about the world is injectable (probe, clock, runtime directory, run id) so that the
+    simulator and tests drive the very same code path a real engine does.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: str = "torch",
+        model: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        run_id: str | None = None,
+        probe: Probe | None = None,
+        runtime_dir: str | os.PathLike[str] | None = None,
+        config: dict[str, Any] | None = None,
+        capacity: int = DEFAULT_CAPACITY,
+        spawn_sidecar: bool | None = None,
+        per_step_peak: bool | None = None,
+        clock: Callable[[], int] = time.time_ns,
+        source: str = "engine",
+    ) -> None:
+        self._enabled = False
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._step = 0
+        self._phase = 0
+        self._phase_stack: list[int] = []
+        self._custom_phases: dict[str, int] = {}
+        self._per_step_peak_option = per_step_peak
+        self._per_step_peak = False
+        self._load_baseline: int | None = None
+        self._writer: RingWriter | None = None
+        self.rank = int(rank if rank is not None else os.environ.get("RANK", 0))
+        self.world_size = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", 1))
+        self.run_id = run_id or os.environ.get("MEMWATCH_RUN_ID") or new_run_id()
+        self.ring_path: Path | None = None
+        try:
+            self.probe = probe if probe is not None else _default_probe()
+            reason = self.probe.unavailable_reason()
+            if reason:
+                log.warning("memwatch: %s", reason)
+            device = self.probe.device_info()
+            directory = ensure_runtime_dir(runtime_dir)
+            meta = {
+                "engine": engine, "model": model, "pid": os.getpid(), "hostname": socket.gethostname(),
+                "source": source, "device_index": device.index, "gpu_name": device.name,
+                "gpu_total_bytes": device.total_bytes, "config": config or {},
+                "probe": self.probe.name, "probe_unavailable": reason,
+            }
+            self.ring_path = ring_path(directory, self.run_id, self.rank)
+            self._writer = RingWriter(
+                self.ring_path, run_id=self.run_id, rank=self.rank, world_size=self.world_size,
+                meta=meta, capacity=capacity,
+            )
+            self._enabled = True
+            if spawn_sidecar is None:
+                spawn_sidecar = os.environ.get("MEMWATCH_SPAWN", "1") != "0"
+            if spawn_sidecar:
+                from .spawn import ensure_sidecar
+
+                ensure_sidecar(directory)
+        except Exception as exc:
+            self._disable(exc)
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def step_count(self) -> int:
+        return self._step
+
+    def _disable(self, exc: BaseException) -> None:
+        if self._enabled or self._writer is None:
+            log.warning("memwatch: monitoring turned off after an internal error: %s: %s",
+                        type(exc).__name__, exc)
+        self._enabled = False
+
+    # -- the hot path --------------------------------------------------------------------------------
+
+    def step(
+        self,
+        kind: str | None = None,
+        num_seqs: int | None = None,
+        num_tokens: int | None = None,
+        kv_blocks_used: int | None = None,
+        kv_blocks_total: int | None = None,
+    ) -> None:
+        """Record one engine step, after it ran. ``kind`` is ``"prefill"``, ``"decode"`` or None."""
+        if not self._enabled:
+            return
+        try:
+            probe = self.probe
+            allocated, peak, reserved, used, free = probe.read()
+            flags = 0
+            if self._per_step_peak:
+                probe.reset_peak()
+                flags = SAMPLE_PEAK_IS_STEP
+            with self._lock:
+                self._step += 1
+                self._writer.write_sample(
+                    self._step, self._clock(), self._phase, STEP_KIND_CODES.get(kind, 0), flags,
+                    allocated, peak, reserved, used, free,
+                    UNKNOWN if num_tokens is None else num_tokens,
+                    UNKNOWN if kv_blocks_used is None else kv_blocks_used,
+                    UNKNOWN if kv_blocks_total is None else kv_blocks_total,
+                    UNKNOWN if num_seqs is None else num_seqs,
+                )
+        except Exception as exc:
+            self._disable(exc)
+
+    @contextmanager
+    def stepping(self, kind: str | None = None, **fields: int | None) -> Iterator[None]:
+        """``with monitor.stepping():`` around one iteration of any PyTorch loop; records on exit."""
+        yield
+        self.step(kind, **fields)
+
+    def sample(self) -> None:
+        """Record a reading without counting a step (phase boundaries, idle polling)."""
+        if not self._enabled:
+            return
+        try:
+            allocated, peak, reserved, used, free = self.probe.read()
+            with self._lock:
+                self._writer.write_sample(
+                    self._step, self._clock(), self._phase, 0, 0, allocated, peak, reserved, used, free,
+                    UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN,
+                )
+        except Exception as exc:
+            self._disable(exc)
+
+    # -- phases and one-off moments ------------------------------------------------------------------
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark a startup or serving phase: ``load``, ``warmup``, ``kv_alloc``, ``cudagraph``, ``serve``."""
+        self._enter_phase(name)
+        try:
+            yield
+        finally:
+            self._exit_phase(name)
+
+    def _enter_phase(self, name: str) -> None:
+        if not self._enabled:
+            return
+        try:
+            code = PHASE_CODES.get(name)
+            if code is None:
+                code = self._custom_phases.setdefault(name, FIRST_CUSTOM_PHASE + len(self._custom_phases))
+            self._phase_stack.append(self._phase)
+            self._phase = code
+            if name == "load":
+                self._load_baseline = self._allocated_now()
+            if name == "serve" and self._per_step_peak_option is not False:
+                self.probe.reset_peak()
+                self._per_step_peak = True
+            self._event("phase_start", {"phase": name, "code": code})
+            self.sample()
+        except Exception as exc:
+            self._disable(exc)
+
+    def _exit_phase(self, name: str) -> None:
+        if not self._enabled:
+            return
+        try:
+            self.sample()
+            self._event("phase_end", {"phase": name})
+            if name == "serve":
+                self._per_step_peak = False
+            self._phase = self._phase_stack.pop() if self._phase_stack else 0
+        except Exception as exc:
+            self._disable(exc)
+
+    def weights_loaded(self, weights_bytes: int | None = None) -> None:
+        """The model's weights are in place. Weights = allocator growth since ``load`` began, unless given."""
+        if not self._enabled:
+            return
+        try:
+            allocated, peak, reserved, _, _ = self.probe.read()
+            if weights_bytes is None and allocated != UNKNOWN:
+                weights_bytes = allocated - (self._load_baseline or 0)
+            self._event("weights_loaded", {
+                "weights_bytes": weights_bytes, "allocated_bytes": _none(allocated),
+                "peak_bytes": _none(peak), "reserved_bytes": _none(reserved),
+            })
+        except Exception as exc:
+            self._disable(exc)
+
+    def kv_allocated(
+        self,
+        num_blocks: int,
+        block_bytes: int,
+        *,
+        total_bytes: int | None = None,
+        used_bytes: int | None = None,
+        peak_bytes: int | None = None,
+        current_bytes: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        block_size: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        **extra: Any,
+    ) -> None:
+        """Record the inputs of the engine's KV budget formula and the block count it chose.
+
+        Pass the readings the engine itself used; readings left out are taken from the probe now,
+        so call this before the KV tensor is allocated when relying on them.
+        """
+        if not self._enabled:
+            return
+        try:
+            current, peak, _, used, free = self.probe.read()
+            if total_bytes is None and used != UNKNOWN:
+                total_bytes = used + free
+            data = {
+                "total_bytes": total_bytes,
+                "gpu_memory_utilization": gpu_memory_utilization,
+                "used_bytes": used_bytes if used_bytes is not None else _none(used),
+                "peak_bytes": peak_bytes if peak_bytes is not None else _none(peak),
+                "current_bytes": current_bytes if current_bytes is not None else _none(current),
+                "block_bytes": int(block_bytes),
+                "num_blocks": int(num_blocks),
+            }
+            if block_size is not None:
+                data["block_size"] = int(block_size)
+            if kv_cache_memory_bytes is not None:
+                data["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+            data.update(extra)
+            self._event("kv_allocated", data)
+        except Exception as exc:
+            self._disable(exc)
+
+    def preempted(self, count: int = 1) -> None:
+        """Requests were preempted (their KV blocks taken back) for lack of KV space."""
+        self.event("preemption", {"count": int(count)})
+
+    def oom(self, requested_bytes: int | None = None, **details: Any) -> None:
+        """An out-of-memory happened: write a last sample and an ``oom`` event, flushed to the ring."""
+        if not self._enabled:
+            return
+        try:
+            allocated, peak, reserved, used, free = self.probe.read()
+            data = {
+                "requested_bytes": requested_bytes, "allocated_bytes": _none(allocated),
+                "peak_bytes": _none(peak), "reserved_bytes": _none(reserved),
+                "driver_used_bytes": _none(used), "driver_free_bytes": _none(free),
+            }
+            data.update(details)
+            self.sample()
+            self._event("oom", data)
+        except Exception as exc:
+            self._disable(exc)
+
+    def set_config(self, **config: Any) -> None:
+        """Add engine settings learnt after start (utilization, block size, …) to the run's config."""
+        self.event("config", config)
+
+    def event(self, kind: str, data: dict[str, Any] | None = None) -> None:
+        """Record an engine-specific event; ``data`` must be JSON-serialisable."""
+        if not self._enabled:
+            return
+        try:
+            self._event(kind, data or {})
+        except Exception as exc:
+            self._disable(exc)
+
+    def _event(self, kind: str, data: dict[str, Any]) -> None:
+        with self._lock:
+            self._writer.write_event(self._step, self._clock(), kind, data)
+
+    def close(self, status: str = "ok") -> None:
+        """End the run for this rank: a ``run_end`` event, then the ring is marked closed."""
+        if not self._enabled:
+            return
+        try:
+            self.sample()
+            self._event("run_end", {"status": status})
+            with self._lock:
+                self._writer.close()
+        except Exception as exc:
+            self._disable(exc)
+        self._enabled = False
+
+    def _allocated_now(self) -> int | None:
+        return _none(self.probe.read()[0])
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.close("ok" if exc_type is None else "error")
+
+
+def _none(value: int) -> int | None:
+    return None if value == UNKNOWN else value
+
+
+def _default_probe() -> Probe:
+    from .probes.cuda import CudaProbe
+
+    return CudaProbe()

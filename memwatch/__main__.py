@@ -1,0 +1,5 @@
+"""``python -m memwatch`` — the same as the ``memwatch`` command (used to spawn the sidecar)."""
+
+from memwatch.cli import main
+
+main()

@@ -1,0 +1,38 @@
+"""``memwatch serve``: run the sidecar in the foreground."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+
+from ..daemon import Sidecar, SidecarRunning
+from .options import db_option
+
+
+@click.command("serve")
+@db_option
+@click.option("--runtime-dir", type=click.Path(file_okay=False, path_type=Path), envvar="MEMWATCH_RUNTIME_DIR",
+              help="Where engines put their rings (default: $MEMWATCH_RUNTIME_DIR, $XDG_RUNTIME_DIR/memwatch).")
+@click.option("--poll-interval", type=float, default=0.02, show_default=True, help="Seconds between ring drains.")
+@click.option("--exit-when-idle", type=float, default=None,
+              help="Exit after this many seconds with no engine writing (used when auto-started).")
+@click.option("--quiet-if-running", is_flag=True, hidden=True,
+              help="Exit 0 silently when a sidecar already serves the directory.")
+def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float,
+            exit_when_idle: float | None, quiet_if_running: bool) -> None:
+    """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C)."""
+    sidecar = Sidecar(runtime_dir, db_path, poll_interval=poll_interval, exit_when_idle=exit_when_idle)
+    try:
+        sidecar.start()
+    except SidecarRunning:
+        if quiet_if_running:
+            return
+        raise
+    logging.getLogger("memwatch").setLevel(min(logging.getLogger().level, logging.INFO))
+    click.echo(f"memwatch serve: rings in {sidecar.runtime_dir}, database {sidecar.db_path}", err=True)
+    sidecar.install_signal_handlers()
+    sidecar.run()
+    c = sidecar.collector
+    click.echo(f"memwatch serve: stopped after {c.records_total} records ({c.lost_total} lost)", err=True)

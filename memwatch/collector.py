@@ -1,0 +1,301 @@
+"""The collector: finds rings in the runtime directory, drains them, and hands rows to the writer.
+
+It runs inside ``memwatch serve``. For each ring it keeps a cursor (the next sequence number to
+read); the cursor is committed in the same transaction as the rows it covers, so a restarted
+sidecar resumes exactly where the last one stopped. A ring is finished — its rank marked ended, its
+file removed — once it is fully drained and its writer either closed it or is gone. A writer that
+vanished without closing (SIGKILL, OOM kill) marks its rank ``crashed`` (``oom`` when the last thing
+it wrote was an OOM).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memwatch_engine.ring import (
+    STEP_KINDS,
+    RingFormatError,
+    RingHeader,
+    RingReader,
+    process_start_ticks,
+)
+from memwatch_engine.runtime import RING_SUFFIX, is_private_file
+
+from .records import Event, Sample
+from .store.writer import Batch, StoreWriter
+
+log = logging.getLogger("memwatch.collector")
+
+DRAIN_LIMIT = 65536
+"""Records read from one ring per poll, so one busy ring cannot starve the others."""
+
+Observer = Callable[[RingHeader, list[Sample | Event]], Iterable[tuple[Any, ...]]]
+"""Called with every drained record of a ring, in order; returns flag rows to store."""
+
+
+@dataclass
+class RingState:
+    """What the collector knows about one ring it is draining."""
+
+    path: Path
+    key: str
+    reader: RingReader
+    cursor: int
+    lost: int
+    last_ts_ns: int = 0
+    end_status: str | None = None
+    saw_oom: bool = False
+    records: int = 0
+
+    @property
+    def header(self) -> RingHeader:
+        return self.reader.header
+
+
+def writer_alive(pid: int, start_ticks: int) -> bool:
+    """Whether the ring's writer still runs: the pid exists, is not a zombie, and is the same process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3]
+    if state in (b"Z", b"X"):
+        return False
+    return not (start_ticks and process_start_ticks(pid) not in (0, start_ticks))
+
+
+class Collector:
+    """Drains every trusted ring of one runtime directory into the store."""
+
+    def __init__(
+        self,
+        runtime_dir: Path,
+        db_path: Path,
+        writer: StoreWriter,
+        *,
+        observers: Iterable[Observer] = (),
+        is_alive: Callable[[int, int], bool] = writer_alive,
+    ) -> None:
+        self.runtime_dir = Path(runtime_dir)
+        self._writer = writer
+        self._observers = list(observers)
+        self._is_alive = is_alive
+        self._read = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, check_same_thread=False)
+        self.rings: dict[Path, RingState] = {}
+        self._rejected: set[Path] = set()
+        self.records_total = 0
+        self.lost_total = 0
+
+    # -- discovery ------------------------------------------------------------------------------------
+
+    def scan(self) -> None:
+        """Open rings that appeared since the last scan."""
+        try:
+            names = os.listdir(self.runtime_dir)
+        except OSError as exc:
+            log.error("cannot list %s: %s", self.runtime_dir, exc)
+            return
+        for name in names:
+            if not name.endswith(RING_SUFFIX):
+                continue
+            path = self.runtime_dir / name
+            if path in self.rings or path in self._rejected:
+                continue
+            self._open(path)
+
+    def _open(self, path: Path) -> None:
+        trusted, why = is_private_file(path)
+        if not trusted:
+            log.warning("ignoring ring %s: %s", path, why)
+            self._rejected.add(path)
+            return
+        try:
+            reader = RingReader(path)
+        except (RingFormatError, OSError) as exc:
+            log.warning("ignoring ring %s: %s", path, exc)
+            self._rejected.add(path)
+            return
+        header = reader.header
+        key = f"{header.run_id}/{header.rank}/{header.created_ns}"
+        row = self._read.execute(
+            "SELECT next_seq, lost, finished FROM ring_cursors WHERE ring = ?", (key,)
+        ).fetchone()
+        if row is not None and row[2]:
+            reader.close()
+            _unlink(path)
+            return
+        cursor, lost = (row[0], row[1]) if row else (0, 0)
+        self.rings[path] = RingState(path, key, reader, cursor, lost)
+        if row is None:
+            self._writer.submit(Batch(statements=_register(header)))
+        log.info("draining %s (run %s rank %d, pid %d)", path.name, header.run_id, header.rank,
+                 header.writer_pid)
+
+    # -- draining -------------------------------------------------------------------------------------
+
+    def poll(self) -> int:
+        """Drain every open ring once; finish rings whose writer is done. Returns records read."""
+        total = 0
+        for state in list(self.rings.values()):
+            try:
+                total += self._drain(state)
+            except (RingFormatError, ValueError, OSError) as exc:
+                log.error("ring %s is unreadable, dropping it: %s", state.path.name, exc)
+                self.rings.pop(state.path, None)
+                self._rejected.add(state.path)
+        return total
+
+    def _drain(self, state: RingState) -> int:
+        reader = state.reader
+        closed = reader.closed  # read before draining: records written before close are all published
+        alive = closed or self._is_alive(state.header.writer_pid, state.header.writer_start)
+        drained = reader.drain(state.cursor, DRAIN_LIMIT)
+        count = len(drained.samples) + len(drained.events)
+        header = state.header
+        if count or drained.lost:
+            batch = self._rows(state, drained)
+            state.cursor = drained.next_cursor
+            state.lost += drained.lost
+            state.records += count
+            self.records_total += count
+            self.lost_total += drained.lost
+            if drained.lost:
+                log.warning("ring %s: %d records overwritten before they were read", state.path.name,
+                            drained.lost)
+            batch.cursors.append((state.key, header.run_id, header.rank, state.cursor, state.lost, 0))
+            self._writer.submit(batch)
+        if state.cursor >= reader.published and (closed or not alive):
+            self._finish(state, closed)
+        return count
+
+    def _rows(self, state: RingState, drained: Any) -> Batch:
+        header = state.header
+        run_id, rank = header.run_id, header.rank
+        kinds = STEP_KINDS
+        batch = Batch()
+        events = drained.events
+        # Events first: a phase_start teaches the reader a custom phase code used by later samples.
+        for _seq, step, ts_ns, kind, data in events:
+            batch.events.append((run_id, rank, step, ts_ns, kind, json.dumps(data)))
+            if kind == "config":
+                batch.statements.append(
+                    ("UPDATE runs SET config = json_patch(config, ?) WHERE run_id = ?", (json.dumps(data), run_id))
+                )
+            elif kind == "run_end":
+                state.end_status = str(data.get("status", "ok"))
+            elif kind == "oom":
+                state.saw_oom = True
+        names = state.reader.phase_names
+        batch.samples = [
+            (run_id, rank, s[5], s[6], names.get(s[3]), s[7], s[8], s[9], s[10], s[11],
+             s[13], s[14], s[15], s[12], kinds[s[4]] if s[4] < 3 else None, s[2] & 1, -1)
+            for s in drained.samples
+        ]
+        last_sample_ts = drained.samples[-1][6] if drained.samples else 0
+        last_event_ts = events[-1][2] if events else 0
+        state.last_ts_ns = max(state.last_ts_ns, last_sample_ts, last_event_ts)
+        if self._observers:
+            records = _in_order(run_id, rank, drained, names)
+            for observer in self._observers:
+                batch.flags.extend(observer(header, records))
+        return batch
+
+    def _finish(self, state: RingState, closed: bool) -> None:
+        header = state.header
+        if closed:
+            status = "oom" if state.saw_oom else (state.end_status or "ok")
+        else:
+            status = "oom" if state.saw_oom else "crashed"
+            log.warning("run %s rank %d: writer pid %d is gone without closing its ring; marked %s",
+                        header.run_id, header.rank, header.writer_pid, status)
+        run_id = header.run_id
+        ended = state.last_ts_ns or None
+        batch = Batch(statements=[
+            ("UPDATE ranks SET status = ?, ended_ns = ?, records = records + ?, lost_records = ?"
+             " WHERE run_id = ? AND rank = ?", (status, ended, state.records, state.lost, run_id, header.rank)),
+            (_RUN_STATUS, (run_id,) * 7),
+        ])
+        batch.cursors.append((state.key, run_id, header.rank, state.cursor, state.lost, 1))
+        self._writer.submit(batch)
+        self._writer.flush()
+        state.reader.close()
+        _unlink(state.path)
+        del self.rings[state.path]
+
+    def close(self) -> None:
+        for state in self.rings.values():
+            state.reader.close()
+        self.rings.clear()
+        self._read.close()
+
+
+_RUN_STATUS = """
+UPDATE runs SET
+  ended_ns = (SELECT max(ended_ns) FROM ranks WHERE run_id = ?),
+  status = CASE
+    WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status = 'running') THEN 'running'
+    WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status = 'oom') THEN 'oom'
+    WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status = 'crashed') THEN 'crashed'
+    WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status <> 'ok') THEN 'error'
+    ELSE 'ok' END
+WHERE run_id = ? AND (SELECT count(*) FROM ranks WHERE run_id = ?) > 0
+"""
+
+
+def _register(header: RingHeader) -> list[tuple[str, tuple[Any, ...]]]:
+    """Statements that create the run (first rank seen) and the rank rows for a new ring."""
+    meta = header.meta
+    return [
+        (
+            "INSERT INTO runs (run_id, pid, hostname, engine, model, rank_count, started_ns, status,"
+            " gpu_name, gpu_total_bytes, config, source) VALUES (?, ?, ?, ?, ?, ?, ?, 'running', ?, ?, ?, ?)"
+            " ON CONFLICT(run_id) DO UPDATE SET started_ns = min(started_ns, excluded.started_ns),"
+            " status = 'running', pid = CASE WHEN ? = 0 THEN excluded.pid ELSE pid END",
+            (
+                header.run_id, meta.get("pid", header.writer_pid), meta.get("hostname"), meta.get("engine"),
+                meta.get("model"), header.world_size, header.created_ns, meta.get("gpu_name"),
+                meta.get("gpu_total_bytes"), json.dumps(meta.get("config") or {}),
+                meta.get("source", "engine"), header.rank,
+            ),
+        ),
+        (
+            "INSERT OR REPLACE INTO ranks (run_id, rank, pid, device_index, gpu_name, gpu_total_bytes,"
+            " started_ns, status, probe_unavailable) VALUES (?, ?, ?, ?, ?, ?, ?, 'running', ?)",
+            (
+                header.run_id, header.rank, header.writer_pid, meta.get("device_index"), meta.get("gpu_name"),
+                meta.get("gpu_total_bytes"), header.created_ns, meta.get("probe_unavailable"),
+            ),
+        ),
+    ]
+
+
+def _in_order(run_id: str, rank: int, drained: Any, names: dict[int, str | None]) -> list[Sample | Event]:
+    """Samples and events of one drain as typed records, in the order the engine wrote them."""
+    merged: list[tuple[int, Sample | Event]] = []
+    for s in drained.samples:
+        merged.append((s[0], Sample(
+            run_id, rank, s[5], s[6], names.get(s[3]),
+            *(None if v < 0 else v for v in (s[7], s[8], s[9], s[10], s[11], s[13], s[14], s[15], s[12])),
+            STEP_KINDS[s[4]] if s[4] < 3 else None, bool(s[2] & 1),
+        )))
+    for seq, step, ts_ns, kind, data in drained.events:
+        merged.append((seq, Event(run_id, rank, step, ts_ns, kind, data)))
+    merged.sort(key=lambda pair: pair[0])
+    return [record for _, record in merged]
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,137 @@
+"""``memwatch serve``: the sidecar process — lock, collector loop, writer thread, clean shutdown.
+
+One sidecar per runtime directory, guarded by an exclusive ``flock`` on ``sidecar.lock`` held for
+the process's life (the kernel drops it if the process dies, so a stale lock cannot block the
+next one). SIGTERM/SIGINT stop the loop; before exiting it drains every ring one last time and
+waits for the writer, so nothing already in a ring is lost by stopping the sidecar.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from memwatch_engine.runtime import LOCK_NAME, PID_NAME, RuntimeDirError, ensure_runtime_dir
+
+from .collector import Collector, Observer
+from .errors import PermissionDeniedError, UnavailableError
+from .store.db import default_db_path, open_store
+from .store.writer import StoreWriter
+
+log = logging.getLogger("memwatch.serve")
+
+
+class SidecarRunning(UnavailableError):
+    """Another sidecar already serves this runtime directory."""
+
+
+class Sidecar:
+    """The sidecar's lifetime: ``start()``, ``run()`` until stopped, then everything flushed and closed."""
+
+    def __init__(
+        self,
+        runtime_dir: Path | None = None,
+        db_path: Path | None = None,
+        *,
+        poll_interval: float = 0.02,
+        scan_interval: float = 0.25,
+        exit_when_idle: float | None = None,
+        observers: Iterable[Observer] = (),
+    ) -> None:
+        try:
+            self.runtime_dir = ensure_runtime_dir(runtime_dir)
+        except RuntimeDirError as exc:
+            raise PermissionDeniedError(str(exc)) from None
+        self.db_path = Path(db_path) if db_path is not None else default_db_path()
+        self.poll_interval = poll_interval
+        self.scan_interval = scan_interval
+        self.exit_when_idle = exit_when_idle
+        self._observers = list(observers)
+        self._stop = threading.Event()
+        self._lock_fd: int | None = None
+
+    def start(self) -> None:
+        self._take_lock()
+        self.db = open_store(self.db_path)
+        self.writer = StoreWriter(self.db)
+        self.writer.start()
+        self.collector = Collector(self.runtime_dir, self.db_path, self.writer, observers=self._observers)
+
+    def _take_lock(self) -> None:
+        fd = os.open(self.runtime_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            pid = _read_pid(self.runtime_dir / PID_NAME)
+            raise SidecarRunning(
+                f"a sidecar is already running for {self.runtime_dir}" + (f" (pid {pid})" if pid else "")
+                + "; stop it first or pass another --runtime-dir"
+            ) from None
+        self._lock_fd = fd
+        pid_path = self.runtime_dir / PID_NAME
+        tmp = pid_path.with_suffix(".tmp")
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(f"{os.getpid()}\n")
+        os.replace(tmp, pid_path)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def run(self) -> None:
+        """Poll until stopped (or idle for ``exit_when_idle`` seconds), then drain and close."""
+        next_scan = 0.0
+        idle_since = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= next_scan:
+                    self.collector.scan()
+                    next_scan = now + self.scan_interval
+                read = self.collector.poll()
+                if self.collector.rings:
+                    idle_since = now
+                elif self.exit_when_idle is not None and now - idle_since >= self.exit_when_idle:
+                    log.info("no engine has written for %.0f s; exiting", self.exit_when_idle)
+                    break
+                if self.writer.error is not None:
+                    raise RuntimeError(f"the store writer failed: {self.writer.error}")
+                if not read:
+                    self._stop.wait(self.poll_interval)
+            self.collector.scan()
+            while self.collector.poll():
+                pass
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        collector = getattr(self, "collector", None)
+        if collector is not None:
+            collector.close()
+        writer = getattr(self, "writer", None)
+        if writer is not None and writer.is_alive():
+            writer.close()
+        if self._lock_fd is not None:
+            try:
+                (self.runtime_dir / PID_NAME).unlink()
+            except FileNotFoundError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None

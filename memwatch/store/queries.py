@@ -1,0 +1,113 @@
+"""Read-side queries every post-mortem command shares: resolving a run, listing runs, a timeline."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import sqlite_utils
+
+from ..errors import NotFoundError
+from ..records import EVENT_COLUMNS, SAMPLE_COLUMNS, Event, Sample
+
+
+@dataclass(frozen=True)
+class Run:
+    """A row of ``runs`` with its config decoded."""
+
+    run_id: str
+    pid: int | None
+    hostname: str | None
+    engine: str | None
+    model: str | None
+    rank_count: int | None
+    started_ns: int | None
+    ended_ns: int | None
+    status: str | None
+    gpu_name: str | None
+    gpu_total_bytes: int | None
+    config: dict[str, Any]
+    source: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+_RUN_COLUMNS = (
+    "run_id, pid, hostname, engine, model, rank_count, started_ns, ended_ns, status, gpu_name,"
+    " gpu_total_bytes, config, source"
+)
+
+
+def _run(row: tuple[Any, ...]) -> Run:
+    values = list(row)
+    try:
+        values[11] = json.loads(values[11] or "{}")
+    except ValueError:
+        values[11] = {}
+    return Run(*values)
+
+
+def list_runs(db: sqlite_utils.Database, limit: int | None = None) -> list[Run]:
+    """Runs, newest first."""
+    sql = f"SELECT {_RUN_COLUMNS} FROM runs ORDER BY started_ns DESC"
+    params: tuple[Any, ...] = ()
+    if limit is not None:
+        sql += " LIMIT ?"
+        params = (limit,)
+    return [_run(row) for row in db.execute(sql, params).fetchall()]
+
+
+def get_run(db: sqlite_utils.Database, ref: str) -> Run:
+    """A run by id, unique id prefix, or ``latest``."""
+    if ref == "latest":
+        row = db.execute(f"SELECT {_RUN_COLUMNS} FROM runs ORDER BY started_ns DESC LIMIT 1").fetchone()
+        if row is None:
+            raise NotFoundError("the database has no runs yet; start an engine with memwatch or run `memwatch demo`")
+        return _run(row)
+    rows = db.execute(
+        f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ? OR run_id LIKE ? ORDER BY run_id = ? DESC LIMIT 3",
+        (ref, ref.replace("%", "").replace("_", "") + "%", ref),
+    ).fetchall()
+    if not rows:
+        raise NotFoundError(f"no run {ref!r} in the database; `memwatch runs` lists them")
+    if rows[0][0] != ref and len(rows) > 1:
+        raise NotFoundError(f"run prefix {ref!r} is ambiguous; give more of the id (`memwatch runs`)")
+    return _run(rows[0])
+
+
+def run_ranks(db: sqlite_utils.Database, run_id: str) -> list[dict[str, Any]]:
+    return list(db.query("SELECT * FROM ranks WHERE run_id = ? ORDER BY rank", (run_id,)))
+
+
+def samples(
+    db: sqlite_utils.Database, run_id: str, *, rank: int | None = None, since_ns: int | None = None
+) -> Iterator[Sample]:
+    """Samples of a run in time order (per rank when ``rank`` is given)."""
+    where = ["run_id = ?"]
+    params: list[Any] = [run_id]
+    if rank is not None:
+        where.append("rank = ?")
+        params.append(rank)
+    if since_ns is not None:
+        where.append("ts_ns >= ?")
+        params.append(since_ns)
+    sql = f"SELECT {', '.join(SAMPLE_COLUMNS)} FROM samples WHERE {' AND '.join(where)} ORDER BY ts_ns, rank, rowid"
+    for row in db.execute(sql, params):
+        yield Sample(*row[:-1], bool(row[-1]))
+
+
+def events(db: sqlite_utils.Database, run_id: str, *, rank: int | None = None) -> list[Event]:
+    sql = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE run_id = ?"
+    params: list[Any] = [run_id]
+    if rank is not None:
+        sql += " AND rank = ?"
+        params.append(rank)
+    sql += " ORDER BY ts_ns, rowid"
+    return [Event(*row[:5], json.loads(row[5] or "{}")) for row in db.execute(sql, params)]
+
+
+def last_ts_ns(db: sqlite_utils.Database, run_id: str) -> int | None:
+    return db.execute("SELECT max(ts_ns) FROM samples WHERE run_id = ?", (run_id,)).fetchone()[0]
