@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from memwatch_engine.ring import (
+    RUN_ID_PATTERN,
     STEP_KINDS,
     RingFormatError,
     RingHeader,
@@ -29,7 +30,7 @@ from memwatch_engine.ring import (
 from memwatch_engine.runtime import RING_SUFFIX, is_private_file
 
 from .records import Event, Sample
-from .store.writer import Batch, StoreWriter
+from .store.writer import Batch, StoreWriter, raw_sample_insert
 
 log = logging.getLogger("memwatch.collector")
 
@@ -53,6 +54,8 @@ class RingState:
     end_status: str | None = None
     saw_oom: bool = False
     records: int = 0
+    insert_sql: str | None = None
+    known_phases: int = 0
 
     @property
     def header(self) -> RingHeader:
@@ -126,6 +129,11 @@ class Collector:
             self._rejected.add(path)
             return
         header = reader.header
+        if not RUN_ID_PATTERN.match(header.run_id):
+            log.warning("ignoring ring %s: run id %r is not 1-16 letters, digits, '.', '_' or '-'", path, header.run_id)
+            reader.close()
+            self._rejected.add(path)
+            return
         key = f"{header.run_id}/{header.rank}/{header.created_ns}"
         row = self._read.execute(
             "SELECT next_seq, lost, finished FROM ring_cursors WHERE ring = ?", (key,)
@@ -181,7 +189,6 @@ class Collector:
     def _rows(self, state: RingState, drained: Any) -> Batch:
         header = state.header
         run_id, rank = header.run_id, header.rank
-        kinds = STEP_KINDS
         batch = Batch()
         events = drained.events
         # Events first: a phase_start teaches the reader a custom phase code used by later samples.
@@ -196,11 +203,11 @@ class Collector:
             elif kind == "oom":
                 state.saw_oom = True
         names = state.reader.phase_names
-        batch.samples = [
-            (run_id, rank, s[5], s[6], names.get(s[3]), s[7], s[8], s[9], s[10], s[11],
-             s[13], s[14], s[15], s[12], kinds[s[4]] if s[4] < 3 else None, s[2] & 1, -1)
-            for s in drained.samples
-        ]
+        if state.insert_sql is None or state.known_phases != len(names):
+            state.insert_sql = raw_sample_insert(run_id, rank, names)
+            state.known_phases = len(names)
+        if drained.samples:
+            batch.ring_samples.append((state.insert_sql, drained.samples))
         last_sample_ts = drained.samples[-1][6] if drained.samples else 0
         last_event_ts = events[-1][2] if events else 0
         state.last_ts_ns = max(state.last_ts_ns, last_sample_ts, last_event_ts)

@@ -40,18 +40,45 @@ UPSERT_CURSOR = (
 )
 
 
+def raw_sample_insert(run_id: str, rank: int, phase_names: dict[int, str | None]) -> str:
+    """An INSERT that stores ring sample tuples exactly as ``RingReader.drain`` returns them.
+
+    The ring's 16 fields are bound by position (``?6`` is the step, ``?8`` the allocated bytes, …);
+    the run id and rank are literals of the statement and the phase and step-kind codes are mapped
+    by ``CASE``, so no Python code touches each row on its way into SQLite.
+    """
+    phases = " ".join(f"WHEN {int(code)} THEN {_sql_text(name)}" for code, name in phase_names.items() if name)
+    return (
+        "INSERT INTO samples (run_id, rank, step, ts_ns, phase, allocated_bytes, peak_bytes, reserved_bytes,"
+        " driver_used_bytes, driver_free_bytes, kv_blocks_used, kv_blocks_total, num_seqs, num_tokens,"
+        f" step_kind, peak_is_step, process_used_bytes) VALUES ({_sql_text(run_id)}, {int(rank)}, ?6, ?7,"
+        f" CASE ?4 {phases} END, NULLIF(?8, -1), NULLIF(?9, -1), NULLIF(?10, -1), NULLIF(?11, -1),"
+        " NULLIF(?12, -1), NULLIF(?14, -1), NULLIF(?15, -1), NULLIF(?16, -1), NULLIF(?13, -1),"
+        " CASE ?5 WHEN 1 THEN 'prefill' WHEN 2 THEN 'decode' END, ?3 & 1, NULL)"
+        " -- ?1 seq, ?2 type unused"
+    )
+
+
+def _sql_text(value: str) -> str:
+    return "'" + str(value).replace("\0", "").replace("'", "''") + "'"
+
+
 @dataclass
 class Batch:
     """Rows to store in one transaction. ``statements`` run after the inserts, in order."""
 
     samples: list[tuple[Any, ...]] = field(default_factory=list)
+    """Sample rows in ``samples`` column order, -1 for unknown."""
+    ring_samples: list[tuple[str, list[tuple[Any, ...]]]] = field(default_factory=list)
+    """(statement from :func:`raw_sample_insert`, ring sample tuples) groups."""
     events: list[tuple[Any, ...]] = field(default_factory=list)
     flags: list[tuple[Any, ...]] = field(default_factory=list)
     cursors: list[tuple[Any, ...]] = field(default_factory=list)
     statements: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.samples) + len(self.events) + len(self.flags) + len(self.statements)
+        return (len(self.samples) + sum(len(rows) for _, rows in self.ring_samples) + len(self.events)
+                + len(self.flags) + len(self.statements))
 
 
 _STOP = object()
@@ -123,6 +150,9 @@ class StoreWriter(threading.Thread):
     def _write(self, conn: Any, batch: Batch) -> None:
         if batch.samples:
             conn.executemany(INSERT_SAMPLE, batch.samples)
+        for sql, rows in batch.ring_samples:
+            conn.executemany(sql, rows)
+            self.rows_written += len(rows)
         if batch.events:
             conn.executemany(INSERT_EVENT, batch.events)
         if batch.flags:
