@@ -44,9 +44,9 @@ def main(verbose: int) -> None:
 
 
 def _register() -> None:
-    from . import demo, runs, serve, timeline
+    from . import runs, serve, timeline
 
-    for module in (serve, demo, runs, timeline):
+    for module in (serve, runs, timeline):
         main.add_command(module.command)
 
 

@@ -24,6 +24,7 @@ def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float
             exit_when_idle: float | None, quiet_if_running: bool) -> None:
     """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C)."""
     sidecar = Sidecar(runtime_dir, db_path, poll_interval=poll_interval, exit_when_idle=exit_when_idle)
+    sidecar.install_signal_handlers()  # before the lock: whoever sees the lock may signal us at once
     try:
         sidecar.start()
     except SidecarRunning:
@@ -32,7 +33,6 @@ def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float
         raise
     logging.getLogger("memwatch").setLevel(min(logging.getLogger().level, logging.INFO))
     click.echo(f"memwatch serve: rings in {sidecar.runtime_dir}, database {sidecar.db_path}", err=True)
-    sidecar.install_signal_handlers()
     sidecar.run()
     c = sidecar.collector
     click.echo(f"memwatch serve: stopped after {c.records_total} records ({c.lost_total} lost)", err=True)

@@ -1,0 +1,73 @@
+"""The sidecar as a real process: lock, clean stop with a final drain, auto-start from the plugin."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from processes import SidecarProcess, memwatch_env, query, wait_for
+
+from memwatch_engine.runtime import PID_NAME
+from memwatch_engine.spawn import sidecar_running
+
+ENGINE = """
+import sys
+sys.path.insert(0, {tests!r})
+from probes import ScriptedProbe
+from memwatch_engine import Monitor
+m = Monitor(engine="script", model="tiny", probe=ScriptedProbe(), spawn_sidecar={spawn})
+with m.phase("serve"):
+    for i in range({steps}):
+        m.step("decode", num_seqs=1, num_tokens=1)
+m.close()
+print(m.run_id)
+"""
+TESTS = str(Path(__file__).parent)
+
+
+def _engine(runtime_dir: Path, db_path: Path, steps: int, spawn: bool, **env: str) -> str:
+    script = ENGINE.format(tests=TESTS, spawn=spawn, steps=steps)
+    out = subprocess.run([sys.executable, "-c", script], env=memwatch_env(runtime_dir, db_path, **env),
+                         capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip()
+
+
+def test_second_sidecar_is_refused_with_one_line(runtime_dir: Path, db_path: Path) -> None:
+    with SidecarProcess(runtime_dir, db_path) as sidecar:
+        second = subprocess.run([sys.executable, "-m", "memwatch", "serve"], env=memwatch_env(runtime_dir, db_path),
+                                capture_output=True, text=True, timeout=30)
+        assert second.returncode == 4
+        assert second.stderr.strip().splitlines()[-1].startswith("error: a sidecar is already running for ")
+        assert f"(pid {sidecar.proc.pid})" in second.stderr
+        sidecar.stop()
+
+
+def test_stop_drains_what_the_engine_wrote(runtime_dir: Path, db_path: Path) -> None:
+    with SidecarProcess(runtime_dir, db_path) as sidecar:
+        sidecar.pause()  # the engine writes while the sidecar cannot read
+        run_id = _engine(runtime_dir, db_path, 5000, spawn=False)
+        output = sidecar.stop()  # SIGCONT + SIGTERM: it must drain before exiting
+    assert sidecar.proc.returncode == 0, output
+    assert query(db_path, "SELECT count(*) FROM samples WHERE run_id = ?", (run_id,)) == [(5003,)]
+    assert query(db_path, "SELECT status FROM runs") == [("ok",)]
+    assert not (runtime_dir / PID_NAME).exists() and not list(runtime_dir.glob("*.ring"))
+
+
+def test_plugin_starts_a_sidecar_when_none_runs(runtime_dir: Path, db_path: Path) -> None:
+    assert not sidecar_running(runtime_dir)
+    run_id = _engine(runtime_dir, db_path, 100, spawn=True, MEMWATCH_SPAWN="1")
+    try:
+        wait_for(lambda: query(db_path, "SELECT status FROM runs WHERE run_id = ?", (run_id,)) == [("ok",)],
+                 what="the auto-started sidecar to store the run")
+        assert sidecar_running(runtime_dir)
+        assert query(db_path, "SELECT count(*) FROM samples") == [(103,)]
+        log = (runtime_dir / "sidecar.log").read_text()
+        assert "Traceback" not in log
+    finally:
+        pid = int(wait_for(lambda: (runtime_dir / PID_NAME).exists() and (runtime_dir / PID_NAME).read_text(),
+                           what="the sidecar pid file"))
+        os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: not sidecar_running(runtime_dir), what="the sidecar to stop")
