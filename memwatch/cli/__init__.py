@@ -44,9 +44,9 @@ def main(verbose: int) -> None:
 
 
 def _register() -> None:
-    from . import runs, serve, timeline
+    from . import plan, runs, serve, timeline
 
-    for module in (serve, runs, timeline):
+    for module in (serve, runs, timeline, plan):
         main.add_command(module.command)
 
 

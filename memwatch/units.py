@@ -1,0 +1,74 @@
+"""Byte sizes in and out: ``24GiB``, ``24 GB``, ``1.5GiB`` and ``25769803776`` parse; bytes print as ``4.60 GiB``.
+
+Decimal units are powers of ten (``GB`` = 10^9) and binary units powers of two (``GiB`` = 2^30); the
+two are never mixed up, because a marketing "24 GB" card and a 24 GiB budget differ by 1.7 GB.
+Parsing uses :class:`~decimal.Decimal`, so ``1.5GiB`` is exactly 1,610,612,736 bytes; a fraction of a
+byte rounds to the nearest byte.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+
+from memwatch.errors import UsageError
+
+KIB, MIB, GIB, TIB = 2**10, 2**20, 2**30, 2**40
+KB, MB, GB, TB = 10**3, 10**6, 10**9, 10**12
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": KB, "mb": MB, "gb": GB, "tb": TB,
+    "kib": KIB, "mib": MIB, "gib": GIB, "tib": TIB,
+}
+_SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)(?:[eE](?P<exponent>[+-]?\d+))?\s*(?P<unit>[a-zA-Z]*)\s*$")
+_BINARY_STEPS = (("TiB", TIB), ("GiB", GIB), ("MiB", MIB), ("KiB", KIB))
+_DECIMAL_STEPS = (("TB", TB), ("GB", GB), ("MB", MB), ("kB", KB))
+
+
+class SizeError(UsageError):
+    """A byte size that cannot be read."""
+
+
+def parse_bytes(text: str | int) -> int:
+    """Bytes in ``text``: a plain count, or a number with a unit (B, kB/MB/GB/TB, KiB/MiB/GiB/TiB)."""
+    if isinstance(text, bool):
+        raise SizeError(f"invalid size {text!r}: use a byte count or a number with a unit, e.g. 24GiB")
+    if isinstance(text, int):
+        if text < 0:
+            raise SizeError(f"invalid size {text}: a size cannot be negative")
+        return text
+    match = _SIZE.match(text)
+    unit = match and _UNITS.get(match["unit"].lower())
+    if not match or unit is None:
+        raise SizeError(f"invalid size {text!r}: use a byte count or a number with a unit, "
+                        "e.g. 25769803776, 24GiB, 24GB or 1.5GiB")
+    try:
+        number = Decimal(match["number"]).scaleb(int(match["exponent"] or 0))
+        return int((number * unit).quantize(Decimal(1), rounding=ROUND_HALF_UP))
+    except InvalidOperation:
+        raise SizeError(f"invalid size {text!r}: the number is out of range") from None
+
+
+NOT_AVAILABLE = "-"
+"""What a missing reading (``None``) prints as."""
+
+
+def _scaled(num_bytes: int | None, steps: tuple[tuple[str, int], ...], decimals: int) -> str:
+    if num_bytes is None:
+        return NOT_AVAILABLE
+    magnitude = abs(num_bytes)
+    for name, size in steps:
+        if magnitude >= size:
+            return f"{num_bytes / size:.{decimals}f} {name}"
+    return f"{num_bytes} B"
+
+
+def format_bytes(num_bytes: int | None, decimals: int = 2) -> str:
+    """Binary units: ``format_bytes(4939212390)`` is ``"4.60 GiB"``; under 1 KiB, whole bytes; None is ``-``."""
+    return _scaled(num_bytes, _BINARY_STEPS, decimals)
+
+
+def format_bytes_si(num_bytes: int | None, decimals: int = 2) -> str:
+    """Decimal units: ``format_bytes_si(25769803776)`` is ``"25.77 GB"``; under 1 kB, whole bytes."""
+    return _scaled(num_bytes, _DECIMAL_STEPS, decimals)

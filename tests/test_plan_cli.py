@@ -1,0 +1,131 @@
+"""``memwatch plan`` end to end through click: the ledger text, the JSON keys, one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from memwatch.cli.plan import plan
+from memwatch.models import ModelSpec, forward_activation_bytes
+from memwatch.store import open_store
+
+GIB, MIB = 2**30, 2**20
+SEED = ["--gpu-memory", "24GiB", "--weights-bytes", "15GiB", "--non-kv-bytes", "2GiB",
+        "--seqs", "4", "--seq-len", "32768"]
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(plan, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_seed_ledger_as_text() -> None:
+    code, out, err = invoke(*SEED)
+    assert (code, err) == (0, "")
+    assert "57,344 B    56.00 KiB" in out
+    assert "25,769,803,776 B    24.00 GiB  = 25.77 GB" in out           # both unit systems, unambiguous
+    assert "4,939,212,390 B     4.60 GiB" in out
+    rows = [line.split() for line in out.splitlines() if line.endswith(("  yes", "  no"))]
+    assert [(row[0], row[1], row[-1]) for row in rows] == [
+        ("1", "1.75", "yes"), ("2", "3.50", "yes"), ("3", "5.25", "no"), ("4", "7.00", "no")]
+    assert "max concurrency: 2 sequences (2 ideal)" in out
+    assert "verdict: does not fit, short by 2.40 GiB (2,576,980,378 B)" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+
+
+def test_seed_ledger_as_json() -> None:
+    code, out, _ = invoke(*SEED, "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert {key: data[key] for key in ("kv_bytes_per_token", "block_bytes", "kv_budget_bytes", "kv_blocks",
+                                       "max_resident_tokens", "max_concurrent_seqs", "required_kv_bytes",
+                                       "fits", "shortfall_bytes")} == {
+        "kv_bytes_per_token": 57_344, "block_bytes": 14_680_064, "kv_budget_bytes": 4_939_212_390,
+        "kv_blocks": 336, "max_resident_tokens": 336 * 256, "max_concurrent_seqs": 2,
+        "required_kv_bytes": 7 * GIB, "fits": False, "shortfall_bytes": 2_576_980_378}
+
+
+@pytest.mark.parametrize(("tp", "per_rank"), [("2", 3.5 * GIB), ("4", 1.75 * GIB)])
+def test_per_rank_kv_under_tp(tp: str, per_rank: float) -> None:
+    code, out, _ = invoke(*SEED, "--tp", tp, "--json")
+    assert code == 0 and json.loads(out)["required_kv_bytes"] == per_rank
+
+
+def test_model_from_a_config_directory_and_gb_units(tmp_path: Path) -> None:
+    shipped = Path(__file__).parents[1] / "memwatch/models/configs/Llama-2-7b-hf.json"
+    (tmp_path / "config.json").write_text(shipped.read_text())
+    code, out, _ = invoke("--model", str(tmp_path), "--gpu-memory", "40GB", "--utilization", "0.5",
+                          "--weights-bytes", "13000000000", "--non-kv-bytes", "1GB", "--tokens", "4096", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["kv_budget_bytes"] == 20 * 10**9 - 14 * 10**9
+    assert data["kv_blocks"] == 6 * 10**9 // (256 * 524_288) == 44
+    assert data["required_kv_bytes"] == 16 * 256 * 524_288 and data["fits"] is True
+
+
+def test_explicit_kv_size_and_estimated_non_kv() -> None:
+    code, out, _ = invoke("--kv-cache-memory-bytes", "4GiB", "--seq-len", "4096")
+    qwen = ModelSpec.load("Qwen2.5-7B-Instruct")
+    estimate = forward_activation_bytes(qwen, 16_384, 4, prefill=True)
+    assert code == 0
+    assert f"{estimate:,} B" in out and "estimate (warmup)" in out
+    assert "not deducted" in out
+    assert "max concurrency: 18 sequences" in out                    # 4 GiB / 224 MiB per 4,096 tokens
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--gpu-memory", "lots"], "error: invalid size 'lots'"),
+    (["--gpu-memory", "24GiB", "--utilization", "0.8", "--kv-cache-memory-bytes", "4GiB"],
+     "error: --utilization and --kv-cache-memory-bytes are mutually exclusive"),
+    (["--gpu-memory", "24GiB", "--tp", "8"], "error: tensor parallel size 8 does not divide the 28 query heads"),
+    (["--model", "no-such-model", "--gpu-memory", "24GiB"], "error: unknown model 'no-such-model'"),
+    ([], "error: the plan needs --gpu-memory"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+    code, out, err = invoke(*args)
+    assert code == 2 and out == ""
+    assert err.startswith(message) and err.count("\n") == 1
+
+
+def test_config_missing_a_field_is_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}))
+    code, _, err = invoke("--model", str(path), "--gpu-memory", "1GiB")
+    assert code == 2 and "lacks 'intermediate_size'" in err
+
+
+def test_plan_against_a_recorded_run(tmp_path: Path) -> None:
+    qwen = ModelSpec.load("Qwen2.5-7B-Instruct")
+    weights, reserve, total = qwen.weight_bytes(), forward_activation_bytes(qwen, 16_384, 1, prefill=True), 80 * GIB
+    current, peak, used = weights, weights + reserve + GIB, weights + 600 * MIB
+    config = {"model_config": "Qwen2.5-7B-Instruct", "gpu_memory_utilization": 0.9, "block_size": 256,
+              "max_num_batched_tokens": 16_384, "max_model_len": 32_768, "max_num_seqs": 512}
+    sizing = {"total_bytes": total, "gpu_memory_utilization": 0.9, "used_bytes": used, "peak_bytes": peak,
+              "current_bytes": current, "block_bytes": 14_680_064,
+              "num_blocks": int(total * 0.9 - used - peak + current) // 14_680_064}
+    db = tmp_path / "memwatch.db"
+    connection = open_store(db).conn  # the real schema, as the sidecar creates it
+    connection.execute("INSERT INTO runs (run_id, pid, hostname, engine, model, rank_count, started_ns, ended_ns,"
+                       " status, gpu_name, gpu_total_bytes, config) VALUES ('demo1', 1, 'h', 'sim',"
+                       " 'Qwen2.5-7B-Instruct', 1, 5, 9, 'ok', 'Simulated', ?, ?)", (total, json.dumps(config)))
+    connection.execute("INSERT INTO events VALUES ('demo1', 0, 0, 7, 'kv_allocated', ?)", (json.dumps(sizing),))
+    connection.commit()
+    connection.close()
+
+    code, out, _ = invoke("--run", "latest", "--db", str(db))
+    assert code == 0
+    assert "run demo1 rank 0: Qwen2.5-7B-Instruct, 80.00 GiB × 0.9; warmup 1 × 16,384 tokens" in out
+    assert "activation reserve" in out and "1.00 GiB" in out and "peak was not reset" in " ".join(out.split())
+    assert "non-PyTorch" in out and "600.00 MiB" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+
+    code, out, _ = invoke("--run", "demo1", "--db", str(db), "--json")
+    [data] = json.loads(out)
+    assert [term["term"] for term in data["terms"]] == ["weights", "activation reserve", "non-PyTorch", "KV blocks"]
+    assert data["terms"][1]["diff_bytes"] == GIB
+
+    code, _, err = invoke("--run", "nope", "--db", str(db))
+    assert code == 3 and err.startswith("error: no run 'nope'")
