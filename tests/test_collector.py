@@ -6,12 +6,12 @@ import json
 import os
 from pathlib import Path
 
-from probes import ScriptedProbe
-
 from memwatch.collector import Collector
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine import Monitor
+
+from probes import ScriptedProbe
 
 
 def _sidecar(runtime_dir: Path, db_path: Path, alive: bool = True) -> tuple[Collector, StoreWriter]:

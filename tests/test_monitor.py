@@ -8,10 +8,11 @@ import stat
 from pathlib import Path
 
 import pytest
-from probes import ScriptedProbe
 
 from memwatch_engine import Monitor
 from memwatch_engine.ring import RingReader
+
+from probes import ScriptedProbe
 
 
 class Clock:

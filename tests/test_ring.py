@@ -9,6 +9,7 @@ import struct
 from pathlib import Path
 
 import pytest
+
 from memwatch_engine.ring import HEADER_SIZE, RECORD_SIZE, RingFormatError, RingReader, RingWriter
 
 

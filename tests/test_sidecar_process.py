@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from processes import SidecarProcess, memwatch_env, query, wait_for
-
 from memwatch_engine.runtime import PID_NAME
 from memwatch_engine.spawn import sidecar_running
+
+from processes import SidecarProcess, memwatch_env, query, wait_for
 
 ENGINE = """
 import sys

@@ -1,0 +1,79 @@
+"""KV block counts that disagree: between the ranks of one run, or with the engine's own rule.
+
+Every rank of a tensor-parallel run must size the same number of KV blocks (the scheduler hands
+out block ids once for all of them); and the count a rank reports must be what the engine's sizing
+rule gives on the readings it reports, or the ledger's accounting of that rank does not hold.
+``block_count_mismatch`` is raised once per distinct disagreement: again only when a rank re-sizes
+and the counts differ in a new way.
+"""
+
+from __future__ import annotations
+
+from memwatch.detectors.base import make_flag
+from memwatch.detectors.wording import format_bytes, format_count
+from memwatch.flags import BLOCK_COUNT_MISMATCH, WARNING, Flag
+from memwatch.ledger import Sizing
+from memwatch.records import Event
+
+
+class BlockCountCheck:
+    """``block_count_mismatch`` for one run, fed every rank's KV sizing."""
+
+    __slots__ = ("_blocks_by_rank", "_reported")
+
+    def __init__(self) -> None:
+        self._blocks_by_rank: dict[int, int] = {}
+        self._reported: set[tuple[tuple[int, int], ...]] = set()
+
+    def on_sizing(self, event: Event, sizing: Sizing) -> list[Flag]:
+        """Flags for the sizing a ``kv_allocated`` event of one rank announced."""
+        flags = []
+        formula_flag = self._check_formula(event, sizing)
+        if formula_flag is not None:
+            flags.append(formula_flag)
+        if sizing.num_blocks is not None:
+            self._blocks_by_rank[event.rank] = sizing.num_blocks
+            ranks_flag = self._check_ranks(event, sizing)
+            if ranks_flag is not None:
+                flags.append(ranks_flag)
+        return flags
+
+    @staticmethod
+    def _check_formula(event: Event, sizing: Sizing) -> Flag | None:
+        expected = sizing.formula_blocks
+        actual = sizing.num_blocks
+        if expected is None or actual is None or expected == actual:
+            return None
+        difference = actual - expected
+        block_bytes: int = sizing.block_bytes  # type: ignore[assignment]  # formula_blocks needs it
+        rule = "its explicit KV size" if sizing.explicit_kv_bytes is not None else "its own sizing rule"
+        return make_flag(
+            event, BLOCK_COUNT_MISMATCH, WARNING,
+            f"rank {event.rank} sized {format_count(actual)} KV blocks but {rule} gives "
+            f"{format_count(expected)} on its own readings ({difference:+,} blocks, "
+            f"{format_bytes(difference * block_bytes)})",
+            {"num_blocks": actual, "formula_blocks": expected, "difference_blocks": difference,
+             "difference_bytes": difference * block_bytes, "block_bytes": block_bytes},
+        )
+
+    def _check_ranks(self, event: Event, sizing: Sizing) -> Flag | None:
+        counts = self._blocks_by_rank
+        if len(set(counts.values())) < 2:
+            return None
+        signature = tuple(sorted(counts.items()))
+        if signature in self._reported:
+            return None
+        self._reported.add(signature)
+        fewest, most = min(counts.values()), max(counts.values())
+        spread = most - fewest
+        block_bytes = sizing.block_bytes
+        spread_bytes = None if block_bytes is None else spread * block_bytes
+        listing = ", ".join(f"rank {rank}: {format_count(blocks)}" for rank, blocks in signature)
+        return make_flag(
+            event, BLOCK_COUNT_MISMATCH, WARNING,
+            f"the ranks of this run sized different KV block counts ({listing}): only the smallest, "
+            f"{format_count(fewest)}, is safe to schedule on all of them",
+            {"num_blocks_by_rank": {str(rank): blocks for rank, blocks in signature}, "fewest_blocks": fewest,
+             "most_blocks": most, "spread_blocks": spread, "spread_bytes": spread_bytes,
+             "block_bytes": block_bytes},
+        )

@@ -1,0 +1,127 @@
+"""Every detector over every rank of one run: the object the sidecar and the replays feed.
+
+Per rank it keeps a :class:`~memwatch.ledger.Ledger` and a set of detectors built at KV sizing
+(they need the sizing, and a re-sizing starts them afresh). Detectors judge serving only: they
+start on the rank's first sample after sizing whose phase is ``serve`` (or unknown, for engines that
+do not report phases), which is the baseline every drift is measured from. Checks that span ranks
+(block counts) and events (``oom``) live here too.
+"""
+
+from __future__ import annotations
+
+from memwatch.detectors.activation import ActivationOverReserveDetector, ReserveOverstatedDetector
+from memwatch.detectors.base import Detector
+from memwatch.detectors.block_count import BlockCountCheck
+from memwatch.detectors.config import DetectorConfig
+from memwatch.detectors.fragmentation import FragmentationDetector
+from memwatch.detectors.kv_pressure import KvPressureDetector
+from memwatch.detectors.non_torch import NonTorchDetector
+from memwatch.detectors.oom import OomRiskDetector, oom_flag
+from memwatch.errors import UsageError
+from memwatch.flags import Flag
+from memwatch.ledger import KV_ALLOCATED, Ledger, LedgerTerms
+from memwatch.records import Event, Sample
+
+STARTUP_PHASES = frozenset({"load", "warmup", "kv_alloc", "cudagraph"})
+"""Phases during which memory moves by design; detectors wait for serving."""
+
+_NO_FLAGS: tuple[Flag, ...] = ()
+
+
+class _Rank:
+    __slots__ = ("detectors", "last_terms", "ledger", "serving")
+
+    def __init__(self) -> None:
+        self.ledger = Ledger()
+        self.detectors: tuple[Detector, ...] = ()
+        self.serving = False
+        self.last_terms: LedgerTerms | None = None
+
+
+class DetectorSet:
+    """Ledger and detectors for all ranks of one run; feed it the run's records in order."""
+
+    __slots__ = ("_block_counts", "_config", "_ranks", "_run_id")
+
+    def __init__(self, config: DetectorConfig | None = None) -> None:
+        self._config = config if config is not None else DetectorConfig()
+        self._ranks: dict[int, _Rank] = {}
+        self._run_id: str | None = None
+        self._block_counts = BlockCountCheck()
+
+    @property
+    def config(self) -> DetectorConfig:
+        return self._config
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks seen so far, in order."""
+        return tuple(sorted(self._ranks))
+
+    def ledger(self, rank: int) -> Ledger:
+        """The ledger of ``rank`` (it holds the rank's KV sizing)."""
+        if rank not in self._ranks:
+            raise UsageError(f"no records of rank {rank} yet; ranks seen: {list(self.ranks)}")
+        return self._ranks[rank].ledger
+
+    def last_terms(self, rank: int) -> LedgerTerms | None:
+        """The ledger terms of the latest sample of ``rank`` (``None`` before its first sample)."""
+        self.ledger(rank)
+        return self._ranks[rank].last_terms
+
+    def _rank(self, record: Sample | Event) -> _Rank:
+        if record.run_id != self._run_id:
+            if self._run_id is not None:
+                raise UsageError(f"records of run {record.run_id!r} mixed into run {self._run_id!r}; "
+                                 f"use one detector set per run")
+            self._run_id = record.run_id
+        state = self._ranks.get(record.rank)
+        if state is None:
+            state = self._ranks[record.rank] = _Rank()
+        return state
+
+    def on_event(self, event: Event) -> tuple[Flag, ...]:
+        """Take in one event; flags it raises (block counts, an out-of-memory)."""
+        state = self._rank(event)
+        state.ledger.on_event(event)
+        for detector in state.detectors:
+            detector.on_event(event)
+        if event.kind == KV_ALLOCATED:
+            sizing = state.ledger.sizing
+            assert sizing is not None  # the ledger records every kv_allocated event
+            state.detectors = self._build_detectors(sizing.block_bytes)
+            state.serving = False
+            return tuple(self._block_counts.on_sizing(event, sizing))
+        if event.kind == "oom":
+            return (oom_flag(event, state.last_terms),)
+        return _NO_FLAGS
+
+    def _build_detectors(self, block_bytes: int | None) -> tuple[Detector, ...]:
+        config = self._config
+        return (
+            NonTorchDetector(config),
+            FragmentationDetector(config),
+            ActivationOverReserveDetector(config),
+            ReserveOverstatedDetector(config, block_bytes),
+            KvPressureDetector(config, block_bytes),
+            OomRiskDetector(config),
+        )
+
+    def on_sample(self, sample: Sample) -> tuple[Flag, ...]:
+        """Run the rank's ledger on one sample, then every detector; the flags raised (usually none)."""
+        state = self._ranks.get(sample.rank)
+        if state is None or sample.run_id != self._run_id:
+            state = self._rank(sample)
+        terms = state.last_terms = state.ledger.on_sample(sample)
+        if not state.serving:
+            if not state.detectors or sample.phase in STARTUP_PHASES:
+                return _NO_FLAGS
+            state.serving = True
+            for detector in state.detectors:
+                detector.start(sample, terms)
+        flags = _NO_FLAGS
+        for detector in state.detectors:
+            flag = detector.observe(sample, terms)
+            if flag is not None:
+                flags = (*flags, flag)
+        return flags

@@ -1,0 +1,144 @@
+"""Out of memory: the risk before it (``oom_risk``) and the fact after it (``oom``).
+
+The ledger's ``oom_margin_bytes`` is what the driver would still have after the next worst-case
+forward. ``oom_risk`` is raised in two ways:
+
+* critical: the margin is under ``oom_margin_min_bytes`` (re-armed at twice that);
+* warning: a forecast. Over the last ``oom_forecast_window_steps`` samples (at least
+  ``oom_forecast_min_samples``) the margin fell, each half of the window carrying at least a
+  quarter of the fall; at that rate it
+  reaches zero within ``oom_forecast_horizon_steps``; and this has held for ``oom_sustain_steps``
+  consecutive samples. The flag carries the lead time in steps and, from the samples' clock, in
+  nanoseconds. Re-armed once the forecast is beyond twice the horizon.
+
+The trend is the margin now against the margin a window ago: two subtractions per sample, which a
+gradual leak cannot hide from. Asking both halves to share the fall tells a trend from a step
+(one process starting, one larger batch caching more), which moves the margin once and is judged by
+the level rule; the sustain keeps a single noisy reading from raising anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memwatch.detectors.base import Detector, Episode, make_flag
+from memwatch.detectors.config import DetectorConfig
+from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
+from memwatch.flags import CRITICAL, OOM, OOM_RISK, WARNING, Flag
+from memwatch.ledger import LedgerTerms
+from memwatch.records import Event, Sample
+
+
+class OomRiskDetector(Detector):
+    """``oom_risk`` for one rank."""
+
+    __slots__ = ("_filled", "_forecast", "_horizon", "_index", "_level", "_margins", "_min_margin",
+                 "_min_samples", "_run", "_steps", "_sustain", "_times")
+
+    def __init__(self, config: DetectorConfig) -> None:
+        window = config.oom_forecast_window_steps
+        self._min_margin = config.oom_margin_min_bytes
+        self._min_samples = min(config.oom_forecast_min_samples, window)
+        self._horizon = config.oom_forecast_horizon_steps
+        self._sustain = config.oom_sustain_steps
+        self._level = Episode(config.rearm_steps)
+        self._forecast = Episode(config.rearm_steps)
+        self._margins = [0] * window
+        self._steps = [0] * window
+        self._times = [0] * window
+        self._index = 0
+        self._filled = 0
+        self._run = 0
+
+    def observe(self, sample: Sample, terms: LedgerTerms) -> Flag | None:
+        margin = terms.oom_margin_bytes
+        if margin is None:
+            return None
+        margins = self._margins
+        window = len(margins)
+        index = self._index
+        if self._filled < window:
+            self._filled += 1
+            oldest = 0
+            middle = self._filled // 2
+        else:
+            oldest = index
+            middle = index + window // 2
+            if middle >= window:
+                middle -= window
+        old_margin, old_step, old_ts = margins[oldest], self._steps[oldest], self._times[oldest]
+        middle_margin = margins[middle]
+        margins[index], self._steps[index], self._times[index] = margin, sample.step, sample.ts_ns
+        self._index = index + 1 if index + 1 < window else 0
+
+        if margin < self._min_margin:
+            self._run = 0
+            return self._level_flag(sample, terms, margin) if self._level.fire() else None
+        self._level.settle(margin >= 2 * self._min_margin)
+
+        drop = old_margin - margin
+        steps = sample.step - old_step
+        share = drop >> 2
+        if (self._filled < self._min_samples or steps <= 0 or drop <= 0
+                or old_margin - middle_margin < share or middle_margin - margin < share):
+            self._run = 0
+            self._forecast.settle(True)
+            return None
+        steps_to_zero = margin * steps // drop
+        if steps_to_zero > self._horizon:
+            self._run = 0
+            self._forecast.settle(steps_to_zero > 2 * self._horizon)
+            return None
+        self._run += 1
+        if self._run < self._sustain or self._level.active:
+            self._forecast.settle(False)
+            return None
+        if not self._forecast.fire():
+            return None
+        elapsed_ns = sample.ts_ns - old_ts
+        ns_to_zero = margin * elapsed_ns // drop if elapsed_ns > 0 else None
+        slope = drop // steps
+        when = "" if ns_to_zero is None else f" ({format_duration_ns(ns_to_zero)})"
+        return make_flag(
+            sample, OOM_RISK, WARNING,
+            f"the OOM margin of {format_bytes(margin)} is falling by {format_bytes(slope)}/step: the next "
+            f"worst-case forward will not fit in about {format_count(steps_to_zero)} steps{when}",
+            {**_margin_data(sample, terms), "slope_bytes_per_step": slope, "steps_to_zero": steps_to_zero,
+             "ns_to_zero": ns_to_zero, "trend_steps": steps},
+        )
+
+    def _level_flag(self, sample: Sample, terms: LedgerTerms, margin: int) -> Flag:
+        if margin < 0:
+            words = (f"the next worst-case forward needs {format_bytes(-margin)} more than the GPU has "
+                     f"left: it will run out of memory")
+        else:
+            words = (f"only {format_bytes(margin)} would be left after the next worst-case forward "
+                     f"(threshold {format_bytes(self._min_margin)}): out of memory is close")
+        return make_flag(sample, OOM_RISK, CRITICAL, words,
+                         {**_margin_data(sample, terms), "threshold_bytes": self._min_margin})
+
+
+def _margin_data(sample: Sample, terms: LedgerTerms) -> dict[str, Any]:
+    return {"oom_margin_bytes": terms.oom_margin_bytes, "driver_free_bytes": sample.driver_free_bytes,
+            "cache_slack_bytes": terms.cache_slack_bytes,
+            "activation_reserve_bytes": terms.activation_reserve_bytes}
+
+
+def oom_flag(event: Event, terms: LedgerTerms | None) -> Flag:
+    """``oom`` (critical) for an ``oom`` event, with what the ledger last knew about the rank."""
+    data = dict(event.data) if isinstance(event.data, dict) else {}
+    requested, free = data.get("requested_bytes"), data.get("driver_free_bytes")
+    sentence = "out of memory"
+    if isinstance(requested, int):
+        sentence += f": a request for {format_bytes(requested)} failed"
+        if isinstance(free, int):
+            sentence += f" with {format_bytes(free)} free on the device"
+    held = [f"{name} {format_bytes(data[key])}" for name, key in
+            (("allocated", "allocated_bytes"), ("reserved", "reserved_bytes")) if isinstance(data.get(key), int)]
+    if held:
+        sentence += f" ({', '.join(held)})"
+    if terms is not None:
+        data.setdefault("oom_margin_bytes", terms.oom_margin_bytes)
+        data.setdefault("non_torch_bytes", terms.non_torch_bytes)
+        data.setdefault("cache_slack_bytes", terms.cache_slack_bytes)
+    return make_flag(event, OOM, CRITICAL, sentence, data)

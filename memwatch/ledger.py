@@ -1,0 +1,235 @@
+"""The per-rank memory ledger: every sample split into the terms of the KV-sizing invariant.
+
+At the moment an engine sizes its KV cache the invariant holds by construction::
+
+    non-PyTorch (used - current) + weights + activation reserve (peak - current) + KV = budget
+
+The ledger re-reads it on every later sample, so that when it stops holding the difference is a
+number of bytes (``residual_bytes``) and the term that moved is named. It is pure and streaming: fed
+the rank's events and samples in order, it returns one :class:`LedgerTerms` per sample and never
+raises on missing readings (a ``None`` input makes the terms that depend on it ``None``).
+
+Choices, where the model leaves room:
+
+* ``non_torch_bytes`` is ``used - reserved`` (outside the allocator: context, NCCL, cuBLAS, other
+  processes) and ``cache_slack_bytes`` is ``reserved - allocated`` (cached, unused, where
+  fragmentation lives); their sum is the seed's non-PyTorch ``used - current``
+  (:attr:`LedgerTerms.non_pytorch_bytes`).
+* At sizing time the allocator's ``current`` is the weights plus whatever else the engine keeps
+  allocated (buffers, samplers); that remainder is ``torch_other_bytes``, together with any
+  long-lived memory a later phase declares (``phase_end`` data ``long_lived_bytes``, e.g. CUDA-graph
+  buffers). Weights come from ``weights_loaded`` when it was seen, else they are all of ``current``.
+* The budget is ``total * utilization``. With an explicit KV size (``kv_cache_memory_bytes``, which
+  replaces the utilization rule) it is what the engine committed at sizing time:
+  ``non-PyTorch + weights + other + activation reserve + explicit KV``, i.e.
+  ``used + peak - current + explicit KV``.
+* ``headroom_bytes`` is the budget minus what is committed now (non-torch, weights, other, reserve,
+  KV); ``residual_bytes`` is headroom now minus headroom at sizing. Budget, weights, reserve and KV
+  are fixed after sizing, so a residual is the growth of memory outside PyTorch since sizing (plus
+  declared long-lived memory), signed so that a shrinking headroom is negative. Non-PyTorch memory
+  at sizing is the engine's own ``used - current``, which includes whatever the allocator cached
+  then (nothing, when the engine emptied its cache before sizing as nano-vllm does).
+* ``oom_margin_bytes`` is what the driver would still have after the next worst-case forward:
+  ``free - max(0, reserve - cache slack)``. Cache slack counts only up to the activation the forward
+  needs; slack beyond it may be fragments the forward cannot use, so the margin does not lean on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from memwatch.records import Event, Sample
+
+KV_ALLOCATED = "kv_allocated"
+WEIGHTS_LOADED = "weights_loaded"
+PHASE_END = "phase_end"
+
+
+def engine_block_count(
+    total_bytes: int, gpu_memory_utilization: float, used_bytes: int, peak_bytes: int,
+    current_bytes: int, block_bytes: int,
+) -> int:
+    """The KV block count the engine's sizing rule gives on these readings (same arithmetic)."""
+    return int(total_bytes * gpu_memory_utilization - used_bytes - peak_bytes + current_bytes) // block_bytes
+
+
+class LedgerTerms(NamedTuple):
+    """The ledger of one sample, in bytes; ``None`` where the inputs to a term are missing."""
+
+    budget_bytes: int | None
+    non_torch_bytes: int | None
+    cache_slack_bytes: int | None
+    weights_bytes: int | None
+    torch_other_bytes: int | None
+    kv_bytes: int | None
+    activation_reserve_bytes: int | None
+    activation_now_bytes: int | None
+    step_activation_peak_bytes: int | None
+    """This step's activation peak; only when the sample's peak is the step's own (``peak_is_step``)."""
+    headroom_bytes: int | None
+    residual_bytes: int | None
+    oom_margin_bytes: int | None
+
+    @property
+    def non_pytorch_bytes(self) -> int | None:
+        """The seed's non-PyTorch term, ``used - current`` = non-torch + cache slack."""
+        if self.non_torch_bytes is None or self.cache_slack_bytes is None:
+            return None
+        return self.non_torch_bytes + self.cache_slack_bytes
+
+
+class Sizing(NamedTuple):
+    """What the engine measured and decided when it sized the KV cache (one ``kv_allocated`` event)."""
+
+    step: int
+    ts_ns: int
+    total_bytes: int | None
+    gpu_memory_utilization: float | None
+    used_bytes: int | None
+    peak_bytes: int | None
+    current_bytes: int | None
+    block_bytes: int | None
+    num_blocks: int | None
+    explicit_kv_bytes: int | None
+    """``kv_cache_memory_bytes`` when the engine was given the KV size instead of a utilization."""
+
+    @property
+    def formula_blocks(self) -> int | None:
+        """The block count the engine's own rule gives on its own readings, ``None`` if unknowable."""
+        if self.block_bytes is None or self.block_bytes <= 0:
+            return None
+        if self.explicit_kv_bytes is not None:
+            return self.explicit_kv_bytes // self.block_bytes
+        readings = (self.total_bytes, self.gpu_memory_utilization, self.used_bytes, self.peak_bytes,
+                    self.current_bytes)
+        if any(value is None for value in readings):
+            return None
+        return engine_block_count(*readings, self.block_bytes)  # type: ignore[arg-type]
+
+
+def _number(data: dict[str, Any], key: str) -> Any:
+    """A numeric field of event data, ``None`` when missing or not a number (bools excluded)."""
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value
+
+
+def _integer(data: dict[str, Any], key: str) -> int | None:
+    value = _number(data, key)
+    return None if value is None else int(value)
+
+
+def _sum_or_none(*values: int | None) -> int | None:
+    if any(value is None for value in values):
+        return None
+    return sum(values)  # type: ignore[arg-type]
+
+
+class Ledger:
+    """The ledger of one rank: feed it the rank's events and samples in order."""
+
+    __slots__ = (
+        "_activation_reserve", "_budget", "_declared_after_sizing", "_headroom_at_sizing", "_kv",
+        "_loaded_weights", "_long_lived", "_torch_other", "_weights", "sizing",
+    )
+
+    def __init__(self) -> None:
+        self.sizing: Sizing | None = None
+        """The latest KV sizing, ``None`` until the ``kv_allocated`` event."""
+        self._loaded_weights: int | None = None
+        self._declared_after_sizing = 0
+        self._clear_sizing_terms()
+
+    def _clear_sizing_terms(self) -> None:
+        self._budget: int | None = None
+        self._weights: int | None = self._loaded_weights
+        self._torch_other: int | None = None
+        self._kv: int | None = None
+        self._activation_reserve: int | None = None
+        self._long_lived: int | None = None
+        self._headroom_at_sizing: int | None = None
+
+    def on_event(self, event: Event) -> None:
+        """Take in what an event says about sizing: weights, the KV sizing, declared long-lived memory."""
+        kind = event.kind
+        data = event.data if isinstance(event.data, dict) else {}
+        if kind == KV_ALLOCATED:
+            self._size(event, data)
+        elif kind == WEIGHTS_LOADED:
+            self._loaded_weights = _integer(data, "weights_bytes")
+            if self.sizing is None:
+                self._weights = self._loaded_weights
+            else:
+                self._set_sizing_terms(self.sizing)
+        elif kind == PHASE_END and self.sizing is not None:
+            declared = _integer(data, "long_lived_bytes")
+            if declared is not None:
+                self._declared_after_sizing += declared
+                self._set_sizing_terms(self.sizing)
+
+    def _size(self, event: Event, data: dict[str, Any]) -> None:
+        utilization = _number(data, "gpu_memory_utilization")
+        self.sizing = Sizing(
+            step=event.step, ts_ns=event.ts_ns,
+            total_bytes=_integer(data, "total_bytes"),
+            gpu_memory_utilization=None if utilization is None else float(utilization),
+            used_bytes=_integer(data, "used_bytes"), peak_bytes=_integer(data, "peak_bytes"),
+            current_bytes=_integer(data, "current_bytes"), block_bytes=_integer(data, "block_bytes"),
+            num_blocks=_integer(data, "num_blocks"), explicit_kv_bytes=_integer(data, "kv_cache_memory_bytes"),
+        )
+        self._declared_after_sizing = 0
+        self._set_sizing_terms(self.sizing)
+
+    def _set_sizing_terms(self, sizing: Sizing) -> None:
+        """Derive the fixed terms once per sizing, so that a sample costs only subtractions."""
+        self._clear_sizing_terms()
+        current = sizing.current_bytes
+        weights = self._loaded_weights if self._loaded_weights is not None else current
+        self._weights = weights
+        if current is not None and weights is not None:
+            self._torch_other = max(current - weights, 0) + self._declared_after_sizing
+        if sizing.num_blocks is not None and sizing.block_bytes is not None:
+            self._kv = sizing.num_blocks * sizing.block_bytes
+        if sizing.peak_bytes is not None and current is not None:
+            self._activation_reserve = sizing.peak_bytes - current
+        self._long_lived = _sum_or_none(weights, self._torch_other, self._kv)
+
+        # What the engine committed at sizing: used - current + current + (peak - current) + KV.
+        used, peak = sizing.used_bytes, sizing.peak_bytes
+        committed_at_sizing = _sum_or_none(used, peak, None if current is None else -current, self._kv)
+        if sizing.explicit_kv_bytes is not None:
+            self._budget = _sum_or_none(used, peak, None if current is None else -current,
+                                        sizing.explicit_kv_bytes)
+        elif sizing.total_bytes is not None and sizing.gpu_memory_utilization is not None:
+            self._budget = int(sizing.total_bytes * sizing.gpu_memory_utilization)
+        if self._budget is not None and committed_at_sizing is not None:
+            self._headroom_at_sizing = self._budget - committed_at_sizing
+
+    def on_sample(self, sample: Sample) -> LedgerTerms:
+        """The ledger of one sample of this rank."""
+        allocated = sample.allocated_bytes
+        reserved = sample.reserved_bytes
+        used = sample.driver_used_bytes
+        non_torch = None if used is None or reserved is None else used - reserved
+        slack = None if reserved is None or allocated is None else reserved - allocated
+        reserve = self._activation_reserve
+        free = sample.driver_free_bytes
+        margin = None
+        if free is not None and slack is not None and reserve is not None:
+            margin = free - reserve + slack if slack < reserve else free
+        long_lived = self._long_lived
+        if long_lived is None:
+            return LedgerTerms(self._budget, non_torch, slack, self._weights, self._torch_other, self._kv,
+                               reserve, None, None, None, None, margin)
+
+        activation_now = None if allocated is None else allocated - long_lived
+        step_peak = sample.peak_bytes
+        step_activation = step_peak - long_lived if sample.peak_is_step and step_peak is not None else None
+        headroom = residual = None
+        if non_torch is not None and reserve is not None and self._budget is not None:
+            headroom = self._budget - non_torch - long_lived - reserve
+            if self._headroom_at_sizing is not None:
+                residual = headroom - self._headroom_at_sizing
+        return LedgerTerms(self._budget, non_torch, slack, self._weights, self._torch_other, self._kv,
+                           reserve, activation_now, step_activation, headroom, residual, margin)
