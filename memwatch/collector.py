@@ -238,6 +238,10 @@ class Collector:
         state.reader.close()
         _unlink(state.path)
         del self.rings[state.path]
+        for observer in self._observers:
+            finished = getattr(observer, "finished", None)
+            if finished is not None:
+                finished(header)
 
     def close(self) -> None:
         for state in self.rings.values():

@@ -20,8 +20,12 @@ from pathlib import Path
 from memwatch_engine.runtime import LOCK_NAME, PID_NAME, RuntimeDirError, ensure_runtime_dir
 
 from .collector import Collector, Observer
+from .detectors import DetectorConfig
 from .errors import PermissionDeniedError, UnavailableError
+from .live import LiveDetectors
+from .records import Event
 from .store.db import default_db_path, open_store
+from .store.queries import events
 from .store.writer import StoreWriter
 
 log = logging.getLogger("memwatch.serve")
@@ -43,6 +47,8 @@ class Sidecar:
         scan_interval: float = 0.25,
         exit_when_idle: float | None = None,
         observers: Iterable[Observer] = (),
+        detect: bool = True,
+        detector_config: DetectorConfig | None = None,
     ) -> None:
         try:
             self.runtime_dir = ensure_runtime_dir(runtime_dir)
@@ -53,6 +59,8 @@ class Sidecar:
         self.scan_interval = scan_interval
         self.exit_when_idle = exit_when_idle
         self._observers = list(observers)
+        self.detect = detect
+        self.detector_config = detector_config
         self._stop = threading.Event()
         self._lock_fd: int | None = None
 
@@ -61,7 +69,17 @@ class Sidecar:
         self.db = open_store(self.db_path)
         self.writer = StoreWriter(self.db)
         self.writer.start()
-        self.collector = Collector(self.runtime_dir, self.db_path, self.writer, observers=self._observers)
+        observers = self._observers
+        if self.detect:
+            observers = [*observers, LiveDetectors(self.detector_config, stored_events=self._stored_events)]
+        self.collector = Collector(self.runtime_dir, self.db_path, self.writer, observers=observers)
+
+    def _stored_events(self, run_id: str) -> list[Event]:
+        reader = open_store(self.db_path, readonly=True)
+        try:
+            return events(reader, run_id)
+        finally:
+            reader.conn.close()
 
     def _take_lock(self) -> None:
         fd = os.open(self.runtime_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)

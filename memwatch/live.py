@@ -1,0 +1,75 @@
+"""The detectors, live inside the sidecar: one :class:`DetectorSet` per run, flags stored and logged.
+
+The collector calls a :class:`LiveDetectors` with every drained record of a ring, in order; flags
+come back as ``flags`` rows for the same transaction and go to the log as they are raised. A run's
+detector state is dropped once every rank it saw has finished. A sidecar restarted mid-run starts
+its detectors afresh from the first records it reads; a run's sizing event read earlier is replayed
+from the store so that the ledger is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from memwatch_engine.ring import RingHeader
+
+from .detectors import DetectorConfig, DetectorSet
+from .flags import Flag
+from .records import Event, Sample
+
+log = logging.getLogger("memwatch.flags")
+
+_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.ERROR}
+
+
+def flag_row(flag: Flag) -> tuple[Any, ...]:
+    """A flag as a row of the ``flags`` table."""
+    return (flag.run_id, flag.rank, flag.step, flag.ts_ns, flag.kind, flag.severity, flag.message,
+            json.dumps(flag.data))
+
+
+class LiveDetectors:
+    """Observer for :class:`memwatch.collector.Collector` that runs the detectors on every record."""
+
+    def __init__(
+        self,
+        config: DetectorConfig | None = None,
+        stored_events: Callable[[str], Iterable[Event]] | None = None,
+    ) -> None:
+        self._config = config
+        self._stored_events = stored_events
+        self._runs: dict[str, DetectorSet] = {}
+        self._open_ranks: dict[str, set[int]] = {}
+        self.flags_raised = 0
+
+    def __call__(self, header: RingHeader, records: list[Sample | Event]) -> list[tuple[Any, ...]]:
+        detectors = self._runs.get(header.run_id)
+        if detectors is None:
+            detectors = self._runs[header.run_id] = DetectorSet(self._config)
+            if self._stored_events is not None:  # a restarted sidecar: learn the sizing again
+                for event in self._stored_events(header.run_id):
+                    detectors.on_event(event)
+        self._open_ranks.setdefault(header.run_id, set()).add(header.rank)
+        rows: list[tuple[Any, ...]] = []
+        on_sample, on_event = detectors.on_sample, detectors.on_event
+        for record in records:
+            flags = on_sample(record) if type(record) is Sample else on_event(record)
+            for flag in flags:
+                log.log(_LEVELS.get(flag.severity, logging.WARNING), "run %s rank %d step %d: %s [%s]",
+                        flag.run_id, flag.rank, flag.step, flag.message, flag.kind)
+                rows.append(flag_row(flag))
+        self.flags_raised += len(rows)
+        return rows
+
+    def finished(self, header: RingHeader) -> None:
+        """A ring of the run is done; forget the run when all its ranks are."""
+        ranks = self._open_ranks.get(header.run_id)
+        if ranks is None:
+            return
+        ranks.discard(header.rank)
+        if not ranks:
+            self._runs.pop(header.run_id, None)
+            self._open_ranks.pop(header.run_id, None)
