@@ -290,6 +290,17 @@ def _register(header: RingHeader) -> list[tuple[str, tuple[Any, ...]]]:
     ]
 
 
+def read_ring(path: Path) -> list[Sample | Event]:
+    """Every record still in a ring file, typed and in order (for tests, the scorecard and ``attach``)."""
+    reader = RingReader(path)
+    try:
+        drained = reader.drain(0)
+        header = reader.header
+        return _in_order(header.run_id, header.rank, drained, reader.phase_names)
+    finally:
+        reader.close()
+
+
 def _in_order(run_id: str, rank: int, drained: Any, names: dict[int, str | None]) -> list[Sample | Event]:
     """Samples and events of one drain as typed records, in the order the engine wrote them."""
     merged: list[tuple[int, Sample | Event]] = []

@@ -1,0 +1,281 @@
+"""A scenario: the device, the model, the engine settings, the cost model, the workload and the faults.
+
+Scenarios are TOML (or JSON) files; the shipped ones live in ``memwatch/sim/scenarios/`` and load by
+name (``Scenario.load("demo")``). Byte counts are plain integers (TOML allows ``25_769_803_776``).
+Every table is checked against its dataclass: an unknown key or a value of the wrong type is a
+one-line :class:`memwatch.errors.UsageError` naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from memwatch.errors import UsageError
+from memwatch.models import ModelSpec
+from memwatch.models.spec import canonical_dtype
+from memwatch.sim.faults import FAULT_KINDS, Fault
+from memwatch.sim.gpu import DEFAULT_CONTEXT_BYTES, MiB
+from memwatch.sim.workload import RandomRequests, RequestGroup, Workload
+
+ATTENTION_IMPLEMENTATIONS = ("flash", "eager")
+
+
+@dataclass(frozen=True)
+class GPUConfig:
+    total_bytes: int
+    context_bytes: int = DEFAULT_CONTEXT_BYTES
+    name: str = "Virtual GPU"
+
+    def __post_init__(self) -> None:
+        if self.total_bytes <= 0 or not 0 <= self.context_bytes < self.total_bytes:
+            raise UsageError("[gpu] needs total_bytes > 0 and 0 <= context_bytes < total_bytes")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """nano-vllm's ``Config`` fields that shape memory, with its defaults."""
+
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 256
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    tensor_parallel_size: int = 1
+    dtype: str | None = None
+    """Model precision; ``None`` keeps the config's ``torch_dtype``."""
+    enforce_eager: bool = False
+    """``False`` captures CUDA graphs for decode after the KV cache is allocated."""
+    attention: str = "flash"
+    nccl_bytes: int = 128 * MiB
+    """NCCL buffers each rank takes outside the allocator on its first all-reduce (only when TP > 1)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise UsageError(f"[engine] gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.block_size < 256 or self.block_size % 256:
+            raise UsageError(f"[engine] block_size must be a multiple of 256 (nano-vllm asserts it), "
+                             f"got {self.block_size}")
+        if min(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len) < 1:
+            raise UsageError("[engine] max_num_batched_tokens, max_num_seqs and max_model_len must be >= 1")
+        if not 1 <= self.tensor_parallel_size <= 8:
+            raise UsageError(f"[engine] tensor_parallel_size must be between 1 and 8, got {self.tensor_parallel_size}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise UsageError(f"[engine] attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, "
+                             f"got {self.attention!r}")
+        if self.nccl_bytes < 0:
+            raise UsageError("[engine] nccl_bytes cannot be negative")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How much virtual time each part of a run takes; runs themselves take wall-clock seconds."""
+
+    prefill_tokens_per_s: float = 8000.0
+    decode_step_s: float = 0.025
+    decode_per_seq_s: float = 0.0001
+    load_bytes_per_s: float = 2.0e9
+    graph_capture_s: float = 0.01
+    """Per captured batch size."""
+
+    def __post_init__(self) -> None:
+        if min(self.prefill_tokens_per_s, self.load_bytes_per_s) <= 0:
+            raise UsageError("[cost] prefill_tokens_per_s and load_bytes_per_s must be positive")
+        if min(self.decode_step_s, self.decode_per_seq_s, self.graph_capture_s) < 0:
+            raise UsageError("[cost] decode_step_s, decode_per_seq_s and graph_capture_s cannot be negative")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    model: str
+    gpu: GPUConfig
+    workload: Workload
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cost: CostModel = field(default_factory=CostModel)
+    faults: tuple[Fault, ...] = ()
+    description: str = ""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        longest = self.workload.longest_request
+        if longest > self.engine.max_model_len:
+            raise UsageError(f"scenario {self.name}: a request can reach {longest} tokens but max_model_len is "
+                             f"{self.engine.max_model_len}; raise max_model_len or shorten the requests")
+        for fault in self.faults:
+            if fault.rank is not None and not 0 <= fault.rank < self.engine.tensor_parallel_size:
+                raise UsageError(f"scenario {self.name}: fault {fault.kind} targets rank {fault.rank}, "
+                                 f"but there are {self.engine.tensor_parallel_size} ranks")
+
+    def model_spec(self) -> ModelSpec:
+        """The model at the engine's precision, checked to shard over the engine's TP size like nano-vllm."""
+        spec = ModelSpec.load(self.model)
+        if self.engine.dtype is not None:
+            spec = dataclasses.replace(spec, dtype=canonical_dtype(self.engine.dtype))
+        tp = self.engine.tensor_parallel_size
+        spec.check_tp(tp)
+        if spec.num_key_value_heads % tp:
+            raise UsageError(f"scenario {self.name}: nano-vllm needs tensor_parallel_size to divide the "
+                             f"{spec.num_key_value_heads} KV heads of {spec.name}, got {tp}")
+        return spec
+
+    def to_dict(self) -> dict[str, Any]:
+        """The scenario in the file format (``Scenario.from_dict`` reads it back), without null values."""
+        workload: dict[str, Any] = {"requests": [dataclasses.asdict(group) for group in self.workload.groups]}
+        if self.workload.random is not None:
+            workload["random"] = _without_none(dataclasses.asdict(self.workload.random))
+        return {
+            "name": self.name, "description": self.description, "model": self.model, "seed": self.seed,
+            "gpu": dataclasses.asdict(self.gpu), "engine": _without_none(dataclasses.asdict(self.engine)),
+            "cost": dataclasses.asdict(self.cost), "workload": workload,
+            "faults": [_without_none(fault.to_dict()) for fault in self.faults],
+        }
+
+    # -- loading -------------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, name_or_path: str | Path) -> Scenario:
+        """A scenario file (``.toml`` or ``.json``) or the name of a shipped scenario."""
+        path = Path(name_or_path)
+        if path.is_file():
+            return cls.from_text(path.read_text(encoding="utf-8"), source=str(path), json_format=path.suffix == ".json")
+        shipped = _scenarios_dir().joinpath(f"{name_or_path}.toml")
+        if not shipped.is_file():
+            raise UsageError(f"unknown scenario {str(name_or_path)!r}: not a file and not a shipped scenario "
+                             f"({', '.join(shipped_scenarios())})")
+        return cls.from_text(shipped.read_text(encoding="utf-8"), source=f"{name_or_path}.toml")
+
+    @classmethod
+    def from_text(cls, text: str, *, source: str = "scenario", json_format: bool = False) -> Scenario:
+        try:
+            data = json.loads(text) if json_format else _parse_toml(text)
+        except ValueError as exc:
+            raise UsageError(f"{source}: not valid {'JSON' if json_format else 'TOML'}: {exc}") from None
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "scenario") -> Scenario:
+        data = _table(data, source)
+        known = {"name", "model", "gpu", "workload", "engine", "cost", "faults", "description", "seed"}
+        _reject_unknown(data, known, source)
+        for key in ("model", "gpu", "workload"):
+            if key not in data:
+                raise UsageError(f"{source}: missing {key!r}; a scenario needs model, [gpu] and [workload]")
+        workload = _table(data["workload"], f"{source} [workload]")
+        _reject_unknown(workload, {"requests", "random"}, f"{source} [workload]")
+        groups = workload.get("requests", [])
+        if not isinstance(groups, list):
+            raise UsageError(f"{source}: workload.requests must be a list of tables ([[workload.requests]])")
+        faults = data.get("faults", [])
+        if not isinstance(faults, list):
+            raise UsageError(f"{source}: faults must be a list of tables ([[faults]])")
+        scalars = {key: data[key] for key in ("name", "model", "description", "seed") if key in data}
+        _check_fields(Scenario, scalars, source)
+        return cls(
+            name=scalars.get("name", Path(source).stem),
+            model=scalars["model"],
+            gpu=build(GPUConfig, data["gpu"], f"{source} [gpu]"),
+            engine=build(EngineConfig, data.get("engine", {}), f"{source} [engine]"),
+            cost=build(CostModel, data.get("cost", {}), f"{source} [cost]"),
+            workload=Workload(
+                groups=tuple(build(RequestGroup, group, f"{source} [[workload.requests]] #{i + 1}")
+                             for i, group in enumerate(groups)),
+                random=(build(RandomRequests, workload["random"], f"{source} [workload.random]")
+                        if "random" in workload else None),
+            ),
+            faults=tuple(parse_fault(raw, f"{source} [[faults]] #{i + 1}") for i, raw in enumerate(faults)),
+            description=scalars.get("description", ""),
+            seed=scalars.get("seed", 0),
+        )
+
+
+def shipped_scenarios() -> list[str]:
+    """Names of the scenarios that ship with memwatch."""
+    return sorted(entry.name[: -len(".toml")] for entry in _scenarios_dir().iterdir()
+                  if entry.name.endswith(".toml"))
+
+
+def parse_fault(raw: Any, where: str) -> Fault:
+    """Build a fault from a scenario table: ``kind`` plus that kind's fields."""
+    raw = _table(raw, where)
+    kind = raw.get("kind")
+    cls = FAULT_KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise UsageError(f"{where}: unknown fault kind {kind!r}; known kinds: {', '.join(sorted(FAULT_KINDS))}")
+    return build(cls, {key: value for key, value in raw.items() if key != "kind"}, f"{where} ({kind})")
+
+
+T = typing.TypeVar("T")
+
+
+def build(cls: type[T], table: Any, where: str) -> T:
+    """Construct dataclass ``cls`` from a scenario table, checking keys and value types first."""
+    table = _table(table, where)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    _reject_unknown(table, names, where)
+    _check_fields(cls, table, where)
+    try:
+        return cls(**table)
+    except TypeError:
+        missing = sorted(f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                         if f.init and f.name not in table and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        raise UsageError(f"{where}: missing {', '.join(repr(name) for name in missing)}") from None
+
+
+def _check_fields(cls: type, table: Mapping[str, Any], where: str) -> None:
+    hints = typing.get_type_hints(cls)
+    for key, value in table.items():
+        allowed = _allowed_types(hints[key])
+        ok = any(isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+                 for kind in allowed)
+        if not ok:
+            names = " or ".join("none" if kind is type(None) else kind.__name__ for kind in allowed)
+            raise UsageError(f"{where}: {key} must be {names}, got {value!r}")
+
+
+def _allowed_types(hint: Any) -> tuple[type, ...]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return tuple(kind for arg in typing.get_args(hint) for kind in _allowed_types(arg))
+    if hint is float:
+        return (float, int)
+    return (typing.get_origin(hint) or hint,)
+
+
+def _without_none(table: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in table.items() if value is not None}
+
+
+def _table(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise UsageError(f"{where} must be a table, got {type(value).__name__}")
+    return value
+
+
+def _reject_unknown(table: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise UsageError(f"{where}: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+
+
+def _parse_toml(text: str) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise UsageError("reading TOML scenarios needs Python 3.11 or the tomli package; "
+                             "install tomli or write the scenario as JSON") from None
+    return tomllib.loads(text)
+
+
+def _scenarios_dir() -> Any:
+    return resources.files("memwatch.sim").joinpath("scenarios")
