@@ -44,9 +44,9 @@ def main(verbose: int) -> None:
 
 
 def _register() -> None:
-    from . import plan, runs, serve, timeline
+    from . import attach, demo, plan, runs, serve, timeline
 
-    for module in (serve, runs, timeline, plan):
+    for module in (serve, demo, runs, timeline, plan, attach):
         main.add_command(module.command)
 
 
