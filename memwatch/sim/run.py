@@ -33,11 +33,13 @@ def run_scenario(
     spawn_sidecar: bool = False,
     start_ns: int | None = None,
     capacity: int = DEFAULT_CAPACITY,
+    speed: float | None = None,
 ) -> SimulationResult:
     """Simulate ``scenario`` (a :class:`Scenario`, a scenario file or a shipped name) on every rank.
 
     ``start_ns`` is where the virtual clock starts (default: now), ``runtime_dir`` where the rings go
-    (default: memwatch's runtime directory), ``spawn_sidecar`` whether the Monitors may start one.
+    (default: memwatch's runtime directory), ``spawn_sidecar`` whether the Monitors may start one,
+    ``speed`` how many virtual seconds pass per wall-clock second (default: as fast as possible).
     """
     if not isinstance(scenario, Scenario):
         scenario = Scenario.load(scenario)
@@ -45,7 +47,7 @@ def run_scenario(
     requests = scenario.workload.generate(scenario.seed)
     engine_config = scenario.engine
     run_id = run_id or new_run_id()
-    clock = VirtualClock(time.time_ns() if start_ns is None else start_ns)
+    clock = VirtualClock(time.time_ns() if start_ns is None else start_ns, speed=speed)
     wall_start = time.perf_counter_ns()
 
     runners = []
