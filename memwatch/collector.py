@@ -212,7 +212,7 @@ class Collector:
         last_event_ts = events[-1][2] if events else 0
         state.last_ts_ns = max(state.last_ts_ns, last_sample_ts, last_event_ts)
         if self._observers:
-            records = _in_order(run_id, rank, drained, names)
+            records = typed_records(run_id, rank, drained, names)
             for observer in self._observers:
                 batch.flags.extend(observer(header, records))
         return batch
@@ -296,12 +296,12 @@ def read_ring(path: Path) -> list[Sample | Event]:
     try:
         drained = reader.drain(0)
         header = reader.header
-        return _in_order(header.run_id, header.rank, drained, reader.phase_names)
+        return typed_records(header.run_id, header.rank, drained, reader.phase_names)
     finally:
         reader.close()
 
 
-def _in_order(run_id: str, rank: int, drained: Any, names: dict[int, str | None]) -> list[Sample | Event]:
+def typed_records(run_id: str, rank: int, drained: Any, names: dict[int, str | None]) -> list[Sample | Event]:
     """Samples and events of one drain as typed records, in the order the engine wrote them."""
     merged: list[tuple[int, Sample | Event]] = []
     for s in drained.samples:

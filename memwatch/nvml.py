@@ -50,6 +50,10 @@ class GpuDevice:
     error: str | None = None
 
 
+class NvmlUnavailable(UnavailableError):
+    """NVML as a whole cannot be used on this machine (no driver, driver not loaded, version mismatch)."""
+
+
 class _DeviceLost(Exception):
     """Internal: the device stopped answering; the remaining fields are unknowable."""
 
@@ -173,16 +177,16 @@ def _merge_by_pid(listed: list[Any]) -> tuple[GpuProcess, ...]:
 def _session_error(pynvml: Any, exc: Exception) -> MemwatchError:
     """The one-sentence error for NVML failing as a whole."""
     if isinstance(exc, pynvml.NVMLError_LibraryNotFound):
-        return UnavailableError(
+        return NvmlUnavailable(
             "NVML is not available: no NVIDIA driver on this machine (libnvidia-ml.so.1 could not be "
             "loaded); run on a host with the NVIDIA driver installed"
         )
     if isinstance(exc, pynvml.NVMLError_DriverNotLoaded):
-        return UnavailableError(
+        return NvmlUnavailable(
             "NVML is not available: the NVIDIA kernel driver is not loaded; check that `nvidia-smi` works"
         )
     if isinstance(exc, pynvml.NVMLError_LibRmVersionMismatch):
-        return UnavailableError(
+        return NvmlUnavailable(
             "NVML is not available: the NVIDIA driver library and kernel module versions differ; "
             "reboot or reload the nvidia kernel module"
         )
@@ -192,8 +196,8 @@ def _session_error(pynvml: Any, exc: Exception) -> MemwatchError:
             "'video' group)"
         )
     if isinstance(exc, pynvml.NVMLError_FunctionNotFound):
-        return UnavailableError(
+        return NvmlUnavailable(
             "NVML is not available: the NVIDIA driver is older than the nvidia-ml-py bindings need; "
             "update the driver or install an older nvidia-ml-py"
         )
-    return UnavailableError(f"NVML is not available ({exc}); check that `nvidia-smi` works on this machine")
+    return NvmlUnavailable(f"NVML is not available ({exc}); check that `nvidia-smi` works on this machine")

@@ -212,7 +212,9 @@ def test_a_process_not_on_any_gpu(machine: Machine, sleeper: Sleeper) -> None:
 def test_no_nvml_driver(sleeper: Sleeper, tmp_path: Path) -> None:
     assert _error(memwatch("attach", str(sleeper.pid), "--once", env=no_driver_env(tmp_path / "nodriver"))) == (
         4, "error: NVML is not available: no NVIDIA driver on this machine (libnvidia-ml.so.1 could not be "
-           "loaded); run on a host with the NVIDIA driver installed\n",
+           "loaded); run on a host with the NVIDIA driver installed; process "
+           f"{sleeper.pid} is not instrumented either (no memwatch ring), so there is nothing to read: start it "
+           "with MEMWATCH=1\n",
     )
 
 

@@ -182,6 +182,6 @@ def test_no_driver_is_unavailable_with_what_to_do(tmp_path: Path) -> None:
         capture_output=True, text=True, check=True,
     )
     assert result.stdout == (
-        "UnavailableError 4 NVML is not available: no NVIDIA driver on this machine (libnvidia-ml.so.1 "
+        "NvmlUnavailable 4 NVML is not available: no NVIDIA driver on this machine (libnvidia-ml.so.1 "
         "could not be loaded); run on a host with the NVIDIA driver installed\n"
     )

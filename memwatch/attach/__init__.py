@@ -13,14 +13,29 @@ Library use::
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from ..hostinfo import HostWatcher
+from ..nvml import NvmlUnavailable
 from .loop import watch
 from .nvml_source import NvmlSource
+from .ring_source import RingSource, find_rings
 from .snapshot import GpuUsage, ProcessUsage, RankLedger, Snapshot, Source
 
 
-def open_source(pid: int) -> Source:
-    """The source for ``pid``: a plain process is watched from outside through NVML and psutil."""
-    return NvmlSource(pid)
+def open_source(pid: int, runtime_dir: Path | None = None) -> Source:
+    """The source for ``pid``: its rings when it runs the memwatch plugin, else NVML and psutil."""
+    host = HostWatcher(pid)
+    if find_rings({pid, *host.children()}, runtime_dir):
+        return RingSource(pid, runtime_dir=runtime_dir, host=host)
+    try:
+        return NvmlSource(pid, host=host)
+    except NvmlUnavailable as exc:
+        raise NvmlUnavailable(f"{exc}; process {pid} is not instrumented either (no memwatch ring), so there "
+                              "is nothing to read: start it with MEMWATCH=1") from None
 
 
-__all__ = ["GpuUsage", "NvmlSource", "ProcessUsage", "RankLedger", "Snapshot", "Source", "open_source", "watch"]
+__all__ = [
+    "GpuUsage", "NvmlSource", "ProcessUsage", "RankLedger", "RingSource", "Snapshot", "Source", "open_source",
+    "watch",
+]

@@ -29,7 +29,7 @@ PROCESS_KEYS = ("pid", "used_bytes")
 LEDGER_KEYS = (
     "rank", "device_index", "phase", "non_torch_bytes", "weights_bytes", "activation_reserve_bytes",
     "kv_bytes", "headroom_bytes", "budget_bytes", "kv_blocks_used", "kv_blocks_total", "steps_per_s",
-    "flags",
+    "flags", "torch_other_bytes", "oom_margin_bytes",
 )
 
 
@@ -76,13 +76,17 @@ class RankLedger:
     activation_reserve_bytes: int | None
     kv_bytes: int | None
     headroom_bytes: int | None
-    """``budget - (non_torch + weights + activation_reserve + kv)``; negative means over budget."""
+    """``budget - (non_torch + weights + torch_other + activation_reserve + kv)``; negative: over budget."""
     budget_bytes: int | None
     kv_blocks_used: int | None
     kv_blocks_total: int | None
     steps_per_s: float | None
     flags: tuple[str, ...] = ()
     """Flag kinds raised on this rank (the detectors' vocabulary, e.g. ``kv_pressure``)."""
+    torch_other_bytes: int | None = None
+    """Long-lived PyTorch memory besides weights and KV (buffers, CUDA-graph pools), part of the ledger."""
+    oom_margin_bytes: int | None = None
+    """What the next worst-case forward could still get (see :mod:`memwatch.ledger`)."""
 
 
 @dataclass(frozen=True)
@@ -160,4 +164,6 @@ def _ledger_dict(rank: RankLedger) -> dict[str, Any]:
         "kv_blocks_total": rank.kv_blocks_total,
         "steps_per_s": rank.steps_per_s,
         "flags": list(rank.flags),
+        "torch_other_bytes": rank.torch_other_bytes,
+        "oom_margin_bytes": rank.oom_margin_bytes,
     }

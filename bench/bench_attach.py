@@ -1,0 +1,76 @@
+"""Does watching an engine with ``memwatch attach`` slow it down? Per-step cost with and without.
+
+The engine is this process: ``Monitor.step`` with a fixed probe, in a tight loop, writing its ring.
+Phases alternate: alone, with a real ``memwatch attach PID --json --interval 0.1`` process reading
+the ring, and alone again (so drift of the machine shows). Attach only reads shared memory, so the
+medians should agree within noise.
+
+Run: .venv/bin/python bench/bench_attach.py
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_plugin import FixedProbe
+
+from memwatch_engine import Monitor
+
+PHASE_SECONDS = 3.0
+BATCH = 200
+TOLERANCE = 1.10
+
+
+def measure(step, seconds: float) -> list[float]:
+    """Mean µs per call over batches of ``BATCH`` calls, for ``seconds``."""
+    out: list[float] = []
+    clock = time.perf_counter_ns
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        start = clock()
+        for _ in range(BATCH):
+            step("decode", 64, 64, 1200, 3780)
+        out.append((clock() - start) / BATCH / 1000)
+    return out
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        runtime = Path(tmp) / "run"
+        runtime.mkdir(mode=0o700)
+        os.environ["MEMWATCH_RUNTIME_DIR"] = str(runtime)
+        monitor = Monitor(engine="bench", probe=FixedProbe(), spawn_sidecar=False, per_step_peak=False)
+        alone_before = measure(monitor.step, PHASE_SECONDS)
+        attach = subprocess.Popen(
+            [sys.executable, "-m", "memwatch", "attach", str(os.getpid()), "--json", "--interval", "0.1"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        time.sleep(1.0)  # let it start and read the ring once
+        watched = measure(monitor.step, PHASE_SECONDS)
+        attach.terminate()
+        out, err = attach.communicate(timeout=30)
+        alone_after = measure(monitor.step, PHASE_SECONDS)
+        monitor.close()
+    snapshots = out.count("\n")
+    if snapshots == 0:
+        print(f"attach produced no snapshot: {err.strip()}")
+        return 1
+    alone = statistics.median(alone_before + alone_after)
+    with_attach = statistics.median(watched)
+    ratio = with_attach / alone
+    print(f"engine step, alone:                 median {alone:.3f} us "
+          f"(before {statistics.median(alone_before):.3f}, after {statistics.median(alone_after):.3f})")
+    print(f"engine step, attach reading ring:   median {with_attach:.3f} us  ({snapshots} snapshots taken)")
+    print(f"ratio watched/alone: {ratio:.2f}   target: <= {TOLERANCE:.2f} -> {'PASS' if ratio <= TOLERANCE else 'FAIL'}")
+    return 0 if ratio <= TOLERANCE else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

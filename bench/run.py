@@ -1,0 +1,29 @@
+"""Run every benchmark in this folder, one after another; exit non-zero if any misses its target.
+
+Run: make bench   (or .venv/bin/python bench/run.py)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = ("bench_plugin.py", "bench_ingest.py", "bench_detectors.py", "bench_attach.py")
+
+
+def main() -> int:
+    here = Path(__file__).parent
+    failed = []
+    for name in BENCHMARKS:
+        print(f"== {name}", flush=True)
+        if subprocess.run([sys.executable, str(here / name)]).returncode != 0:
+            failed.append(name)
+        print(flush=True)
+    if failed:
+        print(f"missed their targets: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
