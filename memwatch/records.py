@@ -32,6 +32,13 @@ class Sample(NamedTuple):
     """``prefill``, ``decode`` or ``None`` when the engine did not say."""
     peak_is_step: bool = False
     """True when ``peak_bytes`` is this step's own peak (the allocator peak was reset after it)."""
+    process_used_bytes: int | None = None
+    """What NVML attributes to the process on this GPU (``attach --record`` runs; NULL otherwise)."""
+
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> Sample:
+        """A ``samples`` row selected in :data:`SAMPLE_COLUMNS` order (SQLite stores the flag as 0/1)."""
+        return cls(*row[:15], bool(row[15]), row[16])
 
 
 SAMPLE_COLUMNS: tuple[str, ...] = Sample._fields

@@ -67,7 +67,7 @@ def _expected(scenario: Path, tmp_path: Path, run_id: str) -> dict[int, list[Sam
 def _stored(db_path: Path, run_id: str, rank: int) -> list[Sample]:
     rows = query(db_path, f"SELECT {', '.join(SAMPLE_COLUMNS)} FROM samples WHERE run_id = ? AND rank = ?"
                  " ORDER BY rowid", (run_id, rank))
-    return [Sample(*row[:-1], bool(row[-1])) for row in rows]
+    return [Sample.from_row(row) for row in rows]
 
 
 def test_every_sample_arrives_once_and_in_order(runtime_dir: Path, db_path: Path, scenario: Path,

@@ -44,9 +44,9 @@ def main(verbose: int) -> None:
 
 
 def _register() -> None:
-    from . import attach, demo, plan, runs, serve, timeline
+    from . import attach, check, demo, explain, plan, runs, serve, sim, timeline
 
-    for module in (serve, demo, runs, timeline, plan, attach):
+    for module in (serve, demo, runs, timeline, check, explain, plan, attach, sim):
         main.add_command(module.command)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from ..errors import UsageError
-from ..records import SAMPLE_COLUMNS
+from ..records import SAMPLE_COLUMNS, Sample
 from ..store import open_store
 from ..store.queries import get_run, last_ts_ns, samples
 from ..units import format_bytes
@@ -61,17 +61,32 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: i
         return
     start = info.started_ns or 0
     click.echo(f"run {info.run_id}  {info.engine or '-'}  {info.model or '-'}  status {info.status}")
-    header = f"{'T+s':>8} {'RANK':>4} {'STEP':>7} {'PHASE':<9} {'KIND':<7} {'ALLOCATED':>10} {'RESERVED':>10} "
-    click.echo(header + f"{'PEAK':>10} {'DRV USED':>10} {'DRV FREE':>10} {'KV':>11}")
+    if info.source == "nvml":  # seen from outside: the process's NVML bytes instead of the allocator's view
+        header = f"{'T+s':>8} {'GPU':>4} {'SAMPLE':>7} {'PROCESS':>10} {'DRV USED':>10} {'DRV FREE':>10}"
+    else:
+        header = (f"{'T+s':>8} {'RANK':>4} {'STEP':>7} {'PHASE':<9} {'KIND':<7} {'ALLOCATED':>10} {'RESERVED':>10} "
+                  f"{'PEAK':>10} {'DRV USED':>10} {'DRV FREE':>10} {'KV':>11}")
+    click.echo(header)
     count = 0
     for s in rows:
-        kv = f"{s.kv_blocks_used}/{s.kv_blocks_total}" if s.kv_blocks_total is not None else "-"
-        click.echo(
-            f"{(s.ts_ns - start) / 1e9:>8.3f} {s.rank:>4} {s.step:>7} {s.phase or '-':<9} {s.step_kind or '-':<7} "
-            f"{format_bytes(s.allocated_bytes):>10} {format_bytes(s.reserved_bytes):>10} "
-            f"{format_bytes(s.peak_bytes):>10} {format_bytes(s.driver_used_bytes):>10} "
-            f"{format_bytes(s.driver_free_bytes):>10} {kv:>11}"
-        )
+        click.echo(_nvml_line(s, start) if info.source == "nvml" else _engine_line(s, start))
         count += 1
     if count == 0:
         click.echo("(no samples in that window)")
+
+
+def _engine_line(s: Sample, start: int) -> str:
+    kv = f"{s.kv_blocks_used}/{s.kv_blocks_total}" if s.kv_blocks_total is not None else "-"
+    return (
+        f"{(s.ts_ns - start) / 1e9:>8.3f} {s.rank:>4} {s.step:>7} {s.phase or '-':<9} {s.step_kind or '-':<7} "
+        f"{format_bytes(s.allocated_bytes):>10} {format_bytes(s.reserved_bytes):>10} "
+        f"{format_bytes(s.peak_bytes):>10} {format_bytes(s.driver_used_bytes):>10} "
+        f"{format_bytes(s.driver_free_bytes):>10} {kv:>11}"
+    )
+
+
+def _nvml_line(s: Sample, start: int) -> str:
+    return (
+        f"{(s.ts_ns - start) / 1e9:>8.3f} {s.rank:>4} {s.step:>7} {format_bytes(s.process_used_bytes):>10} "
+        f"{format_bytes(s.driver_used_bytes):>10} {format_bytes(s.driver_free_bytes):>10}"
+    )

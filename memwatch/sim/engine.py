@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from memwatch.sim.blocks import BlockManager
 from memwatch.sim.clock import VirtualClock
+from memwatch.sim.faults import ExtraRequest
 from memwatch.sim.runner import RankRunner
 from memwatch.sim.scenario import CostModel, EngineConfig
 from memwatch.sim.scheduler import Scheduler
@@ -91,19 +92,31 @@ class SimulatedEngine:
         manager = BlockManager(lead.kv_sizing.num_blocks, engine.block_size)
         scheduler = Scheduler(manager, max_num_seqs=engine.max_num_seqs,
                               max_num_batched_tokens=engine.max_num_batched_tokens)
-        stats.requests = len(requests)
+        injected = deque(sorted(self._fault_requests(), key=lambda extra: extra.at_step))
+        stats.requests = len(requests) + len(injected)
+        next_id = len(requests)
         with self.phase("serve"):
             start = self.clock.now_ns()
             pending = deque(Sequence(r.request_id, r.prompt_tokens, r.output_tokens, start + r.arrival_ns)
                             for r in sorted(requests, key=lambda r: (r.arrival_ns, r.request_id)))
-            while pending or not scheduler.is_finished():
+            while pending or injected or not scheduler.is_finished():
                 while pending and pending[0].arrival_ns <= self.clock.now_ns():
                     scheduler.add(pending.popleft())
+                idle = scheduler.is_finished() and not pending
+                while injected and (injected[0].at_step <= stats.steps + 1 or idle):
+                    extra = injected.popleft()
+                    scheduler.add(Sequence(next_id, extra.prompt_tokens, extra.output_tokens, self.clock.now_ns()))
+                    next_id += 1
                 if scheduler.is_finished():
                     self.clock.advance_to(pending[0].arrival_ns)
                     continue
                 self._step(scheduler, manager)
         return stats
+
+    def _fault_requests(self) -> list[ExtraRequest]:
+        """Requests the scenario's faults add, each fault counted once however many ranks it applies to."""
+        faults = {id(fault): fault for runner in self.runners for fault in runner.faults}
+        return [extra for fault in faults.values() for extra in fault.extra_requests()]
 
     def _step(self, scheduler: Scheduler, manager: BlockManager) -> None:
         stats = self.stats

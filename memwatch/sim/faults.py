@@ -3,32 +3,53 @@
 A fault is a frozen dataclass whose fields are its scenario parameters. It acts on one rank's runner
 (:class:`memwatch.sim.runner.RankRunner`) through two hooks: :meth:`Fault.setup` once before startup
 (it may change ``runner.behaviour``, the startup knobs, or the device) and :meth:`Fault.before_step`
-before every serving step. New kinds subclass :class:`Fault` and decorate themselves with
-:func:`register_fault`; the scenario loader then accepts them by name.
+before every serving step. A fault may also add requests to the workload (:meth:`Fault.extra_requests`)
+and check itself against the whole scenario (:meth:`Fault.check`). New kinds subclass :class:`Fault`
+and decorate themselves with :func:`register_fault`; the scenario loader then accepts them by name.
+
+This module holds the base, the registry and ``other_process`` (the first kind, kept here so that
+``ExternalProcess`` stays importable from where it always was); the other shipped kinds live in
+:mod:`memwatch.sim.fault_kinds` and register themselves when it is imported.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 from memwatch.errors import UsageError
 
 if TYPE_CHECKING:
     from memwatch.sim.runner import RankRunner
+    from memwatch.sim.scenario import Scenario
 
 FAULT_KINDS: dict[str, type[Fault]] = {}
+"""Every accepted ``kind``, documented names and aliases alike, to its class."""
 
 F = TypeVar("F", bound="type[Fault]")
 
 
 def register_fault(cls: F) -> F:
-    """Class decorator: make a fault kind available to scenarios under ``cls.kind``."""
-    if not cls.kind or cls.kind in FAULT_KINDS:
-        raise ValueError(f"fault kind {cls.kind!r} is empty or registered twice")
-    FAULT_KINDS[cls.kind] = cls
+    """Class decorator: make a fault kind available to scenarios under ``cls.kind`` and its aliases."""
+    for name in (cls.kind, *cls.aliases):
+        if not name or name in FAULT_KINDS:
+            raise ValueError(f"fault kind {name!r} is empty or registered twice")
+        FAULT_KINDS[name] = cls
     return cls
+
+
+def documented_fault_kinds() -> list[str]:
+    """The documented kind names (aliases left out), sorted."""
+    return sorted({cls.kind for cls in FAULT_KINDS.values()})
+
+
+class ExtraRequest(NamedTuple):
+    """A request a fault adds to the workload; it arrives just before serving step ``at_step`` runs."""
+
+    at_step: int
+    prompt_tokens: int
+    output_tokens: int
 
 
 @dataclass(frozen=True)
@@ -36,10 +57,14 @@ class Fault:
     """Base of every fault. ``rank`` limits it to one rank; ``None`` applies it to all."""
 
     kind: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
     rank: int | None = None
 
     def applies_to(self, rank: int) -> bool:
         return self.rank is None or self.rank == rank
+
+    def check(self, scenario: Scenario) -> None:
+        """Raise :class:`UsageError` when this fault cannot apply to ``scenario`` (called on load)."""
 
     def setup(self, runner: RankRunner) -> None:
         """Called once on each rank it applies to, before the engine starts."""
@@ -47,20 +72,25 @@ class Fault:
     def before_step(self, runner: RankRunner, step: int) -> None:
         """Called on each rank it applies to before serving step ``step`` (1-based) runs its forward."""
 
+    def extra_requests(self) -> tuple[ExtraRequest, ...]:
+        """Requests this fault adds to the workload (the engine schedules them; ranks do not matter)."""
+        return ()
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **dataclasses.asdict(self)}
 
 
 @register_fault
 @dataclass(frozen=True)
-class ExternalProcess(Fault):
+class OtherProcess(Fault):
     """Another process takes ``size_bytes`` of the device at ``at_step`` (0: before startup).
 
     Like a greedy process, it takes what it asks for or, when less is free, everything that is free.
-    It gives it all back at ``release_at_step`` when one is set.
+    It gives it all back at ``release_at_step`` when one is set. ``external_process`` is an alias.
     """
 
-    kind: ClassVar[str] = "external_process"
+    kind: ClassVar[str] = "other_process"
+    aliases: ClassVar[tuple[str, ...]] = ("external_process",)
     size_bytes: int = 0
     at_step: int = 0
     release_at_step: int | None = None
@@ -68,9 +98,9 @@ class ExternalProcess(Fault):
 
     def __post_init__(self) -> None:
         if self.size_bytes <= 0 or self.at_step < 0:
-            raise UsageError("fault external_process needs size_bytes > 0 and at_step >= 0")
+            raise UsageError(f"fault {self.kind} needs size_bytes > 0 and at_step >= 0")
         if self.release_at_step is not None and self.release_at_step <= self.at_step:
-            raise UsageError("fault external_process: release_at_step must come after at_step")
+            raise UsageError(f"fault {self.kind}: release_at_step must come after at_step")
 
     def setup(self, runner: RankRunner) -> None:
         if self.at_step == 0:
@@ -85,3 +115,6 @@ class ExternalProcess(Fault):
     def _take(self, runner: RankRunner) -> None:
         runner.gpu.take_other_process(self.name, min(self.size_bytes, runner.gpu.driver_free_bytes))
 
+
+ExternalProcess = OtherProcess
+"""The kind's first name, still accepted in scenario files as ``external_process``."""

@@ -85,7 +85,7 @@ def run_scenario(
     return SimulationResult(
         run_id=run_id, scenario=scenario.name, model=spec.name, status=status,
         ranks=tuple(_rank_summary(runner, engine) for runner in runners),
-        requests=len(requests), finished_requests=stats.finished, steps=stats.steps,
+        requests=stats.requests, finished_requests=stats.finished, steps=stats.steps,
         preemptions=stats.preemptions, max_resident_requests=stats.max_resident_requests,
         max_kv_blocks_used=stats.max_kv_blocks_used,
         virtual_duration_ns=clock.elapsed_ns, wall_duration_ns=time.perf_counter_ns() - wall_start,

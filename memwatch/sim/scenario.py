@@ -21,7 +21,9 @@ from typing import Any
 from memwatch.errors import UsageError
 from memwatch.models import ModelSpec
 from memwatch.models.spec import canonical_dtype
-from memwatch.sim.faults import FAULT_KINDS, Fault
+from memwatch.sim.expectation import Expectation
+from memwatch.sim.fault_kinds import FAULT_KINDS  # importing it registers every shipped kind
+from memwatch.sim.faults import Fault
 from memwatch.sim.gpu import DEFAULT_CONTEXT_BYTES, MiB
 from memwatch.sim.workload import RandomRequests, RequestGroup, Workload
 
@@ -103,6 +105,8 @@ class Scenario:
     faults: tuple[Fault, ...] = ()
     description: str = ""
     seed: int = 0
+    expect: Expectation | None = None
+    """What the detectors should raise on this scenario (the ``[expect]`` table), for the scorecard."""
 
     def __post_init__(self) -> None:
         longest = self.workload.longest_request
@@ -113,6 +117,7 @@ class Scenario:
             if fault.rank is not None and not 0 <= fault.rank < self.engine.tensor_parallel_size:
                 raise UsageError(f"scenario {self.name}: fault {fault.kind} targets rank {fault.rank}, "
                                  f"but there are {self.engine.tensor_parallel_size} ranks")
+            fault.check(self)
 
     def model_spec(self) -> ModelSpec:
         """The model at the engine's precision, checked to shard over the engine's TP size like nano-vllm."""
@@ -136,6 +141,7 @@ class Scenario:
             "gpu": dataclasses.asdict(self.gpu), "engine": _without_none(dataclasses.asdict(self.engine)),
             "cost": dataclasses.asdict(self.cost), "workload": workload,
             "faults": [_without_none(fault.to_dict()) for fault in self.faults],
+            **({} if self.expect is None else {"expect": self.expect.to_dict()}),
         }
 
     # -- loading -------------------------------------------------------------------------------------
@@ -163,7 +169,7 @@ class Scenario:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "scenario") -> Scenario:
         data = _table(data, source)
-        known = {"name", "model", "gpu", "workload", "engine", "cost", "faults", "description", "seed"}
+        known = {"name", "model", "gpu", "workload", "engine", "cost", "faults", "description", "seed", "expect"}
         _reject_unknown(data, known, source)
         for key in ("model", "gpu", "workload"):
             if key not in data:
@@ -193,6 +199,7 @@ class Scenario:
             faults=tuple(parse_fault(raw, f"{source} [[faults]] #{i + 1}") for i, raw in enumerate(faults)),
             description=scalars.get("description", ""),
             seed=scalars.get("seed", 0),
+            expect=build(Expectation, data["expect"], f"{source} [expect]") if "expect" in data else None,
         )
 
 

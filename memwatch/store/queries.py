@@ -96,7 +96,7 @@ def samples(
         params.append(since_ns)
     sql = f"SELECT {', '.join(SAMPLE_COLUMNS)} FROM samples WHERE {' AND '.join(where)} ORDER BY ts_ns, rank, rowid"
     for row in db.execute(sql, params):
-        yield Sample(*row[:-1], bool(row[-1]))
+        yield Sample.from_row(row)
 
 
 def events(db: sqlite_utils.Database, run_id: str, *, rank: int | None = None) -> list[Event]:

@@ -1,0 +1,29 @@
+"""``memwatch check RUN``: the ledger per rank and every flag; exit 1 on a flag of warning or worse."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..report import check_run, render_check
+from ..store import open_store
+from .options import db_option, json_option
+
+
+@click.command("check")
+@click.argument("run")
+@db_option
+@json_option
+def command(run: str, db_path: Path | None, as_json: bool) -> None:
+    """Check a recorded run's memory ledger. RUN is a run id, a unique prefix, or `latest`.
+
+    The run's stored samples and events are replayed through the detectors, which are the source of
+    truth here (the flags a live sidecar stored are not read). Exit 0 when no flag is warning or
+    worse, 1 otherwise.
+    """
+    report = check_run(open_store(db_path, readonly=True), run)
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else render_check(report))
+    if report.failed:
+        raise SystemExit(1)

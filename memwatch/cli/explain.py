@@ -1,0 +1,28 @@
+"""``memwatch explain RUN``: the post-mortem of a recorded run in plain words."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..report import explain_run, render_explanation
+from ..store import open_store
+from .options import db_option, json_option
+
+
+@click.command("explain")
+@click.argument("run")
+@db_option
+@json_option
+def command(run: str, db_path: Path | None, as_json: bool) -> None:
+    """Explain how a recorded run ended. RUN is a run id, a unique prefix, or `latest`.
+
+    For an out-of-memory: the last window before it, which ledger term grew (by how much, since
+    when), and every flag raised before it with its lead in steps and seconds. For a healthy run:
+    each rank's tightest moment. The stored samples and events are replayed through the detectors
+    (the source of truth); --json carries every number under stable keys.
+    """
+    explanation = explain_run(open_store(db_path, readonly=True), run)
+    click.echo(json.dumps(explanation.to_dict(), indent=2) if as_json else render_explanation(explanation))

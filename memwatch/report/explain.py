@@ -1,0 +1,317 @@
+"""``memwatch explain``: a run's post-mortem in plain words, with every number also under stable keys.
+
+For each rank that ran out of memory: the last window before it, the ledger term that grew (by how
+much, since when), whether the failing allocation was larger than the warmup's reserve, and every
+flag raised before it with its lead in steps and seconds. For a run that did not run out: each
+rank's tightest moment, the sample with the smallest OOM margin.
+
+Which term grew is judged on serving samples against the first one. Cache slack is allowed the
+largest activation seen (the allocator keeps what the biggest forward freed); the other terms are
+allowed nothing. A term counts from :data:`MIN_GROWTH_BYTES`; its growth starts at the last sample
+that was still within :data:`ONSET_TOLERANCE_BYTES` of that allowance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+import sqlite_utils
+
+from memwatch.detectors import STARTUP_PHASES, DetectorConfig, DetectorSet
+from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
+from memwatch.flags import OOM, Flag
+from memwatch.records import Event, Sample
+from memwatch.report.stored import stored_records
+
+MiB = 1 << 20
+WINDOW_STEPS = 100
+"""How far back the "last window before the OOM" reaches."""
+MIN_GROWTH_BYTES = 64 * MiB
+ONSET_TOLERANCE_BYTES = 1 * MiB
+JUMP_FRACTION = 0.9
+"""A growth that reached this share of its total within :data:`JUMP_STEPS` steps is a jump, not a slope."""
+JUMP_STEPS = 10
+
+TERMS: tuple[tuple[str, str], ...] = (
+    ("non_torch_bytes", "non-PyTorch memory"),
+    ("cache_slack_bytes", "the allocator's cache slack (reserved but unallocated)"),
+    ("allocated_bytes", "PyTorch-allocated memory"),
+)
+
+
+class _Point(NamedTuple):
+    step: int
+    ts_ns: int
+    non_torch_bytes: int | None
+    cache_slack_bytes: int | None
+    allocated_bytes: int | None
+    driver_free_bytes: int | None
+    oom_margin_bytes: int | None
+    activation_reserve_bytes: int | None
+    headroom_bytes: int | None
+
+
+@dataclass
+class _RankHistory:
+    points: list[_Point] = field(default_factory=list)
+    largest_activation: int = 0
+    oom: Event | None = None
+
+
+@dataclass(frozen=True)
+class TermGrowth:
+    term: str
+    label: str
+    from_bytes: int
+    to_bytes: int
+    growth_bytes: int
+    since_step: int
+    steps: int
+    """From ``since_step`` to the out-of-memory."""
+    seconds: float
+    jump: bool
+    """Most of it came within a few steps (another process, one large allocation) rather than steadily."""
+
+
+@dataclass(frozen=True)
+class WindowChange:
+    from_step: int
+    to_step: int
+    seconds: float
+    start: dict[str, int | None]
+    end: dict[str, int | None]
+
+
+@dataclass(frozen=True)
+class FlagBefore:
+    kind: str
+    severity: str
+    step: int
+    steps_before: int
+    seconds_before: float
+    message: str
+
+
+@dataclass(frozen=True)
+class OomReport:
+    rank: int
+    step: int
+    ts_ns: int
+    phase: str | None
+    requested_bytes: int | None
+    driver_free_bytes: int | None
+    activation_reserve_bytes: int | None
+    over_reserve_bytes: int | None
+    """How far the failing allocation exceeded the warmup reserve, when by more than the tolerance."""
+    window: WindowChange | None
+    growth: TermGrowth | None
+    flags: tuple[FlagBefore, ...]
+    sentences: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Tightest:
+    rank: int
+    step: int
+    oom_margin_bytes: int
+    driver_free_bytes: int | None
+    cache_slack_bytes: int | None
+    activation_reserve_bytes: int | None
+    headroom_bytes: int | None
+    sentence: str
+
+
+@dataclass(frozen=True)
+class Explanation:
+    run_id: str | None
+    outcome: str
+    """``oom`` when a rank ran out of memory, ``ok`` otherwise, ``empty`` without serving samples."""
+    ooms: tuple[OomReport, ...]
+    tightest: tuple[Tightest, ...]
+    flag_count: int
+
+    @property
+    def sentences(self) -> list[str]:
+        if self.ooms:
+            return [sentence for oom in self.ooms for sentence in oom.sentences]
+        if not self.tightest:
+            return ["no serving samples were recorded: nothing to explain"]
+        flags = "no flags" if not self.flag_count else f"{format_count(self.flag_count)} flags (see memwatch check)"
+        return ["no rank ran out of memory; " + flags + "."] + [tight.sentence for tight in self.tightest]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "outcome": self.outcome, "flag_count": self.flag_count,
+                "ooms": [asdict(oom) for oom in self.ooms], "tightest": [asdict(t) for t in self.tightest],
+                "sentences": self.sentences}
+
+
+def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | None = None) -> Explanation:
+    """Replay one run's records (in time order) and explain how it ended."""
+    detectors = DetectorSet(config)
+    flags: list[Flag] = []
+    histories: dict[int, _RankHistory] = {}
+    run_id = None
+    for record in records:
+        run_id = record.run_id
+        history = histories.setdefault(record.rank, _RankHistory())
+        if isinstance(record, Event):
+            flags.extend(detectors.on_event(record))
+            if record.kind == OOM and history.oom is None:
+                history.oom = record
+            continue
+        flags.extend(detectors.on_sample(record))
+        terms = detectors.last_terms(record.rank)
+        if terms is None or terms.budget_bytes is None or record.phase in STARTUP_PHASES:
+            continue
+        if terms.step_activation_peak_bytes is not None:
+            history.largest_activation = max(history.largest_activation, terms.step_activation_peak_bytes)
+        history.points.append(_Point(record.step, record.ts_ns, terms.non_torch_bytes, terms.cache_slack_bytes,
+                                     record.allocated_bytes, record.driver_free_bytes, terms.oom_margin_bytes,
+                                     terms.activation_reserve_bytes, terms.headroom_bytes))
+    tolerance = detectors.config.activation_tolerance_bytes
+    ooms = tuple(_explain_oom(rank, history, flags, tolerance) for rank, history in sorted(histories.items())
+                 if history.oom is not None)
+    tightest = tuple(filter(None, (_tightest(rank, history) for rank, history in sorted(histories.items()))))
+    outcome = "oom" if ooms else "ok" if tightest else "empty"
+    return Explanation(run_id, outcome, ooms, () if ooms else tightest, len(flags))
+
+
+def explain_run(db: sqlite_utils.Database, ref: str) -> Explanation:
+    """:func:`explain_records` on a stored run (``ref``: id, unique prefix or ``latest``)."""
+    _, records = stored_records(db, ref)
+    return explain_records(records)
+
+
+def render_explanation(explanation: Explanation) -> str:
+    """The text ``memwatch explain`` prints: one paragraph per sentence group."""
+    return "\n".join([f"run {explanation.run_id}: {explanation.outcome}", *explanation.sentences])
+
+
+# -- out of memory --------------------------------------------------------------------------------
+
+
+def _explain_oom(rank: int, history: _RankHistory, flags: list[Flag], tolerance: int) -> OomReport:
+    oom = history.oom
+    assert oom is not None
+    data = oom.data if isinstance(oom.data, dict) else {}
+    requested, free = _int(data.get("requested_bytes")), _int(data.get("driver_free_bytes"))
+    # Up to the OOM by the clock, not by record order: a store returns events first at equal times.
+    points = [point for point in history.points if point.ts_ns <= oom.ts_ns]
+    reserve = points[-1].activation_reserve_bytes if points else None
+    over = requested - reserve if requested is not None and reserve is not None else None
+    over = over if over is not None and over > tolerance else None
+    growth = _growth(points, history.largest_activation, oom) if points else None
+    window = _window(points, oom)
+    before = tuple(FlagBefore(flag.kind, flag.severity, flag.step, oom.step - flag.step,
+                              (oom.ts_ns - flag.ts_ns) / 1e9, flag.message)
+                   for flag in flags if flag.rank == rank and flag.kind != OOM and flag.ts_ns <= oom.ts_ns)
+
+    phase = data.get("phase") if isinstance(data.get("phase"), str) else None
+    where = f" while {phase}" if phase and phase != "serve" else ""
+    asked = "" if requested is None else f": a request for {format_bytes(requested)} failed"
+    left = "" if free is None else f" with {format_bytes(free)} free"
+    sentences = [f"rank {rank} ran out of memory at step {format_count(oom.step)}{where}{asked}{left}."]
+    if growth is not None:
+        sentences.append(_growth_sentence(growth))
+    if over is not None:
+        sentences.append(f"The failing allocation was {format_bytes(over)} larger than the activation reserve "
+                         f"warmup measured ({format_bytes(reserve)}): warmup ran a smaller batch than serving needs.")
+    if growth is None and over is None:
+        sentences.append("No ledger term grew and the failing allocation fit the warmup reserve: the device "
+                         "had less free than the reserve assumes (check the budget's other terms).")
+    if window is not None:
+        sentences.append(_window_sentence(window))
+    if before:
+        sentences.append("Flags before it: " + "; ".join(
+            f"{flag.kind} ({flag.severity}) at step {format_count(flag.step)}, {format_count(flag.steps_before)} "
+            f"steps ({format_duration_ns(round(flag.seconds_before * 1e9))}) before" for flag in before) + ".")
+    else:
+        sentences.append("No flag was raised before it.")
+    return OomReport(rank, oom.step, oom.ts_ns, phase, requested, free, reserve, over, window, growth, before,
+                     tuple(sentences))
+
+
+def _growth(points: list[_Point], largest_activation: int, oom: Event) -> TermGrowth | None:
+    first, last = points[0], points[-1]
+    best: TermGrowth | None = None
+    best_excess = MIN_GROWTH_BYTES - 1
+    for term, label in TERMS:
+        start, end = getattr(first, term), getattr(last, term)
+        if start is None or end is None:
+            continue
+        allowed = start + (largest_activation if term == "cache_slack_bytes" else 0)
+        excess = end - allowed
+        if excess <= best_excess:
+            continue
+        onset = next((p for p in reversed(points) if (value := getattr(p, term)) is not None
+                      and value <= allowed + ONSET_TOLERANCE_BYTES), first)
+        from_bytes = getattr(onset, term)
+        grown = end - from_bytes
+        reached = next(p for p in points if p.step >= onset.step and getattr(p, term) is not None
+                       and getattr(p, term) - from_bytes >= JUMP_FRACTION * grown)
+        best_excess = excess
+        best = TermGrowth(term, label, from_bytes, end, grown, onset.step, oom.step - onset.step,
+                          (oom.ts_ns - onset.ts_ns) / 1e9, reached.step - onset.step <= JUMP_STEPS)
+    return best
+
+
+def _growth_sentence(growth: TermGrowth) -> str:
+    seconds = format_duration_ns(round(growth.seconds * 1e9))
+    if growth.jump:
+        return (f"{_capital(growth.label)} jumped by {format_bytes(growth.growth_bytes)} after step "
+                f"{format_count(growth.since_step)} and stayed up, {format_count(growth.steps)} steps ({seconds}) "
+                "before the out-of-memory.")
+    return (f"{_capital(growth.label)} grew by {format_bytes(growth.growth_bytes)} over "
+            f"{format_count(growth.steps)} steps ({seconds}), since step {format_count(growth.since_step)}.")
+
+
+def _window(points: list[_Point], oom: Event) -> WindowChange | None:
+    inside = [p for p in points if p.step >= oom.step - WINDOW_STEPS]
+    if not inside:
+        return None
+    start, end = inside[0], inside[-1]
+    keys = ("driver_free_bytes", "non_torch_bytes", "cache_slack_bytes", "allocated_bytes", "oom_margin_bytes")
+    return WindowChange(start.step, end.step, (end.ts_ns - start.ts_ns) / 1e9,
+                        {key: getattr(start, key) for key in keys}, {key: getattr(end, key) for key in keys})
+
+
+def _window_sentence(window: WindowChange) -> str:
+    def change(key: str) -> str:
+        start, end = window.start[key], window.end[key]
+        if start is None or end is None:
+            return "-"
+        return f"{'+' if end >= start else '-'}{format_bytes(abs(end - start))}"
+
+    return (f"In the last window, steps {format_count(window.from_step)} to {format_count(window.to_step)} "
+            f"({format_duration_ns(round(window.seconds * 1e9))}): free memory went from "
+            f"{format_bytes(window.start['driver_free_bytes'])} to {format_bytes(window.end['driver_free_bytes'])}; "
+            f"non-PyTorch {change('non_torch_bytes')}, cache slack {change('cache_slack_bytes')}, "
+            f"allocated {change('allocated_bytes')}.")
+
+
+# -- healthy runs ---------------------------------------------------------------------------------
+
+
+def _tightest(rank: int, history: _RankHistory) -> Tightest | None:
+    points = [p for p in history.points if p.oom_margin_bytes is not None]
+    if not points:
+        return None
+    tight = min(points, key=lambda p: p.oom_margin_bytes)  # type: ignore[arg-type,return-value]
+    margin = tight.oom_margin_bytes
+    assert margin is not None
+    sentence = (f"rank {rank}'s tightest moment was step {format_count(tight.step)}: "
+                f"{format_bytes(margin)} would have been left after a worst-case forward "
+                f"({format_bytes(tight.driver_free_bytes)} free, cache slack {format_bytes(tight.cache_slack_bytes)}, "
+                f"activation reserve {format_bytes(tight.activation_reserve_bytes)}).")
+    return Tightest(rank, tight.step, margin, tight.driver_free_bytes, tight.cache_slack_bytes,
+                    tight.activation_reserve_bytes, tight.headroom_bytes, sentence)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]

@@ -1,0 +1,119 @@
+"""``memwatch check``: the ledger per rank and every flag of a stored run, replayed; exit 0, 1, 3 or 6."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from memwatch.cli import MemwatchGroup
+from memwatch.cli import check as check_cli
+from memwatch.collector import Collector
+from memwatch.report import check_records, check_run, render_check
+from memwatch.sim import run_scenario
+from memwatch.sim.scorecard import ring_records
+from memwatch.store import open_store
+from memwatch.store.writer import StoreWriter
+
+START_NS = 1_700_000_000_000_000_000
+LEAK_BYTES = 2_621_440  # non_torch_leak: 2.5 MiB a step from step 200
+
+
+def store_scenario(name: str, runtime_dir: Path, db_path: Path) -> str:
+    """Run a shipped scenario into ``runtime_dir`` and store its rings with the real collector and writer."""
+    result = run_scenario(name, runtime_dir=runtime_dir, start_ns=START_NS)
+    writer = StoreWriter(open_store(db_path))
+    writer.start()
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False)
+    collector.scan()
+    while collector.poll():
+        pass
+    writer.flush()
+    collector.close()
+    writer.close()
+    return result.run_id
+
+
+def cli() -> click.Group:
+    group = MemwatchGroup()
+    group.add_command(check_cli.command)
+    return group
+
+
+@pytest.fixture
+def leak_run(runtime_dir: Path, db_path: Path) -> str:
+    return store_scenario("non_torch_leak", runtime_dir, db_path)
+
+
+def test_a_leaking_run_fails_with_every_flag_and_the_ledger_at_its_end(leak_run: str, db_path: Path) -> None:
+    report = check_run(open_store(db_path, readonly=True), "latest")
+    assert report.run_id == leak_run and report.failed
+    assert [(flag.kind, flag.severity, flag.step) for flag in report.flags] == [
+        ("oom_risk", "warning", 230), ("non_torch_drift", "warning", 302), ("oom_risk", "critical", 1284),
+        ("oom", "critical", 1385)]
+    (rank,) = report.ranks
+    assert (rank.rank, rank.num_blocks, rank.last_step) == (0, 113, 1385)
+    terms = rank.last_terms
+    # The leak ran on steps 200 to 1,385. The residual started at +3,276,800: the engine's used - current at
+    # sizing (540,147,712) held that much cached allocator memory besides the 512 MiB context, which the
+    # ledger counts as cache slack, not non-PyTorch memory.
+    assert 540_147_712 - 512 * 2**20 == 3_276_800
+    assert terms.residual_bytes == 3_276_800 - (1385 - 200 + 1) * LEAK_BYTES == -3_105_751_040
+    assert terms.budget_bytes == int(8 * 2**30 * 0.6)
+    assert (rank.min_oom_margin_step, rank.min_oom_margin_bytes) == (1385, terms.oom_margin_bytes)
+
+
+def test_stored_run_and_ring_records_give_the_same_report(tmp_path: Path) -> None:
+    result = run_scenario("other_process", runtime_dir=tmp_path / "rings", start_ns=START_NS)
+    from_rings = check_records(ring_records(result))
+    db_path = tmp_path / "other.db"
+    run_id = store_scenario("other_process", tmp_path / "again", db_path)
+    stored = check_run(open_store(db_path, readonly=True), run_id[:8])
+    assert [flag[2:] for flag in stored.flags] == [flag[2:] for flag in from_rings.flags]
+    assert [flag.kind for flag in stored.flags] == ["external_process"]
+    assert stored.ranks[0].last_terms == from_rings.ranks[0].last_terms
+
+
+def test_cli_exit_1_on_a_warning_with_text_and_json(leak_run: str, db_path: Path) -> None:
+    text = CliRunner().invoke(cli(), ["check", leak_run, "--db", str(db_path)])
+    assert text.exit_code == 1
+    lines = text.output.splitlines()
+    assert lines[0] == f"run {leak_run}"
+    assert "  residual (headroom change since sizing)          -2.89 GiB" in lines
+    assert lines[-1] == "check failed: 4 flags of warning or worse"
+    assert "warning  non_torch_drift          rank 0 step 302: non-PyTorch memory grew by 257.5 MiB" in text.output
+    as_json = CliRunner().invoke(cli(), ["check", "latest", "--db", str(db_path), "--json"])
+    assert as_json.exit_code == 1
+    data = json.loads(as_json.output)
+    assert data["failed"] is True and data["run_id"] == leak_run
+    assert data["ranks"][0]["last_terms"]["residual_bytes"] == -3_105_751_040
+    assert [flag["kind"] for flag in data["flags"]] == ["oom_risk", "non_torch_drift", "oom_risk", "oom"]
+
+
+def test_cli_exit_0_on_a_clean_run(runtime_dir: Path, db_path: Path) -> None:
+    run_id = store_scenario("clean_tp2", runtime_dir, db_path)
+    result = CliRunner().invoke(cli(), ["check", run_id, "--db", str(db_path)])
+    assert result.exit_code == 0, result.output
+    assert "rank 1:" in result.output and "no flags: the ledger held on every rank" in result.output
+    assert result.output.splitlines()[-1] == "check passed: 0 flags of warning or worse"
+
+
+def test_an_info_flag_alone_passes(runtime_dir: Path, db_path: Path) -> None:
+    run_id = store_scenario("skip_peak_reset", runtime_dir, db_path)
+    report = check_run(open_store(db_path, readonly=True), run_id)
+    assert [(flag.kind, flag.severity) for flag in report.flags] == [("reserve_overstated", "info")]
+    assert not report.failed
+    assert render_check(report).splitlines()[-1] == "check passed: 0 flags of warning or worse"
+
+
+def test_unknown_run_exits_3_and_a_foreign_file_exits_6(leak_run: str, db_path: Path, tmp_path: Path) -> None:
+    missing = CliRunner().invoke(cli(), ["check", "nosuchrun", "--db", str(db_path)])
+    assert (missing.exit_code, missing.output) == (3, "error: no run 'nosuchrun' in the database; "
+                                                      "`memwatch runs` lists them\n")
+    foreign = tmp_path / "foreign.db"
+    foreign.write_bytes(b"not a database at all" * 100)
+    corrupt = CliRunner().invoke(cli(), ["check", "latest", "--db", str(foreign)])
+    assert corrupt.exit_code == 6 and corrupt.output.startswith("error: ")
