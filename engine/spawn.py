@@ -12,6 +12,7 @@ import fcntl
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from .runtime import LOCK_NAME, LOG_NAME
@@ -40,7 +41,7 @@ def ensure_sidecar(directory: Path) -> bool:
         return False
     log_fd = os.open(directory / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     try:
-        subprocess.Popen(
+        sidecar = subprocess.Popen(
             [sys.executable, "-m", "memwatch", "serve", "--runtime-dir", str(directory),
              "--exit-when-idle", str(IDLE_EXIT_SECONDS), "--quiet-if-running"],
             stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
@@ -49,4 +50,6 @@ def ensure_sidecar(directory: Path) -> bool:
         )
     finally:
         os.close(log_fd)
+    # Reap it if it exits while we live (idle exit), so it never lingers as a zombie of the engine.
+    threading.Thread(target=sidecar.wait, name="memwatch-sidecar-reaper", daemon=True).start()
     return True

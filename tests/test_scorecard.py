@@ -158,3 +158,8 @@ def test_sim_usage_errors_exit_2_with_one_line(args: list[str], message: str) ->
     result = CliRunner().invoke(cli(), args)
     assert result.exit_code == 2
     assert result.output.startswith(f"error: {message}") and result.output.count("\n") == 1
+
+
+def test_readme_shows_the_current_scorecard() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert render_scorecard(run_scorecard()) in readme

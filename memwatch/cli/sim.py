@@ -23,9 +23,11 @@ from .options import json_option
 @click.option("--runtime-dir", type=click.Path(file_okay=False, path_type=Path), envvar="MEMWATCH_RUNTIME_DIR",
               help="Where the rings go, for a sidecar to store (default: $MEMWATCH_RUNTIME_DIR, "
                    "$XDG_RUNTIME_DIR/memwatch).")
+@click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Virtual seconds per wall-clock second, to watch a run live (default: as fast as it goes).")
 @json_option
 def command(scenario: str | None, list_scenarios: bool, scorecard: bool, runtime_dir: Path | None,
-            as_json: bool) -> None:
+            speed: float | None, as_json: bool) -> None:
     """Simulate an engine on a virtual GPU, with the real Monitor writing real rings.
 
     \b
@@ -49,7 +51,7 @@ def command(scenario: str | None, list_scenarios: bool, scorecard: bool, runtime
     else:
         assert scenario is not None
         spawn = os.environ.get("MEMWATCH_SPAWN", "1") != "0"
-        result = run_scenario(scenario, runtime_dir=runtime_dir, spawn_sidecar=spawn)
+        result = run_scenario(scenario, runtime_dir=runtime_dir, spawn_sidecar=spawn, speed=speed)
         click.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_result(result))
 
 
