@@ -11,32 +11,16 @@ from click.testing import CliRunner
 
 from memwatch.cli import MemwatchGroup
 from memwatch.cli import explain as explain_cli
-from memwatch.collector import Collector
 from memwatch.report import Explanation, explain_records, explain_run
 from memwatch.sim import run_scenario
 from memwatch.sim.scorecard import ring_records
 from memwatch.store import open_store
-from memwatch.store.writer import StoreWriter
 
-START_NS = 1_700_000_000_000_000_000
+from stored_runs import START_NS, store_scenario
+
 MiB = 1 << 20
 LEAK_BYTES = 2_621_440            # non_torch_leak: 2.5 MiB a step from step 200
 DECODE_STEP_S = 0.025 + 0.0001 * 8  # the cost model's decode step with 8 sequences
-
-
-def store_scenario(name: str, runtime_dir: Path, db_path: Path) -> str:
-    """Run a shipped scenario and store its rings with the real collector and writer."""
-    result = run_scenario(name, runtime_dir=runtime_dir, start_ns=START_NS)
-    writer = StoreWriter(open_store(db_path))
-    writer.start()
-    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False)
-    collector.scan()
-    while collector.poll():
-        pass
-    writer.flush()
-    collector.close()
-    writer.close()
-    return result.run_id
 
 
 def explained(name: str, tmp_path: Path) -> Explanation:

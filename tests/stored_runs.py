@@ -1,0 +1,27 @@
+"""Simulated runs stored the way the sidecar stores them: the real collector and writer, in-process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memwatch.collector import Collector
+from memwatch.sim import run_scenario
+from memwatch.store import open_store
+from memwatch.store.writer import StoreWriter
+
+START_NS = 1_700_000_000_000_000_000
+
+
+def store_scenario(name: str, runtime_dir: Path, db_path: Path) -> str:
+    """Run a shipped scenario into ``runtime_dir``, store its rings into ``db_path``; returns the run id."""
+    result = run_scenario(name, runtime_dir=runtime_dir, start_ns=START_NS)
+    writer = StoreWriter(open_store(db_path))
+    writer.start()
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False)
+    collector.scan()
+    while collector.poll():
+        pass
+    writer.flush()
+    collector.close()
+    writer.close()
+    return result.run_id
