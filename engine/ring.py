@@ -137,18 +137,23 @@ class RingWriter:
             raise ValueError(f"ring metadata is {len(meta_bytes)} bytes; at most {META_MAX} fit")
         self.path = Path(path)
         size = HEADER_SIZE + capacity * RECORD_SIZE
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        # Built under a temporary name and linked into place complete, so a reader listing the
+        # directory never meets a ring without its header; linking fails if the ring exists.
+        building = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        fd = os.open(building, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, size)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            pid = os.getpid()
+            _HEADER.pack_into(
+                self._map, 0, MAGIC, VERSION, HEADER_SIZE, RECORD_SIZE, capacity, pid, rank, world_size, 0,
+                process_start_ticks(pid), _now_ns(), 0, len(meta_bytes), run_id.encode("ascii"),
+            )
+            self._map[META_OFFSET : META_OFFSET + len(meta_bytes)] = meta_bytes
+            os.link(building, self.path)
         finally:
             os.close(fd)
-        pid = os.getpid()
-        _HEADER.pack_into(
-            self._map, 0, MAGIC, VERSION, HEADER_SIZE, RECORD_SIZE, capacity, pid, rank, world_size, 0,
-            process_start_ticks(pid), _now_ns(), 0, len(meta_bytes), run_id.encode("ascii"),
-        )
-        self._map[META_OFFSET : META_OFFSET + len(meta_bytes)] = meta_bytes
+            os.unlink(building)
         self._mask = capacity - 1
         self._seq = 0
         self._pack_sample = _SAMPLE.pack_into

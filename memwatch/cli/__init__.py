@@ -44,9 +44,9 @@ def main(verbose: int) -> None:
 
 
 def _register() -> None:
-    from . import attach, check, demo, explain, plan, runs, serve, sim, timeline
+    from . import attach, check, demo, explain, plan, run, runs, serve, sim, timeline
 
-    for module in (serve, demo, runs, timeline, check, explain, plan, attach, sim):
+    for module in (serve, demo, runs, timeline, check, explain, plan, attach, sim, run):
         main.add_command(module.command)
 
 

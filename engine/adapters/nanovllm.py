@@ -1,0 +1,332 @@
+"""nano-vllm adapter: every rank's startup phases, its KV sizing, and one sample per step.
+
+nano-vllm has no plugin interface, so the adapter patches its classes as their modules are imported
+(see :mod:`.hooks`); spawned tensor-parallel workers import them afresh and are patched the same way.
+What is recorded, per rank (``ModelRunner(config, rank, event)``; world size
+``config.tensor_parallel_size``; device index = rank, as nano-vllm's ``torch.cuda.set_device(rank)``):
+
+* ``load``: from the start of ``ModelRunner.__init__`` (weights are allocated when the model is
+  constructed) until ``load_model`` has copied the checkpoint in, then ``weights_loaded``;
+* ``warmup`` around ``warmup_model`` (its forward is not counted as a step);
+* ``kv_alloc`` around ``allocate_kv_cache``, then ``kv_allocated`` with the readings the engine's
+  formula used (taken on entry; nothing allocates between them and the engine's own reads), its other
+  inputs (layers, block size, KV heads per rank, head dim, dtype size, utilization) and the block
+  count it chose. Every rank sizes on its own and only rank 0's count reaches the scheduler, so the
+  per-rank events are what ``block_count_mismatch`` compares;
+* ``cudagraph`` around ``capture_cudagraph``; ``serve`` from the first step until ``exit``;
+* one sample per ``ModelRunner.run`` on every rank: step kind, sequences, tokens; rank 0 adds the
+  block manager's used/total blocks and the preemptions the scheduler made for this step.
+
+``LLMEngine.__init__`` gives each engine instance in a process its own run id in ``MEMWATCH_RUN_ID``
+before it spawns workers, so all ranks of one instance share one run and a second instance gets a new
+one. Upstream interface followed: GeeeekExplorer/nano-vllm ``bb823b3``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from types import ModuleType
+from typing import Any
+
+from ..monitor import Monitor, new_run_id
+from ..probes.base import UNKNOWN
+from ..probes.cuda import CudaProbe
+from .hooks import Guard, patch_on_import, require_methods, wrap_function, wrap_method
+from .oom import capture_oom
+
+MODEL_RUNNER = "nanovllm.engine.model_runner"
+SCHEDULER = "nanovllm.engine.scheduler"
+LLM_ENGINE = "nanovllm.engine.llm_engine"
+RANK_ATTRIBUTE = "_memwatch_rank"
+
+_guard = Guard("nano-vllm")
+
+
+class _Rank:
+    """memwatch's state for one ``ModelRunner``: its monitor and the phases it has open."""
+
+    def __init__(self, monitor: Monitor, rank: int) -> None:
+        self.monitor = monitor
+        self.rank = rank
+        self.phases = ExitStack()
+        self.load_phase = ExitStack()
+        self.in_startup = 0
+        self.serving = False
+
+
+class _Process:
+    """What rank 0's steps need from this process's scheduler, and the run ids used here."""
+
+    def __init__(self) -> None:
+        self.scheduler: Any = None
+        self.preemptions = 0
+        self.run_ids: set[str] = set()
+
+
+_process = _Process()
+_loading: list[_Rank] = []
+"""The rank whose ``__init__`` is loading weights in this process (``load_model`` gets no runner)."""
+
+
+def install() -> None:
+    """Patch nano-vllm's engine modules when they are imported (now, if they already are)."""
+    patch_on_import(MODEL_RUNNER, _patch_model_runner)
+    patch_on_import(SCHEDULER, _patch_scheduler)
+    patch_on_import(LLM_ENGINE, _patch_llm_engine)
+
+
+# -- LLMEngine: one run id per engine instance ------------------------------------------------------
+
+
+def _patch_llm_engine(module: ModuleType) -> None:
+    wrap_method(module.LLMEngine, "__init__", _wrap_engine_init)
+
+
+def _wrap_engine_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _guard.call(_assign_run_id)
+        original(self, *args, **kwargs)
+
+    return __init__
+
+
+def _assign_run_id() -> None:
+    """Export a run id no earlier engine of this process used, before the workers are spawned."""
+    run_id = os.environ.get("MEMWATCH_RUN_ID")
+    if not run_id or run_id in _process.run_ids:
+        run_id = new_run_id()
+        os.environ["MEMWATCH_RUN_ID"] = run_id
+    _process.run_ids.add(run_id)
+
+
+# -- Scheduler: where rank 0 finds the block manager and counts preemptions -------------------------
+
+
+def _patch_scheduler(module: ModuleType) -> None:
+    require_methods(module.Scheduler, ("__init__", "preempt"))
+    wrap_method(module.Scheduler, "__init__", _wrap_scheduler_init)
+    wrap_method(module.Scheduler, "preempt", _wrap_preempt)
+
+
+def _wrap_scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        _process.scheduler = self
+        _process.preemptions = 0
+
+    return __init__
+
+
+def _wrap_preempt(original: Callable[..., Any]) -> Callable[..., Any]:
+    def preempt(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _process.preemptions += 1
+        return original(self, *args, **kwargs)
+
+    return preempt
+
+
+# -- ModelRunner: phases, KV sizing, steps ----------------------------------------------------------
+
+
+def _patch_model_runner(module: ModuleType) -> None:
+    runner = module.ModelRunner
+    require_methods(runner, ("__init__", "warmup_model", "allocate_kv_cache", "capture_cudagraph", "run", "exit"))
+    if not callable(getattr(module, "load_model", None)):
+        raise AttributeError(f"{module.__name__} has no load_model (an engine version this adapter does not know)")
+    wrap_method(runner, "__init__", _wrap_runner_init)
+    wrap_function(module, "load_model", _wrap_load_model)
+    wrap_method(runner, "warmup_model", lambda original: _startup_method(original, "warmup"))
+    wrap_method(runner, "allocate_kv_cache", _wrap_allocate_kv_cache)
+    wrap_method(runner, "capture_cudagraph", lambda original: _startup_method(original, "cudagraph"))
+    wrap_method(runner, "run", _wrap_run)
+    wrap_method(runner, "exit", _wrap_exit)
+
+
+def _state(runner: Any) -> _Rank | None:
+    return runner.__dict__.get(RANK_ATTRIBUTE) if _guard.active else None
+
+
+def _wrap_runner_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _guard.call(_start_rank, self, args, kwargs)
+        try:
+            original(self, *args, **kwargs)
+        except BaseException:
+            _guard.call(_finish_rank, self, "error")
+            raise
+
+    return __init__
+
+
+def _start_rank(runner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    config = args[0] if args else kwargs["config"]
+    rank = int(args[1] if len(args) > 1 else kwargs.get("rank", 0))
+    monitor = Monitor(
+        engine="nano-vllm", model=_model_name(config.model), rank=rank,
+        world_size=int(config.tensor_parallel_size), probe=CudaProbe(rank), config=_config_record(config),
+    )
+    state = _Rank(monitor, rank)
+    runner.__dict__[RANK_ATTRIBUTE] = state
+    state.load_phase.enter_context(monitor.phase("load"))
+    _loading.append(state)
+    capture_oom(monitor)
+
+
+def _model_name(path: str) -> str:
+    return os.path.basename(os.path.normpath(str(path))) or str(path)
+
+
+def _config_record(config: Any) -> dict[str, Any]:
+    """The settings plan-versus-observed and the detectors read from the run's config."""
+    hf_config = config.hf_config
+    return {
+        "model_config": str(config.model),
+        "dtype": str(hf_config.dtype).removeprefix("torch."),
+        "tensor_parallel_size": int(config.tensor_parallel_size),
+        "gpu_memory_utilization": float(config.gpu_memory_utilization),
+        "block_size": int(config.kvcache_block_size),
+        "max_num_batched_tokens": int(config.max_num_batched_tokens),
+        "max_num_seqs": int(config.max_num_seqs),
+        "max_model_len": int(config.max_model_len),
+        "enforce_eager": bool(config.enforce_eager),
+    }
+
+
+def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``load_model`` as imported into model_runner: the end of the ``load`` phase."""
+
+    def load_model(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        _guard.call(_weights_loaded)
+        return result
+
+    return load_model
+
+
+def _weights_loaded() -> None:
+    for state in _loading:
+        state.monitor.weights_loaded()
+        state.load_phase.close()
+    _loading.clear()
+
+
+@contextmanager
+def _startup(state: _Rank | None, phase: str) -> Iterator[None]:
+    if state is None:
+        yield
+        return
+    state.in_startup += 1
+    try:
+        with state.monitor.phase(phase):
+            yield
+    finally:
+        state.in_startup -= 1
+
+
+def _startup_method(original: Callable[..., Any], phase: str) -> Callable[..., Any]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _startup(_state(self), phase):
+            return original(self, *args, **kwargs)
+
+    return method
+
+
+def _wrap_allocate_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    def allocate_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        state = _state(self)
+        with _startup(state, "kv_alloc"):
+            readings = _guard.call(state.monitor.probe.read) if state is not None else None
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                if readings is not None:
+                    _guard.call(_record_kv_sizing, self, state, readings)
+
+    return allocate_kv_cache
+
+
+def _record_kv_sizing(runner: Any, state: _Rank, readings: tuple[int, int, int, int, int]) -> None:
+    """``kv_allocated`` with every input of nano-vllm's formula::
+
+        block_bytes = 2 × layers × block_size × (kv_heads // tp) × head_dim × dtype size
+        num_blocks  = int(total × utilization − used − peak + current) // block_bytes
+    """
+    config = runner.config
+    num_blocks = int(config.num_kvcache_blocks)
+    if num_blocks == -1:  # the engine failed before choosing
+        return
+    hf_config = config.hf_config
+    num_kv_heads = hf_config.num_key_value_heads // runner.world_size
+    head_dim = getattr(hf_config, "head_dim", hf_config.hidden_size // hf_config.num_attention_heads)
+    dtype_bytes = hf_config.dtype.itemsize
+    block_size = int(runner.block_size)
+    block_bytes = 2 * hf_config.num_hidden_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+    current, peak, _, used, free = readings
+    known = UNKNOWN not in (current, peak, used, free)
+    state.monitor.kv_allocated(
+        num_blocks, block_bytes,
+        total_bytes=used + free if known else None, used_bytes=used if known else None,
+        peak_bytes=peak if known else None, current_bytes=current if known else None,
+        gpu_memory_utilization=float(config.gpu_memory_utilization), block_size=block_size,
+        num_hidden_layers=int(hf_config.num_hidden_layers), num_kv_heads=int(num_kv_heads),
+        head_dim=int(head_dim), dtype_bytes=int(dtype_bytes), tensor_parallel_size=int(runner.world_size),
+    )
+
+
+def _wrap_run(original: Callable[..., Any]) -> Callable[..., Any]:
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        state = _state(self)
+        if state is None or state.in_startup:  # warmup's forward is part of its phase, not a step
+            return original(self, *args, **kwargs)
+        _guard.call(_begin_serving, state)
+        result = original(self, *args, **kwargs)
+        _guard.call(_record_step, state, args, kwargs)
+        return result
+
+    return run
+
+
+def _begin_serving(state: _Rank) -> None:
+    if not state.serving:
+        state.serving = True
+        state.phases.enter_context(state.monitor.phase("serve"))
+
+
+def _record_step(state: _Rank, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    seqs = args[0] if args else kwargs["seqs"]
+    is_prefill = bool(args[1] if len(args) > 1 else kwargs["is_prefill"])
+    num_seqs = len(seqs)
+    num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else num_seqs
+    used = total = None
+    monitor = state.monitor
+    if state.rank == 0 and _process.scheduler is not None:
+        blocks = _process.scheduler.block_manager
+        used, total = len(blocks.used_block_ids), len(blocks.blocks)
+        if _process.preemptions:
+            monitor.preempted(_process.preemptions)
+            _process.preemptions = 0
+    monitor.step("prefill" if is_prefill else "decode", num_seqs=num_seqs, num_tokens=num_tokens,
+                 kv_blocks_used=used, kv_blocks_total=total)
+
+
+def _wrap_exit(original: Callable[..., Any]) -> Callable[..., Any]:
+    def exit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _guard.call(_finish_rank, self, "ok")
+
+    return exit
+
+
+def _finish_rank(runner: Any, status: str) -> None:
+    state = runner.__dict__.pop(RANK_ATTRIBUTE, None)
+    if state is None:
+        return
+    state.load_phase.close()
+    state.phases.close()
+    state.monitor.close(status)
+    if state in _loading:
+        _loading.remove(state)

@@ -1,0 +1,192 @@
+"""A CUDA device for CPU-only PyTorch, installed under ``torch.cuda``'s memory API at import.
+
+The mirrored engines call ``torch.cuda`` exactly as the real ones do (``set_device``, ``mem_get_info``,
+``memory_stats``, ``empty_cache``, ``reset_peak_memory_stats``), and memwatch's ``CudaProbe`` reads
+``torch._C._cuda_memoryStats``; here all of them answer from one simulated device per index. Device
+memory is taken with :func:`empty` (what ``torch.empty(..., device="cuda")`` would do).
+
+The allocator is PyTorch's caching allocator made exact and small: a request is rounded up to 512
+bytes (what ``allocated`` counts) and gets a segment of its own, rounded up to 2 MiB, or the smallest
+cached segment that holds it; freed segments stay reserved until ``empty_cache``. When the driver
+has no room it releases the cache and retries once, then calls the out-of-memory observers with
+``(device, alloc_size, device_total, device_free)`` and raises ``torch.OutOfMemoryError``, as PyTorch does.
+
+Configuration (environment, read at import): ``FAKE_CUDA_TOTAL_BYTES`` (default 160 MiB),
+``FAKE_CUDA_CONTEXT_BYTES`` (driver memory of this process outside the allocator, default 64 MiB),
+``FAKE_CUDA_OTHER_BYTES`` (comma list, per device index: memory other processes hold).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+MiB = 1 << 20
+ROUNDING = 512
+SEGMENT_ROUNDING = 2 * MiB
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class FakeDevice:
+    """One device: a fixed size, memory outside the allocator, and an exact caching allocator."""
+
+    def __init__(self, index: int, total: int, context: int, other: int) -> None:
+        self.index, self.total, self.outside = index, total, context + other
+        self.allocated = self.peak = 0
+        self.live: dict[int, tuple[int, int]] = {}  # handle -> (rounded size, segment size)
+        self.cached: list[int] = []  # sizes of wholly free segments
+        self.num_ooms = self.num_alloc_retries = 0
+        self._handles = itertools.count(1)
+
+    @property
+    def reserved(self) -> int:
+        return sum(segment for _, segment in self.live.values()) + sum(self.cached)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.total - self.outside - self.reserved, self.total
+
+    def malloc(self, nbytes: int) -> int:
+        size = _round_up(max(nbytes, 1), ROUNDING)
+        fitting = [segment for segment in self.cached if segment >= size]
+        if fitting:
+            segment = min(fitting)
+            self.cached.remove(segment)
+        else:
+            segment = _round_up(size, SEGMENT_ROUNDING)
+            if segment > self.mem_get_info()[0]:
+                self.num_alloc_retries += 1
+                self.empty_cache()
+                free = self.mem_get_info()[0]
+                if segment > free:
+                    self.num_ooms += 1
+                    for observer in list(_observers):
+                        observer(self.index, segment, self.total, free)
+                    raise torch.OutOfMemoryError(
+                        f"CUDA out of memory. Tried to allocate {nbytes / MiB:.2f} MiB. GPU {self.index} has a "
+                        f"total capacity of {self.total / MiB:.2f} MiB of which {free / MiB:.2f} MiB is free.")
+        handle = next(self._handles)
+        self.live[handle] = (size, segment)
+        self.allocated += size
+        self.peak = max(self.peak, self.allocated)
+        return handle
+
+    def free(self, handle: int) -> None:
+        size, segment = self.live.pop(handle)
+        self.allocated -= size
+        self.cached.append(segment)
+
+    def empty_cache(self) -> None:
+        self.cached.clear()
+
+    def reset_peak(self) -> None:
+        self.peak = self.allocated
+
+    def nested_stats(self) -> dict[str, Any]:
+        def pool(current: int, peak: int) -> dict[str, int]:
+            return {"current": current, "peak": peak, "allocated": peak, "freed": peak - current}
+
+        inactive = sum(segment - size for size, segment in self.live.values())
+        stats = {
+            "allocated_bytes": {"all": pool(self.allocated, self.peak)},
+            "reserved_bytes": {"all": pool(self.reserved, self.reserved)},
+            "inactive_split_bytes": {"all": pool(inactive, inactive)},
+            "segment": {"all": pool(len(self.live) + len(self.cached), len(self.live) + len(self.cached))},
+        }
+        stats.update({"num_ooms": self.num_ooms, "num_alloc_retries": self.num_alloc_retries})
+        return stats
+
+    def flat_stats(self) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for key, value in self.nested_stats().items():
+            if isinstance(value, dict):
+                for metric, number in value["all"].items():
+                    flat[f"{key}.all.{metric}"] = number
+            else:
+                flat[key] = value
+        return flat
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        segments = []
+        for size, segment in self.live.values():
+            blocks = [{"state": "active_allocated", "size": size}]
+            if segment > size:
+                blocks.append({"state": "inactive", "size": segment - size})
+            segments.append({"device": self.index, "total_size": segment, "blocks": blocks})
+        for segment in self.cached:
+            segments.append({"device": self.index, "total_size": segment,
+                             "blocks": [{"state": "inactive", "size": segment}]})
+        return segments
+
+
+class Buffer:
+    """Device memory held by the caller, like a CUDA tensor's storage."""
+
+    def __init__(self, device: FakeDevice, nbytes: int) -> None:
+        self.device, self.nbytes = device, nbytes
+        self._handle: int | None = device.malloc(nbytes)
+
+    def free(self) -> None:
+        if self._handle is not None:
+            self.device.free(self._handle)
+            self._handle = None
+
+
+_observers: list[Any] = []
+_current = [0]
+_devices: dict[int, FakeDevice] = {}
+
+
+def device(index: Any = None) -> FakeDevice:
+    """The fake device ``index`` (an int, ``torch.device`` or None for the current one)."""
+    number = _current[0] if index is None else int(getattr(index, "index", index) or 0)
+    if number not in _devices:
+        others = [int(value) for value in os.environ.get("FAKE_CUDA_OTHER_BYTES", "0").split(",")]
+        _devices[number] = FakeDevice(
+            number, int(os.environ.get("FAKE_CUDA_TOTAL_BYTES", 160 * MiB)),
+            int(os.environ.get("FAKE_CUDA_CONTEXT_BYTES", 64 * MiB)), others[number] if number < len(others) else 0)
+    return _devices[number]
+
+
+def empty(nbytes: int) -> Buffer:
+    """Take ``nbytes`` on the current device, as allocating a CUDA tensor does."""
+    return Buffer(device(), nbytes)
+
+
+def _set_device(index: Any) -> None:
+    _current[0] = int(getattr(index, "index", index))
+
+
+def _dump_snapshot(filename: str = "dump_snapshot.pickle") -> None:
+    with open(filename, "wb") as f:
+        pickle.dump({"segments": device().snapshot(), "device_traces": [[]]}, f)
+
+
+def _install() -> None:
+    cuda = torch.cuda
+    cuda.is_available = lambda: True
+    cuda.is_initialized = lambda: True
+    cuda.init = lambda: None
+    cuda.device_count = lambda: 8
+    cuda.current_device = lambda: _current[0]
+    cuda.set_device = _set_device
+    cuda.synchronize = lambda index=None: None
+    cuda.mem_get_info = lambda index=None: device(index).mem_get_info()
+    cuda.memory_stats = lambda index=None: device(index).flat_stats()
+    cuda.reset_peak_memory_stats = lambda index=None: device(index).reset_peak()
+    cuda.empty_cache = lambda: device().empty_cache()
+    cuda.memory_snapshot = lambda: device().snapshot()
+    cuda.get_device_properties = lambda index=None: SimpleNamespace(name="Fake GPU", total_memory=device(index).total)
+    cuda.memory._dump_snapshot = _dump_snapshot
+    torch._C._cuda_memoryStats = lambda index: device(index).nested_stats()
+    torch._C._cuda_attach_out_of_memory_observer = _observers.append
+
+
+_install()

@@ -1,0 +1,1 @@
+"""Mirror of ``vllm/v1``."""

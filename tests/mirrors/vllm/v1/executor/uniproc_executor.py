@@ -1,0 +1,36 @@
+"""Mirror of ``vllm/v1/executor/uniproc_executor.py``: the single worker lives in the engine core process."""
+
+from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+
+class UniProcExecutor:
+    def __init__(self, vllm_config):
+        self.vllm_config = vllm_config
+        self.driver_worker = WorkerWrapperBase(rpc_rank=0)
+        self.driver_worker.init_worker(all_kwargs=[{
+            "vllm_config": vllm_config, "local_rank": 0, "rank": 0,
+            "distributed_init_method": "tcp://127.0.0.1:0", "is_driver_worker": True,
+        }])
+        self.collective_rpc("init_device")
+        self.collective_rpc("load_model")
+
+    def collective_rpc(self, method: str, args: tuple = ()):
+        return [self.driver_worker.execute_method(method, *args)]
+
+    def determine_available_memory(self) -> list[int]:
+        return self.collective_rpc("determine_available_memory")
+
+    def get_kv_cache_specs(self) -> list[int]:
+        return self.collective_rpc("get_kv_cache_spec")
+
+    def initialize_from_config(self, kv_cache_configs) -> None:
+        self.collective_rpc("initialize_from_config", args=(kv_cache_configs[0],))
+
+    def compile_or_warm_up_model(self) -> None:
+        self.collective_rpc("compile_or_warm_up_model")
+
+    def execute_model(self, scheduler_output):
+        return self.collective_rpc("execute_model", args=(scheduler_output,))[0]
+
+    def shutdown(self) -> None:
+        self.collective_rpc("shutdown")
