@@ -110,6 +110,7 @@ def test_instrumented_process_view_adds_the_ledger_per_rank() -> None:
         " KV cache                   50.0 GiB         52.0 GiB",
         " headroom                    1.0 GiB         -1.0 GiB",
         " budget                     72.0 GiB         72.0 GiB",
+        " headroom trend                    ▁                ▁",
         " KV blocks used          1200 / 3780       n/a / 3780",
         " steps/s                        12.5              n/a",
         " flags                   kv_pressure             none",

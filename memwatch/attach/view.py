@@ -39,7 +39,7 @@ def render(snapshots: Sequence[Snapshot]) -> RenderableType:
     else:
         parts.append(Text("The process holds no GPU memory right now.", style="yellow"))
     if latest.ranks:
-        parts.append(_ledger_table(latest.ranks))
+        parts.append(_ledger_table(latest.ranks, snapshots))
     return Group(*parts)
 
 
@@ -125,7 +125,7 @@ _LEDGER_ROWS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _ledger_table(ranks: Sequence[RankLedger]) -> Table:
+def _ledger_table(ranks: Sequence[RankLedger], history: Sequence[Snapshot]) -> Table:
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="ledger per rank", title_justify="left")
     table.add_column("term")
     for rank in ranks:
@@ -138,6 +138,7 @@ def _ledger_table(ranks: Sequence[RankLedger]) -> Table:
             cells.append((value or _NOT_AVAILABLE) if attribute == "phase" else format_bytes(value))
         style = "red" if attribute == "headroom_bytes" and any(_negative(r.headroom_bytes) for r in ranks) else ""
         table.add_row(label, *cells, style=style)
+    table.add_row("headroom trend", *(sparkline(_headroom_history(history, rank.rank)) for rank in ranks))
     table.add_row("KV blocks used", *(_blocks(rank) for rank in ranks))
     table.add_row(
         "steps/s",
@@ -145,6 +146,11 @@ def _ledger_table(ranks: Sequence[RankLedger]) -> Table:
     )
     table.add_row("flags", *(", ".join(rank.flags) or "none" for rank in ranks))
     return table
+
+
+def _headroom_history(history: Sequence[Snapshot], rank: int) -> list[int | None]:
+    """One rank's headroom in each snapshot, oldest first (``None`` where it was not known)."""
+    return [next((r.headroom_bytes for r in snapshot.ranks if r.rank == rank), None) for snapshot in history]
 
 
 def _blocks(rank: RankLedger) -> str:
