@@ -110,8 +110,12 @@ def _gpu_table(snapshots: Sequence[Snapshot]) -> Table:
 
 
 def _process_bytes_on(snapshot: Snapshot, index: int) -> int | None:
+    """What the trend follows: the process's bytes on the GPU, or the GPU's used bytes when NVML cannot
+    attribute memory to processes (an instrumented process read from its ring)."""
     gpu: GpuUsage | None = next((g for g in snapshot.gpus if g.index == index), None)
-    return None if gpu is None else gpu.process_used_bytes
+    if gpu is None:
+        return None
+    return gpu.process_used_bytes if gpu.processes else gpu.used_bytes
 
 
 _LEDGER_ROWS: tuple[tuple[str, str], ...] = (
