@@ -65,7 +65,7 @@ def baseline(samples: list[Sample]) -> float:
     started = time.perf_counter()
     total = 0
     for (_run_id, _rank, _step, _ts_ns, _phase, allocated, _peak, reserved, _used, _free, _kv_used, _kv_total,
-         _seqs, _tokens, _kind, _peak_is_step) in samples:
+         _seqs, _tokens, _kind, _peak_is_step, _process) in samples:
         total += allocated + reserved
     return time.perf_counter() - started
 
