@@ -13,7 +13,7 @@ Choices, where the model leaves room:
 
 * ``non_torch_bytes`` is ``used - reserved`` (outside the allocator: context, NCCL, cuBLAS, other
   processes) and ``cache_slack_bytes`` is ``reserved - allocated`` (cached, unused, where
-  fragmentation lives); their sum is the seed's non-PyTorch ``used - current``
+  fragmentation lives); their sum is nano-vllm's non-PyTorch ``used - current``
   (:attr:`LedgerTerms.non_pytorch_bytes`).
 * At sizing time the allocator's ``current`` is the weights plus whatever else the engine keeps
   allocated (buffers, samplers); that remainder is ``torch_other_bytes``, together with any
@@ -72,7 +72,7 @@ class LedgerTerms(NamedTuple):
 
     @property
     def non_pytorch_bytes(self) -> int | None:
-        """The seed's non-PyTorch term, ``used - current`` = non-torch + cache slack."""
+        """nano-vllm's non-PyTorch term, ``used - current`` = non-torch + cache slack."""
         if self.non_torch_bytes is None or self.cache_slack_bytes is None:
             return None
         return self.non_torch_bytes + self.cache_slack_bytes

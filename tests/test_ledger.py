@@ -1,4 +1,4 @@
-"""The ledger: the seed's worked example, hand-computed sample sequences, budgets, missing readings."""
+"""The ledger: the memory model's worked example, hand-computed sample sequences, budgets, missing readings."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_seed_worked_example_qwen_7b_on_an_80_gb_gpu() -> None:
     used, current, peak = non_pytorch + weights, weights, weights + activation
     # KV = total x util - used - peak + current = 72 GB - 15 GB - 18 GB + 14 GB = 53 GB ("about 53 GB")
     assert int(total * utilization - used - peak + current) == 53 * GB
-    # 53,000,000,000 // 14,680,064 = 3,610 blocks. The seed's "about 3,780" divides 53,000 MiB by 14 MiB
+    # 53,000,000,000 // 14,680,064 = 3,610 blocks. The worked example's "about 3,780" divides 53,000 MiB by 14 MiB
     # (53,000 // 14 = 3,785): it mixes GB and MiB; these are the exact figures in one unit.
     num_blocks = engine_block_count(total, utilization, used, peak, current, block_bytes)
     assert num_blocks == 3_610

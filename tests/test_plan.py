@@ -1,4 +1,4 @@
-"""The capacity planner: the seeds' test vectors exactly, and one public config of each attention kind."""
+"""The capacity planner: the memory model's worked examples exactly, and one public config of each attention kind."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def qwen() -> ModelSpec:
 
 
 def seed_inputs(**overrides: object) -> PlanInputs:
-    """The second seed: a 24 GiB card at utilization 0.9, 15 GiB of weights, 2 GiB of other non-KV."""
+    """The capacity worked example: a 24 GiB card at utilization 0.9, 15 GiB of weights, 2 GiB of other non-KV."""
     values: dict[str, object] = {"gpu_memory_bytes": 24 * GIB, "utilization": 0.9,
                                  "weights_bytes": 15 * GIB, "non_kv_bytes": 2 * GIB,
                                  "seqs": 4, "seq_len": 32_768}
@@ -25,7 +25,7 @@ def seed_inputs(**overrides: object) -> PlanInputs:
     return PlanInputs(**values)  # type: ignore[arg-type]
 
 
-# ---------------------------------------------------------------------------------------- the seeds
+# ---------------------------------------------------------------------------------------- the worked examples
 
 
 def test_second_seed_ledger(qwen: ModelSpec) -> None:

@@ -1,6 +1,6 @@
 """Capacity planning per rank: how much KV cache fits, and whether a target load does.
 
-The ledger of one rank (the second seed's method)::
+The ledger of one rank, planned in exact bytes::
 
     budget      = gpu_memory × utilization                (or kv_cache_memory_bytes, which replaces it)
     KV budget   = budget − weights − non-KV peak

@@ -16,7 +16,7 @@ class PhaseSummary:
 
 @dataclass(frozen=True)
 class RankSummary:
-    """One rank: the terms of its KV sizing (the seed's invariant) and what serving did to it.
+    """One rank: the terms of its KV sizing (the KV-sizing invariant) and what serving did to it.
 
     At sizing, ``non_pytorch_bytes + weights_bytes + activation_reserve_bytes + kv_budget`` equals
     ``total × utilization``, where ``non_pytorch_bytes = used − current`` (context, NCCL, other
