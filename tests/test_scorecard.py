@@ -31,6 +31,7 @@ TABLE = {
     "clean_chat": ((), "ok", None),
     "clean_eager": ((), "ok", None),
     "clean_llama_80g": ((), "ok", None),
+    "clean_ramp": ((), "ok", None),
     "clean_long_context": ((), "ok", None),
     "clean_tp2": ((), "ok", None),
     "demo": ((), "ok", None),
