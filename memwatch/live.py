@@ -1,7 +1,9 @@
 """The detectors, live inside the sidecar: one :class:`DetectorSet` per run, flags stored and logged.
 
 The collector calls a :class:`LiveDetectors` with every drained record of a ring, in order; flags
-come back as ``flags`` rows for the same transaction and go to the log as they are raised. A run's
+come back as ``flags`` rows for the same transaction and go to the log as they are raised. An
+``external_process`` flag is completed with what NVML sees on the GPU: the other processes' pids and
+bytes (the detectors are pure and cannot ask). A run's
 detector state is dropped once every rank it saw has finished. A sidecar restarted mid-run starts
 its detectors afresh from the first records it reads; a run's sizing event read earlier is replayed
 from the store so that the ledger is complete.
@@ -17,8 +19,10 @@ from typing import Any
 from memwatch_engine.ring import RingHeader
 
 from .detectors import DetectorConfig, DetectorSet
-from .flags import Flag
+from .flags import EXTERNAL_PROCESS, Flag
+from .nvml import GpuProcess, Nvml
 from .records import Event, Sample
+from .units import format_bytes
 
 log = logging.getLogger("memwatch.flags")
 
@@ -38,11 +42,14 @@ class LiveDetectors:
         self,
         config: DetectorConfig | None = None,
         stored_events: Callable[[str], Iterable[Event]] | None = None,
+        nvml_query: Callable[[int], list[GpuProcess] | None] | None = None,
     ) -> None:
         self._config = config
         self._stored_events = stored_events
         self._runs: dict[str, DetectorSet] = {}
         self._open_ranks: dict[str, set[int]] = {}
+        self._writer_pids: dict[str, set[int]] = {}
+        self._nvml_query = nvml_query
         self.flags_raised = 0
 
     def __call__(self, header: RingHeader, records: list[Sample | Event]) -> list[tuple[Any, ...]]:
@@ -53,16 +60,39 @@ class LiveDetectors:
                 for event in self._stored_events(header.run_id):
                     detectors.on_event(event)
         self._open_ranks.setdefault(header.run_id, set()).add(header.rank)
+        self._writer_pids.setdefault(header.run_id, set()).add(header.writer_pid)
         rows: list[tuple[Any, ...]] = []
         on_sample, on_event = detectors.on_sample, detectors.on_event
         for record in records:
             flags = on_sample(record) if type(record) is Sample else on_event(record)
             for flag in flags:
+                if flag.kind == EXTERNAL_PROCESS:
+                    flag = self._name_other_processes(header, flag)
                 log.log(_LEVELS.get(flag.severity, logging.WARNING), "run %s rank %d step %d: %s [%s]",
                         flag.run_id, flag.rank, flag.step, flag.message, flag.kind)
                 rows.append(flag_row(flag))
         self.flags_raised += len(rows)
         return rows
+
+    def _name_other_processes(self, header: RingHeader, flag: Flag) -> Flag:
+        """Say which processes NVML sees on the rank's GPU besides the run's own (real engines only)."""
+        index = header.meta.get("device_index")
+        if header.meta.get("source", "engine") != "engine" or index is None:
+            return flag  # a simulated GPU is not the one NVML sees
+        processes = (self._nvml_query or processes_on_gpu)(int(index))
+        if not processes:
+            return flag
+        mine = self._writer_pids.get(header.run_id, set())
+        others = [p for p in processes if p.pid not in mine]
+        if not others:
+            return flag
+        named = ", ".join(
+            f"pid {p.pid}" + ("" if p.used_bytes is None else f" ({format_bytes(p.used_bytes)})") for p in others[:5]
+        )
+        return flag._replace(
+            message=f"{flag.message}; NVML sees on GPU {index}: {named}",
+            data={**flag.data, "other_processes": [{"pid": p.pid, "used_bytes": p.used_bytes} for p in others]},
+        )
 
     def finished(self, header: RingHeader) -> None:
         """A ring of the run is done; forget the run when all its ranks are."""
@@ -73,3 +103,13 @@ class LiveDetectors:
         if not ranks:
             self._runs.pop(header.run_id, None)
             self._open_ranks.pop(header.run_id, None)
+            self._writer_pids.pop(header.run_id, None)
+
+
+def processes_on_gpu(index: int) -> list[GpuProcess] | None:
+    """NVML's compute processes on GPU ``index``; ``None`` when NVML is not available here."""
+    try:
+        with Nvml() as nvml:
+            return list(nvml.device(index).processes or ())
+    except Exception:  # no driver, a lost GPU, an index NVML does not know: the flag stays as it is
+        return None
