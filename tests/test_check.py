@@ -101,3 +101,18 @@ def test_unknown_run_exits_3_and_a_foreign_file_exits_6(leak_run: str, db_path: 
     foreign.write_bytes(b"not a database at all" * 100)
     corrupt = CliRunner().invoke(cli(), ["check", "latest", "--db", str(foreign)])
     assert corrupt.exit_code == 6 and corrupt.output.startswith("error: ")
+
+
+def test_thresholds_file_changes_what_is_flagged(leak_run: str, db_path: Path, tmp_path: Path) -> None:
+    def drift_steps(*args: str) -> list[int]:
+        result = CliRunner().invoke(cli(), ["check", leak_run, "--db", str(db_path), "--json", *args])
+        return [flag["step"] for flag in json.loads(result.output)["flags"] if flag["kind"] == "non_torch_drift"]
+
+    thresholds = tmp_path / "thresholds.toml"
+    thresholds.write_text("[detectors]\ndrift_min_bytes = 1_073_741_824\n")
+    # 2.5 MiB a step from step 200: 256 MiB of drift by step 302 by default, 1 GiB only by step 609.
+    assert drift_steps() == [302]
+    assert drift_steps("--thresholds", str(thresholds)) == [609]
+    thresholds.write_text("drift_min = 1\n")
+    bad = CliRunner().invoke(cli(), ["check", leak_run, "--db", str(db_path), "--thresholds", str(thresholds)])
+    assert bad.exit_code == 2 and "unknown detector setting 'drift_min'" in bad.output

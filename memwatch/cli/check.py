@@ -7,23 +7,25 @@ from pathlib import Path
 
 import click
 
+from ..detectors import DetectorConfig
 from ..report import check_run, render_check
 from ..store import open_store
-from .options import db_option, json_option
+from .options import db_option, json_option, thresholds_option
 
 
 @click.command("check")
 @click.argument("run")
 @db_option
 @json_option
-def command(run: str, db_path: Path | None, as_json: bool) -> None:
+@thresholds_option
+def command(run: str, db_path: Path | None, as_json: bool, detector_config: DetectorConfig | None) -> None:
     """Check a recorded run's memory ledger. RUN is a run id, a unique prefix, or `latest`.
 
     The run's stored samples and events are replayed through the detectors, which are the source of
     truth here (the flags a live sidecar stored are not read). Exit 0 when no flag is warning or
     worse, 1 otherwise.
     """
-    report = check_run(open_store(db_path, readonly=True), run)
+    report = check_run(open_store(db_path, readonly=True), run, detector_config)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else render_check(report))
     if report.failed:
         raise SystemExit(1)

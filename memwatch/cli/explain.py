@@ -7,16 +7,18 @@ from pathlib import Path
 
 import click
 
+from ..detectors import DetectorConfig
 from ..report import explain_run, render_explanation
 from ..store import open_store
-from .options import db_option, json_option
+from .options import db_option, json_option, thresholds_option
 
 
 @click.command("explain")
 @click.argument("run")
 @db_option
 @json_option
-def command(run: str, db_path: Path | None, as_json: bool) -> None:
+@thresholds_option
+def command(run: str, db_path: Path | None, as_json: bool, detector_config: DetectorConfig | None) -> None:
     """Explain how a recorded run ended. RUN is a run id, a unique prefix, or `latest`.
 
     For an out-of-memory: the last window before it, which ledger term grew (by how much, since
@@ -24,5 +26,5 @@ def command(run: str, db_path: Path | None, as_json: bool) -> None:
     each rank's tightest moment. The stored samples and events are replayed through the detectors
     (the source of truth); --json carries every number under stable keys.
     """
-    explanation = explain_run(open_store(db_path, readonly=True), run)
+    explanation = explain_run(open_store(db_path, readonly=True), run, detector_config)
     click.echo(json.dumps(explanation.to_dict(), indent=2) if as_json else render_explanation(explanation))

@@ -8,7 +8,8 @@ from pathlib import Path
 import click
 
 from ..daemon import Sidecar, SidecarRunning
-from .options import db_option
+from ..detectors import DetectorConfig
+from .options import db_option, thresholds_option
 
 
 @click.command("serve")
@@ -20,10 +21,14 @@ from .options import db_option
               help="Exit after this many seconds with no engine writing (used when auto-started).")
 @click.option("--quiet-if-running", is_flag=True, hidden=True,
               help="Exit 0 silently when a sidecar already serves the directory.")
+@click.option("--no-detect", is_flag=True, help="Store timelines only; do not run the detectors live.")
+@thresholds_option
 def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float,
-            exit_when_idle: float | None, quiet_if_running: bool) -> None:
+            exit_when_idle: float | None, quiet_if_running: bool, no_detect: bool,
+            detector_config: DetectorConfig | None) -> None:
     """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C)."""
-    sidecar = Sidecar(runtime_dir, db_path, poll_interval=poll_interval, exit_when_idle=exit_when_idle)
+    sidecar = Sidecar(runtime_dir, db_path, poll_interval=poll_interval, exit_when_idle=exit_when_idle,
+                      detect=not no_detect, detector_config=detector_config)
     sidecar.install_signal_handlers()  # before the lock: whoever sees the lock may signal us at once
     try:
         sidecar.start()

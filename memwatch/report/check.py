@@ -12,7 +12,7 @@ from typing import Any
 
 import sqlite_utils
 
-from memwatch.detectors import RankSummary, replay
+from memwatch.detectors import DetectorConfig, RankSummary, replay
 from memwatch.detectors.wording import format_count
 from memwatch.flags import WARNING, Flag, severity_at_least
 from memwatch.ledger import LedgerTerms
@@ -94,19 +94,19 @@ class CheckReport:
         }
 
 
-def check_records(records: Iterable[Sample | Event]) -> CheckReport:
+def check_records(records: Iterable[Sample | Event], config: DetectorConfig | None = None) -> CheckReport:
     """Replay one run's records (in time order) and summarise the ledger and flags per rank."""
     records = list(records)
-    replayed = replay(records)
+    replayed = replay(records, config)
     run_id = records[0].run_id if records else None
     ranks = tuple(RankCheck.from_summary(replayed.ranks[rank]) for rank in sorted(replayed.ranks))
     return CheckReport(run_id, ranks, tuple(replayed.flags))
 
 
-def check_run(db: sqlite_utils.Database, ref: str) -> CheckReport:
+def check_run(db: sqlite_utils.Database, ref: str, config: DetectorConfig | None = None) -> CheckReport:
     """:func:`check_records` on a stored run (``ref``: id, unique prefix or ``latest``)."""
     _, records = stored_records(db, ref)
-    return check_records(records)
+    return check_records(records, config)
 
 
 def render_check(report: CheckReport) -> str:

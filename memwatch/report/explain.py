@@ -178,10 +178,10 @@ def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | 
     return Explanation(run_id, outcome, ooms, () if ooms else tightest, len(flags))
 
 
-def explain_run(db: sqlite_utils.Database, ref: str) -> Explanation:
+def explain_run(db: sqlite_utils.Database, ref: str, config: DetectorConfig | None = None) -> Explanation:
     """:func:`explain_records` on a stored run (``ref``: id, unique prefix or ``latest``)."""
     _, records = stored_records(db, ref)
-    return explain_records(records)
+    return explain_records(records, config)
 
 
 def render_explanation(explanation: Explanation) -> str:
