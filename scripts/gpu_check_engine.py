@@ -238,8 +238,15 @@ ENGINE_MAIN = '''
         import pynvml
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        report["nvml_process_bytes"] = sum(p.usedGpuMemory or 0 for p in
-                                           pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid())
+        listed = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        mine = [p for p in listed if p.pid == os.getpid()]
+        if not mine and len(listed) == 1:  # a container: NVML speaks host pids; the one process is us
+            mine = listed
+            report["nvml_error"] = f"NVML lists host pid {listed[0].pid}, taken as this process"
+        if mine:
+            report["nvml_process_bytes"] = sum(p.usedGpuMemory or 0 for p in mine)
+        else:
+            report["nvml_error"] = f"pid {os.getpid()} not among NVML's {[p.pid for p in listed]}"
     except Exception as exc:
         report["nvml_error"] = f"{type(exc).__name__}: {exc}"
     report["oom_request_bytes"] = free + (1 << 30)
