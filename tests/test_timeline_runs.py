@@ -1,0 +1,69 @@
+"""``memwatch runs`` and ``memwatch timeline`` on a stored simulated run, as a user calls them."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from memwatch.cli import main
+from memwatch.records import SAMPLE_COLUMNS
+
+from stored_runs import START_NS, store_scenario
+
+
+@pytest.fixture
+def stored(runtime_dir: Path, db_path: Path) -> str:
+    return store_scenario("clean_tp2", runtime_dir, db_path)
+
+
+def _invoke(db_path: Path, *args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, [*args, "--db", str(db_path)])
+    return result.exit_code, result.output
+
+
+def test_runs_lists_the_run_with_its_ranks_and_status(stored: str, db_path: Path) -> None:
+    code, out = _invoke(db_path, "runs")
+    assert code == 0
+    header, row = out.splitlines()
+    assert header.split()[:5] == ["RUN", "STARTED", "DURATION", "STATUS", "RANKS"]
+    assert row.split()[0] == stored and row.split()[4:6] == ["ok", "2"]
+    code, out = _invoke(db_path, "runs", "--json")
+    [run] = json.loads(out)
+    assert (run["run_id"], run["rank_count"], run["status"], run["source"]) == (stored, 2, "ok", "sim")
+    assert run["started_ns"] >= START_NS and run["config"]["tensor_parallel_size"] == 2
+
+
+def test_timeline_json_csv_rank_and_last(stored: str, db_path: Path) -> None:
+    code, out = _invoke(db_path, "timeline", stored[:6], "--json")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and {row["rank"] for row in rows} == {0, 1}
+    assert list(rows[0]) == list(SAMPLE_COLUMNS)
+    assert [row["ts_ns"] for row in rows] == sorted(row["ts_ns"] for row in rows)
+
+    code, out = _invoke(db_path, "timeline", "latest", "--csv", "--rank", "1")
+    table = list(csv.reader(io.StringIO(out)))
+    assert tuple(table[0]) == SAMPLE_COLUMNS and {line[1] for line in table[1:]} == {"1"}
+    assert len(table) - 1 == sum(1 for row in rows if row["rank"] == 1)
+
+    end = rows[-1]["ts_ns"]
+    code, out = _invoke(db_path, "timeline", "latest", "--json", "--last", "2s")
+    recent = [json.loads(line) for line in out.splitlines()]
+    assert recent and all(row["ts_ns"] >= end - 2_000_000_000 for row in recent)
+    assert len(recent) == sum(1 for row in rows if row["ts_ns"] >= end - 2_000_000_000)
+
+
+def test_timeline_table_and_errors(stored: str, db_path: Path) -> None:
+    code, out = _invoke(db_path, "timeline", stored, "--rank", "0", "--last", "500ms")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].startswith(f"run {stored}  nano-vllm  Qwen3-0.6B  status ok")
+    assert lines[1].split()[:5] == ["T+s", "RANK", "STEP", "PHASE", "KIND"]
+    assert all(line.split()[1] == "0" for line in lines[2:])
+    assert _invoke(db_path, "timeline", stored, "--last", "soon")[0] == 2
+    assert _invoke(db_path, "timeline", stored, "--json", "--csv")[0] == 2
+    code, out = _invoke(db_path, "timeline", "nosuchrun")
+    assert code == 3 and out.strip() == "error: no run 'nosuchrun' in the database; `memwatch runs` lists them"
