@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -71,3 +72,17 @@ def test_plugin_starts_a_sidecar_when_none_runs(runtime_dir: Path, db_path: Path
                            what="the sidecar pid file"))
         os.kill(pid, signal.SIGTERM)
         wait_for(lambda: not sidecar_running(runtime_dir), what="the sidecar to stop")
+
+
+def test_flags_are_stored_and_logged_live(runtime_dir: Path, db_path: Path) -> None:
+    with SidecarProcess(runtime_dir, db_path) as sidecar:
+        sim = subprocess.run([sys.executable, "-m", "memwatch", "sim", "--scenario", "non_torch_leak", "--json"],
+                             env=memwatch_env(runtime_dir, db_path), capture_output=True, text=True, timeout=60)
+        run_id = json.loads(sim.stdout)["run_id"]
+        wait_for(lambda: query(db_path, "SELECT status FROM runs WHERE run_id = ?", (run_id,)) == [("oom",)],
+                 what="the simulated OOM run to be stored")
+        output = sidecar.stop()
+    stored = query(db_path, "SELECT kind, severity, step FROM flags WHERE run_id = ? ORDER BY ts_ns", (run_id,))
+    assert [kind for kind, _, _ in stored] == ["oom_risk", "non_torch_drift", "oom_risk", "oom"]
+    for kind, _, step in stored:
+        assert f"run {run_id} rank 0 step {step}: " in output and f"[{kind}]" in output
