@@ -129,3 +129,22 @@ def test_plan_against_a_recorded_run(tmp_path: Path) -> None:
 
     code, _, err = invoke("--run", "nope", "--db", str(db))
     assert code == 3 and err.startswith("error: no run 'nope'")
+
+
+def test_plan_against_a_stored_demo_run(tmp_path: Path) -> None:
+    from stored_runs import store_scenario
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    db = tmp_path / "demo.db"
+    run_id = store_scenario("demo", runtime, db)
+    code, out, _ = invoke("--run", run_id, "--db", str(db), "--json")
+    assert code == 0
+    [rank] = json.loads(out)
+    terms = {term["term"]: term for term in rank["terms"]}
+    # The simulator uses the planner's own parameter count and activation model: both terms match,
+    # and the CUDA context the plan leaves out (non-PyTorch) is what costs the KV blocks.
+    assert abs(terms["weights"]["diff_bytes"]) < 2 * MIB          # allocator rounding of the weights
+    assert terms["activation reserve"]["diff_bytes"] == 0
+    assert terms["non-PyTorch"]["measured_bytes"] > 512 * MIB     # the 512 MiB CUDA context and more
+    assert terms["KV blocks"]["measured_bytes"] == 347 * 14_680_064
