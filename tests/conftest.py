@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 
@@ -29,3 +33,16 @@ def _isolated_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
     monkeypatch.delenv("MEMWATCH_RUN_ID", raising=False)
     monkeypatch.delenv("MEMWATCH", raising=False)
     os.umask(0o022)
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A plain process to watch: ``sleep 30``, asleep (done starting up) by the time the test gets it."""
+    process = subprocess.Popen(["sleep", "30"])
+    deadline = time.monotonic() + 5
+    while psutil.Process(process.pid).status() != psutil.STATUS_SLEEPING:
+        assert time.monotonic() < deadline, "sleep never went to sleep"
+        time.sleep(0.01)
+    yield process
+    process.kill()
+    process.wait()

@@ -9,7 +9,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -49,19 +48,6 @@ def memwatch_background(*args: str, env: dict[str, str]) -> subprocess.Popen[str
     return subprocess.Popen(
         [sys.executable, "-c", RUNNER, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-
-
-@pytest.fixture
-def sleeper() -> Iterator[Sleeper]:
-    """A plain process to watch: ``sleep 30``, asleep by the time the test gets it."""
-    process = subprocess.Popen(["sleep", "30"])
-    deadline = time.monotonic() + 5
-    while psutil.Process(process.pid).status() != psutil.STATUS_SLEEPING:
-        assert time.monotonic() < deadline, "sleep never went to sleep"
-        time.sleep(0.01)
-    yield process
-    process.kill()
-    process.wait()
 
 
 @pytest.fixture

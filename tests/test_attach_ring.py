@@ -62,17 +62,12 @@ def test_attach_reads_the_live_ledger_of_a_simulated_engine(runtime_dir: Path, d
     assert gpu["used_bytes"] + gpu["free_bytes"] == gpu["total_bytes"]
 
 
-def test_not_instrumented_and_no_driver_says_both(runtime_dir: Path, db_path: Path, tmp_path: Path) -> None:
+def test_not_instrumented_and_no_driver_says_both(runtime_dir: Path, db_path: Path, tmp_path: Path,
+                                                  sleeper: subprocess.Popen[bytes]) -> None:
     from fake_nvml import no_driver_env
 
-    sleeper = subprocess.Popen(["sleep", "30"])
-    try:
-        env = {**memwatch_env(runtime_dir, db_path), **no_driver_env(tmp_path / "nodriver")}
-        wait_for(lambda: True)
-        result = _attach(sleeper.pid, env)
-    finally:
-        sleeper.kill()
-        sleeper.wait()
+    env = {**memwatch_env(runtime_dir, db_path), **no_driver_env(tmp_path / "nodriver")}
+    result = _attach(sleeper.pid, env)
     assert result.returncode == 4
     assert result.stderr.startswith("error: NVML is not available: no NVIDIA driver on this machine")
     assert result.stderr.endswith(f"process {sleeper.pid} is not instrumented either (no memwatch ring), so there "

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -16,19 +15,6 @@ from memwatch.hostinfo import MIN_CPU_WINDOW_S, HostWatcher, ProcessExited
 
 NO_SUCH_PID = 4_194_305
 """Above Linux's PID_MAX_LIMIT (2**22), so no process can ever have it."""
-
-
-@pytest.fixture
-def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    """A ``sleep 30`` that has finished starting up (it is asleep)."""
-    process = subprocess.Popen(["sleep", "30"])
-    deadline = time.monotonic() + 5
-    while psutil.Process(process.pid).status() != psutil.STATUS_SLEEPING:
-        assert time.monotonic() < deadline, "sleep never went to sleep"
-        time.sleep(0.01)
-    yield process
-    process.kill()
-    process.wait()
 
 
 def _wait_for_children(pid: int, count: int) -> None:

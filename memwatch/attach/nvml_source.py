@@ -20,7 +20,7 @@ import psutil
 from ..errors import NotFoundError, UnavailableError
 from ..hostinfo import HostProcess, HostWatcher, ProcessExited
 from ..nvml import GpuDevice, Nvml
-from .snapshot import GpuUsage, ProcessUsage, Snapshot
+from .snapshot import GpuUsage, Snapshot
 
 
 class NvmlSource:
@@ -70,7 +70,7 @@ class NvmlSource:
         tree = {self.pid, *host.children}
         usage = []
         for device in devices:
-            mine = tuple(ProcessUsage(p.pid, p.used_bytes) for p in device.processes or () if p.pid in tree)
+            mine = tuple(p for p in device.processes or () if p.pid in tree)
             if mine:
                 self._seen.add(device.index)
             elif not (device.processes is None and device.index in self._seen):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..hostinfo import HostProcess
+from ..nvml import GpuProcess
 
 SNAPSHOT_KEYS = ("ts_ns", "pid", "source", "host", "gpus", "ranks")
 HOST_KEYS = (
@@ -33,12 +34,8 @@ LEDGER_KEYS = (
 )
 
 
-@dataclass(frozen=True)
-class ProcessUsage:
-    """Bytes one process of the watched tree holds on one GPU (``None``: NVML cannot attribute them)."""
-
-    pid: int
-    used_bytes: int | None
+ProcessUsage = GpuProcess
+"""Bytes one process of the watched tree holds on one GPU (``None``: NVML cannot attribute them)."""
 
 
 @dataclass(frozen=True)
