@@ -52,15 +52,18 @@ def bench_memwatch(runtime: Path, db_path: Path, n: int) -> float:
 
 
 def bench_raw(db_path: Path, n: int) -> float:
-    open_store(db_path).conn.close()  # same schema and index, created outside the timing
-    rows = [("bench", 0, i, 10**18 + i * 1000, "serve", 14 << 30, 18 << 30, 15 << 30, 20 << 30, None,
+    db = open_store(db_path)  # same schema and index, created outside the timing
+    with db.conn:
+        db.execute("INSERT INTO runs (run_id) VALUES ('bench')")  # the run's key is 1
+    db.conn.close()
+    rows = [(1, 0, i, 10**18 + i * 1000, "serve", 14 << 30, 18 << 30, 15 << 30, 20 << 30, None,
              i % 3780, 3780, 64, 64, "decode", 1, None) for i in range(n)]
     conn = sqlite3.connect(db_path)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
     start = time.perf_counter()
     with conn:
-        conn.executemany("INSERT INTO samples VALUES (" + ", ".join("?" * 17) + ")", rows)
+        conn.executemany("INSERT INTO sample_rows VALUES (" + ", ".join("?" * 17) + ")", rows)
     elapsed = time.perf_counter() - start
     conn.close()
     return n / elapsed

@@ -10,7 +10,8 @@ from typing import Any
 import sqlite_utils
 
 from ..errors import NotFoundError
-from ..records import EVENT_COLUMNS, SAMPLE_COLUMNS, Event, Sample
+from ..records import EVENT_COLUMNS, Event, Sample
+from .window import time_span, window_samples
 
 
 @dataclass(frozen=True)
@@ -83,20 +84,11 @@ def run_ranks(db: sqlite_utils.Database, run_id: str) -> list[dict[str, Any]]:
 
 
 def samples(
-    db: sqlite_utils.Database, run_id: str, *, rank: int | None = None, since_ns: int | None = None
+    db: sqlite_utils.Database, run_id: str, *, rank: int | None = None, since_ns: int | None = None,
+    until_ns: int | None = None,
 ) -> Iterator[Sample]:
-    """Samples of a run in time order (per rank when ``rank`` is given)."""
-    where = ["run_id = ?"]
-    params: list[Any] = [run_id]
-    if rank is not None:
-        where.append("rank = ?")
-        params.append(rank)
-    if since_ns is not None:
-        where.append("ts_ns >= ?")
-        params.append(since_ns)
-    sql = f"SELECT {', '.join(SAMPLE_COLUMNS)} FROM samples WHERE {' AND '.join(where)} ORDER BY ts_ns, rank, rowid"
-    for row in db.execute(sql, params):
-        yield Sample.from_row(row)
+    """Samples of a run in time order (per rank when ``rank`` is given); a rolled-up second is its last sample."""
+    return window_samples(db, run_id, rank=rank, since_ns=since_ns, until_ns=until_ns)
 
 
 def events(db: sqlite_utils.Database, run_id: str, *, rank: int | None = None) -> list[Event]:
@@ -110,4 +102,4 @@ def events(db: sqlite_utils.Database, run_id: str, *, rank: int | None = None) -
 
 
 def last_ts_ns(db: sqlite_utils.Database, run_id: str) -> int | None:
-    return db.execute("SELECT max(ts_ns) FROM samples WHERE run_id = ?", (run_id,)).fetchone()[0]
+    return time_span(db, run_id)[1]

@@ -3,6 +3,16 @@
 Table and column names are a public contract (users open the file in ``sqlite3`` or datasette):
 byte columns end in ``_bytes``, times in ``_ns`` (Unix epoch nanoseconds), ``NULL`` means "not
 available". ``PRAGMA user_version`` holds the schema version; each migration moves it up by one.
+
+Samples are the bulk of the file, so they are stored compactly in ``sample_rows``, keyed by the
+integer ``runs.run_key`` instead of the text run id. ``samples`` is a view that joins the run id back
+in, with the same columns as before; inserting into it still works (a trigger stores the row), so
+ad-hoc writers and queries need not know about the key. Samples older than the retention window
+are rolled up per second per rank into ``sample_seconds`` (see :mod:`memwatch.store.retention`).
+
+To add a sample column in a later migration: ``ALTER TABLE sample_rows ADD COLUMN …``, add it to
+:data:`ROLLUP_COLUMNS` if it is a number worth rolling up (and add its ``min_``/``max_``/``last_``
+columns to ``sample_seconds``), then call :func:`create_sample_view` to rebuild the view and trigger.
 """
 
 from __future__ import annotations
@@ -13,7 +23,13 @@ import sqlite_utils
 
 from ..errors import StoreError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+ROLLUP_COLUMNS: tuple[str, ...] = (
+    "allocated_bytes", "peak_bytes", "reserved_bytes", "driver_used_bytes", "driver_free_bytes",
+    "kv_blocks_used", "kv_blocks_total", "num_seqs", "num_tokens", "process_used_bytes",
+)
+"""Numeric sample columns kept per second as ``min_<col>``, ``max_<col>`` and ``last_<col>`` once rolled up."""
 
 
 def _v1(db: sqlite_utils.Database) -> None:
@@ -61,7 +77,83 @@ def _v1(db: sqlite_utils.Database) -> None:
     )
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1]
+_SAMPLE_ROW_COLUMNS = (
+    "rank INTEGER NOT NULL, step INTEGER, ts_ns INTEGER NOT NULL, phase TEXT, allocated_bytes INTEGER,"
+    " peak_bytes INTEGER, reserved_bytes INTEGER, driver_used_bytes INTEGER, driver_free_bytes INTEGER,"
+    " kv_blocks_used INTEGER, kv_blocks_total INTEGER, num_seqs INTEGER, num_tokens INTEGER, step_kind TEXT,"
+    " peak_is_step INTEGER, process_used_bytes INTEGER"
+)
+
+
+def _v2(db: sqlite_utils.Database) -> None:
+    """Integer run key, compact sample rows, the per-second rollup and the live per-rank summaries."""
+    conn = db.conn
+    conn.execute("ALTER TABLE runs ADD COLUMN run_key INTEGER")
+    conn.execute("UPDATE runs SET run_key = rowid")
+    conn.execute("CREATE UNIQUE INDEX runs_run_key ON runs (run_key)")
+    # Every new run gets the next key, whoever inserts it (the collector, attach --record, a script).
+    conn.execute(
+        "CREATE TRIGGER runs_key AFTER INSERT ON runs WHEN NEW.run_key IS NULL BEGIN"
+        f" UPDATE runs SET run_key = {NEXT_RUN_KEY} WHERE rowid = NEW.rowid; END"
+    )
+    # Runs that have samples but no runs row (written by hand) get one, so that no sample is lost.
+    conn.execute(
+        "INSERT INTO runs (run_id, run_key, status) SELECT DISTINCT s.run_id,"
+        " (SELECT coalesce(max(run_key), 0) FROM runs) + dense_rank() OVER (ORDER BY s.run_id), 'unknown'"
+        " FROM samples s WHERE s.run_id NOT IN (SELECT run_id FROM runs)"
+    )
+    conn.execute(f"CREATE TABLE sample_rows (run_key INTEGER NOT NULL, {_SAMPLE_ROW_COLUMNS})")
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(samples)") if row[1] != "run_id"]
+    conn.execute(
+        f"INSERT INTO sample_rows (run_key, {', '.join(columns)})"
+        f" SELECT r.run_key, {', '.join('s.' + c for c in columns)}"
+        " FROM samples s JOIN runs r ON r.run_id = s.run_id ORDER BY s.rowid"
+    )
+    conn.execute("DROP TABLE samples")
+    conn.execute("CREATE INDEX sample_rows_key_rank_ts ON sample_rows (run_key, rank, ts_ns)")
+    rolled = ", ".join(f"min_{c} INTEGER, max_{c} INTEGER, last_{c} INTEGER" for c in ROLLUP_COLUMNS)
+    conn.execute(
+        "CREATE TABLE sample_seconds (run_key INTEGER NOT NULL, rank INTEGER NOT NULL, second INTEGER NOT NULL,"
+        " samples INTEGER NOT NULL, first_ts_ns INTEGER, last_ts_ns INTEGER, first_step INTEGER, last_step INTEGER,"
+        f" last_phase TEXT, last_step_kind TEXT, {rolled}, PRIMARY KEY (run_key, rank, second)) WITHOUT ROWID"
+    )
+    conn.execute(
+        "CREATE TABLE rank_summaries (run_id TEXT NOT NULL, rank INTEGER NOT NULL, complete INTEGER NOT NULL,"
+        " detector_config TEXT, samples INTEGER, last_step INTEGER, last_ts_ns INTEGER, summary TEXT,"
+        " PRIMARY KEY (run_id, rank))"
+    )
+    create_sample_view(db)
+
+
+def create_sample_view(db: sqlite_utils.Database) -> None:
+    """(Re)create the ``samples`` view over ``sample_rows`` and the trigger that makes it insertable."""
+    conn = db.conn
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(sample_rows)") if row[1] != "run_key"]
+    conn.execute("DROP TRIGGER IF EXISTS samples_insert")
+    conn.execute("DROP VIEW IF EXISTS samples")
+    conn.execute(
+        f"CREATE VIEW samples AS SELECT r.run_id AS run_id, {', '.join('s.' + c + ' AS ' + c for c in columns)}"
+        " FROM sample_rows s JOIN runs r ON r.run_key = s.run_key"
+    )
+    conn.execute(
+        "CREATE TRIGGER samples_insert INSTEAD OF INSERT ON samples BEGIN"
+        f" {ENSURE_RUN.replace('?', 'NEW.run_id')};"
+        f" INSERT INTO sample_rows (run_key, {', '.join(columns)}) VALUES"
+        f" ((SELECT run_key FROM runs WHERE run_id = NEW.run_id), {', '.join('NEW.' + c for c in columns)});"
+        " END"
+    )
+
+
+NEXT_RUN_KEY = "(SELECT coalesce(max(run_key), 0) + 1 FROM runs)"
+"""The key a new run gets (``runs.run_key`` is unique; the next free integer)."""
+ENSURE_RUN = (
+    f"INSERT INTO runs (run_id, run_key, status) SELECT ?, {NEXT_RUN_KEY}, 'running'"
+    " WHERE NOT EXISTS (SELECT 1 FROM runs WHERE run_id = ?)"
+)
+"""Create a bare ``runs`` row for a run id that has none (bind the run id twice)."""
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2]
 """MIGRATIONS[i] takes a database from version i to i + 1."""
 
 
@@ -75,8 +167,14 @@ def migrate(db: sqlite_utils.Database) -> None:
         )
     if version == 0 and "runs" in db.table_names() and "ring_cursors" not in db.table_names():
         raise StoreError("the database has a 'runs' table but is not a memwatch database; use another --db")
+    conn = db.conn
     for step in MIGRATIONS[version:]:
-        with db.conn:
+        conn.execute("BEGIN IMMEDIATE")  # DDL included: a migration happens whole or not at all
+        try:
             step(db)
             version += 1
-            db.execute(f"PRAGMA user_version = {version}")
+            conn.execute(f"PRAGMA user_version = {version}")
+        except BaseException:
+            conn.rollback()
+            raise
+        conn.commit()

@@ -1,0 +1,178 @@
+"""Reading part of a run's timeline, whatever retention did to it.
+
+Recent samples are stored at full resolution in ``sample_rows``; older ones may have been rolled up
+per second per rank into ``sample_seconds`` (min, max and last of each numeric column). Readers see
+one time-ordered stream: a full-resolution sample as it was stored, a rolled-up second as a sample
+carrying that second's last values (its step and time are the last sample's) plus its
+:class:`Rollup` (how many samples, the minimum and maximum of each column). Both tables are read
+through the ``(run_key, rank, ts_ns)`` / ``(run_key, rank, second)`` keys, so a window costs what
+is in it, not what the run holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import sqlite_utils
+
+from ..records import SAMPLE_COLUMNS, Sample
+from .schema import ROLLUP_COLUMNS
+
+NS_PER_SECOND = 1_000_000_000
+
+
+class Rollup(NamedTuple):
+    """What one rolled-up second of one rank held besides its last sample."""
+
+    samples: int
+    first_ts_ns: int
+    first_step: int | None
+    minimum: dict[str, int | None]
+    maximum: dict[str, int | None]
+
+
+class WindowRow(NamedTuple):
+    """One row of a timeline window: a sample, and its rollup when it stands for a whole second."""
+
+    sample: Sample
+    rollup: Rollup | None
+
+
+def run_key(db: sqlite_utils.Database, run_id: str) -> int | None:
+    """The integer key a run's samples are stored under (``None`` for an unknown run)."""
+    row = db.execute("SELECT run_key FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    return None if row is None else row[0]
+
+
+def _where(key: int, rank: int | None, since_ns: int | None, until_ns: int | None, ts: str) -> tuple[str, list[Any]]:
+    clauses, params = ["run_key = ?"], [key]
+    if rank is not None:
+        clauses.append("rank = ?")
+        params.append(rank)
+    if since_ns is not None:
+        clauses.append(f"{ts} >= ?")
+        params.append(since_ns)
+    if until_ns is not None:
+        clauses.append(f"{ts} <= ?")
+        params.append(until_ns)
+    return " AND ".join(clauses), params
+
+
+_RAW = ", ".join(column for column in SAMPLE_COLUMNS[1:])
+_ROLLED = (
+    "rank, last_step, last_ts_ns, last_phase, last_allocated_bytes, last_peak_bytes, last_reserved_bytes,"
+    " last_driver_used_bytes, last_driver_free_bytes, last_kv_blocks_used, last_kv_blocks_total, last_num_seqs,"
+    " last_num_tokens, last_step_kind, 0, last_process_used_bytes"
+)
+_EXTRA = ", ".join(f"min_{c}, max_{c}" for c in ROLLUP_COLUMNS)
+
+
+def window_rows(
+    db: sqlite_utils.Database, run_id: str, *, rank: int | None = None,
+    since_ns: int | None = None, until_ns: int | None = None,
+) -> Iterator[WindowRow]:
+    """The run's timeline between ``since_ns`` and ``until_ns`` (inclusive), in time order, then rank."""
+    key = run_key(db, run_id)
+    if key is None:
+        return
+    raw_where, raw_params = _where(key, rank, since_ns, until_ns, "ts_ns")
+    rolled_where, rolled_params = _where(key, rank, since_ns, until_ns, "last_ts_ns")
+    nulls = ", ".join(["NULL"] * (3 + 2 * len(ROLLUP_COLUMNS)))
+    sql = (
+        f"SELECT {_RAW}, {nulls} FROM sample_rows WHERE {raw_where}"
+        f" UNION ALL SELECT {_ROLLED}, samples, first_ts_ns, first_step, {_EXTRA}"
+        f" FROM sample_seconds WHERE {rolled_where}"
+        " ORDER BY 3, 1"
+    )
+    width = len(SAMPLE_COLUMNS) - 1
+    for row in db.execute(sql, [*raw_params, *rolled_params]):
+        sample = Sample.from_row((run_id, *row[:width]))
+        count = row[width]
+        if count is None:
+            yield WindowRow(sample, None)
+            continue
+        bounds = row[width + 3:]
+        yield WindowRow(sample, Rollup(
+            count, row[width + 1], row[width + 2],
+            {c: bounds[2 * i] for i, c in enumerate(ROLLUP_COLUMNS)},
+            {c: bounds[2 * i + 1] for i, c in enumerate(ROLLUP_COLUMNS)},
+        ))
+
+
+def window_samples(
+    db: sqlite_utils.Database, run_id: str, *, rank: int | None = None,
+    since_ns: int | None = None, until_ns: int | None = None,
+) -> Iterator[Sample]:
+    """:func:`window_rows` without the rollups: a rolled-up second is its last sample."""
+    for row in window_rows(db, run_id, rank=rank, since_ns=since_ns, until_ns=until_ns):
+        yield row.sample
+
+
+def time_span(db: sqlite_utils.Database, run_id: str, rank: int | None = None) -> tuple[int | None, int | None]:
+    """The first and last sample time of the run (or rank), over both resolutions."""
+    key = run_key(db, run_id)
+    if key is None:
+        return None, None
+    where, params = _where(key, rank, None, None, "ts_ns")
+    raw = db.execute(f"SELECT min(ts_ns), max(ts_ns) FROM sample_rows WHERE {where}", params).fetchone()
+    rolled = db.execute(f"SELECT min(first_ts_ns), max(last_ts_ns) FROM sample_seconds WHERE {where}",
+                        params).fetchone()
+    firsts = [value for value in (raw[0], rolled[0]) if value is not None]
+    lasts = [value for value in (raw[1], rolled[1]) if value is not None]
+    return (min(firsts) if firsts else None, max(lasts) if lasts else None)
+
+
+class Bucket(NamedTuple):
+    """One bucket of a downsampled series: its time span, how many samples, and per column min and max."""
+
+    first_ts_ns: int
+    last_ts_ns: int
+    samples: int
+    minimum: dict[str, int | None]
+    maximum: dict[str, int | None]
+
+
+def downsampled(
+    db: sqlite_utils.Database, run_id: str, rank: int, *, buckets: int = 1000,
+    since_ns: int | None = None, until_ns: int | None = None, columns: Sequence[str] = ROLLUP_COLUMNS,
+) -> list[Bucket]:
+    """One rank's series cut into at most ``buckets`` equal time buckets, each keeping its min and max.
+
+    Every peak and trough survives (a bucket's min/max span every sample in it, rolled-up seconds
+    included), so a plot of millions of samples drawn from a thousand buckets hides nothing.
+    """
+    for column in columns:
+        if column not in ROLLUP_COLUMNS:
+            raise ValueError(f"{column!r} is not a numeric sample column; choose from {', '.join(ROLLUP_COLUMNS)}")
+    key = run_key(db, run_id)
+    first, last = time_span(db, run_id, rank)
+    if key is None or first is None or last is None:
+        return []
+    lo = first if since_ns is None else max(first, since_ns)
+    hi = last if until_ns is None else min(last, until_ns)
+    if hi < lo:
+        return []
+    width = max(1, -(-(hi - lo + 1) // max(1, buckets)))
+    raw_where, raw_params = _where(key, rank, lo, hi, "ts_ns")
+    rolled_where, rolled_params = _where(key, rank, lo, hi, "last_ts_ns")
+    points = ", ".join(f"{c} AS lo_{c}, {c} AS hi_{c}" for c in columns)
+    rolled_points = ", ".join(f"min_{c}, max_{c}" for c in columns)
+    aggregates = ", ".join(f"min(lo_{c}), max(hi_{c})" for c in columns)
+    sql = (
+        f"WITH points AS (SELECT (ts_ns - {lo}) / {width} AS b, ts_ns AS ts, ts_ns AS ts0, 1 AS n, {points}"
+        f" FROM sample_rows WHERE {raw_where}"
+        f" UNION ALL SELECT (last_ts_ns - {lo}) / {width}, last_ts_ns, first_ts_ns, samples, {rolled_points}"
+        f" FROM sample_seconds WHERE {rolled_where})"
+        f" SELECT b, min(ts0), max(ts), sum(n), {aggregates} FROM points GROUP BY b ORDER BY b"
+    )
+    result = []
+    count = len(columns)
+    for row in db.execute(sql, [*raw_params, *rolled_params]):
+        bounds = row[4:4 + 2 * count]
+        result.append(Bucket(
+            row[1], row[2], row[3],
+            {c: bounds[2 * i] for i, c in enumerate(columns)},
+            {c: bounds[2 * i + 1] for i, c in enumerate(columns)},
+        ))
+    return result
