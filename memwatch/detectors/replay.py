@@ -13,32 +13,11 @@ from dataclasses import dataclass, field
 
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.detector_set import DetectorSet
+from memwatch.detectors.summary import RankSummary, Tightest
 from memwatch.flags import Flag
-from memwatch.ledger import LedgerTerms, Sizing
 from memwatch.records import Event, Sample
 
-
-@dataclass(frozen=True)
-class Tightest:
-    """The sample where one ledger term was smallest."""
-
-    step: int
-    ts_ns: int
-    value_bytes: int
-    terms: LedgerTerms
-
-
-@dataclass
-class RankSummary:
-    """One rank's replay: how many samples, the last terms, the tightest moments, the sizing."""
-
-    rank: int
-    samples: int = 0
-    last_step: int | None = None
-    last_terms: LedgerTerms | None = None
-    min_headroom: Tightest | None = None
-    min_oom_margin: Tightest | None = None
-    sizing: Sizing | None = None
+__all__ = ["RankSummary", "ReplayResult", "Tightest", "interleave", "replay"]
 
 
 @dataclass
@@ -76,14 +55,7 @@ def replay(records: Iterable[Sample | Event], config: DetectorConfig | None = No
             summary = summaries[record.rank] = RankSummary(record.rank)
         terms = detectors.last_terms(record.rank)
         assert terms is not None  # on_sample always leaves the sample's terms
-        summary.samples += 1
-        summary.last_step = record.step
-        summary.last_terms = terms
-        headroom, margin = terms.headroom_bytes, terms.oom_margin_bytes
-        if headroom is not None and (summary.min_headroom is None or headroom < summary.min_headroom.value_bytes):
-            summary.min_headroom = Tightest(record.step, record.ts_ns, headroom, terms)
-        if margin is not None and (summary.min_oom_margin is None or margin < summary.min_oom_margin.value_bytes):
-            summary.min_oom_margin = Tightest(record.step, record.ts_ns, margin, terms)
+        summary.observe(record, terms)
     for rank, summary in summaries.items():
         summary.sizing = detectors.ledger(rank).sizing
     return result
