@@ -44,9 +44,9 @@ def main(verbose: int) -> None:
 
 
 def _register() -> None:
-    from . import attach, check, demo, explain, plan, run, runs, serve, sim, timeline
+    from . import attach, check, demo, explain, plan, run, runs, serve, sim, sql, timeline
 
-    for module in (serve, demo, runs, timeline, check, explain, plan, attach, sim, run):
+    for module in (serve, demo, runs, timeline, check, explain, plan, attach, sim, run, sql):
         main.add_command(module.command)
 
 

@@ -1,0 +1,47 @@
+"""Writing rows the same way everywhere: aligned text, JSON lines, or CSV with a header."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import click
+
+from ..errors import UsageError
+
+csv_option = click.option("--csv", "as_csv", is_flag=True, help="CSV with a header row.")
+
+
+def pick_format(as_json: bool, as_csv: bool) -> str:
+    if as_json and as_csv:
+        raise UsageError("choose one of --json and --csv")
+    return "json" if as_json else "csv" if as_csv else "text"
+
+
+def write_rows(columns: Sequence[str], rows: Iterable[Sequence[Any]], fmt: str, *, empty: str = "(no rows)") -> int:
+    """Write ``rows`` as JSON lines (one object per row), CSV, or a text table; returns how many."""
+    count = 0
+    out = sys.stdout
+    if fmt == "json":
+        for row in rows:
+            out.write(json.dumps(dict(zip(columns, row, strict=True)), default=str) + "\n")
+            count += 1
+        return count
+    if fmt == "csv":
+        writer = csv.writer(out)
+        writer.writerow(columns)
+        for row in rows:
+            writer.writerow(row)
+            count += 1
+        return count
+    buffered = [["" if value is None else str(value) for value in row] for row in rows]
+    widths = [max([len(column), *(len(row[i]) for row in buffered)]) for i, column in enumerate(columns)]
+    out.write("  ".join(column.ljust(width) for column, width in zip(columns, widths, strict=True)).rstrip() + "\n")
+    for row in buffered:
+        out.write("  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True)).rstrip() + "\n")
+    if not buffered:
+        out.write(empty + "\n")
+    return len(buffered)
