@@ -250,6 +250,7 @@ class Monitor:
         used_bytes: int | None = None,
         peak_bytes: int | None = None,
         current_bytes: int | None = None,
+        reserved_bytes: int | None = None,
         gpu_memory_utilization: float | None = None,
         block_size: int | None = None,
         kv_cache_memory_bytes: int | None = None,
@@ -258,12 +259,16 @@ class Monitor:
         """Record the inputs of the engine's KV budget formula and the block count it chose.
 
         Pass the readings the engine itself used; readings left out are taken from the probe now,
-        so call this before the KV tensor is allocated when relying on them.
+        so call this before the KV tensor is allocated when relying on them. ``reserved_bytes`` (the
+        allocator's reserve at the same moment) splits the engine's ``used − current`` into memory
+        outside PyTorch and cache slack; it is read from the probe only when ``used_bytes`` is too.
         """
         if not self._enabled:
             return
         try:
-            current, peak, _, used, free = self.probe.read()
+            current, peak, reserved, used, free = self.probe.read()
+            if reserved_bytes is None and used_bytes is None:
+                reserved_bytes = _none(reserved)
             if total_bytes is None and used != UNKNOWN:
                 total_bytes = used + free
             data = {
@@ -272,6 +277,7 @@ class Monitor:
                 "used_bytes": used_bytes if used_bytes is not None else _none(used),
                 "peak_bytes": peak_bytes if peak_bytes is not None else _none(peak),
                 "current_bytes": current_bytes if current_bytes is not None else _none(current),
+                "reserved_bytes": reserved_bytes,
                 "block_bytes": int(block_bytes),
                 "num_blocks": int(num_blocks),
             }

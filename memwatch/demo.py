@@ -22,6 +22,7 @@ from memwatch_engine.spawn import sidecar_running
 
 from .errors import UnavailableError
 from .ledger import engine_block_count
+from .report.ledger_text import LedgerLine, render_lines
 from .sim.run import run_scenario
 from .sim.scenario import Scenario
 from .store import default_db_path, open_store
@@ -52,8 +53,45 @@ class DemoSummary:
         return self.sizing["peak_bytes"] - self.sizing["current_bytes"]
 
     @property
-    def non_pytorch(self) -> int:
-        return self.sizing["used_bytes"] - self.sizing["current_bytes"]
+    def non_torch(self) -> int:
+        """Non-PyTorch at sizing, ``used − reserved`` (``used − current`` when the reserve was not recorded)."""
+        s = self.sizing
+        return s["used_bytes"] - (s.get("reserved_bytes") or s["current_bytes"])
+
+    @property
+    def cache_slack(self) -> int:
+        """Cache slack at sizing, ``reserved − current``: segment rounding left after ``empty_cache``."""
+        reserved = self.sizing.get("reserved_bytes")
+        return 0 if reserved is None else reserved - self.sizing["current_bytes"]
+
+    @property
+    def torch_other(self) -> int:
+        """Allocated at sizing beyond the weights (buffers, samplers)."""
+        current = self.sizing["current_bytes"]
+        return max(current - self.weights_bytes, 0) if self.weights_bytes is not None else 0
+
+    def ledger_lines(self) -> list[LedgerLine]:
+        """The budget at sizing, less each term, leaves the KV cache: every line in exact bytes."""
+        s = self.sizing
+        util = s["gpu_memory_utilization"]
+        budget = int(s["total_bytes"] * util)
+        weights = s["current_bytes"] - self.torch_other
+        terms = [self.non_torch, self.cache_slack, weights, self.torch_other, self.activation_reserve]
+        rounding = budget - sum(terms) - self.kv_bytes
+        recorded_reserve = s.get("reserved_bytes") is not None
+        return [
+            LedgerLine("", "total × utilization", budget, f"{s['total_bytes']:,} × {util}"),
+            LedgerLine("−", "non-PyTorch", self.non_torch,
+                       "CUDA context, workspaces, other processes (used − reserved)" if recorded_reserve
+                       else "CUDA context and other memory (used − current: the reserve was not recorded)"),
+            LedgerLine("−", "cache slack", self.cache_slack,
+                       "cached by the allocator, unallocated (reserved − current)"),
+            LedgerLine("−", "weights", weights, "the loaded weights"),
+            LedgerLine("−", "other long-lived PyTorch", self.torch_other, "allocated beyond the weights"),
+            LedgerLine("−", "activation reserve", self.activation_reserve, "peak − current of the warmup prefill"),
+            LedgerLine("−", "block rounding", rounding, "less than one block, left unused"),
+            LedgerLine("=", "KV cache", self.kv_bytes, f"{s['num_blocks']:,} blocks × {s['block_bytes']:,} bytes"),
+        ]
 
     @property
     def kv_bytes(self) -> int:
@@ -148,20 +186,12 @@ def render(summary: DemoSummary) -> str:
     if not s:
         lines.append("\nThe engine never sized its KV cache (it died during startup): see `memwatch explain`.")
         return "\n".join(lines)
-    budget = int(s["total_bytes"] * util)
-    rest = budget - summary.non_pytorch - s["current_bytes"] - summary.activation_reserve - summary.kv_bytes
     block_size = int(run.config.get("block_size") or s.get("block_size") or 0)
     tokens = s["num_blocks"] * block_size
     lines += [
         "",
-        "The KV budget at sizing (nano-vllm's formula, per rank)",
-        f"  total × utilization      {_b(budget)}   {_n(s['total_bytes'])} × {util}",
-        f"  − non-PyTorch            {_b(summary.non_pytorch)}   CUDA context and other memory (used − current)",
-        f"  − weights                {_b(s['current_bytes'])}   allocator current after load"
-        + (f" (weights {_n(summary.weights_bytes)} bytes)" if summary.weights_bytes else ""),
-        f"  − activation reserve     {_b(summary.activation_reserve)}   peak − current of the warmup prefill",
-        f"  = KV cache               {_b(summary.kv_bytes)}   {s['num_blocks']:,} blocks × "
-        f"{_n(s['block_bytes'])} bytes (+ {format_bytes(rest)} left by block rounding)",
+        "The KV budget at sizing (nano-vllm's formula, per rank; exact bytes in the second column)",
+        *render_lines(summary.ledger_lines()),
         f"  KV check: int(total×util − used − peak + current) // block_bytes = {summary.formula_blocks:,}"
         f" -> {'matches' if summary.formula_blocks == s['num_blocks'] else 'DIFFERS FROM'} the engine's "
         f"{s['num_blocks']:,}",
@@ -189,9 +219,3 @@ def render(summary: DemoSummary) -> str:
     return "\n".join(lines)
 
 
-def _b(value: int) -> str:
-    return f"{format_bytes(value):>10}"
-
-
-def _n(value: int | None) -> str:
-    return "-" if value is None else f"{value:,}"

@@ -1,37 +1,48 @@
 """The per-rank memory ledger: every sample split into the terms of the KV-sizing invariant.
 
-At the moment an engine sizes its KV cache the invariant holds by construction::
+At the moment an engine sizes its KV cache the invariant holds by construction (the engine's form)::
 
-    non-PyTorch (used - current) + weights + activation reserve (peak - current) + KV = budget
+    (used - current) + weights + activation reserve (peak - current) + KV = budget
 
 The ledger re-reads it on every later sample, so that when it stops holding the difference is a
 number of bytes (``residual_bytes``) and the term that moved is named. It is pure and streaming: fed
 the rank's events and samples in order, it returns one :class:`LedgerTerms` per sample and never
 raises on missing readings (a ``None`` input makes the terms that depend on it ``None``).
 
+One name per quantity, in every command and in the JSON (these field names are the stable vocabulary):
+
+=========================  ===========================================================================
+``budget_bytes``           ``total × utilization`` (or what an explicit KV size committed, below)
+``non_torch_bytes``        non-PyTorch: ``used − reserved``, everything the allocator does not hold
+                           (CUDA context, NCCL/cuBLAS workspaces, graph pools, other processes)
+``cache_slack_bytes``      ``reserved − allocated``: cached by the allocator, unallocated
+``weights_bytes``          the weights (``weights_loaded``, else all of ``current`` at sizing)
+``torch_other_bytes``      other long-lived PyTorch memory: ``current − weights`` at sizing, plus what a
+                           later phase declares (``phase_end`` data ``long_lived_bytes``, CUDA graphs)
+``kv_bytes``               ``num_blocks × block_bytes``
+``activation_reserve_bytes``  ``peak − current`` at sizing (the warmup forward)
+``headroom_bytes``         what the budget has left: budget − non-PyTorch − weights − other − KV − reserve
+``residual_bytes``         headroom now minus headroom at sizing
+``oom_margin_bytes``       free after the next worst-case forward: ``free − max(0, reserve − cache slack)``
+=========================  ===========================================================================
+
+So on every sample ``non-PyTorch + weights + other + KV + activation reserve + headroom = budget``
+exactly. The engine's own sizing term ``used − current`` is non-PyTorch plus the cache slack at sizing
+(nano-vllm empties the cache first, so that slack is only segment rounding); the ledger counts cache
+slack inside the activation reserve, where the allocator reuses it, and never adds it to the sum.
+
 Choices, where the model leaves room:
 
-* ``non_torch_bytes`` is ``used - reserved`` (outside the allocator: context, NCCL, cuBLAS, other
-  processes) and ``cache_slack_bytes`` is ``reserved - allocated`` (cached, unused, where
-  fragmentation lives); their sum is nano-vllm's non-PyTorch ``used - current``
-  (:attr:`LedgerTerms.non_pytorch_bytes`).
-* At sizing time the allocator's ``current`` is the weights plus whatever else the engine keeps
-  allocated (buffers, samplers); that remainder is ``torch_other_bytes``, together with any
-  long-lived memory a later phase declares (``phase_end`` data ``long_lived_bytes``, e.g. CUDA-graph
-  buffers). Weights come from ``weights_loaded`` when it was seen, else they are all of ``current``.
 * The budget is ``total * utilization``. With an explicit KV size (``kv_cache_memory_bytes``, which
   replaces the utilization rule) it is what the engine committed at sizing time:
-  ``non-PyTorch + weights + other + activation reserve + explicit KV``, i.e.
   ``used + peak - current + explicit KV``.
-* ``headroom_bytes`` is the budget minus what is committed now (non-torch, weights, other, reserve,
-  KV); ``residual_bytes`` is headroom now minus headroom at sizing. Budget, weights, reserve and KV
-  are fixed after sizing, so a residual is the growth of memory outside PyTorch since sizing (plus
-  declared long-lived memory), signed so that a shrinking headroom is negative. Non-PyTorch memory
-  at sizing is the engine's own ``used - current``, which includes whatever the allocator cached
-  then (nothing, when the engine emptied its cache before sizing as nano-vllm does).
-* ``oom_margin_bytes`` is what the driver would still have after the next worst-case forward:
-  ``free - max(0, reserve - cache slack)``. Cache slack counts only up to the activation the forward
-  needs; slack beyond it may be fragments the forward cannot use, so the margin does not lean on it.
+* Budget, weights, reserve and KV are fixed after sizing, so a residual is the growth of memory
+  outside PyTorch since sizing (plus declared long-lived memory), signed so that a shrinking headroom
+  is negative. When the sizing event carries the allocator's ``reserved_bytes``, headroom at sizing
+  is computed with the same terms as on every sample (residual 0 at sizing); without it, non-PyTorch
+  at sizing is the engine's ``used - current`` and its cache slack shows up as a positive residual.
+* Cache slack counts toward the OOM margin only up to the activation the forward needs; slack beyond
+  it may be fragments the forward cannot use, so the margin does not lean on it.
 """
 
 from __future__ import annotations
@@ -70,13 +81,6 @@ class LedgerTerms(NamedTuple):
     residual_bytes: int | None
     oom_margin_bytes: int | None
 
-    @property
-    def non_pytorch_bytes(self) -> int | None:
-        """nano-vllm's non-PyTorch term, ``used - current`` = non-torch + cache slack."""
-        if self.non_torch_bytes is None or self.cache_slack_bytes is None:
-            return None
-        return self.non_torch_bytes + self.cache_slack_bytes
-
 
 class Sizing(NamedTuple):
     """What the engine measured and decided when it sized the KV cache (one ``kv_allocated`` event)."""
@@ -90,6 +94,8 @@ class Sizing(NamedTuple):
     current_bytes: int | None
     block_bytes: int | None
     num_blocks: int | None
+    reserved_bytes: int | None
+    """The allocator's reserve at sizing, when the engine recorded it."""
     explicit_kv_bytes: int | None
     """``kv_cache_memory_bytes`` when the engine was given the KV size instead of a utilization."""
 
@@ -176,7 +182,8 @@ class Ledger:
             gpu_memory_utilization=None if utilization is None else float(utilization),
             used_bytes=_integer(data, "used_bytes"), peak_bytes=_integer(data, "peak_bytes"),
             current_bytes=_integer(data, "current_bytes"), block_bytes=_integer(data, "block_bytes"),
-            num_blocks=_integer(data, "num_blocks"), explicit_kv_bytes=_integer(data, "kv_cache_memory_bytes"),
+            num_blocks=_integer(data, "num_blocks"), reserved_bytes=_integer(data, "reserved_bytes"),
+            explicit_kv_bytes=_integer(data, "kv_cache_memory_bytes"),
         )
         self._declared_after_sizing = 0
         self._set_sizing_terms(self.sizing)
@@ -195,9 +202,11 @@ class Ledger:
             self._activation_reserve = sizing.peak_bytes - current
         self._long_lived = _sum_or_none(weights, self._torch_other, self._kv)
 
-        # What the engine committed at sizing: used - current + current + (peak - current) + KV.
-        used, peak = sizing.used_bytes, sizing.peak_bytes
-        committed_at_sizing = _sum_or_none(used, peak, None if current is None else -current, self._kv)
+        # What the engine committed at sizing: used - current + current + (peak - current) + KV; with the
+        # reserve known, non-PyTorch is used - reserved as on every sample, and the rest is current again.
+        used, peak, reserved = sizing.used_bytes, sizing.peak_bytes, sizing.reserved_bytes
+        outside = current if reserved is None else reserved
+        committed_at_sizing = _sum_or_none(used, peak, None if outside is None else -outside, self._kv)
         if sizing.explicit_kv_bytes is not None:
             self._budget = _sum_or_none(used, peak, None if current is None else -current,
                                         sizing.explicit_kv_bytes)

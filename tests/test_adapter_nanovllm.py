@@ -113,6 +113,7 @@ def test_tp2_every_rank_records_and_the_sidecar_drains_both_rings(tmp_path: Path
         assert data == {
             "total_bytes": total, "gpu_memory_utilization": 0.9, "used_bytes": used, "peak_bytes": peak,
             "current_bytes": weights, "block_bytes": block_bytes, "num_blocks": blocks, "block_size": 256,
+            "reserved_bytes": weights,  # warmup's segments were emptied: only the weights' 42 MiB stay reserved
             "num_hidden_layers": 16, "num_kv_heads": 2, "head_dim": 128, "dtype_bytes": 2,
             "tensor_parallel_size": 2,
         }, rank

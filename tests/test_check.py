@@ -41,11 +41,9 @@ def test_a_leaking_run_fails_with_every_flag_and_the_ledger_at_its_end(leak_run:
     (rank,) = report.ranks
     assert (rank.rank, rank.num_blocks, rank.last_step) == (0, 113, 1385)
     terms = rank.last_terms
-    # The leak ran on steps 200 to 1,385. The residual started at +3,276,800: the engine's used - current at
-    # sizing (540,147,712) held that much cached allocator memory besides the 512 MiB context, which the
-    # ledger counts as cache slack, not non-PyTorch memory.
-    assert 540_147_712 - 512 * 2**20 == 3_276_800
-    assert terms.residual_bytes == 3_276_800 - (1385 - 200 + 1) * LEAK_BYTES == -3_105_751_040
+    # The leak ran on steps 200 to 1,385: the residual is exactly the leaked bytes, since the sizing
+    # event records the allocator's reserve and the cache slack at sizing is not counted as non-PyTorch.
+    assert terms.residual_bytes == -(1385 - 200 + 1) * LEAK_BYTES == -3_109_027_840
     assert terms.budget_bytes == int(8 * 2**30 * 0.6)
     assert (rank.min_oom_margin_step, rank.min_oom_margin_bytes) == (1385, terms.oom_margin_bytes)
 
@@ -66,14 +64,16 @@ def test_cli_exit_1_on_a_warning_with_text_and_json(leak_run: str, db_path: Path
     assert text.exit_code == 1
     lines = text.output.splitlines()
     assert lines[0] == f"run {leak_run}"
-    assert "  residual (headroom change since sizing)          -2.89 GiB" in lines
+    # The residual is the leak: 1,186 steps × 2.5 MiB = 2.90 GiB, printed with its exact bytes.
+    residual = next(line for line in lines if line.strip().startswith("residual"))
+    assert residual.split()[1:4] == ["-2.90", "GiB", "-3,109,027,840"]
     assert lines[-1] == "check failed: 4 flags of warning or worse"
     assert "warning  non_torch_drift          rank 0 step 302: non-PyTorch memory grew by 257.5 MiB" in text.output
     as_json = CliRunner().invoke(cli(), ["check", "latest", "--db", str(db_path), "--json"])
     assert as_json.exit_code == 1
     data = json.loads(as_json.output)
     assert data["failed"] is True and data["run_id"] == leak_run
-    assert data["ranks"][0]["last_terms"]["residual_bytes"] == -3_105_751_040
+    assert data["ranks"][0]["last_terms"]["residual_bytes"] == -3_109_027_840
     assert [flag["kind"] for flag in data["flags"]] == ["oom_risk", "non_torch_drift", "oom_risk", "oom"]
 
 

@@ -60,7 +60,9 @@ def test_seed_worked_example_qwen_7b_on_an_80_gb_gpu() -> None:
         # free = 80 GB - (1 + 14) GB - KV = 12,004,968,960; no cache yet, so the forward needs all 4 GB
         oom_margin_bytes=12_004_968_960 - 4 * GB,
     )
-    assert terms.non_pytorch_bytes == 1 * GB
+    # The lines the CLI prints sum to the budget exactly.
+    assert (terms.non_torch_bytes + terms.weights_bytes + terms.torch_other_bytes + terms.kv_bytes
+            + terms.activation_reserve_bytes + terms.headroom_bytes) == terms.budget_bytes
 
 
 def test_tensor_parallel_4_gives_about_five_times_the_blocks_per_rank() -> None:
@@ -110,7 +112,8 @@ def test_hand_computed_sequence() -> None:
     assert (step.headroom_bytes, step.residual_bytes) == (-32 * MiB, -40 * MiB)
     # slack 2,900 >= reserve 2,560: the forward fits in the cache; margin = free = 16,384 - 12,760 MiB
     assert step.oom_margin_bytes == 3624 * MiB
-    assert step.non_pytorch_bytes == 552 * MiB + 2900 * MiB  # used - allocated
+    assert (step.non_torch_bytes + step.weights_bytes + step.torch_other_bytes + step.kv_bytes
+            + step.activation_reserve_bytes + step.headroom_bytes) == step.budget_bytes
 
     # A decode step without a per-step peak: no step activation; cache shrank to 1,000 MiB by empty_cache.
     reserved = long_lived + 1000 * MiB
@@ -196,3 +199,29 @@ def test_resizing_starts_a_new_reference() -> None:
     terms = ledger.on_sample(sample(9, long_lived, long_lived, long_lived + 552 * MiB, 16 * GiB))
     # 12,288 - (552 + 4,608 + 2,560 + 4,500) = 68 MiB, and it is the new reference: residual 0
     assert (terms.headroom_bytes, terms.residual_bytes) == (68 * MiB, 0)
+
+
+def test_cache_slack_at_sizing_is_not_growth_when_the_reserve_was_recorded() -> None:
+    # Sizing with 100 MiB of cached segments left after empty_cache: the engine's used - current is
+    # 512 MiB of context plus that slack. 16 GiB card at 0.75: budget 12,288 MiB.
+    total, weights, slack, reserve = 16 * GiB, 4096 * MiB, 100 * MiB, 2048 * MiB
+    used = 512 * MiB + weights + slack
+    block_bytes = 4 * MiB
+    # 12,288 - 612 - 4,096 - 2,048 = 5,532 MiB -> 1,383 blocks of 4 MiB exactly
+    blocks = engine_block_count(total, 0.75, used, weights + reserve, weights, block_bytes)
+    assert blocks == 1383
+    at_sizing = sample(5, weights + blocks * block_bytes, weights + slack + blocks * block_bytes,
+                       used + blocks * block_bytes, total)
+
+    recorded = Ledger()
+    recorded.on_event(kv_allocated(total, 0.75, used, weights + reserve, weights, block_bytes, blocks,
+                                   reserved_bytes=weights + slack))
+    terms = recorded.on_sample(at_sizing)
+    # Non-PyTorch is used - reserved = 512 MiB; the 100 MiB slack is uncommitted budget, not a change.
+    assert (terms.non_torch_bytes, terms.cache_slack_bytes) == (512 * MiB, slack)
+    assert (terms.headroom_bytes, terms.residual_bytes) == (100 * MiB, 0)
+
+    unrecorded = Ledger()
+    unrecorded.on_event(kv_allocated(total, 0.75, used, weights + reserve, weights, block_bytes, blocks))
+    # Without the reserve the engine's used - current stands for non-PyTorch at sizing.
+    assert unrecorded.on_sample(at_sizing).residual_bytes == 100 * MiB

@@ -61,7 +61,8 @@ def test_startup_phases_steps_and_events_in_order(runtime_dir: Path) -> None:
     assert weights == {"weights_bytes": 600, "allocated_bytes": 700, "peak_bytes": 800, "reserved_bytes": 900}
     kv = drained.events[4][4]
     assert kv == {"total_bytes": 10_000, "gpu_memory_utilization": 0.9, "used_bytes": 1700, "peak_bytes": 800,
-                  "current_bytes": 700, "block_bytes": 50, "num_blocks": 3, "block_size": 16}
+                  "current_bytes": 700, "block_bytes": 50, "num_blocks": 3, "block_size": 16,
+                  "reserved_bytes": 900}  # left out by the caller, read from the probe with used
     steps = [s for s in drained.samples if s[4] != 0]
     assert [(s[5], s[4], s[15], s[12], s[13], s[14]) for s in steps] == [(1, 1, 2, 64, 2, 3), (2, 2, 1, 1, -1, -1)]
     assert all(s[2] & 1 for s in steps), "serving steps carry their own peak"

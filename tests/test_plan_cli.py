@@ -104,7 +104,7 @@ def test_plan_against_a_recorded_run(tmp_path: Path) -> None:
     config = {"model_config": "Qwen2.5-7B-Instruct", "gpu_memory_utilization": 0.9, "block_size": 256,
               "max_num_batched_tokens": 16_384, "max_model_len": 32_768, "max_num_seqs": 512}
     sizing = {"total_bytes": total, "gpu_memory_utilization": 0.9, "used_bytes": used, "peak_bytes": peak,
-              "current_bytes": current, "block_bytes": 14_680_064,
+              "current_bytes": current, "reserved_bytes": current, "block_bytes": 14_680_064,
               "num_blocks": int(total * 0.9 - used - peak + current) // 14_680_064}
     db = tmp_path / "memwatch.db"
     connection = open_store(db).conn  # the real schema, as the sidecar creates it
@@ -124,7 +124,8 @@ def test_plan_against_a_recorded_run(tmp_path: Path) -> None:
 
     code, out, _ = invoke("--run", "demo1", "--db", str(db), "--json")
     [data] = json.loads(out)
-    assert [term["term"] for term in data["terms"]] == ["weights", "activation reserve", "non-PyTorch", "KV blocks"]
+    assert [term["term"] for term in data["terms"]] == ["weights", "activation reserve", "non-PyTorch", "cache slack",
+                                                     "KV blocks"]
     assert data["terms"][1]["diff_bytes"] == GIB
 
     code, _, err = invoke("--run", "nope", "--db", str(db))
@@ -146,5 +147,6 @@ def test_plan_against_a_stored_demo_run(tmp_path: Path) -> None:
     # and the CUDA context the plan leaves out (non-PyTorch) is what costs the KV blocks.
     assert abs(terms["weights"]["diff_bytes"]) < 2 * MIB          # allocator rounding of the weights
     assert terms["activation reserve"]["diff_bytes"] == 0
-    assert terms["non-PyTorch"]["measured_bytes"] > 512 * MIB     # the 512 MiB CUDA context and more
+    assert terms["non-PyTorch"]["measured_bytes"] == 512 * MIB    # the simulated CUDA context (used − reserved)
+    assert 0 < terms["cache slack"]["measured_bytes"] < 87 * 2 * MIB  # segment rounding of the weights' tensors
     assert terms["KV blocks"]["measured_bytes"] == 347 * 14_680_064

@@ -30,7 +30,7 @@ PLANNED_BLOCKS = (int(TOTAL * 0.9) - WEIGHTS - RESERVE) // BLOCK
 def sizing(current: int, peak: int, used: int, block_bytes: int = BLOCK) -> dict[str, Any]:
     """A kv_allocated event's data, with num_blocks computed as the engine does."""
     return {"total_bytes": TOTAL, "gpu_memory_utilization": 0.9, "used_bytes": used, "peak_bytes": peak,
-            "current_bytes": current, "block_bytes": block_bytes,
+            "current_bytes": current, "reserved_bytes": current, "block_bytes": block_bytes,
             "num_blocks": int(TOTAL * 0.9 - used - peak + current) // block_bytes}
 
 
@@ -47,7 +47,7 @@ def test_a_run_that_matches_the_plan() -> None:
     assert PLANNED_BLOCKS == 4077
     assert [(t.term, t.diff_bytes, t.cause) for t in result.terms] == [
         ("weights", 0, "as planned"), ("activation reserve", 0, "as planned"),
-        ("non-PyTorch", 0, "as planned"), ("KV blocks", 0, "as planned")]
+        ("non-PyTorch", 0, "as planned"), ("cache slack", 0, "as planned"), ("KV blocks", 0, "as planned")]
     kv = result.terms[-1]
     assert (kv.predicted_blocks, kv.measured_blocks) == (4077, 4077)
     assert (result.warmup_seqs, result.warmup_seq_len, result.model) == (4, 4096, "Qwen2.5-7B-Instruct")
@@ -58,7 +58,7 @@ def test_load_spike_and_cuda_context_come_out_of_the_kv_cache() -> None:
     peak = current + RESERVE + 3 * GIB                # peak not reset after loading
     used = current + 700 * MIB                        # CUDA context and workspaces
     [result] = compare_run(run_row(), [event(sizing(current, peak, used))])
-    weights, reserve, non_pytorch, kv = result.terms
+    weights, reserve, non_pytorch, _slack, kv = result.terms
     assert (weights.diff_bytes, weights.cause) == (50 * MIB, "as planned")
     assert reserve.diff_bytes == 3 * GIB and "peak was not reset before warmup" in reserve.cause
     assert (non_pytorch.predicted_bytes, non_pytorch.measured_bytes) == (0, 700 * MIB)

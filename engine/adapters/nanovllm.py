@@ -263,12 +263,13 @@ def _record_kv_sizing(runner: Any, state: _Rank, readings: tuple[int, int, int, 
     dtype_bytes = hf_config.dtype.itemsize
     block_size = int(runner.block_size)
     block_bytes = 2 * hf_config.num_hidden_layers * block_size * num_kv_heads * head_dim * dtype_bytes
-    current, peak, _, used, free = readings
+    current, peak, reserved, used, free = readings
     known = UNKNOWN not in (current, peak, used, free)
     state.monitor.kv_allocated(
         num_blocks, block_bytes,
         total_bytes=used + free if known else None, used_bytes=used if known else None,
         peak_bytes=peak if known else None, current_bytes=current if known else None,
+        reserved_bytes=reserved if known and reserved != UNKNOWN else None,
         gpu_memory_utilization=float(config.gpu_memory_utilization), block_size=block_size,
         num_hidden_layers=int(hf_config.num_hidden_layers), num_kv_heads=int(num_kv_heads),
         head_dim=int(head_dim), dtype_bytes=int(dtype_bytes), tensor_parallel_size=int(runner.world_size),

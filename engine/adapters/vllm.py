@@ -221,13 +221,14 @@ def _record_kv_sizing(worker: Any, kv_cache_config: Any) -> None:
                    if not getattr(tensor, "host_resident", False))
     block_bytes = kv_bytes // num_blocks if num_blocks > 0 else 0
     readings = state.sized_on or (UNKNOWN,) * 5
-    current, peak, _, used, free = readings
+    current, peak, reserved, used, free = readings
     known = UNKNOWN not in (current, peak, used, free)
     cache_config = worker.cache_config
     state.monitor.kv_allocated(
         num_blocks, block_bytes,
         total_bytes=used + free if known else None, used_bytes=used if known else None,
         peak_bytes=peak if known else None, current_bytes=current if known else None,
+        reserved_bytes=reserved if known and reserved != UNKNOWN else None,
         gpu_memory_utilization=float(cache_config.gpu_memory_utilization), block_size=int(cache_config.block_size),
         kv_cache_memory_bytes=state.available_kv_bytes, kv_cache_bytes=kv_bytes, budget_rule="vllm",
     )

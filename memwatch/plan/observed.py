@@ -5,8 +5,12 @@ which splits the budget into four measured terms (see ``kv_allocated``)::
 
     weights            = current            (allocated when the cache is sized)
     activation reserve = peak − current     (the warmup forward's transient peak)
-    non-PyTorch        = used − current     (CUDA context, workspaces, other processes)
+    non-PyTorch        = used − reserved    (CUDA context, workspaces, other processes)
+    cache slack        = reserved − current (cached by the allocator, unallocated)
     KV blocks          = num_blocks
+
+(the engine's own ``used − current`` is non-PyTorch plus cache slack; a run that did not record the
+allocator's reserve at sizing shows the two as one line, "non-PyTorch + cache slack").
 
 The plan predicts the same terms from the model config: weights from the parameter count, the
 reserve from the activation model on the engine's warmup batch, no memory outside PyTorch, and the
@@ -141,6 +145,8 @@ def compare_rank(run: Mapping[str, Any], kv_event: Mapping[str, Any]) -> PlanVsO
     blocks_p = max(0, kv_budget_p) // block_p
 
     current, peak, used = int(data["current_bytes"]), int(data["peak_bytes"]), int(data["used_bytes"])
+    reserved = data.get("reserved_bytes")
+    outside = used - (current if reserved is None else int(reserved))
     block_m, blocks_m = int(data["block_bytes"]), int(data["num_blocks"])
     terms = [
         _term("weights", weights_p, current,
@@ -153,12 +159,17 @@ def compare_rank(run: Mapping[str, Any], kv_event: Mapping[str, Any]) -> PlanVsO
               "was not reset before warmup, eager attention scores, or workspaces the model omits",
               f"the warmup peak is below the model of a {num_seqs} × {seq_len:,}-token prefill: warmup "
               "ran a smaller batch or a decode step, so a real long prefill can run out of memory"),
-        _term("non-PyTorch", 0, used - current,
+        _term("non-PyTorch" if reserved is not None else "non-PyTorch + cache slack", 0, outside,
               "the plan assumes nothing outside PyTorch; the CUDA context, NCCL/cuBLAS workspaces, "
               "graph pools and other processes on the GPU hold this",
               "the driver reports less in use than PyTorch allocated: the readings were not taken "
               "at the same moment"),
     ]
+    if reserved is not None:
+        terms.append(_term("cache slack", 0, int(reserved) - current,
+                           "the allocator held cached, unallocated memory when the cache was sized (segment "
+                           "rounding, or no empty_cache before sizing); the engine counts it as used",
+                           "the allocator reported less reserved than allocated: inconsistent readings"))
     kv_p, kv_m = blocks_p * block_p, blocks_m * block_m
     others = sum(term.diff_bytes for term in terms)
     if block_m != block_p:

@@ -17,22 +17,9 @@ from memwatch.detectors.wording import format_count
 from memwatch.flags import WARNING, Flag, severity_at_least
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
+from memwatch.report.ledger_text import render_lines, terms_lines
 from memwatch.report.stored import stored_records
 from memwatch.units import format_bytes
-
-LEDGER_TERMS: tuple[tuple[str, str], ...] = (
-    ("budget_bytes", "budget (total × utilization)"),
-    ("non_torch_bytes", "non-PyTorch (used − reserved)"),
-    ("cache_slack_bytes", "cache slack (reserved − allocated)"),
-    ("weights_bytes", "weights"),
-    ("torch_other_bytes", "other long-lived PyTorch"),
-    ("kv_bytes", "KV cache"),
-    ("activation_reserve_bytes", "activation reserve (warmup peak − current)"),
-    ("headroom_bytes", "headroom (budget − committed)"),
-    ("residual_bytes", "residual (headroom change since sizing)"),
-    ("oom_margin_bytes", "OOM margin (free after a worst-case forward)"),
-)
-"""The ledger terms shown per rank, in the order of the invariant, with their plain names."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +56,7 @@ class RankCheck:
         return {
             "rank": self.rank, "samples": self.samples, "last_step": self.last_step,
             "num_blocks": self.num_blocks, "block_bytes": self.block_bytes,
-            "last_terms": None if terms is None else {**terms._asdict(), "non_pytorch_bytes": terms.non_pytorch_bytes},
+            "last_terms": None if terms is None else terms._asdict(),
             "min_headroom": {"step": self.min_headroom_step, "bytes": self.min_headroom_bytes},
             "min_oom_margin": {"step": self.min_oom_margin_step, "bytes": self.min_oom_margin_bytes},
         }
@@ -122,9 +109,9 @@ def render_check(report: CheckReport) -> str:
         if rank.last_terms is None or rank.last_terms.budget_bytes is None:
             lines.append("  the KV cache was never sized: no ledger")
             continue
-        width = max(len(label) for _, label in LEDGER_TERMS)
-        for key, label in LEDGER_TERMS:
-            lines.append(f"  {label:<{width}}  {format_bytes(getattr(rank.last_terms, key)):>12}")
+        lines.append(f"  the ledger at step {format_count(rank.last_step or 0)}: the budget, less each term, "
+                     "leaves the headroom (exact bytes on the right)")
+        lines += render_lines(terms_lines(rank.last_terms), indent="    ")
         if rank.min_oom_margin_step is not None:
             lines.append(f"  tightest OOM margin: {format_bytes(rank.min_oom_margin_bytes)} at step "
                          f"{format_count(rank.min_oom_margin_step)}")

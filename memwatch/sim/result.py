@@ -18,9 +18,9 @@ class PhaseSummary:
 class RankSummary:
     """One rank: the terms of its KV sizing (the KV-sizing invariant) and what serving did to it.
 
-    At sizing, ``non_pytorch_bytes + weights_bytes + activation_reserve_bytes + kv_budget`` equals
-    ``total × utilization``, where ``non_pytorch_bytes = used − current`` (context, NCCL, other
-    processes and cached-but-free allocator memory) and ``activation_reserve_bytes = peak − current``.
+    At sizing, ``non_torch_bytes + cache_slack_bytes + current + activation_reserve_bytes + kv_budget``
+    equals ``total × utilization``, where ``non_torch_bytes = used − reserved`` (context, NCCL, other
+    processes), ``cache_slack_bytes = reserved − current`` and ``activation_reserve_bytes = peak − current``.
     """
 
     rank: int
@@ -30,7 +30,8 @@ class RankSummary:
     phases: tuple[PhaseSummary, ...]
     weights_bytes: int | None
     activation_reserve_bytes: int | None
-    non_pytorch_bytes: int | None
+    non_torch_bytes: int | None
+    cache_slack_bytes: int | None
     num_blocks: int | None
     block_bytes: int | None
     kv_tokens: int | None

@@ -73,6 +73,7 @@ class KVSizing:
     gpu_memory_utilization: float
     block_bytes: int
     num_blocks: int
+    reserved_bytes: int
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -183,13 +184,15 @@ class RankRunner:
         stats = self.gpu.memory_stats()
         peak = stats["allocated_bytes.all.peak"]
         current = stats["allocated_bytes.all.current"]
+        reserved = stats["reserved_bytes.all.current"]
         block_bytes = self.spec.block_bytes(engine.block_size, tp=self.tp)
         num_blocks = int(total * engine.gpu_memory_utilization - used - peak + current) // block_bytes
         self.monitor.kv_allocated(
             num_blocks, block_bytes, total_bytes=total, used_bytes=used, peak_bytes=peak, current_bytes=current,
-            gpu_memory_utilization=engine.gpu_memory_utilization, block_size=engine.block_size,
+            reserved_bytes=reserved, gpu_memory_utilization=engine.gpu_memory_utilization, block_size=engine.block_size,
         )
-        self.kv_sizing = KVSizing(total, used, peak, current, engine.gpu_memory_utilization, block_bytes, num_blocks)
+        self.kv_sizing = KVSizing(total, used, peak, current, engine.gpu_memory_utilization, block_bytes, num_blocks,
+                                  reserved)
         if num_blocks <= 0:
             raise KVCacheSizingError(
                 f"rank {self.rank}: no room for a single KV block ({num_blocks} blocks of {block_bytes} bytes "
