@@ -1,7 +1,9 @@
 """``memwatch check``: per rank, the ledger as the run left it and its tightest moments; every flag.
 
 A pure function of a run's records (:func:`check_records`) or of a stored run (:func:`check_run`).
-The verdict is the CLI's exit code: a run fails its check when any flag is ``warning`` or worse.
+The verdict is the CLI's exit code: a run fails its check when any flag is ``warning`` or worse, or
+when it crashed or stopped with an error. A rank that never sized a KV cache has no ledger to hold;
+the check says so and reports its raw readings instead.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from typing import Any
 
 import sqlite_utils
 
-from memwatch.detectors import DetectorConfig, RankSummary, replay
+from memwatch.detectors import STARTUP_PHASES, DetectorConfig, RankSummary, replay
 from memwatch.detectors.wording import format_count
 from memwatch.flags import WARNING, Flag, severity_at_least
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
 from memwatch.report.ledger_text import render_lines, terms_lines
+from memwatch.report.readings import ENDED_BADLY, UNSIZED_SENTENCE, RankReadings, crash_sentences
 from memwatch.report.stored import stored_records
 from memwatch.units import format_bytes
 
@@ -67,38 +70,62 @@ class CheckReport:
     run_id: str | None
     ranks: tuple[RankCheck, ...]
     flags: tuple[Flag, ...]
+    status: str | None = None
+    """The run's stored status; ``crashed`` and ``error`` fail the check like a warning."""
+    readings: tuple[RankReadings, ...] = ()
+    started_ns: int | None = None
+
+    @property
+    def ended_badly(self) -> bool:
+        return self.status in ENDED_BADLY
+
+    @property
+    def unsized_ranks(self) -> tuple[int, ...]:
+        """Ranks without a KV sizing: their ledger could not be checked."""
+        return tuple(rank.rank for rank in self.ranks
+                     if rank.last_terms is None or rank.last_terms.budget_bytes is None)
 
     @property
     def failed(self) -> bool:
-        """Whether any flag is ``warning`` or worse (``memwatch check`` then exits 1)."""
-        return any(severity_at_least(flag.severity, WARNING) for flag in self.flags)
+        """Whether any flag is ``warning`` or worse, or the run crashed (``memwatch check`` then exits 1)."""
+        return self.ended_badly or any(severity_at_least(flag.severity, WARNING) for flag in self.flags)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "run_id": self.run_id, "failed": self.failed,
+            "run_id": self.run_id, "failed": self.failed, "status": self.status,
             "ranks": [rank.to_dict() for rank in self.ranks],
+            "unsized_ranks": list(self.unsized_ranks),
+            "readings": [readings.to_dict() for readings in self.readings],
             "flags": [flag._asdict() for flag in self.flags],
         }
 
 
-def check_records(records: Iterable[Sample | Event], config: DetectorConfig | None = None) -> CheckReport:
+def check_records(records: Iterable[Sample | Event], config: DetectorConfig | None = None,
+                  status: str | None = None, started_ns: int | None = None) -> CheckReport:
     """Replay one run's records (in time order) and summarise the ledger and flags per rank."""
     records = list(records)
     replayed = replay(records, config)
     run_id = records[0].run_id if records else None
     ranks = tuple(RankCheck.from_summary(replayed.ranks[rank]) for rank in sorted(replayed.ranks))
-    return CheckReport(run_id, ranks, tuple(replayed.flags))
+    readings: dict[int, RankReadings] = {}
+    for record in records:
+        if isinstance(record, Sample):
+            readings.setdefault(record.rank, RankReadings(record.rank)).add(record, record.phase in STARTUP_PHASES)
+    return CheckReport(run_id, ranks, tuple(replayed.flags), status,
+                       tuple(readings[rank] for rank in sorted(readings)), started_ns)
 
 
 def check_run(db: sqlite_utils.Database, ref: str, config: DetectorConfig | None = None) -> CheckReport:
     """:func:`check_records` on a stored run (``ref``: id, unique prefix or ``latest``)."""
-    _, records = stored_records(db, ref)
-    return check_records(records, config)
+    run, records = stored_records(db, ref)
+    return check_records(records, config, run.status, run.started_ns)
 
 
 def render_check(report: CheckReport) -> str:
     """The text ``memwatch check`` prints."""
     lines = [f"run {report.run_id}"]
+    if report.ended_badly and report.status is not None:
+        lines += crash_sentences(report.status, list(report.readings), report.started_ns)[:1]
     if not report.ranks:
         lines.append("no samples recorded: nothing to check")
     for rank in report.ranks:
@@ -107,7 +134,9 @@ def render_check(report: CheckReport) -> str:
         lines.append(f"rank {rank.rank}: {format_count(rank.samples)} samples up to step "
                      f"{format_count(rank.last_step or 0)}{blocks}")
         if rank.last_terms is None or rank.last_terms.budget_bytes is None:
-            lines.append("  the KV cache was never sized: no ledger")
+            readings = next((r for r in report.readings if r.rank == rank.rank), None)
+            lines += [f"  {sentence}" for sentence in (readings.unsized_sentences() if readings else
+                                                      [f"rank {rank.rank}: {UNSIZED_SENTENCE}."])]
             continue
         lines.append(f"  the ledger at step {format_count(rank.last_step or 0)}: the budget, less each term, "
                      "leaves the headroom (exact bytes on the right)")
@@ -119,11 +148,19 @@ def render_check(report: CheckReport) -> str:
             lines.append(f"  smallest headroom: {format_bytes(rank.min_headroom_bytes)} at step "
                          f"{format_count(rank.min_headroom_step)}")
     lines.append("")
-    if not report.flags:
-        lines.append("no flags: the ledger held on every rank")
+    unsized = report.unsized_ranks
+    if not report.flags and report.ranks and not unsized:
+        held = "no flags: the ledger held on every rank"
+        lines.append(held + (" up to its last record" if report.ended_badly else ""))
+    elif not report.flags and report.ranks:
+        which = ", ".join(str(rank) for rank in unsized)
+        lines.append(f"no flags on what could be checked; rank(s) {which} never sized a KV cache, so their "
+                     "ledger was not checked")
     for flag in report.flags:
         where = f"rank {flag.rank} step {format_count(flag.step)}"
         lines.append(f"{flag.severity:<8} {flag.kind:<24} {where}: {flag.message}")
     worst = sum(severity_at_least(flag.severity, WARNING) for flag in report.flags)
-    lines.append(f"check {'failed' if report.failed else 'passed'}: {format_count(worst)} flags of warning or worse")
+    crashed = f"the run {ENDED_BADLY[report.status]}; " if report.ended_badly and report.status else ""
+    lines.append(f"check {'failed' if report.failed else 'passed'}: {crashed}{format_count(worst)} flags of warning "
+                 "or worse")
     return "\n".join(lines)

@@ -23,6 +23,7 @@ from memwatch.detectors import STARTUP_PHASES, DetectorConfig, DetectorSet
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
 from memwatch.flags import OOM, Flag
 from memwatch.records import Event, Sample
+from memwatch.report.readings import ENDED_BADLY, RankReadings, crash_sentences
 from memwatch.report.stored import stored_records
 
 MiB = 1 << 20
@@ -127,31 +128,49 @@ class Tightest:
 class Explanation:
     run_id: str | None
     outcome: str
-    """``oom`` when a rank ran out of memory, ``ok`` otherwise, ``empty`` without serving samples."""
+    """``oom`` when a rank ran out of memory; else ``crashed`` or ``error`` when the run ended so; else
+    ``ok``; ``empty`` without samples."""
     ooms: tuple[OomReport, ...]
     tightest: tuple[Tightest, ...]
     flag_count: int
+    status: str | None = None
+    """The run's stored status (``crashed`` when its writer vanished), when known."""
+    readings: tuple[RankReadings, ...] = ()
+    """Per rank, the raw readings: what is said of a crash and of a rank without a KV sizing."""
+    unsized_ranks: tuple[int, ...] = ()
+    """Ranks with samples but no KV sizing: no budget, so no headroom, residual or OOM margin."""
+    started_ns: int | None = None
 
     @property
     def sentences(self) -> list[str]:
         if self.ooms:
             return [sentence for oom in self.ooms for sentence in oom.sentences]
-        if not self.tightest:
-            return ["no serving samples were recorded: nothing to explain"]
+        if self.outcome == "empty":
+            return ["no samples were recorded: nothing to explain"]
         flags = "no flags" if not self.flag_count else f"{format_count(self.flag_count)} flags (see memwatch check)"
-        return ["no rank ran out of memory; " + flags + "."] + [tight.sentence for tight in self.tightest]
+        if self.outcome in ENDED_BADLY:
+            lead = crash_sentences(self.outcome, list(self.readings), self.started_ns)
+            lead.append(f"No rank recorded an out-of-memory; {flags}.")
+        else:
+            lead = ["no rank ran out of memory; " + flags + "."]
+        unsized = [sentence for readings in self.readings if readings.rank in self.unsized_ranks
+                   for sentence in readings.unsized_sentences()]
+        return lead + [tight.sentence for tight in self.tightest] + unsized
 
     def to_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "outcome": self.outcome, "flag_count": self.flag_count,
+        return {"run_id": self.run_id, "outcome": self.outcome, "status": self.status, "flag_count": self.flag_count,
                 "ooms": [asdict(oom) for oom in self.ooms], "tightest": [asdict(t) for t in self.tightest],
-                "sentences": self.sentences}
+                "unsized_ranks": list(self.unsized_ranks),
+                "readings": [readings.to_dict() for readings in self.readings], "sentences": self.sentences}
 
 
-def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | None = None) -> Explanation:
-    """Replay one run's records (in time order) and explain how it ended."""
+def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | None = None,
+                    status: str | None = None, started_ns: int | None = None) -> Explanation:
+    """Replay one run's records (in time order) and explain how it ended (``status``: the run's stored one)."""
     detectors = DetectorSet(config)
     flags: list[Flag] = []
     histories: dict[int, _RankHistory] = {}
+    readings: dict[int, RankReadings] = {}
     run_id = None
     for record in records:
         run_id = record.run_id
@@ -162,6 +181,10 @@ def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | 
                 history.oom = record
             continue
         flags.extend(detectors.on_sample(record))
+        rank_readings = readings.get(record.rank)
+        if rank_readings is None:
+            rank_readings = readings[record.rank] = RankReadings(record.rank)
+        rank_readings.add(record, record.phase in STARTUP_PHASES)
         terms = detectors.last_terms(record.rank)
         if terms is None or terms.budget_bytes is None or record.phase in STARTUP_PHASES:
             continue
@@ -174,14 +197,21 @@ def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | 
     ooms = tuple(_explain_oom(rank, history, flags, tolerance) for rank, history in sorted(histories.items())
                  if history.oom is not None)
     tightest = tuple(filter(None, (_tightest(rank, history) for rank, history in sorted(histories.items()))))
-    outcome = "oom" if ooms else "ok" if tightest else "empty"
-    return Explanation(run_id, outcome, ooms, () if ooms else tightest, len(flags))
+    unsized = tuple(rank for rank in sorted(readings) if detectors.ledger(rank).sizing is None)
+    if ooms:
+        outcome = "oom"
+    elif not readings:
+        outcome = "empty"
+    else:
+        outcome = status if status in ENDED_BADLY else "ok"
+    return Explanation(run_id, outcome, ooms, () if ooms else tightest, len(flags), status,
+                       tuple(readings[rank] for rank in sorted(readings)), unsized, started_ns)
 
 
 def explain_run(db: sqlite_utils.Database, ref: str, config: DetectorConfig | None = None) -> Explanation:
     """:func:`explain_records` on a stored run (``ref``: id, unique prefix or ``latest``)."""
-    _, records = stored_records(db, ref)
-    return explain_records(records, config)
+    run, records = stored_records(db, ref)
+    return explain_records(records, config, run.status, run.started_ns)
 
 
 def render_explanation(explanation: Explanation) -> str:
