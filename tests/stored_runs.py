@@ -15,13 +15,18 @@ START_NS = 1_700_000_000_000_000_000
 def store_scenario(name: str, runtime_dir: Path, db_path: Path) -> str:
     """Run a shipped scenario into ``runtime_dir``, store its rings into ``db_path``; returns the run id."""
     result = run_scenario(name, runtime_dir=runtime_dir, start_ns=START_NS)
+    store_rings(runtime_dir, db_path)
+    return result.run_id
+
+
+def store_rings(runtime_dir: Path, db_path: Path) -> None:
+    """Drain every ring in ``runtime_dir`` into ``db_path``; a writer that is gone makes its run ``crashed``."""
     writer = StoreWriter(open_store(db_path))
     writer.start()
     collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False)
     collector.scan()
     while collector.poll():
         pass
-    writer.flush()
+    assert writer.flush(timeout=60), "the store writer did not commit within 60 s"
     collector.close()
     writer.close()
-    return result.run_id

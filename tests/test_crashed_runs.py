@@ -16,12 +16,11 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from memwatch.cli import main
-from memwatch.collector import Collector, read_ring
+from memwatch.collector import read_ring
 from memwatch.records import Sample
-from memwatch.store import open_store
-from memwatch.store.writer import StoreWriter
 
 from processes import memwatch_env, wait_for
+from stored_runs import store_rings
 
 MiB, GiB = 1 << 20, 1 << 30
 WEIGHTS = 512 * MiB        # multiples of the allocator's 2 MiB segments: allocated and reserved are exact
@@ -53,19 +52,6 @@ TORCH_LOOP = textwrap.dedent(f"""
 """)
 
 
-def _store(runtime_dir: Path, db_path: Path) -> None:
-    """Drain every ring as the sidecar does; a writer that is gone makes its run ``crashed``."""
-    writer = StoreWriter(open_store(db_path))
-    writer.start()
-    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False)
-    collector.scan()
-    while collector.poll():
-        pass
-    writer.flush()
-    collector.close()
-    writer.close()
-
-
 def _killed(args: list[str], runtime_dir: Path, db_path: Path, ready: int) -> list[Sample]:
     """Start an engine process, SIGKILL it once its ring holds ``ready`` samples; the samples it wrote."""
     engine = subprocess.Popen(args, env=memwatch_env(runtime_dir, db_path), stdout=subprocess.DEVNULL,
@@ -90,7 +76,7 @@ def test_a_killed_simulated_engine_is_explained_as_crashed(runtime_dir: Path, db
     # What a user does: memwatch sim --scenario clean_chat --speed 2, then kill -9.
     written = _killed([sys.executable, "-m", "memwatch", "sim", "--scenario", "clean_chat", "--speed", "2"],
                       runtime_dir, db_path, ready=30)
-    _store(runtime_dir, db_path)
+    store_rings(runtime_dir, db_path)
     last = written[-1]
 
     code, out = _cli(db_path, "explain", "latest", "--json")
@@ -118,7 +104,7 @@ def test_a_killed_simulated_engine_is_explained_as_crashed(runtime_dir: Path, db
 def test_a_killed_monitor_loop_without_kv_sizing_reports_what_is_known(runtime_dir: Path, db_path: Path) -> None:
     written = _killed([sys.executable, "-c", TORCH_LOOP, str(runtime_dir), "500", "sleep"],
                       runtime_dir, db_path, ready=500)
-    _store(runtime_dir, db_path)
+    store_rings(runtime_dir, db_path)
     serving = [s for s in written if s.phase == "serve"]
     assert len(serving) >= 500
 
@@ -146,7 +132,7 @@ def test_a_finished_monitor_loop_passes_check_without_claiming_a_ledger(runtime_
     done = subprocess.run([sys.executable, "-c", TORCH_LOOP, str(runtime_dir), "20", "close"],
                           env=memwatch_env(runtime_dir, db_path), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    _store(runtime_dir, db_path)
+    store_rings(runtime_dir, db_path)
     code, out = _cli(db_path, "check", "latest")
     assert code == 0, out
     assert "the ledger held" not in out
