@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from memwatch.errors import UsageError
+from memwatch.errors import NotFoundError
 from memwatch.models import ModelConfigError, ModelSpec, dtype_itemsize, shipped_models
 from memwatch.models.spec import FULL_ATTENTION, SLIDING_ATTENTION
 
@@ -64,13 +64,15 @@ def test_a_config_file_and_a_directory_holding_one_load_alike(tmp_path: Path, qw
     assert from_dir.num_parameters() == qwen.num_parameters()
 
 
-def test_unknown_name_lists_the_shipped_models() -> None:
-    with pytest.raises(ModelConfigError) as info:
+def test_unknown_name_lists_the_shipped_models(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(NotFoundError) as info:
         ModelSpec.load("no-such-model")
     message = str(info.value)
-    assert "unknown model 'no-such-model'" in message
+    assert "unknown model 'no-such-model'" in message and str(tmp_path) in message
     assert all(name in message for name in shipped_models())
-    assert isinstance(info.value, UsageError) and info.value.exit_code == 2
+    assert info.value.exit_code == 3
 
 
 def test_directory_without_config_is_refused(tmp_path: Path) -> None:

@@ -13,8 +13,17 @@ from memwatch.models import ModelSpec, forward_activation_bytes
 from memwatch.store import open_store
 
 GIB, MIB = 2**30, 2**20
-SEED = ["--gpu-memory", "24GiB", "--weights-bytes", "15GiB", "--non-kv-bytes", "2GiB",
+SEED = ["--gpu-memory", "24GiB", "--weights-bytes", "15GiB", "--non-kv-bytes", "2GiB", "--non-pytorch-bytes", "0",
         "--seqs", "4", "--seq-len", "32768"]
+
+
+@pytest.fixture(autouse=True)
+def offline_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No test reaches the Hub: an empty cache of its own, and downloads forbidden."""
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return cache
 
 
 def invoke(*args: str) -> tuple[int, str, str]:
@@ -24,7 +33,7 @@ def invoke(*args: str) -> tuple[int, str, str]:
 
 def test_seed_ledger_as_text() -> None:
     code, out, err = invoke(*SEED)
-    assert (code, err) == (0, "")
+    assert (code, err) == (1, "")                                     # does not fit: exit 1
     assert "57,344 B    56.00 KiB" in out
     assert "25,769,803,776 B    24.00 GiB  = 25.77 GB" in out           # both unit systems, unambiguous
     assert "4,939,212,390 B     4.60 GiB" in out
@@ -39,7 +48,7 @@ def test_seed_ledger_as_text() -> None:
 def test_seed_ledger_as_json() -> None:
     code, out, _ = invoke(*SEED, "--json")
     data = json.loads(out)
-    assert code == 0
+    assert code == 1
     assert {key: data[key] for key in ("kv_bytes_per_token", "block_bytes", "kv_budget_bytes", "kv_blocks",
                                        "max_resident_tokens", "max_concurrent_seqs", "required_kv_bytes",
                                        "fits", "shortfall_bytes")} == {
@@ -58,7 +67,8 @@ def test_model_from_a_config_directory_and_gb_units(tmp_path: Path) -> None:
     shipped = Path(__file__).parents[1] / "memwatch/models/configs/Llama-2-7b-hf.json"
     (tmp_path / "config.json").write_text(shipped.read_text())
     code, out, _ = invoke("--model", str(tmp_path), "--gpu-memory", "40GB", "--utilization", "0.5",
-                          "--weights-bytes", "13000000000", "--non-kv-bytes", "1GB", "--tokens", "4096", "--json")
+                          "--weights-bytes", "13000000000", "--non-kv-bytes", "1GB", "--non-pytorch-bytes", "0",
+                          "--tokens", "4096", "--json")
     data = json.loads(out)
     assert code == 0
     assert data["kv_budget_bytes"] == 20 * 10**9 - 14 * 10**9
@@ -81,13 +91,75 @@ def test_explicit_kv_size_and_estimated_non_kv() -> None:
     (["--gpu-memory", "24GiB", "--utilization", "0.8", "--kv-cache-memory-bytes", "4GiB"],
      "error: --utilization and --kv-cache-memory-bytes are mutually exclusive"),
     (["--gpu-memory", "24GiB", "--tp", "8"], "error: tensor parallel size 8 does not divide the 28 query heads"),
-    (["--model", "no-such-model", "--gpu-memory", "24GiB"], "error: unknown model 'no-such-model'"),
+    (["--gpu-memory", "24"], "error: --gpu-memory 24 is 24 bytes, less than any GPU; give a unit, "
+                             "e.g. --gpu-memory 24GiB"),
+    (["--gpu-memory", "80", "--seqs", "1", "--seq-len", "10"], "error: --gpu-memory 80 is 80 bytes"),
     ([], "error: the plan needs --gpu-memory"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
     code, out, err = invoke(*args)
     assert code == 2 and out == ""
     assert err.startswith(message) and err.count("\n") == 1
+
+
+def test_unknown_model_is_not_found_and_says_where_it_looked(offline_hub: Path) -> None:
+    code, out, err = invoke("--model", "no-such-org/no-such-model", "--gpu-memory", "24GiB")
+    assert code == 3 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: unknown model 'no-such-org/no-such-model'")
+    assert f"not in the Hugging Face cache {offline_hub}" in err and "HF_HUB_OFFLINE" in err
+
+
+def test_a_bare_byte_count_of_a_real_gpu_is_still_accepted() -> None:
+    code, out, _ = invoke("--gpu-memory", "25769803776", "--non-pytorch-bytes", "0", "--json")
+    assert code == 0 and json.loads(out)["gpu_memory_bytes"] == 24 * GIB
+
+
+def test_verdicts_and_exit_codes() -> None:
+    fits = ["--gpu-memory", "80GiB", "--seqs", "1", "--seq-len", "4096"]
+    assert invoke(*fits)[0] == 0
+    code, out, _ = invoke("--gpu-memory", "24GiB", "--seqs", "8", "--seq-len", "32768")
+    assert code == 1 and "verdict: does not fit" in out
+    assert invoke("--gpu-memory", "24GiB")[0] == 0                   # no target, no verdict
+
+
+def test_the_readme_question_counts_the_memory_outside_pytorch() -> None:
+    """The measured demo run on a 24 GiB device held 347 blocks and two 32K requests at once; a plan
+    without memory outside PyTorch promised 391 blocks and three."""
+    code, out, _ = invoke("--gpu-memory", "24GiB", "--seqs", "4", "--seq-len", "32768", "--json")
+    data = json.loads(out)
+    assert code == 1                                                  # four do not fit
+    qwen = ModelSpec.load("Qwen2.5-7B-Instruct")
+    activation = forward_activation_bytes(qwen, 16_384, 1, prefill=True)    # warmup: one 16,384-token prefill
+    kv_budget = int(24 * GIB * 0.9) - 512 * MIB - 15_231_233_024 - activation
+    assert (data["non_pytorch_bytes"], data["non_pytorch_estimated"]) == (512 * MIB, True)
+    assert data["non_pytorch_terms"] == {"cuda_context": 512 * MIB, "nccl": 0}
+    assert data["kv_budget_bytes"] == kv_budget
+    assert data["kv_blocks"] == kv_budget // 14_680_064 < 391
+    assert 347 <= data["kv_blocks"] <= 347 + 10                      # within 10 blocks of the measured run
+    assert data["max_concurrent_seqs"] == 2 == 347 // 128              # 128 blocks per 32K request
+    _, text, _ = invoke("--gpu-memory", "24GiB", "--seqs", "4", "--seq-len", "32768")
+    assert "− non-PyTorch" in text and "estimate: CUDA context 512 MiB" in text
+    # the option replaces the estimate, and its own line says so
+    _, out, _ = invoke("--gpu-memory", "24GiB", "--seq-len", "32768", "--non-pytorch-bytes", "611MiB", "--json")
+    data = json.loads(out)
+    assert (data["non_pytorch_bytes"], data["non_pytorch_estimated"]) == (611 * MIB, False)
+    assert data["kv_budget_bytes"] == int(24 * GIB * 0.9) - 611 * MIB - 15_231_233_024 - activation
+
+
+def test_non_pytorch_estimate_grows_with_tensor_parallel() -> None:
+    _, out, _ = invoke("--gpu-memory", "24GiB", "--tp", "2", "--json")
+    assert json.loads(out)["non_pytorch_terms"] == {"cuda_context": 512 * MIB, "nccl": 256 * MIB}
+    _, out, _ = invoke("--gpu-memory", "80GiB", "--tp", "4", "--pp", "4", "--json")
+    assert json.loads(out)["non_pytorch_terms"]["nccl"] == 16 * GIB // 8      # tp × pp / 8 GiB
+
+
+@pytest.mark.parametrize("option", [["--gpu-memory", "24GiB"], ["--seqs", "4"], ["--model", "Llama-2-7b-hf"],
+                                    ["--engine", "vllm"], ["--non-pytorch-bytes", "1GiB"], ["--tp", "1"]])
+def test_run_refuses_planning_options_it_cannot_apply(option: list[str], tmp_path: Path) -> None:
+    code, out, err = invoke("--run", "latest", "--db", str(tmp_path / "none.db"), *option)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: --run compares a recorded run with the plan for the config it recorded; "
+                          f"{option[0]} cannot apply to it")
 
 
 def test_config_missing_a_field_is_exit_2(tmp_path: Path) -> None:

@@ -9,20 +9,48 @@ from pathlib import Path
 
 import click
 
-from ..errors import MemwatchError
+from ..errors import MemwatchError, UsageError
+from ..models.quantization import METHODS as QUANTIZATION_METHODS
 from ..models.spec import ModelSpec
-from ..plan.capacity import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, PlanInputs, plan_capacity
+from ..plan.capacity import PlanInputs, plan_capacity
+from ..plan.engines import ENGINES
 from ..plan.observed import compare_run
 from ..plan.report import render_observed, render_plan
 from ..plan.runs import load_run
-from ..units import parse_bytes
+from ..units import GIB, parse_bytes
 from .options import db_option, json_option
 
 KV_DTYPES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+DOES_NOT_FIT = 1
+"""Exit code of a plan whose verdict is "does not fit" (or that the engine would refuse to start)."""
+MIN_BARE_GPU_MEMORY = GIB
+"""A bare ``--gpu-memory`` number below this is taken for a unit left out (``24`` meant ``24GiB``)."""
+_PLANNING_OPTIONS = ("model", "gpu_memory", "utilization", "kv_cache_memory_bytes", "weights_bytes",
+                     "non_kv_bytes", "non_pytorch_bytes", "cudagraph_bytes", "dtype", "kv_dtype",
+                     "quantization", "engine", "tp", "pp", "block_size", "seqs", "seq_len", "tokens",
+                     "max_num_batched_tokens", "max_num_seqs")
 
 
 def _size(value: str | None) -> int | None:
     return None if value is None else parse_bytes(value)
+
+
+def _gpu_memory(value: str | None) -> int | None:
+    size = _size(value)
+    if value is not None and size is not None and value.strip().isdigit() and size < MIN_BARE_GPU_MEMORY:
+        raise UsageError(f"--gpu-memory {value} is {size:,} bytes, less than any GPU; "
+                         f"give a unit, e.g. --gpu-memory {value.strip()}GiB")
+    return size
+
+
+def _refuse_planning_options(ctx: click.Context) -> None:
+    """``--run`` plans from the run's recorded config, so options that describe another plan are refused."""
+    given = [name for name in _PLANNING_OPTIONS
+             if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsageError(f"--run compares a recorded run with the plan for the config it recorded; {flags} "
+                         "cannot apply to it. Drop them, or plan without --run")
 
 
 def _plan_run(db_path: Path | None, run: str, as_json: bool) -> None:
@@ -36,48 +64,67 @@ def _plan_run(db_path: Path | None, run: str, as_json: bool) -> None:
 
 @click.command("plan")
 @click.option("--model", "model", default="Qwen2.5-7B-Instruct", show_default=True,
-              help="config.json, a directory holding one, or a shipped model name.")
+              help="config.json, a directory holding one, a Hugging Face repo id (org/name[@revision]) "
+                   "or a shipped model name.")
+@click.option("--engine", type=click.Choice(ENGINES), default="nano-vllm", show_default=True,
+              help="Whose budget rule and defaults to plan with.")
 @click.option("--gpu-memory", help="Device bytes per rank: 25769803776, 24GiB (2^30) or 24GB (10^9).")
-@click.option("--utilization", type=float, help="Share of the device the engine may use [default: 0.9].")
+@click.option("--utilization", type=float,
+              help="Share of the device the engine may use (SGLang: mem_fraction_static) "
+                   "[default: the engine's].")
 @click.option("--kv-cache-memory-bytes", help="Explicit KV bytes per rank; replaces --utilization.")
-@click.option("--weights-bytes", help="Weight bytes per rank [default: parameters × --dtype].")
-@click.option("--non-kv-bytes", help="Other non-KV peak per rank [default: activation estimate].")
-@click.option("--dtype", help="Weight precision [default: the config's].")
+@click.option("--weights-bytes", help="Weight bytes per rank [default: counted from the config].")
+@click.option("--non-kv-bytes", help="Activation peak per rank [default: estimate on the engine's warmup].")
+@click.option("--non-pytorch-bytes",
+              help="Memory outside PyTorch per rank (CUDA context, NCCL) [default: estimate].")
+@click.option("--cudagraph-bytes", help="vLLM's CUDA-graph reserve per rank [default: estimate].")
+@click.option("--dtype", help="Precision of the weights that are not quantized [default: the config's].")
+@click.option("--quantization", type=click.Choice(QUANTIZATION_METHODS, case_sensitive=False),
+              help="Weight quantization [default: the config's quantization_config].")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES, case_sensitive=False),
               help="KV cache precision [default: the model's].")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor parallel size.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline parallel size.")
-@click.option("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, show_default=True,
-              help="Tokens per KV block.")
+@click.option("--block-size", type=int, help="Tokens per KV block [default: 256 nano-vllm, 16 vLLM, 1 SGLang].")
 @click.option("--seqs", type=int, help="Target: resident sequences (with --seq-len).")
 @click.option("--seq-len", type=int, help="Target: cached tokens per sequence.")
 @click.option("--tokens", type=int, help="Target: cached tokens summed over resident sequences.")
-@click.option("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-              show_default=True, help="Largest prefill, for the activation estimate.")
+@click.option("--max-num-batched-tokens", type=int, help="Largest prefill, for the activation estimate "
+              "[default: the engine's].")
+@click.option("--max-num-seqs", type=int, help="Most sequences per step [default: the engine's].")
 @click.option("--run", "run", help="Compare a recorded run (id or 'latest') with its plan.")
 @db_option
 @json_option
-def plan(model: str, gpu_memory: str | None, utilization: float | None, kv_cache_memory_bytes: str | None,
-         weights_bytes: str | None, non_kv_bytes: str | None, dtype: str | None, kv_dtype: str | None,
-         tp: int, pp: int, block_size: int, seqs: int | None, seq_len: int | None, tokens: int | None,
-         max_num_batched_tokens: int, run: str | None, db_path: Path | None, as_json: bool) -> None:
+@click.pass_context
+def plan(ctx: click.Context, model: str, engine: str, gpu_memory: str | None, utilization: float | None,
+         kv_cache_memory_bytes: str | None, weights_bytes: str | None, non_kv_bytes: str | None,
+         non_pytorch_bytes: str | None, cudagraph_bytes: str | None, dtype: str | None, quantization: str | None,
+         kv_dtype: str | None, tp: int, pp: int, block_size: int | None, seqs: int | None, seq_len: int | None,
+         tokens: int | None, max_num_batched_tokens: int | None, max_num_seqs: int | None, run: str | None,
+         db_path: Path | None, as_json: bool) -> None:
     """Plan KV-cache capacity per rank from a model config, or compare a run with its plan.
 
+    Exits 1 when the target load does not fit (or the engine would refuse to start).
+
     \b
-    memwatch plan --gpu-memory 24GiB --weights-bytes 15GiB --non-kv-bytes 2GiB --seqs 4 --seq-len 32768
-    memwatch plan --model Llama-3.1-8B-Instruct --gpu-memory 80GB --tp 2 --tokens 500000 --json
+    memwatch plan --gpu-memory 24GiB --seqs 4 --seq-len 32768
+    memwatch plan --model meta-llama/Llama-3.1-8B-Instruct --engine vllm --gpu-memory 80GB --tokens 500000
+    memwatch plan --model hugging-quants/Meta-Llama-3.1-8B-Instruct-AWQ-INT4 --gpu-memory 24GiB --json
     memwatch plan --run latest
     """
     try:
         if run is not None:
+            _refuse_planning_options(ctx)
             _plan_run(db_path, run, as_json)
             return
         inputs = PlanInputs(
-            gpu_memory_bytes=_size(gpu_memory), utilization=utilization,
+            gpu_memory_bytes=_gpu_memory(gpu_memory), utilization=utilization,
             kv_cache_memory_bytes=_size(kv_cache_memory_bytes), weights_bytes=_size(weights_bytes),
-            non_kv_bytes=_size(non_kv_bytes), dtype=dtype, kv_dtype=kv_dtype, tp=tp, pp=pp,
-            block_size=block_size, seqs=seqs, seq_len=seq_len, tokens=tokens,
-            max_num_batched_tokens=max_num_batched_tokens,
+            non_kv_bytes=_size(non_kv_bytes), non_pytorch_bytes=_size(non_pytorch_bytes),
+            cudagraph_bytes=_size(cudagraph_bytes), dtype=dtype, kv_dtype=kv_dtype,
+            quantization=quantization, tp=tp, pp=pp, block_size=block_size, seqs=seqs, seq_len=seq_len,
+            tokens=tokens, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            engine=engine,
         )
         result = plan_capacity(ModelSpec.load(model), inputs)
     except MemwatchError as exc:
@@ -87,6 +134,8 @@ def plan(model: str, gpu_memory: str | None, utilization: float | None, kv_cache
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
         click.echo(render_plan(result))
+    if result.fits is False or result.startup_error:
+        sys.exit(DOES_NOT_FIT)
 
 
 command = plan

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from memwatch.errors import UsageError
+from memwatch.models.families import moe_and_hybrid, normalize
+from memwatch.models.quantization import from_config as quantization_from_config
+from memwatch.models.vision import vision_parameters
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -34,6 +37,13 @@ _QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text"}
 _SANDWICH_NORM_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text"})
 # Architectures that tie the LM head to the embeddings unless the config says otherwise.
 _TIED_BY_DEFAULT_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
+
+
+# Transformers' class defaults for the fields a multimodal ``text_config`` may leave out (LlamaConfig).
+_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "vocab_size": 32000, "tie_word_embeddings": False},
+}
 
 
 class ModelConfigError(UsageError):
@@ -122,17 +132,25 @@ def _layer_types(config: Mapping[str, Any], name: str, layers: int, model_type: 
     return tuple(SLIDING_ATTENTION if slides else FULL_ATTENTION for slides in sliding)
 
 
+def _text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's part of a multimodal config, with Transformers' class defaults filled in."""
+    text = raw.get("text_config")
+    if "hidden_size" in raw or not isinstance(text, Mapping):
+        return raw
+    defaults = _CLASS_DEFAULTS.get(str(text.get("model_type") or ""), {})
+    return {**defaults, **text, "torch_dtype": text.get("torch_dtype") or raw.get("torch_dtype") or raw.get("dtype"),
+            "quantization_config": raw.get("quantization_config")}
+
+
 def config_fields(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
     """ModelSpec's fields from a parsed ``config.json`` (multimodal configs: their ``text_config``)."""
     if not isinstance(raw, Mapping):
         raise ModelConfigError(f"model config {name!r} must be a JSON object")
-    config: Mapping[str, Any] = raw
-    text = raw.get("text_config")
-    if "hidden_size" not in raw and isinstance(text, Mapping):
-        config = {**text, "torch_dtype": text.get("torch_dtype") or raw.get("torch_dtype")
-                  or raw.get("dtype")}
+    config = normalize(_text_config(raw))
     model_type = str(config.get("model_type") or raw.get("model_type") or "")
-
+    if config.get("_unsupported"):
+        raise ModelConfigError(f"model config {name!r}: {config['_unsupported']} is not modelled; "
+                               "pass --weights-bytes and --kv-cache-memory-bytes instead")
     hidden = _positive_int(config, "hidden_size", name)
     heads = _positive_int(config, "num_attention_heads", name)
     layers = _positive_int(config, "num_hidden_layers", name)
@@ -152,7 +170,7 @@ def config_fields(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
     attention_bias = bool(config.get("attention_bias", False))
     kv_lora_rank = config.get("kv_lora_rank")
 
-    return dict(
+    fields = dict(
         name=name,
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -165,11 +183,19 @@ def config_fields(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
                                             model_type in _TIED_BY_DEFAULT_MODEL_TYPES)),
         dtype=dtype,
         model_type=model_type,
-        qkv_bias=attention_bias or model_type in _QKV_BIAS_MODEL_TYPES,
+        qkv_bias=attention_bias or bool(config.get("_qkv_bias")) or model_type in _QKV_BIAS_MODEL_TYPES,
         o_bias=attention_bias,
         mlp_bias=bool(config.get("mlp_bias", False)),
         qk_norm=model_type in _QK_NORM_MODEL_TYPES,
-        norms_per_layer=4 if model_type in _SANDWICH_NORM_MODEL_TYPES else 2,
+        norms_per_layer=config.get("_norms_per_layer") or (4 if model_type in _SANDWICH_NORM_MODEL_TYPES else 2),
+        gated_mlp=config.get("_gated_mlp", True),
+        norm_bias=config.get("_norm_bias", False),
+        learned_positions=config.get("_learned_positions", 0),
+        embedding_norm=config.get("_embedding_norm", False),
+        final_norm=config.get("_final_norm", True),
+        lm_head_bias=config.get("_lm_head_bias", False),
+        vision_parameters=vision_parameters(raw, hidden),
+        quantization=quantization_from_config(config),
         layer_types=layer_types,
         sliding_window=window if layer_types else None,
         kv_lora_rank=None if kv_lora_rank is None else _positive_int(config, "kv_lora_rank", name),
@@ -177,10 +203,10 @@ def config_fields(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
         qk_nope_head_dim=_positive_int(config, "qk_nope_head_dim", name, default=0),
         qk_rope_head_dim=_positive_int(config, "qk_rope_head_dim", name, default=0),
         v_head_dim=_positive_int(config, "v_head_dim", name, default=0),
-        n_routed_experts=_positive_int(config, "n_routed_experts", name, default=0),
         n_shared_experts=_positive_int(config, "n_shared_experts", name, default=0),
         num_experts_per_tok=_positive_int(config, "num_experts_per_tok", name, default=0),
-        moe_intermediate_size=_positive_int(config, "moe_intermediate_size", name, default=0),
         first_k_dense_replace=_positive_int(config, "first_k_dense_replace", name, default=0),
         moe_layer_freq=_positive_int(config, "moe_layer_freq", name, default=1),
     )
+    fields.update(moe_and_hybrid(config, model_type))
+    return fields

@@ -26,6 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from memwatch.errors import NotFoundError
 from memwatch.models.hf_config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -35,6 +36,7 @@ from memwatch.models.hf_config import (
     dtype_itemsize,
     read_config_file,
 )
+from memwatch.models.quantization import NO_QUANTIZATION, Quantization
 
 __all__ = [
     "FULL_ATTENTION",
@@ -95,16 +97,51 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
+    moe_layer_offset: int = 0
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE's shared expert width (it has a sigmoid gate of its own); 0 when absent."""
+    mlp_only_layers: tuple[int, ...] = ()
+    # Architecture variants of the families before Llama (GPT-2, BLOOM, Falcon, OPT, MPT, Phi ...).
+    gated_mlp: bool = True
+    """gate and up projections (SwiGLU); False for the two-matrix MLP of GPT-2 style models."""
+    norm_bias: bool = False
+    """LayerNorm with a bias (two vectors per norm) rather than RMSNorm."""
+    learned_positions: int = 0
+    """Rows of a learned position-embedding table (GPT-2, OPT, MPT without ALiBi); 0 for RoPE/ALiBi."""
+    embedding_norm: bool = False
+    final_norm: bool = True
+    lm_head_bias: bool = False
+    vision_parameters: int = 0
+    """Parameters of a multimodal model's vision tower and projector, counted from ``vision_config``."""
+    # Hybrid models: layers without attention keep a fixed state per sequence instead of per-token KV.
+    quantization: Quantization = NO_QUANTIZATION
+    """How the checkpoint stores its linear layers (its ``quantization_config``)."""
+    mixer_kind: str = ""
+    """``mamba`` when some layers are Mamba mixers; their indices are those not in ``attention_layers``."""
+    attention_layers: tuple[int, ...] | None = None
+    """Indices of the layers that have attention; None means every layer."""
+    mamba_d_state: int = 0
+    mamba_d_conv: int = 0
+    mamba_d_inner: int = 0
+    mamba_dt_rank: int = 0
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_inner_norms: bool = False
 
     # ----------------------------------------------------------------------------------------- loading
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike[str]) -> ModelSpec:
-        """Read a ``config.json`` file, a directory holding one, or a shipped model by name.
+        """Read a ``config.json`` file, a directory holding one, a Hugging Face repo id or a shipped model.
 
-        Names match case-insensitively and may carry an organisation prefix
-        (``Qwen/Qwen2.5-7B-Instruct``). An existing path always wins over a shipped name.
+        The order: an existing path; a repo id (``org/name``, optionally ``@revision``) whose config is
+        in the local Hugging Face cache; a shipped model (names match case-insensitively and may carry
+        an organisation prefix, ``Qwen/Qwen2.5-7B-Instruct``); then, unless ``HF_HUB_OFFLINE`` is set,
+        the repo's ``config.json`` downloaded from the Hub. Nothing touches the network before that
+        last step.
         """
+        from memwatch.models import hub
+
         path = Path(name_or_path)
         if path.is_dir():
             path = path / "config.json"
@@ -113,16 +150,29 @@ class ModelSpec:
                                        "pass the config file or the model directory that holds it")
         if path.is_file():
             return cls.from_config(read_config_file(path), name=_name_for(path))
-        shipped = _shipped_path(str(name_or_path))
-        if shipped is None:
-            looks_like_path = path.suffix == ".json" or path.is_absolute() or str(path).startswith(".")
-            what = "no such file or directory" if looks_like_path else "not a file, directory or shipped name"
-            raise ModelConfigError(
-                f"unknown model {str(name_or_path)!r} ({what}): pass a config.json, a directory "
-                f"holding one, or a shipped model ({', '.join(shipped_models())})"
-            )
-        return cls.from_config(json.loads(shipped.read_text(encoding="utf-8")),
-                               name=shipped.name[: -len(".json")])
+        text = str(name_or_path)
+        if "/" not in text and "@" not in text and (plain := _shipped_path(text)) is not None:
+            return cls.from_config(json.loads(plain.read_text(encoding="utf-8")), name=plain.name[: -len(".json")])
+        looks_like_path = path.suffix == ".json" or path.is_absolute() or text.startswith((".", "~"))
+        repo = None if looks_like_path else hub.parse(text)
+        cached = hub.cached_config(repo) if repo is not None else None
+        if repo is not None and cached is not None:
+            return cls.from_config(read_config_file(cached), name=repo.repo_id)
+        shipped = _shipped_path(text) if repo is None or repo.revision is None else None
+        if shipped is not None:
+            return cls.from_config(json.loads(shipped.read_text(encoding="utf-8")),
+                                   name=shipped.name[: -len(".json")])
+        if repo is not None and not hub.offline():
+            return cls.from_config(read_config_file(hub.download_config(repo)), name=repo.repo_id)
+        if looks_like_path:
+            raise NotFoundError(f"model config {text!r}: no such file or directory; pass an existing config.json, "
+                                "a directory holding one, or a model name")
+        offline = " (HF_HUB_OFFLINE is set, so nothing was downloaded)" if repo is not None else ""
+        raise NotFoundError(
+            f"unknown model {text!r}: not a file or directory, not in the Hugging Face cache {hub.cache_dir()}"
+            f"{offline}, and not a shipped model ({', '.join(shipped_models())}); pass a config.json, "
+            "or download it with: hf download <org/name> config.json"
+        )
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], name: str = "model") -> ModelSpec:
@@ -202,9 +252,23 @@ class ModelSpec:
                                  pp_rank: int = 0) -> tuple[int, int]:
         """Per-token KV bytes of one rank, split into (full-attention layers, sliding layers)."""
         per_layer = self.kv_bytes_per_token_per_layer(tp, kv_dtype)
-        stage = self.pipeline_stages(pp)[pp_rank]
+        stage = [layer for layer in self.pipeline_stages(pp)[pp_rank] if self.has_attention(layer)]
         sliding = sum(self.layer_type(layer) == SLIDING_ATTENTION for layer in stage)
         return per_layer * (len(stage) - sliding), per_layer * sliding
+
+    def state_bytes_per_sequence(self, tp: int = 1, pp: int = 1, dtype: str | None = None) -> int:
+        """Fixed bytes per sequence that a hybrid model's non-attention layers keep (0 otherwise).
+
+        These layers cache no per-token KV; each holds a state whose size does not grow with the
+        sequence (see :mod:`memwatch.models.hybrid`).
+        """
+        from memwatch.models.hybrid import state_bytes_per_layer
+
+        if self.attention_layers is None:
+            return 0
+        per_layer = state_bytes_per_layer(self, tp, dtype or self.dtype)
+        return max(per_layer * sum(not self.has_attention(layer) for layer in stage)
+                   for stage in self.pipeline_stages(pp))
 
     def kv_bytes_per_token(self, tp: int = 1, pp: int = 1, kv_dtype: str | None = None) -> int:
         """Per-token KV bytes on the busiest rank, every layer counted (no sliding-window cap).
@@ -245,14 +309,27 @@ class ModelSpec:
         """Total parameters counted from the config (the LM head only when untied)."""
         return sum(self.parameter_breakdown().values())
 
-    def weight_bytes(self, dtype: str | None = None, tp: int = 1, pp: int = 1) -> int:
-        """Weight bytes of the heaviest rank at ``dtype`` (default: the model's own precision)."""
-        itemsize = dtype_itemsize(dtype or self.dtype)
-        return max(sum(self.parameter_breakdown(tp, pp, rank).values()) for rank in range(pp)) * itemsize
+    def weight_bytes(self, dtype: str | None = None, tp: int = 1, pp: int = 1,
+                     quantization: Quantization | None = None) -> int:
+        """Weight bytes of the heaviest rank at ``dtype`` (default: the model's own precision).
+
+        With ``quantization`` (default: the checkpoint's own ``quantization_config``), linear layers
+        are priced as that scheme stores them; everything else stays at ``dtype``.
+        """
+        from memwatch.models.parameters import tensor_groups
+
+        scheme = self.quantization if quantization is None else quantization
+        unquantized = dtype or self.dtype
+        return max(scheme.bytes_of(tensor_groups(self, tp, pp, rank), unquantized) for rank in range(pp))
 
     def is_moe_layer(self, layer: int) -> bool:
         return (self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
-                and layer % max(1, self.moe_layer_freq) == 0)
+                and layer % max(1, self.moe_layer_freq) == self.moe_layer_offset
+                and layer not in self.mlp_only_layers)
+
+    def has_attention(self, layer: int) -> bool:
+        """Whether ``layer`` is an attention layer (every layer is, except in hybrid models)."""
+        return self.attention_layers is None or layer in self.attention_layers
 
 
 # ------------------------------------------------------------------------------------------ names

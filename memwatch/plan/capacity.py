@@ -1,11 +1,16 @@
 """Capacity planning per rank: how much KV cache fits, and whether a target load does.
 
-The ledger of one rank, planned in exact bytes::
+The ledger of one rank, planned in exact bytes under the engine's own rule (:mod:`memwatch.plan.engines`);
+for nano-vllm::
 
     budget      = gpu_memory × utilization                (or kv_cache_memory_bytes, which replaces it)
-    KV budget   = budget − weights − non-KV peak
+    KV budget   = budget − non-PyTorch − weights − activation peak
     KV blocks   = KV budget // block_bytes
     fits        = blocks the target needs <= KV blocks
+
+Weights are priced tensor by tensor at the checkpoint's quantization (:mod:`memwatch.models.quantization`);
+non-PyTorch memory defaults to an estimate (:mod:`memwatch.plan.non_pytorch`). A hybrid model's
+non-attention layers add a fixed state per sequence to its KV.
 
 A sequence of ``L`` tokens needs ``ceil(L / block_size)`` blocks of its full-attention layers and
 ``ceil(min(L, window) / block_size)`` of its sliding layers; the unrounded ("ideal") bytes are shown
@@ -16,17 +21,22 @@ short needs 2.4 GiB more budget, never counted twice.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from decimal import Decimal
 from typing import Any
 
 from memwatch.errors import UsageError
 from memwatch.models.activation import forward_activation_bytes, warmup_batch
+from memwatch.models.quantization import from_option as quantization_from_option
 from memwatch.models.spec import ModelSpec, canonical_dtype
+from memwatch.plan import engines
+from memwatch.plan.engines import LedgerLine
+from memwatch.plan.non_pytorch import describe as describe_non_pytorch
+from memwatch.plan.non_pytorch import non_pytorch_terms
 
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_UTILIZATION = 0.9
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 16_384
 DEFAULT_MAX_NUM_SEQS = 512
+DEFAULT_ENGINE = "nano-vllm"
 
 
 class PlanError(UsageError):
@@ -46,15 +56,23 @@ class PlanInputs:
     kv_cache_memory_bytes: int | None = None
     weights_bytes: int | None = None
     non_kv_bytes: int | None = None
+    """The activation peak; None: estimated on the engine's profiling forward."""
+    non_pytorch_bytes: int | None = None
+    """Memory outside PyTorch per rank; None: the estimate of :mod:`memwatch.plan.non_pytorch`."""
+    cudagraph_bytes: int | None = None
     dtype: str | None = None
     kv_dtype: str | None = None
+    quantization: str | None = None
+    """``--quantization``: replaces the checkpoint's ``quantization_config``."""
     tp: int = 1
     pp: int = 1
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int | None = None
     seqs: int | None = None
     seq_len: int | None = None
     tokens: int | None = None
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    engine: str = DEFAULT_ENGINE
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,7 @@ class CapacityPlan:
     """Every number of a plan; :meth:`to_dict` gives them under stable keys."""
 
     model: str
+    engine: str
     attention_kind: str
     tp: int
     pp: int
@@ -85,8 +104,19 @@ class CapacityPlan:
     budget_bytes: int | None
     weights_bytes: int
     weights_estimated: bool
+    weights_source: str
+    num_parameters: int
     non_kv_bytes: int
     non_kv_estimated: bool
+    non_pytorch_bytes: int
+    non_pytorch_estimated: bool
+    non_pytorch_terms: dict[str, int]
+    cudagraph_bytes: int
+    state_bytes_per_seq: int
+    """Fixed bytes per sequence in a hybrid model's non-attention layers (0 for pure attention)."""
+    state_note: str
+    ledger: tuple[LedgerLine, ...]
+    startup_error: str | None
     kv_bytes_per_token: int
     block_bytes: int
     kv_budget_bytes: int
@@ -110,6 +140,7 @@ class CapacityPlan:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["table"] = [asdict(row) for row in self.table]
+        data["ledger"] = [asdict(line) for line in self.ledger]
         return data
 
 
@@ -122,8 +153,10 @@ def _check_inputs(inputs: PlanInputs) -> None:
                         "25769803776) or an explicit --kv-cache-memory-bytes")
     if inputs.utilization is not None and not 0 < inputs.utilization <= 1:
         raise PlanError(f"utilization must be in (0, 1], got {inputs.utilization}")
-    if inputs.block_size < 1:
+    if inputs.block_size is not None and inputs.block_size < 1:
         raise PlanError(f"block size must be at least 1 token, got {inputs.block_size}")
+    if inputs.engine not in engines.ENGINES:
+        raise PlanError(f"unknown engine {inputs.engine!r}; use one of {', '.join(engines.ENGINES)}")
     if inputs.tokens is not None and (inputs.seqs is not None or inputs.seq_len is not None):
         raise PlanError("give the target as --seqs N --seq-len L or as --tokens T, not both")
     if inputs.seqs is not None and inputs.seq_len is None:
@@ -134,10 +167,10 @@ def _check_inputs(inputs: PlanInputs) -> None:
             raise PlanError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
-def _sequence_kv_bytes(spec: ModelSpec, inputs: PlanInputs, kv_dtype: str, seq_len: int) -> tuple[int, int]:
+def _sequence_kv_bytes(spec: ModelSpec, inputs: PlanInputs, kv_dtype: str, seq_len: int,
+                       block: int) -> tuple[int, int]:
     """(block-rounded, ideal) KV bytes of one sequence on the busiest pipeline rank."""
     window = spec.sliding_window or seq_len
-    block = inputs.block_size
     rounded, ideal = 0, 0
     for rank in range(inputs.pp):
         full, sliding = spec.kv_bytes_per_token_split(inputs.tp, inputs.pp, kv_dtype, rank)
@@ -159,44 +192,95 @@ def _table_sizes(target: int, max_concurrent: int) -> list[int]:
 
 def estimate_non_kv_bytes(spec: ModelSpec, tp: int, max_num_batched_tokens: int,
                           max_model_len: int | None) -> int:
-    """The activation peak of the engine's warmup prefill, the simulator's non-KV default."""
+    """The activation peak of nano-vllm's warmup prefill, the simulator's activation default."""
     model_len = max_model_len or max_num_batched_tokens
     num_seqs, seq_len = warmup_batch(max_num_batched_tokens, model_len, DEFAULT_MAX_NUM_SEQS)
     return forward_activation_bytes(spec, num_seqs * seq_len, num_seqs, prefill=True, tp=tp)
 
 
+def _weights(spec: ModelSpec, inputs: PlanInputs, dtype: str) -> tuple[int, str]:
+    """Weight bytes of the busiest rank and where they come from."""
+    if inputs.weights_bytes is not None:
+        return inputs.weights_bytes, "given (--weights-bytes)"
+    scheme = (spec.quantization if inputs.quantization is None
+              else quantization_from_option(inputs.quantization))
+    weights = spec.weight_bytes(dtype, inputs.tp, inputs.pp, quantization=scheme)
+    params = f"{spec.num_parameters():,} parameters"
+    if scheme.quantized:
+        return weights, f"{params}; linear layers {scheme.describe()}, the rest {dtype}"
+    return weights, f"{params} × {dtype}"
+
+
+def _state_note(spec: ModelSpec, state: int) -> str:
+    if not state:
+        return ""
+    mixers = spec.num_hidden_layers - len(spec.attention_layers or ())
+    return (f"{mixers} of {spec.num_hidden_layers} layers are {spec.mixer_kind} mixers: no per-token KV, "
+            f"a fixed state of {state:,} B per sequence (convolution window and SSM state)")
+
+
 def plan_capacity(spec: ModelSpec, inputs: PlanInputs) -> CapacityPlan:
     """Work out one rank's KV budget and whether the target load fits in it."""
     _check_inputs(inputs)
+    engine = inputs.engine
     dtype = canonical_dtype(inputs.dtype or spec.dtype)
-    kv_dtype = canonical_dtype(inputs.kv_dtype or spec.dtype)
-    tp, pp, block = inputs.tp, inputs.pp, inputs.block_size
+    kv_dtype = canonical_dtype(inputs.kv_dtype or inputs.dtype or spec.dtype)
+    tp, pp = inputs.tp, inputs.pp
+    rules = engines.defaults(engine, inputs.gpu_memory_bytes, tp)
+    block = inputs.block_size or rules.block_size
+    batched = inputs.max_num_batched_tokens or rules.max_num_batched_tokens
+    max_seqs = inputs.max_num_seqs or rules.max_num_seqs
     per_token = spec.kv_bytes_per_token(tp, pp, kv_dtype)
     block_bytes = spec.block_bytes(block, tp, kv_dtype, pp)
+    state = spec.state_bytes_per_sequence(tp, pp, kv_dtype)
 
-    weights = inputs.weights_bytes
-    if weights is None:
-        weights = spec.weight_bytes(dtype, tp, pp)
+    weights, weights_source = _weights(spec, inputs, dtype)
     non_kv = inputs.non_kv_bytes
     if non_kv is None:
-        non_kv = estimate_non_kv_bytes(spec, tp, inputs.max_num_batched_tokens, inputs.seq_len)
+        non_kv = engines.activation_bytes(engine, spec, tp, batched, inputs.seq_len, max_seqs)
+    terms = non_pytorch_terms(tp, pp) if inputs.non_pytorch_bytes is None else {}
+    non_pytorch = sum(terms.values()) if inputs.non_pytorch_bytes is None else inputs.non_pytorch_bytes
+    cudagraph = inputs.cudagraph_bytes
+    if cudagraph is None:
+        cudagraph = engines.vllm_cudagraph_bytes(spec, tp, max_seqs) if engine == "vllm" else 0
+    notes = {
+        "weights": weights_source,
+        "activation": "given (--non-kv-bytes)" if inputs.non_kv_bytes is not None else "estimate (warmup)",
+        "non_pytorch": describe_non_pytorch(terms) if terms else "given (--non-pytorch-bytes)",
+        "cudagraph": "given (--cudagraph-bytes)" if inputs.cudagraph_bytes is not None else "estimate",
+    }
 
+    startup_error = None
     if inputs.kv_cache_memory_bytes is not None:
         mode, utilization, budget = "kv_cache_memory_bytes", None, None
         kv_budget = inputs.kv_cache_memory_bytes
+        ledger: tuple[LedgerLine, ...] = (
+            LedgerLine("·", "weights", weights, notes["weights"] + "; not deducted"),
+            LedgerLine("·", "activation peak", non_kv, notes["activation"] + "; not deducted"),
+            LedgerLine("·", "non-PyTorch", non_pytorch, notes["non_pytorch"] + "; not deducted"),
+            LedgerLine("", "KV budget", kv_budget, "--kv-cache-memory-bytes"),
+        )
     else:
         mode = "utilization"
-        utilization = DEFAULT_UTILIZATION if inputs.utilization is None else inputs.utilization
-        budget = int(Decimal(inputs.gpu_memory_bytes or 0) * Decimal(str(utilization)))
-        kv_budget = budget - weights - non_kv
-    kv_blocks = max(0, kv_budget) // block_bytes
+        utilization = inputs.utilization
+        if utilization is None:
+            utilization = rules.utilization
+            if utilization is None:
+                utilization = engines.sglang_mem_fraction_static(inputs.gpu_memory_bytes or 0, tp, pp)
+                notes["utilization"] = "SGLang's automatic value for this device"
+        split = engines.kv_budget(engine, inputs.gpu_memory_bytes or 0, utilization, weights=weights,
+                                  activation=non_kv, non_pytorch=non_pytorch, cudagraph=cudagraph, notes=notes)
+        budget, kv_budget, ledger, startup_error = (split.budget_bytes, split.kv_budget_bytes, split.lines,
+                                                    split.startup_error)
+    kv_blocks = max(0, kv_budget) // block_bytes if not startup_error else 0
     pool = kv_blocks * block_bytes
 
     seq_kv = ideal_seq_kv = max_concurrent = ideal_concurrent = None
     required = ideal_required = fits = shortfall = None
     table: tuple[LoadRow, ...] = ()
     if inputs.seq_len is not None:
-        seq_kv, ideal_seq_kv = _sequence_kv_bytes(spec, inputs, kv_dtype, inputs.seq_len)
+        seq_kv, ideal_seq_kv = _sequence_kv_bytes(spec, inputs, kv_dtype, inputs.seq_len, block)
+        seq_kv, ideal_seq_kv = seq_kv + state, ideal_seq_kv + state
         max_concurrent = pool // seq_kv
         ideal_concurrent = max(0, kv_budget) // ideal_seq_kv
     if inputs.seqs is not None and seq_kv is not None and ideal_seq_kv is not None:
@@ -208,15 +292,20 @@ def plan_capacity(spec: ModelSpec, inputs: PlanInputs) -> CapacityPlan:
         ideal_required = inputs.tokens * per_token
     if required is not None:
         required_blocks = _ceil_div(required, block_bytes)
-        fits = required_blocks <= kv_blocks
-        shortfall = 0 if fits else required_blocks * block_bytes - kv_budget
+        fits = required_blocks <= kv_blocks and startup_error is None
+        shortfall = 0 if fits else max(0, required_blocks * block_bytes - kv_budget)
 
     return CapacityPlan(
-        model=spec.name, attention_kind=spec.attention_kind, tp=tp, pp=pp, dtype=dtype,
+        model=spec.name, engine=engine, attention_kind=spec.attention_kind, tp=tp, pp=pp, dtype=dtype,
         kv_dtype=kv_dtype, block_size=block, budget_mode=mode,
         gpu_memory_bytes=inputs.gpu_memory_bytes, utilization=utilization, budget_bytes=budget,
-        weights_bytes=weights, weights_estimated=inputs.weights_bytes is None,
+        weights_bytes=weights, weights_estimated=inputs.weights_bytes is None, weights_source=weights_source,
+        num_parameters=spec.num_parameters(),
         non_kv_bytes=non_kv, non_kv_estimated=inputs.non_kv_bytes is None,
+        non_pytorch_bytes=non_pytorch, non_pytorch_estimated=inputs.non_pytorch_bytes is None,
+        non_pytorch_terms=terms, cudagraph_bytes=cudagraph,
+        state_bytes_per_seq=state, state_note=_state_note(spec, state), ledger=ledger,
+        startup_error=startup_error,
         kv_bytes_per_token=per_token, block_bytes=block_bytes, kv_budget_bytes=kv_budget,
         kv_blocks=kv_blocks, ideal_kv_blocks=max(0, kv_budget) / block_bytes,
         max_resident_tokens=kv_blocks * block, ideal_max_resident_tokens=max(0, kv_budget) // per_token,

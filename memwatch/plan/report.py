@@ -15,43 +15,52 @@ from memwatch.units import format_bytes, format_bytes_si
 
 
 def _line(label: str, num_bytes: int, note: str = "") -> str:
-    text = f"{label:<22}{num_bytes:>18,} B  {format_bytes(num_bytes):>11}"
+    text = f"{label:<26}{num_bytes:>16,} B  {format_bytes(num_bytes):>11}"
     return f"{text}  {note}" if note else text
 
 
 def _budget_lines(plan: CapacityPlan) -> list[str]:
     lines = []
-    if plan.gpu_memory_bytes is not None:
-        lines.append(_line("GPU memory", plan.gpu_memory_bytes, f"= {format_bytes_si(plan.gpu_memory_bytes)}"))
-    weights_note = "from parameters" if plan.weights_estimated else "given"
-    non_kv_note = "estimate (warmup)" if plan.non_kv_estimated else "given"
-    if plan.budget_mode == "utilization" and plan.budget_bytes is not None:
-        lines.append(_line(f"× utilization {plan.utilization:g}", plan.budget_bytes))
-        lines.append(_line("− weights", plan.weights_bytes, weights_note))
-        lines.append(_line("− other non-KV peak", plan.non_kv_bytes, non_kv_note))
-        lines.append(_line("= KV budget", plan.kv_budget_bytes))
-    else:
-        lines.append(_line("weights (not deducted)", plan.weights_bytes, weights_note))
-        lines.append(_line("non-KV (not deducted)", plan.non_kv_bytes, non_kv_note))
-        lines.append(_line("KV budget", plan.kv_budget_bytes, "--kv-cache-memory-bytes"))
+    for line in plan.ledger:
+        label = f"{line.op} {line.label}" if line.op else line.label
+        note = line.note
+        if line.label == "GPU memory":
+            note = f"= {format_bytes_si(line.num_bytes)}"
+        text = _line(label, line.num_bytes)
+        if note and len(text) + 2 + len(note) <= 80:
+            lines.append(f"{text}  {note}")
+            continue
+        lines.append(text)
+        if note:
+            lines += textwrap.wrap(note, width=76, initial_indent="    ", subsequent_indent="    ")
     if plan.kv_budget_bytes < 0:
-        lines.append("  weights and non-KV exceed the budget: no room for any KV cache")
+        lines.append("  weights and the other terms exceed the budget: no room for any KV cache")
+    if plan.startup_error:
+        lines += textwrap.wrap(plan.startup_error, width=78, initial_indent="  ", subsequent_indent="  ")
     return lines
+
+
+def _state_lines(plan: CapacityPlan) -> list[str]:
+    if not plan.state_bytes_per_seq:
+        return []
+    return [_line("state per sequence", plan.state_bytes_per_seq),
+            *textwrap.wrap(plan.state_note, width=76, initial_indent="    ", subsequent_indent="    ")]
 
 
 def render_plan(plan: CapacityPlan) -> str:
     """The ledger, the load table and the verdict, as lines of text."""
     rank = f"tp {plan.tp}, pp {plan.pp}"
     lines = [
-        f"plan for {plan.model} ({plan.attention_kind}), per rank at {rank}",
+        f"plan for {plan.model} ({plan.attention_kind}) on {plan.engine}, per rank at {rank}",
         f"weights {plan.dtype}, KV cache {plan.kv_dtype}, blocks of {plan.block_size} tokens",
         "",
         _line("KV per token", plan.kv_bytes_per_token),
         _line("KV block", plan.block_bytes),
+        *_state_lines(plan),
         "",
         *_budget_lines(plan),
-        f"{'KV blocks':<22}{plan.kv_blocks:>18,}    ({plan.ideal_kv_blocks:,.2f} ideal)",
-        f"{'resident tokens':<22}{plan.max_resident_tokens:>18,}    "
+        f"{'KV blocks':<26}{plan.kv_blocks:>16,}    ({plan.ideal_kv_blocks:,.2f} ideal)",
+        f"{'resident tokens':<26}{plan.max_resident_tokens:>16,}    "
         f"({plan.ideal_max_resident_tokens:,} ideal)",
     ]
     if plan.seq_len is not None and plan.seq_kv_bytes is not None:
