@@ -219,6 +219,9 @@ def test_plan_against_a_stored_demo_run(tmp_path: Path) -> None:
     # and the CUDA context the plan leaves out (non-PyTorch) is what costs the KV blocks.
     assert abs(terms["weights"]["diff_bytes"]) < 2 * MIB          # allocator rounding of the weights
     assert terms["activation reserve"]["diff_bytes"] == 0
+    assert terms["non-PyTorch"]["predicted_bytes"] == 512 * MIB   # the estimate: one CUDA context
     assert terms["non-PyTorch"]["measured_bytes"] == 512 * MIB    # the simulated CUDA context (used − reserved)
+    assert terms["non-PyTorch"]["cause"] == "as planned"
     assert 0 < terms["cache slack"]["measured_bytes"] < 87 * 2 * MIB  # segment rounding of the weights' tensors
     assert terms["KV blocks"]["measured_bytes"] == 347 * 14_680_064
+    assert 347 <= terms["KV blocks"]["predicted_blocks"] <= 347 + 10

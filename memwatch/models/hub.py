@@ -4,18 +4,27 @@ Resolution goes through the ``huggingface_hub`` library, so the cache layout, ``
 ``HF_HUB_CACHE``, ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` mean what they mean to every other tool: a
 config already in the local cache is read from there without touching the network; otherwise,
 unless offline, only ``config.json`` is downloaded (into the same cache). The library is imported
-only when a hub name has to be looked up.
+only when a hub name has to be looked up, with its telemetry off unless the user set
+``HF_HUB_DISABLE_TELEMETRY`` (otherwise it would fetch a registry of its own from the Hub).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from memwatch.errors import NotFoundError, UnavailableError
 
 _TRUE = {"1", "on", "yes", "true"}
+
+
+def _import_hub() -> None:
+    """Import huggingface_hub, which reads its settings from the environment once, at import."""
+    if "huggingface_hub" not in sys.modules:
+        os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    import huggingface_hub  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,7 @@ def parse(name: str) -> HubName | None:
     repo_id, _, revision = name.strip().partition("@")
     if not repo_id or repo_id.endswith(".json") or repo_id.startswith((".", "/", "~")):
         return None
+    _import_hub()
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -59,6 +69,7 @@ def offline() -> bool:
 
 def cached_config(name: HubName) -> Path | None:
     """The cached ``config.json`` of ``name``, without any network access; None when not cached."""
+    _import_hub()
     from huggingface_hub import try_to_load_from_cache
 
     found = try_to_load_from_cache(name.repo_id, "config.json", cache_dir=cache_dir(), revision=name.revision)
@@ -67,6 +78,7 @@ def cached_config(name: HubName) -> Path | None:
 
 def download_config(name: HubName) -> Path:
     """Download only ``config.json`` of ``name`` into the cache and return its path."""
+    _import_hub()
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,

@@ -13,8 +13,9 @@ which splits the budget into four measured terms (see ``kv_allocated``)::
 allocator's reserve at sizing shows the two as one line, "non-PyTorch + cache slack").
 
 The plan predicts the same terms from the model config: weights from the parameter count, the
-reserve from the activation model on the engine's warmup batch, no memory outside PyTorch, and the
-KV blocks left over. Each difference is explained by the assumption it contradicts.
+reserve from the activation model on the engine's warmup batch, memory outside PyTorch from the
+estimate of :mod:`memwatch.plan.non_pytorch`, and the KV blocks left over. Each difference is
+explained by the assumption it contradicts.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from memwatch.plan.capacity import (
     DEFAULT_UTILIZATION,
     PlanError,
 )
+from memwatch.plan.non_pytorch import non_pytorch_terms
 from memwatch.units import MIB, format_bytes
 
 TOLERANCE = 0.01
@@ -135,13 +137,14 @@ def compare_rank(run: Mapping[str, Any], kv_event: Mapping[str, Any]) -> PlanVsO
     total = int(data["total_bytes"])
 
     weights_p = spec.weight_bytes(dtype, tp)
+    non_pytorch_p = sum(non_pytorch_terms(tp).values())
     reserve_p = forward_activation_bytes(spec, num_seqs * seq_len, num_seqs, prefill=True, tp=tp)
     block_p = spec.block_bytes(block_size, tp, kv_dtype)
     explicit_kv = config.get("kv_cache_memory_bytes")
     if explicit_kv:
         kv_budget_p = int(explicit_kv)
     else:
-        kv_budget_p = int(Decimal(total) * Decimal(str(utilization))) - weights_p - reserve_p
+        kv_budget_p = int(Decimal(total) * Decimal(str(utilization))) - non_pytorch_p - weights_p - reserve_p
     blocks_p = max(0, kv_budget_p) // block_p
 
     current, peak, used = int(data["current_bytes"]), int(data["peak_bytes"]), int(data["used_bytes"])
@@ -159,11 +162,11 @@ def compare_rank(run: Mapping[str, Any], kv_event: Mapping[str, Any]) -> PlanVsO
               "was not reset before warmup, eager attention scores, or workspaces the model omits",
               f"the warmup peak is below the model of a {num_seqs} × {seq_len:,}-token prefill: warmup "
               "ran a smaller batch or a decode step, so a real long prefill can run out of memory"),
-        _term("non-PyTorch" if reserved is not None else "non-PyTorch + cache slack", 0, outside,
-              "the plan assumes nothing outside PyTorch; the CUDA context, NCCL/cuBLAS workspaces, "
-              "graph pools and other processes on the GPU hold this",
-              "the driver reports less in use than PyTorch allocated: the readings were not taken "
-              "at the same moment"),
+        _term("non-PyTorch" if reserved is not None else "non-PyTorch + cache slack", non_pytorch_p, outside,
+              "more than the estimate of the CUDA context and NCCL buffers: cuBLAS workspaces, graph "
+              "pools or other processes on the GPU",
+              "less than the estimate of the CUDA context and NCCL buffers: a smaller context "
+              "(lazily loaded kernels), or readings not taken at the same moment"),
     ]
     if reserved is not None:
         terms.append(_term("cache slack", 0, int(reserved) - current,
