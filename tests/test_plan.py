@@ -19,7 +19,7 @@ def qwen() -> ModelSpec:
 def seed_inputs(**overrides: object) -> PlanInputs:
     """The capacity worked example: a 24 GiB card at utilization 0.9, 15 GiB of weights, 2 GiB of other non-KV."""
     values: dict[str, object] = {"gpu_memory_bytes": 24 * GIB, "utilization": 0.9,
-                                 "weights_bytes": 15 * GIB, "non_kv_bytes": 2 * GIB, "non_pytorch_bytes": 0,
+                                 "weights_bytes": 15 * GIB, "activation_reserve_bytes": 2 * GIB, "non_torch_bytes": 0,
                                  "seqs": 4, "seq_len": 32_768}
     values.update(overrides)
     return PlanInputs(**values)  # type: ignore[arg-type]
@@ -56,7 +56,7 @@ def test_second_seed_per_rank_under_tensor_parallel(qwen: ModelSpec) -> None:
 
 def test_first_seed_block(qwen: ModelSpec) -> None:
     plan = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * 10**9, weights_bytes=14 * 10**9,
-                                          non_kv_bytes=5 * 10**9, non_pytorch_bytes=0))
+                                          activation_reserve_bytes=5 * 10**9, non_torch_bytes=0))
     assert plan.block_bytes == 2 * 28 * 256 * 4 * 128 * 2 == 14_680_064
     assert plan.kv_budget_bytes == 72 * 10**9 - 19 * 10**9
     assert plan.kv_blocks == 53 * 10**9 // 14_680_064 == 3610
@@ -69,7 +69,7 @@ def test_first_seed_block(qwen: ModelSpec) -> None:
 def test_mha_llama2() -> None:
     spec = ModelSpec.load("Llama-2-7b-hf")
     plan = plan_capacity(spec, PlanInputs(gpu_memory_bytes=40 * GIB, weights_bytes=13 * GIB,
-                                          non_kv_bytes=1 * GIB, non_pytorch_bytes=0, seqs=12, seq_len=4096))
+                                          activation_reserve_bytes=1 * GIB, non_torch_bytes=0, seqs=12, seq_len=4096))
     per_token = 2 * 32 * 32 * 128 * 2                 # 32 KV heads (MHA), fp16
     assert plan.kv_bytes_per_token == per_token == 512 * 1024
     assert plan.block_bytes == 256 * per_token == 128 * MIB
@@ -144,18 +144,18 @@ def test_pipeline_parallel_counts_only_the_rank_layers(qwen: ModelSpec) -> None:
 def test_defaults_derive_weights_and_non_kv_from_the_model(qwen: ModelSpec) -> None:
     plan = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * 10**9, seq_len=4096))
     assert (plan.utilization, plan.block_size, plan.kv_dtype) == (0.9, 256, "bfloat16")
-    assert plan.weights_estimated and plan.non_kv_estimated
+    assert plan.weights_estimated and plan.activation_reserve_estimated
     assert plan.weights_bytes == 7_615_616_512 * 2
     # warmup: min(16,384, 4,096) = 4,096 tokens × 16,384 // 4,096 = 4 sequences
-    assert plan.non_kv_bytes == forward_activation_bytes(qwen, 16_384, 4, prefill=True) == 2_217_025_536
+    assert plan.activation_reserve_bytes == forward_activation_bytes(qwen, 16_384, 4, prefill=True) == 2_217_025_536
     # memory outside PyTorch: the documented estimate of one CUDA context, 512 MiB
-    assert (plan.non_pytorch_bytes, plan.non_pytorch_estimated) == (512 * MIB, True)
+    assert (plan.non_torch_bytes, plan.non_torch_estimated) == (512 * MIB, True)
     assert plan.kv_budget_bytes == 72 * 10**9 - 512 * MIB - 15_231_233_024 - 2_217_025_536
 
 
 def test_fp8_kv_and_fp32_weights(qwen: ModelSpec) -> None:
     plan = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, dtype="fp32", kv_dtype="fp8",
-                                          non_kv_bytes=0))
+                                          activation_reserve_bytes=0))
     assert plan.kv_bytes_per_token == 57_344 // 2
     assert plan.weights_bytes == 7_615_616_512 * 4
 

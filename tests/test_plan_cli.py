@@ -13,8 +13,8 @@ from memwatch.models import ModelSpec, forward_activation_bytes
 from memwatch.store import open_store
 
 GIB, MIB = 2**30, 2**20
-SEED = ["--gpu-memory", "24GiB", "--weights-bytes", "15GiB", "--non-kv-bytes", "2GiB", "--non-pytorch-bytes", "0",
-        "--seqs", "4", "--seq-len", "32768"]
+SEED = ["--gpu-memory", "24GiB", "--weights-bytes", "15GiB", "--activation-reserve-bytes", "2GiB",
+        "--non-torch-bytes", "0", "--seqs", "4", "--seq-len", "32768"]
 
 
 @pytest.fixture(autouse=True)
@@ -67,8 +67,8 @@ def test_model_from_a_config_directory_and_gb_units(tmp_path: Path) -> None:
     shipped = Path(__file__).parents[1] / "memwatch/models/configs/Llama-2-7b-hf.json"
     (tmp_path / "config.json").write_text(shipped.read_text())
     code, out, _ = invoke("--model", str(tmp_path), "--gpu-memory", "40GB", "--utilization", "0.5",
-                          "--weights-bytes", "13000000000", "--non-kv-bytes", "1GB", "--non-pytorch-bytes", "0",
-                          "--tokens", "4096", "--json")
+                          "--weights-bytes", "13000000000", "--activation-reserve-bytes", "1GB",
+                          "--non-torch-bytes", "0", "--tokens", "4096", "--json")
     data = json.loads(out)
     assert code == 0
     assert data["kv_budget_bytes"] == 20 * 10**9 - 14 * 10**9
@@ -110,7 +110,7 @@ def test_unknown_model_is_not_found_and_says_where_it_looked(offline_hub: Path) 
 
 
 def test_a_bare_byte_count_of_a_real_gpu_is_still_accepted() -> None:
-    code, out, _ = invoke("--gpu-memory", "25769803776", "--non-pytorch-bytes", "0", "--json")
+    code, out, _ = invoke("--gpu-memory", "25769803776", "--non-torch-bytes", "0", "--json")
     assert code == 0 and json.loads(out)["gpu_memory_bytes"] == 24 * GIB
 
 
@@ -131,8 +131,8 @@ def test_the_readme_question_counts_the_memory_outside_pytorch() -> None:
     qwen = ModelSpec.load("Qwen2.5-7B-Instruct")
     activation = forward_activation_bytes(qwen, 16_384, 1, prefill=True)    # warmup: one 16,384-token prefill
     kv_budget = int(24 * GIB * 0.9) - 512 * MIB - 15_231_233_024 - activation
-    assert (data["non_pytorch_bytes"], data["non_pytorch_estimated"]) == (512 * MIB, True)
-    assert data["non_pytorch_terms"] == {"cuda_context": 512 * MIB, "nccl": 0}
+    assert (data["non_torch_bytes"], data["non_torch_estimated"]) == (512 * MIB, True)
+    assert data["non_torch_terms"] == {"cuda_context": 512 * MIB, "nccl": 0}
     assert data["kv_budget_bytes"] == kv_budget
     assert data["kv_blocks"] == kv_budget // 14_680_064 < 391
     assert 347 <= data["kv_blocks"] <= 347 + 10                      # within 10 blocks of the measured run
@@ -140,21 +140,21 @@ def test_the_readme_question_counts_the_memory_outside_pytorch() -> None:
     _, text, _ = invoke("--gpu-memory", "24GiB", "--seqs", "4", "--seq-len", "32768")
     assert "− non-PyTorch" in text and "estimate: CUDA context 512 MiB" in text
     # the option replaces the estimate, and its own line says so
-    _, out, _ = invoke("--gpu-memory", "24GiB", "--seq-len", "32768", "--non-pytorch-bytes", "611MiB", "--json")
+    _, out, _ = invoke("--gpu-memory", "24GiB", "--seq-len", "32768", "--non-torch-bytes", "611MiB", "--json")
     data = json.loads(out)
-    assert (data["non_pytorch_bytes"], data["non_pytorch_estimated"]) == (611 * MIB, False)
+    assert (data["non_torch_bytes"], data["non_torch_estimated"]) == (611 * MIB, False)
     assert data["kv_budget_bytes"] == int(24 * GIB * 0.9) - 611 * MIB - 15_231_233_024 - activation
 
 
-def test_non_pytorch_estimate_grows_with_tensor_parallel() -> None:
+def test_non_torch_estimate_grows_with_tensor_parallel() -> None:
     _, out, _ = invoke("--gpu-memory", "24GiB", "--tp", "2", "--json")
-    assert json.loads(out)["non_pytorch_terms"] == {"cuda_context": 512 * MIB, "nccl": 256 * MIB}
+    assert json.loads(out)["non_torch_terms"] == {"cuda_context": 512 * MIB, "nccl": 256 * MIB}
     _, out, _ = invoke("--gpu-memory", "80GiB", "--tp", "4", "--pp", "4", "--json")
-    assert json.loads(out)["non_pytorch_terms"]["nccl"] == 16 * GIB // 8      # tp × pp / 8 GiB
+    assert json.loads(out)["non_torch_terms"]["nccl"] == 16 * GIB // 8      # tp × pp / 8 GiB
 
 
 @pytest.mark.parametrize("option", [["--gpu-memory", "24GiB"], ["--seqs", "4"], ["--model", "Llama-2-7b-hf"],
-                                    ["--engine", "vllm"], ["--non-pytorch-bytes", "1GiB"], ["--tp", "1"]])
+                                    ["--engine", "vllm"], ["--non-torch-bytes", "1GiB"], ["--tp", "1"]])
 def test_run_refuses_planning_options_it_cannot_apply(option: list[str], tmp_path: Path) -> None:
     code, out, err = invoke("--run", "latest", "--db", str(tmp_path / "none.db"), *option)
     assert code == 2 and out == "" and err.count("\n") == 1

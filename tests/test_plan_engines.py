@@ -31,12 +31,12 @@ def test_block_sizes_follow_the_engine(qwen: ModelSpec) -> None:
 
 
 def test_vllm_deducts_weights_activation_and_graphs_but_not_the_context(qwen: ModelSpec) -> None:
-    result = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="vllm", non_kv_bytes=GIB,
+    result = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="vllm", activation_reserve_bytes=GIB,
                                             cudagraph_bytes=512 * MIB, seq_len=32_768))
     requested = math.ceil(80 * GIB * 0.92)                             # request_memory: ceil(total × util)
     assert (result.utilization, result.budget_bytes) == (0.92, requested)
     assert result.kv_budget_bytes == requested - WEIGHTS - GIB - 512 * MIB
-    assert result.non_pytorch_bytes == 512 * MIB                      # shown, outside the budget
+    assert result.non_torch_bytes == 512 * MIB                      # shown, outside the budget
     assert result.kv_blocks == result.kv_budget_bytes // (16 * PER_TOKEN)
     assert result.startup_error is None
 
@@ -64,7 +64,7 @@ def test_vllm_cuda_graph_estimate(qwen: ModelSpec) -> None:
     decode = forward_activation_bytes(qwen, 512, 512, prefill=False, max_seq_len=1)
     assert result.cudagraph_bytes == decode + 51 * MIB
     # vLLM's profile run: 2,048 batched tokens over at most 256 sequences on a device under 70 GiB
-    assert result.non_kv_bytes == forward_activation_bytes(qwen, 2048, 256, prefill=True)
+    assert result.activation_reserve_bytes == forward_activation_bytes(qwen, 2048, 256, prefill=True)
 
 
 def test_sglang_automatic_mem_fraction_static() -> None:
@@ -94,7 +94,7 @@ def test_each_engine_prints_its_own_ledger() -> None:
     assert "− non-PyTorch" in text["nano-vllm"] and "× utilization 0.9 " in text["nano-vllm"]
     assert "− CUDA graphs" in text["vllm"] and "· non-PyTorch" in text["vllm"]
     assert "outside the budget" in " ".join(text["vllm"].split())
-    assert "× mem_fraction_static 0.836" in text["sglang"] and "· activation peak" in text["sglang"]
+    assert "× mem_fraction_static 0.836" in text["sglang"] and "· activation reserve" in text["sglang"]
     assert all(len(line) <= 80 for out in text.values() for line in out.splitlines())
     data = json.loads(runner.invoke(plan, ["--engine", "sglang", "--gpu-memory", "80GiB", "--json"]).stdout)
     assert [line["label"] for line in data["ledger"]][:3] == ["GPU memory", "non-PyTorch",

@@ -59,11 +59,11 @@ def test_load_spike_and_cuda_context_come_out_of_the_kv_cache() -> None:
     peak = current + RESERVE + 3 * GIB                # peak not reset after loading
     used = current + 700 * MIB                        # CUDA context and workspaces
     [result] = compare_run(run_row(), [event(sizing(current, peak, used))])
-    weights, reserve, non_pytorch, _slack, kv = result.terms
+    weights, reserve, non_torch, _slack, kv = result.terms
     assert (weights.diff_bytes, weights.cause) == (50 * MIB, "as planned")
     assert reserve.diff_bytes == 3 * GIB and "peak was not reset before warmup" in reserve.cause
-    assert (non_pytorch.predicted_bytes, non_pytorch.measured_bytes) == (CONTEXT, 700 * MIB)
-    assert "more than the estimate of the CUDA context" in non_pytorch.cause
+    assert (non_torch.predicted_bytes, non_torch.measured_bytes) == (CONTEXT, 700 * MIB)
+    assert "more than the estimate of the CUDA context" in non_torch.cause
     measured_blocks = int(TOTAL * 0.9 - used - peak + current) // BLOCK
     assert (kv.predicted_blocks, kv.measured_blocks) == (PLANNED_BLOCKS, measured_blocks)
     assert kv.diff_bytes == (measured_blocks - PLANNED_BLOCKS) * BLOCK

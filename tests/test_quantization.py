@@ -127,7 +127,7 @@ def test_plan_shows_the_weight_bytes_and_where_they_come_from(tmp_path: Path) ->
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**LLAMA, "torch_dtype": "float16", "quantization_config": {
         "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}}))
-    result = CliRunner().invoke(plan, ["--model", str(config), "--gpu-memory", "24GiB", "--non-pytorch-bytes", "0"])
+    result = CliRunner().invoke(plan, ["--model", str(config), "--gpu-memory", "24GiB", "--non-torch-bytes", "0"])
     assert result.exit_code == 0
     assert "5,727,854,592 B" in result.stdout
     assert ("8,030,261,248 parameters; linear layers awq 4-bit, group 128 (quantization_config: awq), the rest "

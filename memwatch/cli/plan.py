@@ -26,7 +26,7 @@ DOES_NOT_FIT = 1
 MIN_BARE_GPU_MEMORY = GIB
 """A bare ``--gpu-memory`` number below this is taken for a unit left out (``24`` meant ``24GiB``)."""
 _PLANNING_OPTIONS = ("model", "gpu_memory", "utilization", "kv_cache_memory_bytes", "weights_bytes",
-                     "non_kv_bytes", "non_pytorch_bytes", "cudagraph_bytes", "dtype", "kv_dtype",
+                     "activation_reserve_bytes", "non_torch_bytes", "cudagraph_bytes", "dtype", "kv_dtype",
                      "quantization", "engine", "tp", "pp", "block_size", "seqs", "seq_len", "tokens",
                      "max_num_batched_tokens", "max_num_seqs")
 
@@ -74,8 +74,8 @@ def _plan_run(db_path: Path | None, run: str, as_json: bool) -> None:
                    "[default: the engine's].")
 @click.option("--kv-cache-memory-bytes", help="Explicit KV bytes per rank; replaces --utilization.")
 @click.option("--weights-bytes", help="Weight bytes per rank [default: counted from the config].")
-@click.option("--non-kv-bytes", help="Activation peak per rank [default: estimate on the engine's warmup].")
-@click.option("--non-pytorch-bytes",
+@click.option("--activation-reserve-bytes", help="Activation peak per rank [default: estimate on the engine's warmup].")
+@click.option("--non-torch-bytes",
               help="Memory outside PyTorch per rank (CUDA context, NCCL) [default: estimate].")
 @click.option("--cudagraph-bytes", help="vLLM's CUDA-graph reserve per rank [default: estimate].")
 @click.option("--dtype", help="Precision of the weights that are not quantized [default: the config's].")
@@ -97,8 +97,8 @@ def _plan_run(db_path: Path | None, run: str, as_json: bool) -> None:
 @json_option
 @click.pass_context
 def plan(ctx: click.Context, model: str, engine: str, gpu_memory: str | None, utilization: float | None,
-         kv_cache_memory_bytes: str | None, weights_bytes: str | None, non_kv_bytes: str | None,
-         non_pytorch_bytes: str | None, cudagraph_bytes: str | None, dtype: str | None, quantization: str | None,
+         kv_cache_memory_bytes: str | None, weights_bytes: str | None, activation_reserve_bytes: str | None,
+         non_torch_bytes: str | None, cudagraph_bytes: str | None, dtype: str | None, quantization: str | None,
          kv_dtype: str | None, tp: int, pp: int, block_size: int | None, seqs: int | None, seq_len: int | None,
          tokens: int | None, max_num_batched_tokens: int | None, max_num_seqs: int | None, run: str | None,
          db_path: Path | None, as_json: bool) -> None:
@@ -120,7 +120,7 @@ def plan(ctx: click.Context, model: str, engine: str, gpu_memory: str | None, ut
         inputs = PlanInputs(
             gpu_memory_bytes=_gpu_memory(gpu_memory), utilization=utilization,
             kv_cache_memory_bytes=_size(kv_cache_memory_bytes), weights_bytes=_size(weights_bytes),
-            non_kv_bytes=_size(non_kv_bytes), non_pytorch_bytes=_size(non_pytorch_bytes),
+            activation_reserve_bytes=_size(activation_reserve_bytes), non_torch_bytes=_size(non_torch_bytes),
             cudagraph_bytes=_size(cudagraph_bytes), dtype=dtype, kv_dtype=kv_dtype,
             quantization=quantization, tp=tp, pp=pp, block_size=block_size, seqs=seqs, seq_len=seq_len,
             tokens=tokens, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

@@ -4,12 +4,12 @@ The ledger of one rank, planned in exact bytes under the engine's own rule (:mod
 for nano-vllm::
 
     budget      = gpu_memory × utilization                (or kv_cache_memory_bytes, which replaces it)
-    KV budget   = budget − non-PyTorch − weights − activation peak
+    KV budget   = budget − non-PyTorch − weights − activation reserve
     KV blocks   = KV budget // block_bytes
     fits        = blocks the target needs <= KV blocks
 
 Weights are priced tensor by tensor at the checkpoint's quantization (:mod:`memwatch.models.quantization`);
-non-PyTorch memory defaults to an estimate (:mod:`memwatch.plan.non_pytorch`). A hybrid model's
+non-PyTorch memory defaults to an estimate (:mod:`memwatch.plan.non_torch`). A hybrid model's
 non-attention layers add a fixed state per sequence to its KV.
 
 A sequence of ``L`` tokens needs ``ceil(L / block_size)`` blocks of its full-attention layers and
@@ -29,8 +29,8 @@ from memwatch.models.quantization import from_option as quantization_from_option
 from memwatch.models.spec import ModelSpec, canonical_dtype
 from memwatch.plan import engines
 from memwatch.plan.engines import LedgerLine
-from memwatch.plan.non_pytorch import describe as describe_non_pytorch
-from memwatch.plan.non_pytorch import non_pytorch_terms
+from memwatch.plan.non_torch import describe as describe_non_torch
+from memwatch.plan.non_torch import non_torch_terms
 
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_UTILIZATION = 0.9
@@ -55,10 +55,10 @@ class PlanInputs:
     utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
     weights_bytes: int | None = None
-    non_kv_bytes: int | None = None
-    """The activation peak; None: estimated on the engine's profiling forward."""
-    non_pytorch_bytes: int | None = None
-    """Memory outside PyTorch per rank; None: the estimate of :mod:`memwatch.plan.non_pytorch`."""
+    activation_reserve_bytes: int | None = None
+    """The activation reserve (the profiling forward's peak); None: estimated on the engine's warmup."""
+    non_torch_bytes: int | None = None
+    """Memory outside PyTorch per rank; None: the estimate of :mod:`memwatch.plan.non_torch`."""
     cudagraph_bytes: int | None = None
     dtype: str | None = None
     kv_dtype: str | None = None
@@ -106,11 +106,11 @@ class CapacityPlan:
     weights_estimated: bool
     weights_source: str
     num_parameters: int
-    non_kv_bytes: int
-    non_kv_estimated: bool
-    non_pytorch_bytes: int
-    non_pytorch_estimated: bool
-    non_pytorch_terms: dict[str, int]
+    activation_reserve_bytes: int
+    activation_reserve_estimated: bool
+    non_torch_bytes: int
+    non_torch_estimated: bool
+    non_torch_terms: dict[str, int]
     cudagraph_bytes: int
     state_bytes_per_seq: int
     """Fixed bytes per sequence in a hybrid model's non-attention layers (0 for pure attention)."""
@@ -190,7 +190,7 @@ def _table_sizes(target: int, max_concurrent: int) -> list[int]:
     return sorted(sizes)
 
 
-def estimate_non_kv_bytes(spec: ModelSpec, tp: int, max_num_batched_tokens: int,
+def estimate_activation_reserve_bytes(spec: ModelSpec, tp: int, max_num_batched_tokens: int,
                           max_model_len: int | None) -> int:
     """The activation peak of nano-vllm's warmup prefill, the simulator's activation default."""
     model_len = max_model_len or max_num_batched_tokens
@@ -235,18 +235,19 @@ def plan_capacity(spec: ModelSpec, inputs: PlanInputs) -> CapacityPlan:
     state = spec.state_bytes_per_sequence(tp, pp, kv_dtype)
 
     weights, weights_source = _weights(spec, inputs, dtype)
-    non_kv = inputs.non_kv_bytes
+    non_kv = inputs.activation_reserve_bytes
     if non_kv is None:
         non_kv = engines.activation_bytes(engine, spec, tp, batched, inputs.seq_len, max_seqs)
-    terms = non_pytorch_terms(tp, pp) if inputs.non_pytorch_bytes is None else {}
-    non_pytorch = sum(terms.values()) if inputs.non_pytorch_bytes is None else inputs.non_pytorch_bytes
+    terms = non_torch_terms(tp, pp) if inputs.non_torch_bytes is None else {}
+    non_torch = sum(terms.values()) if inputs.non_torch_bytes is None else inputs.non_torch_bytes
     cudagraph = inputs.cudagraph_bytes
     if cudagraph is None:
         cudagraph = engines.vllm_cudagraph_bytes(spec, tp, max_seqs) if engine == "vllm" else 0
     notes = {
         "weights": weights_source,
-        "activation": "given (--non-kv-bytes)" if inputs.non_kv_bytes is not None else "estimate (warmup)",
-        "non_pytorch": describe_non_pytorch(terms) if terms else "given (--non-pytorch-bytes)",
+        "activation": ("given (--activation-reserve-bytes)" if inputs.activation_reserve_bytes is not None
+                       else "estimate (warmup)"),
+        "non_torch": describe_non_torch(terms) if terms else "given (--non-torch-bytes)",
         "cudagraph": "given (--cudagraph-bytes)" if inputs.cudagraph_bytes is not None else "estimate",
     }
 
@@ -256,8 +257,8 @@ def plan_capacity(spec: ModelSpec, inputs: PlanInputs) -> CapacityPlan:
         kv_budget = inputs.kv_cache_memory_bytes
         ledger: tuple[LedgerLine, ...] = (
             LedgerLine("·", "weights", weights, notes["weights"] + "; not deducted"),
-            LedgerLine("·", "activation peak", non_kv, notes["activation"] + "; not deducted"),
-            LedgerLine("·", "non-PyTorch", non_pytorch, notes["non_pytorch"] + "; not deducted"),
+            LedgerLine("·", "activation reserve", non_kv, notes["activation"] + "; not deducted"),
+            LedgerLine("·", "non-PyTorch", non_torch, notes["non_torch"] + "; not deducted"),
             LedgerLine("", "KV budget", kv_budget, "--kv-cache-memory-bytes"),
         )
     else:
@@ -269,7 +270,7 @@ def plan_capacity(spec: ModelSpec, inputs: PlanInputs) -> CapacityPlan:
                 utilization = engines.sglang_mem_fraction_static(inputs.gpu_memory_bytes or 0, tp, pp)
                 notes["utilization"] = "SGLang's automatic value for this device"
         split = engines.kv_budget(engine, inputs.gpu_memory_bytes or 0, utilization, weights=weights,
-                                  activation=non_kv, non_pytorch=non_pytorch, cudagraph=cudagraph, notes=notes)
+                                  activation=non_kv, non_torch=non_torch, cudagraph=cudagraph, notes=notes)
         budget, kv_budget, ledger, startup_error = (split.budget_bytes, split.kv_budget_bytes, split.lines,
                                                     split.startup_error)
     kv_blocks = max(0, kv_budget) // block_bytes if not startup_error else 0
@@ -301,9 +302,9 @@ def plan_capacity(spec: ModelSpec, inputs: PlanInputs) -> CapacityPlan:
         gpu_memory_bytes=inputs.gpu_memory_bytes, utilization=utilization, budget_bytes=budget,
         weights_bytes=weights, weights_estimated=inputs.weights_bytes is None, weights_source=weights_source,
         num_parameters=spec.num_parameters(),
-        non_kv_bytes=non_kv, non_kv_estimated=inputs.non_kv_bytes is None,
-        non_pytorch_bytes=non_pytorch, non_pytorch_estimated=inputs.non_pytorch_bytes is None,
-        non_pytorch_terms=terms, cudagraph_bytes=cudagraph,
+        activation_reserve_bytes=non_kv, activation_reserve_estimated=inputs.activation_reserve_bytes is None,
+        non_torch_bytes=non_torch, non_torch_estimated=inputs.non_torch_bytes is None,
+        non_torch_terms=terms, cudagraph_bytes=cudagraph,
         state_bytes_per_seq=state, state_note=_state_note(spec, state), ledger=ledger,
         startup_error=startup_error,
         kv_bytes_per_token=per_token, block_bytes=block_bytes, kv_budget_bytes=kv_budget,

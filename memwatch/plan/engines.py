@@ -3,7 +3,7 @@
 =========  ============================================================================================
 nano-vllm  ``num_blocks = int(total × util − used − peak + current) // block_bytes``
            (``ModelRunner.allocate_kv_cache``, ``nanovllm/engine/model_runner.py``): the KV cache gets
-           ``total × util − non-PyTorch − weights − activation peak``. Everything on the device counts,
+           ``total × util − non-PyTorch − weights − activation reserve``. Everything on the device counts,
            the CUDA context and NCCL buffers included. Blocks of 256 tokens, utilization 0.9,
            ``max_num_batched_tokens`` 16,384, ``max_num_seqs`` 512 (``nanovllm/config.py``).
 vLLM       ``available_kv_cache_memory_bytes = requested_memory − non_kv_cache_memory −
@@ -152,18 +152,18 @@ class Budget:
 
 
 def kv_budget(engine: str, total: int, utilization: float, *, weights: int, activation: int,
-              non_pytorch: int, cudagraph: int, notes: dict[str, str]) -> Budget:
+              non_torch: int, cudagraph: int, notes: dict[str, str]) -> Budget:
     """KV bytes per rank under ``engine``'s rule, with the lines that show how they were reached."""
     share = Decimal(total) * Decimal(str(utilization))
     start = LedgerLine("", "GPU memory", total, notes.get("gpu", ""))
     weights_line = LedgerLine("−", "weights", weights, notes["weights"])
-    activation_line = LedgerLine("−", "activation peak", activation, notes["activation"])
-    non_pytorch_line = LedgerLine("−", "non-PyTorch", non_pytorch, notes["non_pytorch"])
+    activation_line = LedgerLine("−", "activation reserve", activation, notes["activation"])
+    non_torch_line = LedgerLine("−", "non-PyTorch", non_torch, notes["non_torch"])
     if engine == "nano-vllm":
         budget = int(share)
-        kv = budget - non_pytorch - weights - activation
+        kv = budget - non_torch - weights - activation
         lines = (start, LedgerLine("×", f"utilization {utilization:g}", budget),
-                 non_pytorch_line, weights_line, activation_line)
+                 non_torch_line, weights_line, activation_line)
         return Budget(budget, kv, (*lines, LedgerLine("=", "KV budget", kv)))
     if engine == "vllm":
         budget = math.ceil(share)
@@ -173,22 +173,22 @@ def kv_budget(engine: str, total: int, utilization: float, *, weights: int, acti
                  weights_line, activation_line,
                  LedgerLine("−", "CUDA graphs", cudagraph, notes["cudagraph"]),
                  LedgerLine("=", "KV budget", kv),
-                 LedgerLine("·", "non-PyTorch", non_pytorch,
-                            f"{notes['non_pytorch']}; outside the budget, "
+                 LedgerLine("·", "non-PyTorch", non_torch,
+                            f"{notes['non_torch']}; outside the budget, "
                             f"must fit in total × (1 − util) = {slack:,} B"))
         error = None
-        if non_pytorch > slack:
-            error = (f"vLLM refuses to start: memory outside PyTorch ({non_pytorch:,} B) exceeds "
+        if non_torch > slack:
+            error = (f"vLLM refuses to start: memory outside PyTorch ({non_torch:,} B) exceeds "
                      f"total × (1 − utilization) ({slack:,} B); lower --utilization")
         return Budget(budget, kv, lines, error)
     if engine == "sglang":
-        before_load = total - non_pytorch
+        before_load = total - non_torch
         budget = int(Decimal(before_load) * Decimal(str(utilization)))
         kv = budget - weights
-        lines = (start, non_pytorch_line,
+        lines = (start, non_torch_line,
                  LedgerLine("×", f"mem_fraction_static {utilization:g}", budget, notes.get("utilization", "")),
                  weights_line, LedgerLine("=", "KV budget", kv),
-                 LedgerLine("·", "activation peak", activation,
+                 LedgerLine("·", "activation reserve", activation,
                             "not deducted: runs in the (1 − mem_fraction_static) remainder"))
         return Budget(budget, kv, lines)
     raise UsageError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")

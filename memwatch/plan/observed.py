@@ -14,7 +14,7 @@ allocator's reserve at sizing shows the two as one line, "non-PyTorch + cache sl
 
 The plan predicts the same terms from the model config: weights from the parameter count, the
 reserve from the activation model on the engine's warmup batch, memory outside PyTorch from the
-estimate of :mod:`memwatch.plan.non_pytorch`, and the KV blocks left over. Each difference is
+estimate of :mod:`memwatch.plan.non_torch`, and the KV blocks left over. Each difference is
 explained by the assumption it contradicts.
 """
 
@@ -35,7 +35,7 @@ from memwatch.plan.capacity import (
     DEFAULT_UTILIZATION,
     PlanError,
 )
-from memwatch.plan.non_pytorch import non_pytorch_terms
+from memwatch.plan.non_torch import non_torch_terms
 from memwatch.units import MIB, format_bytes
 
 TOLERANCE = 0.01
@@ -137,14 +137,14 @@ def compare_rank(run: Mapping[str, Any], kv_event: Mapping[str, Any]) -> PlanVsO
     total = int(data["total_bytes"])
 
     weights_p = spec.weight_bytes(dtype, tp)
-    non_pytorch_p = sum(non_pytorch_terms(tp).values())
+    non_torch_p = sum(non_torch_terms(tp).values())
     reserve_p = forward_activation_bytes(spec, num_seqs * seq_len, num_seqs, prefill=True, tp=tp)
     block_p = spec.block_bytes(block_size, tp, kv_dtype)
     explicit_kv = config.get("kv_cache_memory_bytes")
     if explicit_kv:
         kv_budget_p = int(explicit_kv)
     else:
-        kv_budget_p = int(Decimal(total) * Decimal(str(utilization))) - non_pytorch_p - weights_p - reserve_p
+        kv_budget_p = int(Decimal(total) * Decimal(str(utilization))) - non_torch_p - weights_p - reserve_p
     blocks_p = max(0, kv_budget_p) // block_p
 
     current, peak, used = int(data["current_bytes"]), int(data["peak_bytes"]), int(data["used_bytes"])
@@ -162,7 +162,7 @@ def compare_rank(run: Mapping[str, Any], kv_event: Mapping[str, Any]) -> PlanVsO
               "was not reset before warmup, eager attention scores, or workspaces the model omits",
               f"the warmup peak is below the model of a {num_seqs} × {seq_len:,}-token prefill: warmup "
               "ran a smaller batch or a decode step, so a real long prefill can run out of memory"),
-        _term("non-PyTorch" if reserved is not None else "non-PyTorch + cache slack", non_pytorch_p, outside,
+        _term("non-PyTorch" if reserved is not None else "non-PyTorch + cache slack", non_torch_p, outside,
               "more than the estimate of the CUDA context and NCCL buffers: cuBLAS workspaces, graph "
               "pools or other processes on the GPU",
               "less than the estimate of the CUDA context and NCCL buffers: a smaller context "

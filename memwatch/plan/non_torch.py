@@ -20,7 +20,7 @@ estimate is:
   logs 1.79 GiB more non-torch memory at TP 2 than at TP 1 on an H100).
 
 The same estimate serves every engine; each engine's rule decides whether it is deducted
-(:mod:`memwatch.plan.engines`). ``--non-pytorch-bytes`` replaces it with a measured figure.
+(:mod:`memwatch.plan.engines`). ``--non-torch-bytes`` replaces it with a measured figure.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ CUDA_CONTEXT_BYTES = 512 * MIB
 NCCL_MIN_BYTES = 256 * MIB
 
 
-def non_pytorch_terms(tp: int = 1, pp: int = 1) -> dict[str, int]:
+def non_torch_terms(tp: int = 1, pp: int = 1) -> dict[str, int]:
     """The estimate per rank, by term (``cuda_context``, ``nccl``)."""
     world = tp * pp
     nccl = max(NCCL_MIN_BYTES, world * GIB // 8) if world > 1 else 0
