@@ -2,7 +2,7 @@
 
 Run: ``python bench/bench_detectors.py [--samples N]``. It builds a synthetic two-rank run (KV
 sizing first, then serving steps with prefill/decode activations, cycling KV blocks and driver
-noise), then times two loops over the same samples: the baseline only unpacks each sample and adds
+noise, the allocator's signals), then times two loops over the same samples: the baseline only unpacks each sample and adds
 two of its fields; the measured loop feeds each one to a :class:`DetectorSet`. It prints both rates
 and their ratio, and exits 1 when the detectors run under the target rate.
 """
@@ -52,10 +52,11 @@ def serving_samples(count: int, ranks: int = 2, seed: int = 7) -> list[Sample]:
         reserved = WEIGHTS + KV + cached[rank] + 64 * MiB
         used = NON_TORCH + reserved + rng.randrange(-4 * MiB, 4 * MiB)
         blocks_used = 400 + (step * 7) % 2_800
+        pinned = rng.randrange(16 * MiB, 48 * MiB)
         samples.append(Sample(
             "bench", rank, step, step * 25_000_000, "serve", allocated, allocated + activation, reserved, used,
             TOTAL - used, blocks_used, NUM_BLOCKS, 64, 4_096 if prefill else 64,
-            "prefill" if prefill else "decode", True,
+            "prefill" if prefill else "decode", True, None, 60 + step % 7, allocated, pinned, 0, 0,
         ))
     return samples
 
@@ -65,7 +66,7 @@ def baseline(samples: list[Sample]) -> float:
     started = time.perf_counter()
     total = 0
     for (_run_id, _rank, _step, _ts_ns, _phase, allocated, _peak, reserved, _used, _free, _kv_used, _kv_total,
-         _seqs, _tokens, _kind, _peak_is_step, _process) in samples:
+         _seqs, _tokens, _kind, _peak_is_step, _process, _segments, _active, _pinned, _retries, _ooms) in samples:
         total += allocated + reserved
     return time.perf_counter() - started
 

@@ -31,7 +31,7 @@ def fill_ring(runtime: Path, n: int) -> None:
     writer = RingWriter(runtime / "bench-r0.ring", run_id="bench", capacity=capacity, meta={"engine": "bench"})
     for i in range(n):
         writer.write_sample(i, 10**18 + i * 1000, 5, 2, 1, 14 << 30, 18 << 30, 15 << 30, 20 << 30, -1,
-                            64, i % 3780, 3780, 64)
+                            64, i % 3780, 3780, 64, 40, 14 << 30, 64 << 20, 0, 0)
     writer.close()
 
 
@@ -57,13 +57,13 @@ def bench_raw(db_path: Path, n: int) -> float:
         db.execute("INSERT INTO runs (run_id) VALUES ('bench')")  # the run's key is 1
     db.conn.close()
     rows = [(1, 0, i, 10**18 + i * 1000, "serve", 14 << 30, 18 << 30, 15 << 30, 20 << 30, None,
-             i % 3780, 3780, 64, 64, "decode", 1, None) for i in range(n)]
+             i % 3780, 3780, 64, 64, "decode", 1, None, 40, 14 << 30, 64 << 20, 0, 0) for i in range(n)]
     conn = sqlite3.connect(db_path)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
     start = time.perf_counter()
     with conn:
-        conn.executemany("INSERT INTO sample_rows VALUES (" + ", ".join("?" * 17) + ")", rows)
+        conn.executemany("INSERT INTO sample_rows VALUES (" + ", ".join("?" * 22) + ")", rows)
     elapsed = time.perf_counter() - start
     conn.close()
     return n / elapsed

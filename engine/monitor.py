@@ -146,7 +146,7 @@ class Monitor:
             return
         try:
             probe = self.probe
-            allocated, peak, reserved, used, free = probe.read()
+            allocated, peak, reserved, used, free, *signals = probe.read_step()
             flags = 0
             if self._per_step_peak:
                 probe.reset_peak()
@@ -160,6 +160,7 @@ class Monitor:
                     UNKNOWN if kv_blocks_used is None else kv_blocks_used,
                     UNKNOWN if kv_blocks_total is None else kv_blocks_total,
                     UNKNOWN if num_seqs is None else num_seqs,
+                    *signals,
                 )
         except Exception as exc:
             self._disable(exc)
@@ -175,11 +176,11 @@ class Monitor:
         if not self._enabled:
             return
         try:
-            allocated, peak, reserved, used, free = self.probe.read()
+            allocated, peak, reserved, used, free, *signals = self.probe.read_step()
             with self._lock:
                 self._writer.write_sample(
                     self._step, self._clock(), self._phase, 0, 0, allocated, peak, reserved, used, free,
-                    UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN,
+                    UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN, *signals,
                 )
         except Exception as exc:
             self._disable(exc)

@@ -5,11 +5,11 @@ microsecond, never blocks, never raises, and the file outlives the writer, so th
 before an OOM kill still reach the store. A reader that falls behind loses the oldest records and
 counts the gap; the writer never waits for it.
 
-Byte layout (version 1, little-endian)::
+Byte layout (version 2, little-endian)::
 
     header, HEADER_SIZE = 4096 bytes
       0   8s   magic            b"MEMWATCH"
-      8   u32  version          1
+      8   u32  version          2 (a reader also reads version 1 rings: see below)
      12   u32  header_size      4096
      16   u32  record_size      128
      20   u32  capacity         number of record slots (a power of two)
@@ -39,7 +39,13 @@ Byte layout (version 1, little-endian)::
      32   i64  allocated_bytes, peak_bytes, reserved_bytes, driver_used_bytes, driver_free_bytes
      72   i64  num_tokens
      80   i32  kv_blocks_used, kv_blocks_total, num_seqs
+     92   i32  segments         the allocator's segment count                     (version 2 on)
+     96   i64  active_bytes, inactive_split_bytes                               (version 2 on)
+    112   i32  alloc_retries, num_ooms   the allocator's cumulative counters     (version 2 on)
             (every measured field is -1 when not available)
+
+    Version 1 differs only there: bytes 92..127 of a sample are padding. Its samples drain as
+    16-field tuples, version 2 samples as 21-field tuples (:data:`SAMPLE_FIELDS`).
 
     event chunk (type 2): an event is UTF-8 JSON ``[kind, data]`` cut into chunks of up to 96 bytes,
     written to consecutive slots and published together
@@ -67,7 +73,8 @@ from pathlib import Path
 from typing import Any
 
 MAGIC = b"MEMWATCH"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 HEADER_SIZE = 4096
 RECORD_SIZE = 128
 DEFAULT_CAPACITY = 1 << 16
@@ -90,12 +97,21 @@ FIRST_CUSTOM_PHASE = 16
 _HEADER = struct.Struct("<8sIIIIIIIIQQQI28x16s")
 _PUBLISHED = struct.Struct("<Q")
 _FLAGS = struct.Struct("<I")
-_SAMPLE = struct.Struct("<QBBBB4xqqqqqqqqiii4x")
+_SAMPLE = struct.Struct("<QBBBB4xqqqqqqqqiiiiqqii")
 _SAMPLE_SLOT = struct.Struct(_SAMPLE.format + f"{RECORD_SIZE - _SAMPLE.size}x")
+_SAMPLE_V1 = struct.Struct("<QBBBB4xqqqqqqqqiii4x")
+_SAMPLE_SLOT_V1 = struct.Struct(_SAMPLE_V1.format + f"{RECORD_SIZE - _SAMPLE_V1.size}x")
+SAMPLE_FIELDS = (
+    "seq", "type", "flags", "phase", "step_kind", "step", "ts_ns", "allocated", "peak", "reserved",
+    "driver_used", "driver_free", "num_tokens", "kv_used", "kv_total", "num_seqs",
+    "segments", "active", "inactive_split", "alloc_retries", "num_ooms",
+)
+"""Field order of a drained sample tuple; version 1 samples stop after ``num_seqs``."""
 _CHUNK = struct.Struct(f"<QBBH4xqq{CHUNK_PAYLOAD}s")
 _PUBLISHED_AT = 56
 _FLAGS_AT = 36
 assert _HEADER.size == META_OFFSET and _SAMPLE_SLOT.size == RECORD_SIZE and _CHUNK.size == RECORD_SIZE
+assert _SAMPLE_SLOT_V1.size == RECORD_SIZE and len(SAMPLE_FIELDS) == len(_SAMPLE.unpack(bytes(_SAMPLE.size)))
 
 
 class RingFormatError(Exception):
@@ -167,13 +183,15 @@ class RingWriter:
         self, step: int, ts_ns: int, phase: int, step_kind: int, flags: int,
         allocated: int, peak: int, reserved: int, driver_used: int, driver_free: int,
         num_tokens: int, kv_used: int, kv_total: int, num_seqs: int,
+        segments: int = -1, active: int = -1, inactive_split: int = -1, alloc_retries: int = -1,
+        num_ooms: int = -1,
     ) -> None:
         """Append one sample (the hot path: two ``pack_into`` calls, no allocation beyond arguments)."""
         seq = self._seq
         self._pack_sample(
             self._map, HEADER_SIZE + (seq & self._mask) * RECORD_SIZE, seq, TYPE_SAMPLE, flags, phase,
             step_kind, step, ts_ns, allocated, peak, reserved, driver_used, driver_free, num_tokens,
-            kv_used, kv_total, num_seqs,
+            kv_used, kv_total, num_seqs, segments, active, inactive_split, alloc_retries, num_ooms,
         )
         self._seq = seq + 1
         self._pack_published(self._map, _PUBLISHED_AT, seq + 1)
@@ -220,8 +238,7 @@ class Drained:
     """What one :meth:`RingReader.drain` call returns."""
 
     samples: list[tuple[Any, ...]]
-    """Raw sample tuples in ``_SAMPLE`` field order: (seq, type, flags, phase, step_kind, step, ts_ns,
-    allocated, peak, reserved, driver_used, driver_free, num_tokens, kv_used, kv_total, num_seqs)."""
+    """Raw sample tuples in :data:`SAMPLE_FIELDS` order (16 fields from a version 1 ring, 21 after)."""
     events: list[tuple[int, int, int, str, dict[str, Any]]]
     """(seq, step, ts_ns, kind, data) in order; ``seq`` orders events among the samples."""
     next_cursor: int
@@ -246,10 +263,13 @@ class RingReader:
         magic, version, header_size, record_size, capacity = fields[:5]
         if magic != MAGIC:
             raise RingFormatError(f"{self.path} is not a memwatch ring (bad magic)")
-        if version != VERSION or header_size != HEADER_SIZE or record_size != RECORD_SIZE:
+        if version not in READABLE_VERSIONS or header_size != HEADER_SIZE or record_size != RECORD_SIZE:
             raise RingFormatError(
-                f"{self.path} is ring format version {version}; this memwatch reads version {VERSION}"
+                f"{self.path} is ring format version {version}; this memwatch reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}"
             )
+        self.version = version
+        self._slot = _SAMPLE_SLOT if version >= 2 else _SAMPLE_SLOT_V1
         if size < HEADER_SIZE + capacity * RECORD_SIZE or capacity & (capacity - 1):
             raise RingFormatError(f"{self.path} is truncated or has a bad capacity ({capacity})")
         pid, rank, world_size = fields[5:8]
@@ -294,7 +314,7 @@ class RingReader:
         samples: list[tuple[Any, ...]] = []
         events: list[tuple[int, int, int, str, dict[str, Any]]] = []
         lost = start - cursor
-        records = list(_SAMPLE_SLOT.iter_unpack(blob))
+        records = list(self._slot.iter_unpack(blob))
         if not records:
             return Drained(samples, events, start, lost)
         if records[0][0] != start or records[-1][0] != start + len(records) - 1:

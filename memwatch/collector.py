@@ -204,7 +204,7 @@ class Collector:
                 state.saw_oom = True
         names = state.reader.phase_names
         if state.insert_sql is None or state.known_phases != len(names):
-            state.insert_sql = raw_sample_insert(run_id, rank, names)
+            state.insert_sql = raw_sample_insert(run_id, rank, names, state.reader.version)
             state.known_phases = len(names)
         if drained.samples:
             batch.ring_samples.append((state.insert_sql, drained.samples))
@@ -308,7 +308,8 @@ def typed_records(run_id: str, rank: int, drained: Any, names: dict[int, str | N
         merged.append((s[0], Sample(
             run_id, rank, s[5], s[6], names.get(s[3]),
             *(None if v < 0 else v for v in (s[7], s[8], s[9], s[10], s[11], s[13], s[14], s[15], s[12])),
-            STEP_KINDS[s[4]] if s[4] < 3 else None, bool(s[2] & 1),
+            STEP_KINDS[s[4]] if s[4] < 3 else None, bool(s[2] & 1), None,
+            *(None if v < 0 else v for v in s[16:21]),  # allocator signals: absent from version 1 rings
         )))
     for seq, step, ts_ns, kind, data in drained.events:
         merged.append((seq, Event(run_id, rank, step, ts_ns, kind, data)))

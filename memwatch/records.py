@@ -34,11 +34,32 @@ class Sample(NamedTuple):
     """True when ``peak_bytes`` is this step's own peak (the allocator peak was reset after it)."""
     process_used_bytes: int | None = None
     """What NVML attributes to the process on this GPU (``attach --record`` runs; NULL otherwise)."""
+    segments: int | None = None
+    """The caching allocator's segment count (``segment.all.current``)."""
+    active_bytes: int | None = None
+    """Bytes in blocks tensors use (``active_bytes.all.current``; ``allocated`` plus blocks awaiting streams)."""
+    inactive_split_bytes: int | None = None
+    """Free bytes inside partly used segments: cached memory ``empty_cache`` cannot release (pinned)."""
+    alloc_retries: int | None = None
+    """Times the allocator flushed its cache and retried a failed ``cudaMalloc`` (cumulative)."""
+    num_ooms: int | None = None
+    """Out-of-memory errors the allocator raised (cumulative)."""
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> Sample:
         """A ``samples`` row selected in :data:`SAMPLE_COLUMNS` order (SQLite stores the flag as 0/1)."""
-        return cls(*row[:15], bool(row[15]), row[16])
+        return cls(*row[:15], bool(row[15]), *row[16:])
+
+    @property
+    def reclaimable_cache_bytes(self) -> int | None:
+        """Cached bytes in wholly free segments (``reserved - active - inactive_split``), ``None`` if unknown.
+
+        The allocator gives them back to the driver and retries before it raises an OOM.
+        """
+        reserved, active, pinned = self.reserved_bytes, self.active_bytes, self.inactive_split_bytes
+        if reserved is None or active is None or pinned is None:
+            return None
+        return max(reserved - active - pinned, 0)
 
 
 SAMPLE_COLUMNS: tuple[str, ...] = Sample._fields

@@ -42,8 +42,9 @@ def test_samples_round_trip_in_order(tmp_path: Path) -> None:
     assert drained.lost == 0 and drained.next_cursor == 40 and drained.events == []
     seqs = [s[0] for s in drained.samples]
     assert seqs == list(range(40))
-    # (seq, type, flags, phase, kind, step, ts, alloc, peak, reserved, used, free, tokens, kv_used, kv_total, seqs)
-    assert drained.samples[2] == (2, 1, 1, 5, 2, 3, 1003, 30, 33, 36, 39, -1, 7, 3, 64, 2)
+    # (seq, type, flags, phase, kind, step, ts, alloc, peak, reserved, used, free, tokens, kv_used, kv_total, seqs,
+    #  segments, active, inactive_split, alloc_retries, num_ooms)
+    assert drained.samples[2] == (2, 1, 1, 5, 2, 3, 1003, 30, 33, 36, 39, -1, 7, 3, 64, 2, -1, -1, -1, -1, -1)
 
 
 def test_events_are_chunked_and_reassembled(tmp_path: Path) -> None:

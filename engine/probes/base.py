@@ -41,6 +41,14 @@ class Probe:
         """Return ``(allocated, peak, reserved, driver_used, driver_free)`` in bytes, ``-1`` if unknown."""
         return (UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN)
 
+    def read_step(self) -> tuple[int, int, int, int, int, int, int, int, int, int]:
+        """:meth:`read` plus the allocator's own signals, ``-1`` where unknown, in ring order:
+        ``segments, active_bytes, inactive_split_bytes, alloc_retries, num_ooms``.
+
+        Probes that see the caching allocator override this to read everything in one call.
+        """
+        return (*self.read(), UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN)
+
     def reset_peak(self) -> None:
         """Reset the allocator's peak so that the next ``read`` reports the peak since now."""
 

@@ -18,6 +18,9 @@ from typing import Any
 from .base import UNKNOWN, DeviceInfo, Probe
 
 _NOTHING = (UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN)
+_NO_SIGNALS = (UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN)
+_FLAT_SIGNALS = ("segment.all.current", "active_bytes.all.current", "inactive_split_bytes.all.current",
+                 "num_alloc_retries", "num_ooms")
 
 
 class CudaProbe(Probe):
@@ -64,26 +67,44 @@ class CudaProbe(Probe):
         return self._stats is not None
 
     def read(self) -> tuple[int, int, int, int, int]:
+        return self.read_step()[:5]
+
+    def read_step(self) -> tuple[int, int, int, int, int, int, int, int, int, int]:
+        """Allocator, driver and the allocator's signals: one stats call and one ``cudaMemGetInfo``.
+
+        The signals say what ``reserved - allocated`` is made of: ``inactive_split_bytes`` is free
+        memory inside partly used segments (pinned: ``empty_cache`` cannot release it), the rest of the
+        cache (``reserved - active - inactive_split``) is wholly free segments, which the allocator
+        releases and retries with before it raises an OOM; ``num_alloc_retries`` counts those flushes.
+        """
         if self._reason is not None:
-            return _NOTHING
+            return _NOTHING + _NO_SIGNALS
+        signals = _NO_SIGNALS
         try:
             if self._stats is not None:
                 stats = self._stats(self._device)
                 allocated = stats["allocated_bytes"]["all"]
                 current, peak = allocated["current"], allocated["peak"]
                 reserved = stats["reserved_bytes"]["all"]["current"]
+                try:
+                    signals = (stats["segment"]["all"]["current"], stats["active_bytes"]["all"]["current"],
+                               stats["inactive_split_bytes"]["all"]["current"], stats["num_alloc_retries"],
+                               stats["num_ooms"])
+                except (KeyError, TypeError):
+                    pass
             else:
                 flat = self._flat(self._device)
                 current = flat.get("allocated_bytes.all.current", UNKNOWN)
                 peak = flat.get("allocated_bytes.all.peak", UNKNOWN)
                 reserved = flat.get("reserved_bytes.all.current", UNKNOWN)
+                signals = tuple(flat.get(key, UNKNOWN) for key in _FLAT_SIGNALS)  # type: ignore[assignment]
         except (KeyError, TypeError, RuntimeError):
             current = peak = reserved = UNKNOWN
         try:
             free, total = self._mem_get_info(self._device)
-            return (current, peak, reserved, total - free, free)
+            return (current, peak, reserved, total - free, free, *signals)
         except (RuntimeError, AssertionError, TypeError, ValueError):
-            return (current, peak, reserved, UNKNOWN, UNKNOWN)
+            return (current, peak, reserved, UNKNOWN, UNKNOWN, *signals)
 
     def reset_peak(self) -> None:
         if self._reason is None:

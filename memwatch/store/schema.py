@@ -23,7 +23,7 @@ import sqlite_utils
 
 from ..errors import StoreError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 ROLLUP_COLUMNS: tuple[str, ...] = (
     "allocated_bytes", "peak_bytes", "reserved_bytes", "driver_used_bytes", "driver_free_bytes",
@@ -144,6 +144,18 @@ def create_sample_view(db: sqlite_utils.Database) -> None:
     )
 
 
+ALLOCATOR_COLUMNS: tuple[str, ...] = ("segments", "active_bytes", "inactive_split_bytes", "alloc_retries", "num_ooms")
+"""The allocator's own signals per sample (NULL in rows from version 1 rings, NVML runs and older databases).
+Not rolled up: seconds past the retention window keep the allocator's and driver's totals only."""
+
+
+def _v3(db: sqlite_utils.Database) -> None:
+    """The allocator's signals: segments, active and inactive-split bytes, retries, OOM count."""
+    for column in ALLOCATOR_COLUMNS:
+        db.conn.execute(f"ALTER TABLE sample_rows ADD COLUMN {column} INTEGER")
+    create_sample_view(db)
+
+
 NEXT_RUN_KEY = "(SELECT coalesce(max(run_key), 0) + 1 FROM runs)"
 """The key a new run gets (``runs.run_key`` is unique; the next free integer)."""
 ENSURE_RUN = (
@@ -153,7 +165,7 @@ ENSURE_RUN = (
 """Create a bare ``runs`` row for a run id that has none (bind the run id twice)."""
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2]
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3]
 """MIGRATIONS[i] takes a database from version i to i + 1."""
 
 

@@ -63,8 +63,9 @@ _RAW = ", ".join(column for column in SAMPLE_COLUMNS[1:])
 _ROLLED = (
     "rank, last_step, last_ts_ns, last_phase, last_allocated_bytes, last_peak_bytes, last_reserved_bytes,"
     " last_driver_used_bytes, last_driver_free_bytes, last_kv_blocks_used, last_kv_blocks_total, last_num_seqs,"
-    " last_num_tokens, last_step_kind, 0, last_process_used_bytes"
+    " last_num_tokens, last_step_kind, 0, last_process_used_bytes, NULL, NULL, NULL, NULL, NULL"
 )
+"""A rolled-up second as a sample: its last values; the allocator's signals are not rolled up."""
 _EXTRA = ", ".join(f"min_{c}, max_{c}" for c in ROLLUP_COLUMNS)
 
 

@@ -24,8 +24,9 @@ _NULL = "NULLIF(?, -1)"
 INSERT_SAMPLE = (
     "INSERT INTO samples (run_id, rank, step, ts_ns, phase, allocated_bytes, peak_bytes, reserved_bytes,"
     " driver_used_bytes, driver_free_bytes, kv_blocks_used, kv_blocks_total, num_seqs, num_tokens,"
-    " step_kind, peak_is_step, process_used_bytes) VALUES (?, ?, ?, ?, ?, "
-    + ", ".join([_NULL] * 9) + ", ?, ?, NULLIF(?, -1))"
+    " step_kind, peak_is_step, process_used_bytes, segments, active_bytes, inactive_split_bytes,"
+    " alloc_retries, num_ooms) VALUES (?, ?, ?, ?, ?, "
+    + ", ".join([_NULL] * 9) + ", ?, ?, " + ", ".join([_NULL] * 6) + ")"
 )
 """Sample rows carry -1 for "not available"; SQLite turns it into NULL without a Python pass.
 They go through the ``samples`` view, whose trigger finds (or creates) the run's key."""
@@ -41,23 +42,27 @@ UPSERT_CURSOR = (
 )
 
 
-def raw_sample_insert(run_id: str, rank: int, phase_names: dict[int, str | None]) -> str:
+def raw_sample_insert(run_id: str, rank: int, phase_names: dict[int, str | None], ring_version: int = 2) -> str:
     """An INSERT that stores ring sample tuples exactly as ``RingReader.drain`` returns them.
 
-    The ring's 16 fields are bound by position (``?6`` is the step, ``?8`` the allocated bytes, …);
-    the run's key and the rank are in the statement and the phase and step-kind codes are mapped
-    by ``CASE``, so no Python code touches each row on its way into SQLite. The rows go straight to
+    The ring's fields are bound by position (``?6`` is the step, ``?8`` the allocated bytes, …; 16 of
+    them from a version 1 ring, whose allocator signals are stored as NULL, 21 from version 2); the
+    run's key and the rank are in the statement and the phase and step-kind codes are mapped by
+    ``CASE``, so no Python code touches each row on its way into SQLite. The rows go straight to
     ``sample_rows`` (the run's ``runs`` row is registered before its first samples).
     """
     phases = " ".join(f"WHEN {int(code)} THEN {_sql_text(name)}" for code, name in phase_names.items() if name)
     key = f"(SELECT run_key FROM runs WHERE run_id = {_sql_text(run_id)})"
+    signals = ("NULLIF(?17, -1), NULLIF(?18, -1), NULLIF(?19, -1), NULLIF(?20, -1), NULLIF(?21, -1)"
+               if ring_version >= 2 else "NULL, NULL, NULL, NULL, NULL")
     return (
         "INSERT INTO sample_rows (run_key, rank, step, ts_ns, phase, allocated_bytes, peak_bytes, reserved_bytes,"
         " driver_used_bytes, driver_free_bytes, kv_blocks_used, kv_blocks_total, num_seqs, num_tokens,"
-        f" step_kind, peak_is_step, process_used_bytes) VALUES ({key}, {int(rank)}, ?6, ?7,"
+        " step_kind, peak_is_step, process_used_bytes, segments, active_bytes, inactive_split_bytes,"
+        f" alloc_retries, num_ooms) VALUES ({key}, {int(rank)}, ?6, ?7,"
         f" CASE ?4 {phases} END, NULLIF(?8, -1), NULLIF(?9, -1), NULLIF(?10, -1), NULLIF(?11, -1),"
         " NULLIF(?12, -1), NULLIF(?14, -1), NULLIF(?15, -1), NULLIF(?16, -1), NULLIF(?13, -1),"
-        " CASE ?5 WHEN 1 THEN 'prefill' WHEN 2 THEN 'decode' END, ?3 & 1, NULL)"
+        f" CASE ?5 WHEN 1 THEN 'prefill' WHEN 2 THEN 'decode' END, ?3 & 1, NULL, {signals})"
         " -- ?1 seq, ?2 type unused"
     )
 
