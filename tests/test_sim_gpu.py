@@ -23,8 +23,16 @@ def test_small_requests_round_to_512_bytes_and_share_a_2_mib_segment() -> None:
 
 def test_large_request_gets_a_segment_rounded_to_2_mib_and_keeps_a_small_remainder() -> None:
     gpu = VirtualGPU(GiB, context_bytes=0)
-    gpu.malloc(5 * MiB)            # segment 6 MiB; the 1 MiB remainder is too small to split off
-    assert gpu.read()[:3] == (6 * MiB, 6 * MiB, 6 * MiB)
+    gpu.malloc(11 * MiB)           # 10 MiB or more: a segment of its own, 12 MiB; 1 MiB left is not split off
+    assert gpu.read()[:3] == (12 * MiB, 12 * MiB, 12 * MiB)
+
+
+def test_mid_sized_requests_share_20_mib_segments() -> None:
+    gpu = VirtualGPU(GiB, context_bytes=0)
+    gpu.malloc(5 * MiB)            # over 1 MiB, under 10 MiB: a 20 MiB large-pool segment, split
+    gpu.malloc(5 * MiB)            # from the same segment's free 15 MiB
+    assert gpu.read()[:3] == (10 * MiB, 10 * MiB, 20 * MiB)
+    assert (gpu.segments, gpu.inactive_split_bytes) == (1, 10 * MiB)
 
 
 def test_freed_memory_stays_reserved_until_empty_cache_and_peak_resets_to_current() -> None:
@@ -52,8 +60,10 @@ def test_a_partly_used_segment_is_not_released_and_fragments_the_cache() -> None
     gpu.empty_cache()                            # the segment still holds a live block
     assert gpu.read()[:3] == (4 * MiB, 10 * MiB, 10 * MiB)       # peak: the first 10 MiB
     assert gpu.state().largest_cached_block_bytes == 4 * MiB
+    assert gpu.inactive_split_bytes == 6 * MiB   # free, but pinned by the live block: not releasable
     gpu.malloc(5 * MiB)                          # 6 MiB free in the cache, but no block of 5 MiB:
-    assert gpu.read()[:3] == (4 * MiB + 6 * MiB, 10 * MiB, 10 * MiB + 6 * MiB)   # a new 6 MiB segment
+    assert gpu.read()[:3] == (4 * MiB + 5 * MiB, 10 * MiB, 10 * MiB + 20 * MiB)   # a new 20 MiB segment
+    assert gpu.segments == 2
 
 
 def test_driver_used_is_context_plus_reserved_plus_outside_memory_and_other_processes() -> None:
@@ -84,6 +94,18 @@ def test_allocation_releases_cached_segments_before_running_out() -> None:
         70 * MiB, 70 * MiB, 20 * MiB)
     assert "tried to allocate 30.00 MiB with 20.00 MiB free" in str(error)
     assert gpu.read()[:3] == (70 * MiB, 70 * MiB, 70 * MiB)   # a failed allocation changes nothing
+    assert (gpu.alloc_retries, gpu.num_ooms) == (2, 1)         # one flush for the 70, one before the OOM
+    assert gpu.read_step()[5:] == (1, 70 * MiB, 0, 2, 1)
+
+
+def test_the_largest_free_segments_are_released_before_the_whole_cache_is_flushed() -> None:
+    gpu = VirtualGPU(150 * MiB, context_bytes=10 * MiB)
+    gpu.malloc(12 * MiB)
+    for handle in [gpu.malloc(50 * MiB), gpu.malloc(30 * MiB), gpu.malloc(20 * MiB)]:
+        gpu.free(handle)                                       # 100 MiB cached in three whole segments
+    gpu.malloc(60 * MiB)                  # 28 MiB free: release the largest (50, 30) until 60 is freed
+    assert gpu.read()[:3] == (72 * MiB, 112 * MiB, 12 * MiB + 20 * MiB + 60 * MiB)
+    assert gpu.alloc_retries == 0 and gpu.segments == 3
 
 
 def test_other_process_cannot_take_more_than_the_driver_has() -> None:

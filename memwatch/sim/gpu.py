@@ -1,17 +1,23 @@
 """A virtual GPU: a device of fixed size, a CUDA context, other processes, and a caching allocator.
 
 It implements the :class:`memwatch_engine.probes.base.Probe` seam, so the real ``Monitor`` reads it
-exactly as it reads a CUDA device. The allocator model is PyTorch's caching allocator made small:
+exactly as it reads a CUDA device. The allocator model follows PyTorch's ``CUDACachingAllocator``
+(``c10/cuda/CUDACachingAllocator.cpp``: ``round_size``, ``get_allocation_size``, ``should_split``,
+``release_available_cached_blocks``, the ``isRetry`` count):
 
 * Every request is rounded up to a multiple of 512 bytes; that rounded size is what ``allocated``
   and ``peak`` count.
-* Requests up to 1 MiB are served from 2 MiB "small" segments; larger ones from "large" segments
-  sized to the request rounded up to 2 MiB. A cached free block is reused best-fit within its pool
-  and split when the remainder is worth keeping (at least 512 bytes small, over 1 MiB large).
-* Freed blocks merge with free neighbours and stay **reserved** (cache slack) until
-  :meth:`VirtualGPU.empty_cache` returns wholly free segments to the driver.
-* When the driver has no room for a new segment, the allocator first releases its wholly free
-  cached segments and retries (PyTorch does the same), then raises :class:`SimulatedOutOfMemory`.
+* Requests up to 1 MiB come from the small pool, in 2 MiB segments. Larger ones come from the large
+  pool: under 10 MiB from 20 MiB segments, from 10 MiB on from a segment of the request rounded up to
+  2 MiB. A cached free block is reused best-fit within its pool and split when the remainder is worth
+  keeping (at least 512 bytes small, over 1 MiB large).
+* Freed blocks merge with free neighbours and stay **reserved** until :meth:`VirtualGPU.empty_cache`
+  returns wholly free segments to the driver. A free block inside a segment that still holds a live
+  block is *inactive split* memory: it cannot be released (pinned).
+* When the driver has no room for a new segment, the allocator first releases one wholly free cached
+  segment of the pool large enough for the request (or its largest ones until enough is freed) and
+  retries; then it releases every wholly free segment and retries once more, which PyTorch counts in
+  ``num_alloc_retries``; only then does it raise :class:`SimulatedOutOfMemory` (``num_ooms``).
 
 The driver's view covers the whole device: ``used = context + reserved + this process's memory
 outside the allocator (NCCL, workspaces) + other processes``.
@@ -19,6 +25,7 @@ outside the allocator (NCCL, workspaces) + other processes``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from memwatch.errors import MemwatchError
@@ -31,8 +38,12 @@ SMALL_REQUEST_LIMIT = 1 * MiB
 """Requests up to this size come from the small pool."""
 SMALL_SEGMENT = 2 * MiB
 """Size of one small-pool segment."""
+LARGE_BUFFER = 20 * MiB
+"""Large-pool requests under :data:`MIN_LARGE_ALLOC` share segments of this size."""
+MIN_LARGE_ALLOC = 10 * MiB
+"""Large-pool requests from this size get a segment of their own."""
 LARGE_SEGMENT_ROUNDING = 2 * MiB
-"""Large-pool segments are the request rounded up to this."""
+"""Segments of their own are the request rounded up to this."""
 LARGE_SPLIT_REMAINDER = 1 * MiB
 """A cached large block is split only when more than this would remain."""
 DEFAULT_CONTEXT_BYTES = 512 * MiB
@@ -41,6 +52,15 @@ DEFAULT_CONTEXT_BYTES = 512 * MiB
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def segment_size(rounded_request: int) -> int:
+    """The size of the segment a fresh ``cudaMalloc`` takes for a request (PyTorch's ``get_allocation_size``)."""
+    if rounded_request <= SMALL_REQUEST_LIMIT:
+        return SMALL_SEGMENT
+    if rounded_request < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return _round_up(rounded_request, LARGE_SEGMENT_ROUNDING)
 
 
 @dataclass(frozen=True)
@@ -53,6 +73,8 @@ class AllocatorState:
     driver_used_bytes: int
     driver_free_bytes: int
     largest_cached_block_bytes: int
+    inactive_split_bytes: int = 0
+    segments: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -112,6 +134,10 @@ class VirtualGPU(Probe):
         self._allocated = 0
         self._peak = 0
         self._reserved = 0
+        self._segments = 0
+        self.alloc_retries = 0
+        """Times the allocator released every cached segment and retried (``num_alloc_retries``)."""
+        self.num_ooms = 0
         self._outside = context_bytes
         self._non_pytorch: dict[str, int] = {}
         self._others: dict[str, int] = {}
@@ -124,6 +150,11 @@ class VirtualGPU(Probe):
     def read(self) -> tuple[int, int, int, int, int]:
         used = self._outside + self._reserved
         return (self._allocated, self._peak, self._reserved, used, self.total_bytes - used)
+
+    def read_step(self) -> tuple[int, int, int, int, int, int, int, int, int, int]:
+        used = self._outside + self._reserved
+        return (self._allocated, self._peak, self._reserved, used, self.total_bytes - used, self._segments,
+                self._allocated, self.inactive_split_bytes, self.alloc_retries, self.num_ooms)
 
     def reset_peak(self) -> None:
         self._peak = self._allocated
@@ -151,6 +182,15 @@ class VirtualGPU(Probe):
         }
 
     @property
+    def inactive_split_bytes(self) -> int:
+        """Free cached bytes inside segments that still hold a live block (``empty_cache`` cannot release them)."""
+        return sum(b.size for b in self._free_blocks if b.prev is not None or b.next is not None)
+
+    @property
+    def segments(self) -> int:
+        return self._segments
+
+    @property
     def allocated_bytes(self) -> int:
         return self._allocated
 
@@ -166,7 +206,7 @@ class VirtualGPU(Probe):
         largest = max((b.size for b in self._free_blocks), default=0)
         used = self._outside + self._reserved
         return AllocatorState(self._allocated, self._peak, self._reserved, used,
-                              self.total_bytes - used, largest)
+                              self.total_bytes - used, largest, self.inactive_split_bytes, self._segments)
 
     # -- the caching allocator -----------------------------------------------------------------------
 
@@ -206,13 +246,20 @@ class VirtualGPU(Probe):
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: give wholly free cached segments back to the driver."""
-        kept = []
+        self._release(lambda block: True)
+
+    def _release(self, wanted: Callable[[_Block], bool]) -> int:
+        """Give back the wholly free cached segments ``wanted`` picks; returns the bytes released."""
+        kept, released = [], 0
         for block in self._free_blocks:
-            if block.prev is None and block.next is None:
-                self._reserved -= block.segment.size
+            if block.prev is None and block.next is None and wanted(block):
+                released += block.segment.size
+                self._segments -= 1
             else:
                 kept.append(block)
         self._free_blocks = kept
+        self._reserved -= released
+        return released
 
     def _best_cached_block(self, size: int, small: bool) -> _Block | None:
         best = None
@@ -222,13 +269,37 @@ class VirtualGPU(Probe):
         return best
 
     def _new_segment(self, size: int, small: bool, requested: int) -> _Block:
-        segment_size = SMALL_SEGMENT if small else _round_up(size, LARGE_SEGMENT_ROUNDING)
-        if segment_size > self.driver_free_bytes:
+        needed = segment_size(size)
+        if needed > self.driver_free_bytes:
+            self._release_available(needed, small)
+        if needed > self.driver_free_bytes:
             self.empty_cache()
-            if segment_size > self.driver_free_bytes:
+            self.alloc_retries += 1
+            if needed > self.driver_free_bytes:
+                self.num_ooms += 1
                 raise SimulatedOutOfMemory(requested, self.state(), self.device_name, self.index)
-        self._reserved += segment_size
-        return _Block(_Segment(segment_size, small), segment_size)
+        self._reserved += needed
+        self._segments += 1
+        return _Block(_Segment(needed, small), needed)
+
+    def _release_available(self, needed: int, small: bool) -> None:
+        """PyTorch's ``release_available_cached_blocks``: the smallest whole free segment of the pool that
+        is large enough, else the pool's largest ones until the request's size is freed."""
+        whole = sorted((b for b in self._free_blocks if b.prev is None and b.next is None
+                        and b.segment.small == small), key=lambda b: b.size)
+        fitting = [b for b in whole if b.size >= needed]
+        chosen = fitting[:1]
+        if not chosen:
+            total = 0
+            for block in reversed(whole):
+                if total >= needed:
+                    break
+                chosen.append(block)
+                total += block.size
+            if total < needed:
+                return
+        picked = {id(b) for b in chosen}
+        self._release(lambda block: id(block) in picked)
 
     def _split(self, block: _Block, size: int) -> None:
         remainder = block.size - size
