@@ -1,9 +1,9 @@
 """Throughput of the ledger and every detector on one core, against a bare unpacking loop.
 
 Run: ``python bench/bench_detectors.py [--samples N]``. It builds a synthetic two-rank run (KV
-sizing first, then serving steps with prefill/decode activations, cycling KV blocks and driver
-noise, the allocator's signals), then times two loops over the same samples: the baseline only unpacks each sample and adds
-two of its fields; the measured loop feeds each one to a :class:`DetectorSet`. It prints both rates
+sizing first, then serving steps with prefill/decode activations, cycling KV blocks, driver noise
+and the allocator's signals), then times two loops over the same samples: the baseline only unpacks
+each sample and adds two of its fields; the measured loop feeds each one to a :class:`DetectorSet`. It prints both rates
 and their ratio, and exits 1 when the detectors run under the target rate.
 """
 

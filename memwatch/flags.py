@@ -26,10 +26,11 @@ KV_PRESSURE = "kv_pressure"
 BLOCK_COUNT_MISMATCH = "block_count_mismatch"
 OOM_RISK = "oom_risk"
 OOM = "oom"
+ALLOC_RETRIES = "alloc_retries"
 
 FLAG_KINDS: tuple[str, ...] = (
     NON_TORCH_DRIFT,           # memory outside PyTorch growing steadily after serving started
-    FRAGMENTATION,             # allocator cache slack growing past what serving needs
+    FRAGMENTATION,             # allocator cache pinned in partly used segments, growing while serving
     ACTIVATION_OVER_RESERVE,   # a step's activation peak above the warmup reserve
     RESERVE_OVERSTATED,        # the warmup reserve far above every serving step's peak
     EXTERNAL_PROCESS,          # a step change in memory outside this process's allocator
@@ -37,6 +38,7 @@ FLAG_KINDS: tuple[str, ...] = (
     BLOCK_COUNT_MISMATCH,      # ranks sized different KV block counts, or the count misses the formula
     OOM_RISK,                  # little room left for the next forward, or trending to none
     OOM,                       # an out-of-memory error happened
+    ALLOC_RETRIES,             # the allocator flushed its cache and retried a failed cudaMalloc
 )
 
 

@@ -23,7 +23,9 @@ One name per quantity, in every command and in the JSON (these field names are t
 ``activation_reserve_bytes``  ``peak − current`` at sizing (the warmup forward)
 ``headroom_bytes``         what the budget has left: budget − non-PyTorch − weights − other − KV − reserve
 ``residual_bytes``         headroom now minus headroom at sizing
-``oom_margin_bytes``       free after the next worst-case forward: ``free − max(0, reserve − cache slack)``
+``reclaimable_cache_bytes``  the part of cache slack in wholly free segments: ``reserved − active − pinned``
+``pinned_cache_bytes``     the part in partly used segments: the allocator's ``inactive_split_bytes``
+``oom_margin_bytes``       free after the next worst-case forward: ``free + reclaimable − need`` (below)
 =========================  ===========================================================================
 
 So on every sample ``non-PyTorch + weights + other + KV + activation reserve + headroom = budget``
@@ -41,8 +43,18 @@ Choices, where the model leaves room:
   is negative. When the sizing event carries the allocator's ``reserved_bytes``, headroom at sizing
   is computed with the same terms as on every sample (residual 0 at sizing); without it, non-PyTorch
   at sizing is the engine's ``used - current`` and its cache slack shows up as a positive residual.
-* Cache slack counts toward the OOM margin only up to the activation the forward needs; slack beyond
-  it may be fragments the forward cannot use, so the margin does not lean on it.
+* Cache slack is two different things, told apart by the allocator's own signals when the sample
+  carries them: ``pinned_cache_bytes`` (``inactive_split_bytes``: free blocks inside segments that
+  still hold a live block; ``empty_cache`` cannot release them, and only requests that fit a hole
+  can use them: fragmentation) and ``reclaimable_cache_bytes`` (``reserved - active - pinned``:
+  wholly free segments, which the allocator releases and retries with before it raises an OOM).
+* ``oom_margin_bytes`` is what the driver would still have after the next worst-case forward, which
+  needs the larger of the activation reserve and the largest rise a serving step has shown
+  (``peak - allocated`` of a step's own peak: once a forward needed more than warmup measured, the
+  next one may too). With the signals it is ``free + reclaimable - need``: the allocator frees whole
+  cached segments before it fails, so they count as free; pinned fragments do not. Without them
+  (version 1 rings, older databases) it is ``free - max(0, need - cache slack)``: slack counts only
+  up to the activation the forward needs, since beyond it slack may be fragments the forward cannot use.
 """
 
 from __future__ import annotations
@@ -80,6 +92,10 @@ class LedgerTerms(NamedTuple):
     headroom_bytes: int | None
     residual_bytes: int | None
     oom_margin_bytes: int | None
+    reclaimable_cache_bytes: int | None = None
+    """Cache slack in wholly free segments (released before an OOM); ``None`` without allocator signals."""
+    pinned_cache_bytes: int | None = None
+    """Cache slack in partly used segments (``inactive_split_bytes``): fragments nothing can release."""
 
 
 class Sizing(NamedTuple):
@@ -136,7 +152,7 @@ class Ledger:
     """The ledger of one rank: feed it the rank's events and samples in order."""
 
     __slots__ = (
-        "_activation_reserve", "_budget", "_declared_after_sizing", "_headroom_at_sizing", "_kv",
+        "_activation_reserve", "_budget", "_declared_after_sizing", "_forward_need", "_headroom_at_sizing", "_kv",
         "_loaded_weights", "_long_lived", "_torch_other", "_weights", "sizing",
     )
 
@@ -145,6 +161,7 @@ class Ledger:
         """The latest KV sizing, ``None`` until the ``kv_allocated`` event."""
         self._loaded_weights: int | None = None
         self._declared_after_sizing = 0
+        self._forward_need: int | None = None
         self._clear_sizing_terms()
 
     def _clear_sizing_terms(self) -> None:
@@ -187,6 +204,7 @@ class Ledger:
         )
         self._declared_after_sizing = 0
         self._set_sizing_terms(self.sizing)
+        self._forward_need = self._activation_reserve
 
     def _set_sizing_terms(self, sizing: Sizing) -> None:
         """Derive the fixed terms once per sizing, so that a sample costs only subtractions."""
@@ -224,13 +242,29 @@ class Ledger:
         slack = None if reserved is None or allocated is None else reserved - allocated
         reserve = self._activation_reserve
         free = sample.driver_free_bytes
+        pinned = sample.inactive_split_bytes
+        reclaimable = None
+        if pinned is not None and reserved is not None:
+            active = sample.active_bytes if sample.active_bytes is not None else allocated
+            if active is not None:
+                reclaimable = reserved - active - pinned
+                if reclaimable < 0:
+                    reclaimable = 0
+        need = self._forward_need
+        if sample.peak_is_step and need is not None and sample.peak_bytes is not None and allocated is not None:
+            rise = sample.peak_bytes - allocated
+            if rise > need:
+                need = self._forward_need = rise
         margin = None
-        if free is not None and slack is not None and reserve is not None:
-            margin = free - reserve + slack if slack < reserve else free
+        if free is not None and need is not None:
+            if reclaimable is not None:
+                margin = free + reclaimable - need
+            elif slack is not None:
+                margin = free - need + slack if slack < need else free
         long_lived = self._long_lived
         if long_lived is None:
             return LedgerTerms(self._budget, non_torch, slack, self._weights, self._torch_other, self._kv,
-                               reserve, None, None, None, None, margin)
+                               reserve, None, None, None, None, margin, reclaimable, pinned)
 
         activation_now = None if allocated is None else allocated - long_lived
         step_peak = sample.peak_bytes
@@ -241,4 +275,5 @@ class Ledger:
             if self._headroom_at_sizing is not None:
                 residual = headroom - self._headroom_at_sizing
         return LedgerTerms(self._budget, non_torch, slack, self._weights, self._torch_other, self._kv,
-                           reserve, activation_now, step_activation, headroom, residual, margin)
+                           reserve, activation_now, step_activation, headroom, residual, margin, reclaimable,
+                           pinned)

@@ -66,6 +66,11 @@ class SyntheticRun:
     spike_bytes: int = 0
     oom_at: int | None = None
     serve_phase: str | None = "serve"
+    allocator_signals: bool = True
+    """Serving samples carry the allocator's signals: the graph pool's free part and the fragments are
+    pinned (inactive split), the cached activations are whole free segments."""
+    retries_at: tuple[int, ...] = ()
+    """Serving steps (counted from 0) at which the allocator flushed its cache and retried."""
     ts_origin: int = 1_000_000_000
     sizing_step: int = field(init=False, default=0)
 
@@ -114,7 +119,7 @@ class SyntheticRun:
         base_allocated = self.weights + self.kv + self.graph_allocated
         base_reserved = self.weights + self.kv + self.graph_pool
         cached = 0
-        leaked = external = fragments = 0
+        leaked = external = fragments = retries = 0
         for index in range(self.serve_steps):
             step = 6 + index
             prefill = index % self.prefill_every == 0
@@ -145,6 +150,11 @@ class SyntheticRun:
             else:
                 blocks_used = blocks_total * (40 + index % 45) // 100
             allocated = base_allocated + (rng.randrange(0, 32 * MiB) if self.jitter else 0)
+            retries += index in self.retries_at
+            signals = {}
+            if self.allocator_signals:
+                signals = {"segments": 400, "active_bytes": allocated, "alloc_retries": retries, "num_ooms": 0,
+                           "inactive_split_bytes": self.graph_pool - self.graph_allocated + fragments}
             noise = rng.randrange(-4 * MiB, 4 * MiB) if self.jitter else 0
             spike = self.spike_bytes if index == self.spike_at else 0
             non_torch = self.non_torch + 64 * MiB + leaked + external + noise + spike
@@ -152,7 +162,7 @@ class SyntheticRun:
                 step, self.serve_phase, allocated, allocated + activation if self.step_peaks else allocated,
                 base_reserved + cached + fragments, non_torch, kv_blocks_used=blocks_used,
                 kv_blocks_total=blocks_total, num_seqs=64, num_tokens=8_192 if prefill else 64,
-                step_kind="prefill" if prefill else "decode", peak_is_step=self.step_peaks)
+                step_kind="prefill" if prefill else "decode", peak_is_step=self.step_peaks, **signals)
 
 
 def run_flags(*runs: SyntheticRun, config: DetectorConfig | None = None) -> list[Flag]:

@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import sqlite_utils
+from test_cuda_probe import FakeTorch
 
 from memwatch.collector import Collector, read_ring
 from memwatch.store import open_store
@@ -18,7 +19,6 @@ from memwatch_engine.probes.cuda import CudaProbe
 from memwatch_engine.ring import HEADER_SIZE, RECORD_SIZE, RingReader
 
 from probes import ScriptedProbe
-from test_cuda_probe import FakeTorch
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -67,7 +67,7 @@ def test_signals_travel_from_the_probe_to_the_samples_table(runtime_dir: Path, d
     with monitor.phase("serve"):
         monitor.step("decode", num_seqs=1, num_tokens=1)
     records = read_ring(monitor.ring_path)
-    step = [r for r in records if getattr(r, "step_kind", None) == "decode"][0]
+    step = next(r for r in records if getattr(r, "step_kind", None) == "decode")
     assert (step.segments, step.active_bytes, step.inactive_split_bytes, step.alloc_retries,
             step.num_ooms) == SignalProbe.signals
     assert step.reclaimable_cache_bytes == 200 - 140 - 30  # reserved - active - inactive split

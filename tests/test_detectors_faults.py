@@ -19,38 +19,43 @@ from memwatch.flags import (
     WARNING,
 )
 
-from synthetic import BLOCK_BYTES, GB, GiB, MiB, SyntheticRun, kinds, run_flags
+from synthetic import BLOCK_BYTES, GB, MiB, SyntheticRun, kinds, run_flags
 
 RESERVE = 4 * GB
 GRAPH_ALLOCATED = 200 * MiB
 
 
-def test_fragmentation_once_with_the_excess_over_what_serving_needs() -> None:
+def test_fragmentation_once_when_pinned_cache_grows_past_the_threshold() -> None:
     flags = run_flags(SyntheticRun(jitter=False, fragment_from=200, fragment_per_step=16 * MiB, serve_steps=900))
-    # The cache also eats the driver's free memory, so oom_risk warns, then turns critical first.
-    assert kinds(flags) == [(OOM_RISK, WARNING), (OOM_RISK, CRITICAL), (FRAGMENTATION, WARNING)]
-    assert [f.step for f in flags] == [254, 668, 765]
-    flag = flags[2]
-    baseline = 100 * MiB + int(0.9 * RESERVE)  # graph pool - graph buffers + the first prefill's cache
-    expected = baseline + 2 * RESERVE  # freed activations of a growing batch cache up to twice the reserve
-    # fragments(i) = 16 MiB x (i - 199); excess = fragments - 2 x reserve >= 1 GiB from k = 541,
-    # the 20th such sample in a row is k = 560 (i = 759) -> step 765
-    fragments = 16 * MiB * 560
-    assert flag.step == 765
-    assert flag.data["cache_slack_bytes"] == baseline + fragments
-    assert flag.data["excess_bytes"] == fragments - 2 * RESERVE == 1_395_240_960
-    assert flag.data["expected_slack_bytes"] == expected
-    assert flag.data["baseline_cache_slack_bytes"] == baseline
+    # Pinned fragments also eat the driver's free memory: oom_risk warns first (the same trend shape as
+    # the leak in test_detectors_oom, 100 steps later), then critical once under 256 MiB.
+    assert kinds(flags) == [(OOM_RISK, WARNING), (FRAGMENTATION, WARNING), (OOM_RISK, CRITICAL)]
+    flag = flags[1]
+    # Threshold: max(256 MiB, 2 % of the 72 GB budget = 1.44 GB, half the 4 GB reserve) = 2 GB.
+    # pinned(i) = 100 MiB of graph pool + 16 MiB x (i - 199); 16 MiB x k >= 2 GB from k = 120,
+    # the 20th such sample in a row is k = 139 (i = 338) -> step 344.
+    assert flag.step == 6 + 338
+    assert flag.data["threshold_bytes"] == 2 * GB
+    assert flag.data["baseline_pinned_cache_bytes"] == 100 * MiB
+    assert flag.data["pinned_cache_bytes"] == 100 * MiB + 16 * MiB * 139
+    assert flag.data["excess_bytes"] == 16 * MiB * 139
+    assert flag.data["reclaimable_cache_bytes"] == int(0.9 * RESERVE)  # the last prefill's segments
     assert flag.data["sustained_steps"] == 20
-    assert flag.data["reserved_bytes"] - flag.data["allocated_bytes"] == baseline + fragments
-    assert flag.message.startswith("the allocator caches 12.2 GiB that no tensor uses, 1.3 GiB more than serving")
+    assert flag.message.startswith("2.3 GiB of the allocator's cache is pinned in partly used segments "
+                                   "(the allocator holds 400 segments), 2.2 GiB more than when serving started")
 
 
-def test_slack_just_under_the_threshold_is_not_fragmentation() -> None:
-    # The last sample (i = 739, k = 540) has 16 MiB x 540 - 8 GB = 1,059,696,640 bytes of excess: under 1 GiB.
-    flags = run_flags(SyntheticRun(jitter=False, fragment_from=200, fragment_per_step=16 * MiB, serve_steps=740))
-    assert 16 * MiB * 540 - 2 * RESERVE == 1_059_696_640 < GiB
+def test_pinned_growth_just_under_the_threshold_is_not_fragmentation() -> None:
+    # The last sample (i = 318, k = 119) has 16 MiB x 119 = 1,996,488,704 bytes of growth: under 2 GB.
+    flags = run_flags(SyntheticRun(jitter=False, fragment_from=200, fragment_per_step=16 * MiB, serve_steps=319))
+    assert 16 * MiB * 119 == 1_996_488_704 < 2 * GB
     assert FRAGMENTATION not in {flag.kind for flag in flags}
+
+
+def test_samples_without_allocator_signals_are_not_judged_for_fragmentation() -> None:
+    run = SyntheticRun(jitter=False, fragment_from=200, fragment_per_step=16 * MiB, serve_steps=900,
+                       allocator_signals=False)
+    assert FRAGMENTATION not in {flag.kind for flag in run_flags(run)}
 
 
 def test_step_over_the_reserve_once_per_episode() -> None:
@@ -122,9 +127,10 @@ def test_kv_pressure_ignores_preemptions_older_than_the_window() -> None:
 
 
 def test_thresholds_are_configurable() -> None:
-    config = DetectorConfig(fragmentation_min_bytes=256 * MiB, fragmentation_sustain_steps=5)
+    config = DetectorConfig(fragmentation_min_bytes=256 * MiB, fragmentation_budget_fraction=0.001,
+                            fragmentation_reserve_ratio=0.01, fragmentation_sustain_steps=5)
     run = SyntheticRun(jitter=False, fragment_from=200, fragment_per_step=16 * MiB, serve_steps=700)
     flags = [flag for flag in run_flags(run, config=config) if flag.kind == FRAGMENTATION]
-    # 16 MiB x k - 8 GB >= 256 MiB from k = 493 (i = 692); the 5th such sample is i = 696 -> step 702
-    assert [flag.step for flag in flags] == [702]
-    assert flags[0].data["excess_bytes"] == 16 * MiB * 497 - 2 * RESERVE
+    # max(256 MiB, 72 MB, 40 MB) = 256 MiB; 16 MiB x k >= 256 MiB from k = 16 (i = 215); the 5th is i = 219
+    assert [flag.step for flag in flags] == [6 + 219]
+    assert flags[0].data["excess_bytes"] == 16 * MiB * 20

@@ -1,9 +1,10 @@
 """oom_risk fires early on a gradual leak and stays quiet on a step; oom reports the event.
 
 With jitter off, the OOM margin while serving is constant until a fault: the driver's free memory
-minus what the worst-case forward needs beyond the cache (reserve 4 GB, cache 100 MiB + 3.6 GB):
+plus the whole free cached segments (the last prefill's 3.6 GB, which the allocator releases before
+failing; the graph pool's free 100 MiB is pinned and does not count) minus the reserve (4 GB):
 ``free = 80 GB - (1 GB + 64 MiB) - (14 GB + 3,610 x 14,680,064 + 300 MiB + 3.6 GB) = 8,023,287,296``,
-``margin = free - (4 GB - 3,704,857,600) = 7,728,144,896`` bytes.
+``margin = free + 3.6 GB - 4 GB = 7,623,287,296`` bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from memwatch.flags import CRITICAL, EXTERNAL_PROCESS, NON_TORCH_DRIFT, OOM, OOM
 
 from synthetic import GiB, MiB, SyntheticRun, kinds, run_flags
 
-MARGIN = 7_728_144_896
+MARGIN = 7_623_287_296
 
 
 def first_negative_margin(leak_per_step: int, leak_from: int = 100) -> int:
@@ -37,7 +38,7 @@ def test_gradual_leak_warns_at_least_50_steps_before_the_oom(leak_per_step: int)
 
 def test_gradual_leak_forecast_by_hand() -> None:
     oom_at = first_negative_margin(8 * MiB)
-    assert oom_at == 1_021  # 99 + 7,728,144,896 // 8,388,608 + 1
+    assert oom_at == 1_008  # 99 + 7,623,287,296 // 8,388,608 + 1
     flags = run_flags(SyntheticRun(jitter=False, leak_from=100, leak_per_step=8 * MiB, oom_at=oom_at,
                                    serve_steps=2_000))
     assert kinds(flags) == [(OOM_RISK, WARNING), (NON_TORCH_DRIFT, WARNING), (OOM_RISK, CRITICAL), (OOM, CRITICAL)]
@@ -49,16 +50,16 @@ def test_gradual_leak_forecast_by_hand() -> None:
     margin = MARGIN - drop
     assert warning.data["oom_margin_bytes"] == margin
     assert warning.data["slope_bytes_per_step"] == drop // 40
-    assert warning.data["steps_to_zero"] == margin * 40 // drop == 1_148
+    assert warning.data["steps_to_zero"] == margin * 40 // drop == 1_132
     assert warning.data["ns_to_zero"] == margin * 40 * 25_000_000 // drop
     assert warning.data["trend_steps"] == 40
-    assert warning.message == ("the OOM margin of 7.0 GiB is falling by 6.2 MiB/step: the next worst-case forward "
-                               "will not fit in about 1,148 steps (29 s)")
-    # Critical once the margin is under 256 MiB: 8 MiB x (i - 99) > MARGIN - 256 MiB from i = 989.
-    assert critical.step == 6 + 989
-    assert critical.data["oom_margin_bytes"] == MARGIN - 8 * MiB * 890
+    assert warning.message == ("the OOM margin of 6.9 GiB is falling by 6.2 MiB/step: the next worst-case forward "
+                               "will not fit in about 1,132 steps (28 s)")
+    # Critical once the margin is under 256 MiB: 8 MiB x (i - 99) > MARGIN - 256 MiB from i = 976.
+    assert critical.step == 6 + 976
+    assert critical.data["oom_margin_bytes"] == MARGIN - 8 * MiB * 877
     assert critical.data["threshold_bytes"] == 256 * MiB
-    assert oom.step - warning.step == 891
+    assert oom.step - warning.step == 6 + 1_008 - 136
 
 
 def test_a_step_down_in_margin_is_not_a_trend() -> None:
@@ -72,8 +73,8 @@ def test_a_step_that_leaves_no_margin_is_critical() -> None:
     assert kinds(flags) == [(OOM_RISK, CRITICAL), (EXTERNAL_PROCESS, WARNING)]
     critical = flags[0]
     assert critical.step == 6 + 300
-    assert critical.data["oom_margin_bytes"] == MARGIN - 7_600 * MiB == -241_032_704
-    assert critical.message == ("the next worst-case forward needs 229.9 MiB more than the GPU has left: "
+    assert critical.data["oom_margin_bytes"] == MARGIN - 7_600 * MiB == -345_890_304
+    assert critical.message == ("the next worst-case forward needs 329.9 MiB more than the GPU has left: "
                                 "it will run out of memory")
 
 

@@ -103,9 +103,11 @@ def test_a_healthy_run_gets_its_tightest_moment(tmp_path: Path) -> None:
     assert explanation.sentences[0] == "no rank ran out of memory; no flags."
     tight = explanation.tightest[0]
     assert explanation.sentences[1].startswith(f"rank 0's tightest moment was step {tight.step:,}: ")
-    # The margin rule: free after the worst-case forward, leaning on cache slack only up to the reserve.
-    assert tight.oom_margin_bytes == tight.driver_free_bytes - max(0, tight.activation_reserve_bytes
-                                                                   - tight.cache_slack_bytes)
+    # The margin rule: free after the worst-case forward, whole free cached segments counting as free
+    # (no step of a clean run needs more than the reserve).
+    assert tight.reclaimable_cache_bytes is not None
+    assert tight.oom_margin_bytes == (tight.driver_free_bytes + tight.reclaimable_cache_bytes
+                                      - tight.activation_reserve_bytes)
 
 
 def test_cli_prints_the_post_mortem_and_json_keeps_the_numbers(runtime_dir: Path, db_path: Path) -> None:

@@ -26,27 +26,28 @@ from memwatch.sim.scorecard import (
     score_scenario,
 )
 
-# scenario: (expected and raised kinds in the order first raised, status, lead steps of oom_risk before the OOM)
+# scenario: (the kinds its [expect] table lists, in the order first raised; how the run ends). Lead
+# times are not pinned: the scorecard holds them to bounds (see test_gradual_ooms_...).
 TABLE = {
-    "clean_chat": ((), "ok", None),
-    "clean_eager": ((), "ok", None),
-    "clean_llama_80g": ((), "ok", None),
-    "clean_ramp": ((), "ok", None),
-    "clean_long_context": ((), "ok", None),
-    "clean_tp2": ((), "ok", None),
-    "demo": ((), "ok", None),
-    "fragmentation": (("oom_risk", "fragmentation", "oom"), "oom", 449 - 334),
-    "kv_pressure": (("kv_pressure",), "ok", None),
-    "long_prefill": (("activation_over_reserve", "oom_risk", "oom"), "oom", 203 - 201),
-    "non_torch_leak": (("oom_risk", "non_torch_drift", "oom"), "oom", 1385 - 230),
-    "non_torch_leak_slow": (("non_torch_drift",), "ok", None),
-    "non_torch_leak_tp2": (("oom_risk", "non_torch_drift", "oom"), "oom", 1387 - 230),
-    "other_process": (("external_process",), "ok", None),
-    "other_process_oom": (("oom_risk", "external_process", "oom"), "oom", 311 - 100),
-    "rank_imbalance": (("block_count_mismatch",), "ok", None),
-    "skip_peak_reset": (("reserve_overstated",), "ok", None),
-    "warmup_decode": (("activation_over_reserve", "oom_risk", "oom"), "oom", 296 - 1),
-    "warmup_short": (("activation_over_reserve", "oom"), "oom", None),
+    "clean_chat": ((), "ok"),
+    "clean_eager": ((), "ok"),
+    "clean_llama_80g": ((), "ok"),
+    "clean_ramp": ((), "ok"),
+    "clean_long_context": ((), "ok"),
+    "clean_tp2": ((), "ok"),
+    "demo": ((), "ok"),
+    "fragmentation": (("oom_risk", "fragmentation", "alloc_retries", "oom"), "oom"),
+    "kv_pressure": (("kv_pressure",), "ok"),
+    "long_prefill": (("activation_over_reserve", "oom_risk", "alloc_retries", "oom"), "oom"),
+    "non_torch_leak": (("oom_risk", "non_torch_drift", "oom"), "oom"),
+    "non_torch_leak_slow": (("non_torch_drift",), "ok"),
+    "non_torch_leak_tp2": (("oom_risk", "non_torch_drift", "oom"), "oom"),
+    "other_process": (("external_process",), "ok"),
+    "other_process_oom": (("oom_risk", "external_process", "oom"), "oom"),
+    "rank_imbalance": (("block_count_mismatch",), "ok"),
+    "skip_peak_reset": (("reserve_overstated",), "ok"),
+    "warmup_decode": (("activation_over_reserve", "oom_risk", "oom"), "oom"),
+    "warmup_short": (("activation_over_reserve", "oom"), "oom"),
 }
 GRADUAL = {"fragmentation", "non_torch_leak", "non_torch_leak_tp2"}
 
@@ -65,10 +66,8 @@ def test_every_shipped_scenario_meets_its_expectation(rows: list[ScorecardRow]) 
     assert failed == {}
 
 
-def test_the_table_is_pinned_so_a_changed_scenario_file_is_caught(rows: list[ScorecardRow]) -> None:
-    actual = {row.scenario: (row.raised, row.status, row.lead_steps) for row in rows}
-    assert actual == TABLE
-    assert {row.scenario: row.expected for row in rows} == {name: kinds for name, (kinds, _, _) in TABLE.items()}
+def test_the_expectations_are_pinned_so_a_changed_scenario_file_is_caught(rows: list[ScorecardRow]) -> None:
+    assert {row.scenario: (row.expected, row.expected_status) for row in rows} == TABLE
     assert {row.scenario for row in rows if row.gradual} == GRADUAL
 
 
@@ -83,6 +82,8 @@ def test_gradual_ooms_are_forecast_at_least_50_steps_ahead(rows: list[ScorecardR
     gradual = [row for row in rows if row.gradual]
     assert {row.status for row in gradual} == {"oom"}
     assert min(row.lead_steps for row in gradual) >= MIN_LEAD_STEPS == 50  # type: ignore[type-var]
+    # ... and never before the fault started: a forecast then would be a false alarm.
+    assert all(row.fault_step > 0 and row.first_risk_step >= row.fault_step for row in gradual)  # type: ignore[operator]
 
 
 def test_each_scenario_runs_in_under_3_seconds(tmp_path: Path) -> None:
@@ -107,8 +108,9 @@ def test_rendered_table_has_a_row_per_scenario_and_a_total(rows: list[ScorecardR
     lines = text.splitlines()
     assert lines[0].split() == ["SCENARIO", "EXPECTED", "RAISED", "LEAD", "RESULT"]
     leak = next(line for line in lines if line.startswith("non_torch_leak "))
+    lead = next(row.lead_steps for row in rows if row.scenario == "non_torch_leak")
     assert leak.split() == ["non_torch_leak", "oom_risk,", "non_torch_drift,", "oom", "oom_risk,", "non_torch_drift,",
-                            "oom", "1,155", "pass"]
+                            "oom", f"{lead:,}", "pass"]
     assert lines[-1] == f"{len(TABLE)} of {len(TABLE)} scenarios as expected"
     failing = score_scenario(dataclasses.replace(Scenario.load("demo"), expect=Expectation(flags=("oom",))), tmp_path)
     assert render_scorecard([failing]).splitlines()[1].endswith("FAIL: not raised: oom")
@@ -126,7 +128,7 @@ def test_sim_scorecard_prints_the_table_and_exits_0() -> None:
     result = CliRunner().invoke(cli(), ["sim", "--scorecard", "--json"])
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)
-    assert {row["scenario"]: row["lead_steps"] for row in rows}["non_torch_leak"] == 1155
+    assert {row["scenario"]: row["lead_steps"] for row in rows}["non_torch_leak"] >= MIN_LEAD_STEPS
     assert all(row["passed"] for row in rows)
 
 

@@ -1,6 +1,7 @@
 """Thresholds of every detector, with defaults that keep a clean serving run silent.
 
-Byte thresholds are absolute (a GiB means the same on every GPU); step counts are engine steps.
+Byte thresholds are absolute unless a fraction scales them with the rank's budget or activation
+reserve (fragmentation, where a fixed size misfires on large cards); step counts are engine steps.
 Each detector raises a flag once per episode and re-arms only after its condition has stayed clear,
 with margin, for ``rearm_steps`` samples, so a condition that flickers does not flood the store.
 """
@@ -35,10 +36,20 @@ class DetectorConfig:
     jump_settle_steps: int = 8
     """... that then stops rising for this many steps is a step change, not a slope."""
 
-    fragmentation_min_bytes: int = 1 * GiB
-    """``fragmentation``: cache slack above the serving baseline plus the activation reserve ..."""
+    fragmentation_min_bytes: int = 256 * MiB
+    """``fragmentation``: growth of pinned cache (free splits of used segments) since serving started, at
+    least this ..."""
+    fragmentation_budget_fraction: float = 0.02
+    """... and at least this fraction of the rank's budget (scales with the GPU) ..."""
+    fragmentation_reserve_ratio: float = 0.5
+    """... and at least this fraction of the activation reserve (what the worst-case forward needs) ..."""
     fragmentation_sustain_steps: int = 20
     """... for this many consecutive samples."""
+
+    alloc_retries_warning_count: int = 3
+    """``alloc_retries``: info on the first allocator retry while serving; warning at this many ..."""
+    alloc_retries_window_steps: int = 500
+    """... within this many steps."""
 
     activation_tolerance_bytes: int = 64 * MiB
     """``activation_over_reserve``: how far a step's activation peak may exceed the reserve."""
@@ -87,4 +98,5 @@ class DetectorConfig:
         return cls(**settings)
 
 
-_FRACTIONS = frozenset({"reserve_overstated_ratio", "kv_pressure_usage"})
+_FRACTIONS = frozenset({"reserve_overstated_ratio", "kv_pressure_usage", "fragmentation_budget_fraction",
+                        "fragmentation_reserve_ratio"})

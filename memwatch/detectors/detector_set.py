@@ -17,6 +17,7 @@ from memwatch.detectors.fragmentation import FragmentationDetector
 from memwatch.detectors.kv_pressure import KvPressureDetector
 from memwatch.detectors.non_torch import NonTorchDetector
 from memwatch.detectors.oom import OomRiskDetector, oom_flag
+from memwatch.detectors.retries import AllocRetriesDetector
 from memwatch.errors import UsageError
 from memwatch.flags import Flag
 from memwatch.ledger import KV_ALLOCATED, Ledger, LedgerTerms
@@ -105,6 +106,7 @@ class DetectorSet:
             ReserveOverstatedDetector(config, block_bytes),
             KvPressureDetector(config, block_bytes),
             OomRiskDetector(config),
+            AllocRetriesDetector(config),
         )
 
     def on_sample(self, sample: Sample) -> tuple[Flag, ...]:

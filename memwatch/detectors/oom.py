@@ -1,7 +1,8 @@
 """Out of memory: the risk before it (``oom_risk``) and the fact after it (``oom``).
 
 The ledger's ``oom_margin_bytes`` is what the driver would still have after the next worst-case
-forward. ``oom_risk`` is raised in two ways:
+forward, counting wholly free cached segments as free (the allocator releases them and retries
+before it fails). ``oom_risk`` is raised in two ways:
 
 * critical: the margin is under ``oom_margin_min_bytes`` (re-armed at twice that);
 * warning: a forecast. Over the last ``oom_forecast_window_steps`` samples (at least
@@ -120,7 +121,8 @@ class OomRiskDetector(Detector):
 
 def _margin_data(sample: Sample, terms: LedgerTerms) -> dict[str, Any]:
     return {"oom_margin_bytes": terms.oom_margin_bytes, "driver_free_bytes": sample.driver_free_bytes,
-            "cache_slack_bytes": terms.cache_slack_bytes,
+            "cache_slack_bytes": terms.cache_slack_bytes, "reclaimable_cache_bytes": terms.reclaimable_cache_bytes,
+            "pinned_cache_bytes": terms.pinned_cache_bytes,
             "activation_reserve_bytes": terms.activation_reserve_bytes}
 
 

@@ -52,6 +52,7 @@ class _Point(NamedTuple):
     oom_margin_bytes: int | None
     activation_reserve_bytes: int | None
     headroom_bytes: int | None
+    reclaimable_cache_bytes: int | None = None
 
 
 @dataclass
@@ -122,6 +123,8 @@ class Tightest:
     activation_reserve_bytes: int | None
     headroom_bytes: int | None
     sentence: str
+    reclaimable_cache_bytes: int | None = None
+    """Whole free cached segments (counted as free by the margin); ``None`` without allocator signals."""
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,8 @@ def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | 
             history.largest_activation = max(history.largest_activation, terms.step_activation_peak_bytes)
         history.points.append(_Point(record.step, record.ts_ns, terms.non_torch_bytes, terms.cache_slack_bytes,
                                      record.allocated_bytes, record.driver_free_bytes, terms.oom_margin_bytes,
-                                     terms.activation_reserve_bytes, terms.headroom_bytes))
+                                     terms.activation_reserve_bytes, terms.headroom_bytes,
+                                     terms.reclaimable_cache_bytes))
     tolerance = detectors.config.activation_tolerance_bytes
     ooms = tuple(_explain_oom(rank, history, flags, tolerance) for rank, history in sorted(histories.items())
                  if history.oom is not None)
@@ -331,12 +335,14 @@ def _tightest(rank: int, history: _RankHistory) -> Tightest | None:
     tight = min(points, key=lambda p: p.oom_margin_bytes)  # type: ignore[arg-type,return-value]
     margin = tight.oom_margin_bytes
     assert margin is not None
+    reclaimable = tight.reclaimable_cache_bytes
+    of_it = "" if reclaimable is None else f" of which {format_bytes(reclaimable)} reclaimable"
     sentence = (f"rank {rank}'s tightest moment was step {format_count(tight.step)}: "
                 f"{format_bytes(margin)} would have been left after a worst-case forward "
-                f"({format_bytes(tight.driver_free_bytes)} free, cache slack {format_bytes(tight.cache_slack_bytes)}, "
-                f"activation reserve {format_bytes(tight.activation_reserve_bytes)}).")
+                f"({format_bytes(tight.driver_free_bytes)} free, cache slack {format_bytes(tight.cache_slack_bytes)}"
+                f"{of_it}, activation reserve {format_bytes(tight.activation_reserve_bytes)}).")
     return Tightest(rank, tight.step, margin, tight.driver_free_bytes, tight.cache_slack_bytes,
-                    tight.activation_reserve_bytes, tight.headroom_bytes, sentence)
+                    tight.activation_reserve_bytes, tight.headroom_bytes, sentence, reclaimable)
 
 
 def _int(value: Any) -> int | None:

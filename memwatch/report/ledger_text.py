@@ -25,6 +25,8 @@ SUM_TERMS: tuple[tuple[str, str], ...] = (
 OUTSIDE_TERMS: tuple[tuple[str, str, str], ...] = (
     ("cache_slack_bytes", "cache slack (reserved − allocated)",
      "outside the sum: cached, reused for activations within the reserve"),
+    ("reclaimable_cache_bytes", "  of it reclaimable", "whole free segments: released before an OOM"),
+    ("pinned_cache_bytes", "  of it pinned", "free splits of used segments: fragmentation"),
     ("residual_bytes", "residual", "outside the sum: headroom now − headroom at sizing"),
     ("oom_margin_bytes", "OOM margin", "outside the sum: free after a worst-case forward"),
 )

@@ -74,6 +74,10 @@ class NonTorchLeak(Fault):
             raise UsageError(f"fault {self.kind} needs bytes_per_step > 0")
         _check_window(self.kind, self.from_step, self.until_step)
 
+    @property
+    def start_step(self) -> int:
+        return self.from_step
+
     def before_step(self, runner: RankRunner, step: int) -> None:
         if _in_window(step, self.from_step, self.until_step):
             runner.gpu.take_non_pytorch(self.name, self.bytes_per_step)
@@ -108,6 +112,10 @@ class Fragmentation(Fault):
             raise UsageError(f"fault {self.kind} needs temporary_bytes >= {LARGE_SEGMENT_ROUNDING} "
                              "and every_steps >= 1")
         _check_window(self.kind, self.from_step, self.until_step)
+
+    @property
+    def start_step(self) -> int:
+        return self.from_step
 
     def before_step(self, runner: RankRunner, step: int) -> None:
         if not _in_window(step, self.from_step, self.until_step, self.every_steps):
@@ -208,6 +216,10 @@ class LongPrefill(Fault):
         if length > scenario.engine.max_model_len:
             raise UsageError(f"scenario {scenario.name}: fault {self.kind} adds a request of {length} tokens but "
                              f"max_model_len is {scenario.engine.max_model_len}; raise max_model_len")
+
+    @property
+    def start_step(self) -> int:
+        return self.at_step
 
     def extra_requests(self) -> tuple[ExtraRequest, ...]:
         return (ExtraRequest(self.at_step, self.prompt_tokens, self.output_tokens),)

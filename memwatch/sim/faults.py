@@ -76,6 +76,12 @@ class Fault:
         """Requests this fault adds to the workload (the engine schedules them; ranks do not matter)."""
         return ()
 
+    @property
+    def start_step(self) -> int:
+        """The serving step from which the fault acts (0: from startup). Nothing it causes can show earlier,
+        so the scorecard holds a forecast made before it to be a false alarm."""
+        return 0
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **dataclasses.asdict(self)}
 
@@ -101,6 +107,10 @@ class OtherProcess(Fault):
             raise UsageError(f"fault {self.kind} needs size_bytes > 0 and at_step >= 0")
         if self.release_at_step is not None and self.release_at_step <= self.at_step:
             raise UsageError(f"fault {self.kind}: release_at_step must come after at_step")
+
+    @property
+    def start_step(self) -> int:
+        return self.at_step
 
     def setup(self, runner: RankRunner) -> None:
         if self.at_step == 0:

@@ -4,7 +4,9 @@ Each scenario runs into a private runtime directory with no sidecar; the rings a
 :func:`memwatch.collector.read_ring` and replayed with :func:`memwatch.detectors.replay`, the same
 code the sidecar runs live. A row passes when the distinct flag kinds raised are exactly the ones the
 scenario expects, the run ends as expected, and, for a gradual out-of-memory, ``oom_risk`` warned at
-least :data:`MIN_LEAD_STEPS` steps before it on the rank that ran out.
+least :data:`MIN_LEAD_STEPS` steps before it on the rank that ran out and not before the fault started
+(a forecast before the fault is a false alarm that happened to come true). These are bounds the
+scenario implies, not steps read off an earlier run: a detector that gets better still passes.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class ScorecardRow:
     first_risk_step: int | None
     """The first ``oom_risk`` on the rank that ran out, before the OOM."""
     problems: tuple[str, ...]
+    fault_step: int = 0
+    """The serving step the scenario's earliest fault starts acting (0: from startup, or no fault)."""
 
     @property
     def lead_steps(self) -> int | None:
@@ -64,6 +68,7 @@ class ScorecardRow:
         return {"scenario": self.scenario, "expected": list(self.expected), "raised": list(self.raised),
                 "expected_status": self.expected_status, "status": self.status, "gradual": self.gradual,
                 "oom_step": self.oom_step, "first_risk_step": self.first_risk_step, "lead_steps": self.lead_steps,
+                "fault_step": self.fault_step,
                 "passed": self.passed, "problems": list(self.problems)}
 
 
@@ -88,11 +93,14 @@ def score(scenario: Scenario, result: SimulationResult, replayed: ReplayResult) 
         problems.append(f"raised but not expected: {', '.join(unexpected)}")
     if result.status != expect.status:
         problems.append(f"ended {result.status}, expected {expect.status}")
+    fault_step = min((fault.start_step for fault in scenario.faults), default=0)
     row = ScorecardRow(scenario.name, expect.flags, raised, expect.status, result.status, expect.gradual,
-                       None if oom is None else oom.step, first_risk, ())
+                       None if oom is None else oom.step, first_risk, (), fault_step)
     if expect.gradual and (row.lead_steps is None or row.lead_steps < MIN_LEAD_STEPS):
         lead = "no oom_risk before it" if row.lead_steps is None else f"oom_risk only {row.lead_steps} steps before it"
         problems.append(f"gradual OOM with {lead} (at least {MIN_LEAD_STEPS} needed)")
+    if expect.gradual and first_risk is not None and first_risk < fault_step:
+        problems.append(f"oom_risk at step {first_risk:,}, before the fault started at step {fault_step:,}")
     return ScorecardRow(**{**row.__dict__, "problems": tuple(problems)})
 
 
