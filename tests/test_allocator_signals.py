@@ -10,15 +10,15 @@ from pathlib import Path
 import sqlite_utils
 from test_cuda_probe import FakeTorch
 
-from memwatch.collector import Collector, read_ring
+from memwatch.collector import read_ring
 from memwatch.store import open_store
 from memwatch.store.schema import ALLOCATOR_COLUMNS, MIGRATIONS
-from memwatch.store.writer import StoreWriter
 from memwatch_engine import Monitor
 from memwatch_engine.probes.cuda import CudaProbe
 from memwatch_engine.ring import HEADER_SIZE, RECORD_SIZE, RingReader
 
 from probes import ScriptedProbe
+from stored_runs import store_rings
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -49,18 +49,6 @@ def test_cuda_probe_without_signals_reads_them_as_unknown() -> None:
     assert CudaProbe(torch=torch).read_step()[5:] == (-1, -1, -1, -1, -1)
 
 
-def _sidecar(runtime_dir: Path, db_path: Path) -> None:
-    writer = StoreWriter(open_store(db_path))
-    writer.start()
-    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False)
-    collector.scan()
-    while collector.poll():
-        pass
-    writer.flush()
-    writer.close()
-    collector.close()
-
-
 def test_signals_travel_from_the_probe_to_the_samples_table(runtime_dir: Path, db_path: Path) -> None:
     monitor = Monitor(engine="test", model="tiny", runtime_dir=runtime_dir, probe=SignalProbe(),
                       spawn_sidecar=False, run_id="sig", clock=lambda: 10**18)
@@ -72,7 +60,7 @@ def test_signals_travel_from_the_probe_to_the_samples_table(runtime_dir: Path, d
             step.num_ooms) == SignalProbe.signals
     assert step.reclaimable_cache_bytes == 200 - 140 - 30  # reserved - active - inactive split
     monitor.close()
-    _sidecar(runtime_dir, db_path)
+    store_rings(runtime_dir, db_path)
     row = open_store(db_path, readonly=True).execute(
         f"SELECT {', '.join(ALLOCATOR_COLUMNS)} FROM samples WHERE step_kind = 'decode'").fetchone()
     assert row == SignalProbe.signals
@@ -104,17 +92,18 @@ def test_a_version_1_ring_still_reads_and_stores_null_signals(runtime_dir: Path,
     assert drained.samples[0] == (0, 1, 1, 5, 2, 1, 10**18, 100, 150, 200, 1000, 9000, 1, 4, 8, 1)
     sample = read_ring(path)[0]
     assert sample.allocated_bytes == 100 and sample.inactive_split_bytes is None and sample.segments is None
-    _sidecar(runtime_dir, db_path)
+    store_rings(runtime_dir, db_path)
     rows = open_store(db_path, readonly=True).execute(
         f"SELECT allocated_bytes, {', '.join(ALLOCATOR_COLUMNS)} FROM samples ORDER BY step").fetchall()
     assert rows == [(100, None, None, None, None, None)] * 3
 
 
-def test_a_version_1_database_gains_the_signal_columns(tmp_path: Path) -> None:
+def test_an_older_database_gains_the_signal_columns(tmp_path: Path) -> None:
     path = tmp_path / "old.db"
     db = sqlite_utils.Database(path)
-    MIGRATIONS[0](db)
-    db.execute("PRAGMA user_version = 1")
+    for step in MIGRATIONS[:2]:  # the schema as the previous memwatch left it
+        step(db)
+    db.execute("PRAGMA user_version = 2")
     db.execute("INSERT INTO samples (run_id, rank, step, ts_ns, allocated_bytes) VALUES ('a', 0, 1, 1, 5)")
     db.conn.commit()
     db.conn.close()
