@@ -57,6 +57,21 @@ def test_gpt2_names_learned_positions_and_conv1d_biases() -> None:
     assert spec.tie_word_embeddings and spec.attention_kind == "MHA"
 
 
+def test_starcoder_gpt_bigcode_multi_query() -> None:
+    config = {"model_type": "gpt_bigcode", "n_embd": 6144, "n_head": 48, "n_layer": 40, "n_positions": 8192,
+              "n_inner": 24576, "multi_query": True, "vocab_size": 49152, "torch_dtype": "float32"}
+    tensors: Shapes = {"transformer.wte.weight": (49152, 6144), "transformer.wpe.weight": (8192, 6144),
+                       "transformer.ln_f.weight": (6144,), "transformer.ln_f.bias": (6144,)}
+    tensors |= per_layer("transformer.h", 40, {
+        "ln_1.weight": (6144,), "ln_1.bias": (6144,), "attn.c_attn.weight": (6144 + 2 * 128, 6144),
+        "attn.c_attn.bias": (6144 + 2 * 128,), "attn.c_proj.weight": (6144, 6144), "attn.c_proj.bias": (6144,),
+        "ln_2.weight": (6144,), "ln_2.bias": (6144,), "mlp.c_fc.weight": (24576, 6144), "mlp.c_fc.bias": (24576,),
+        "mlp.c_proj.weight": (6144, 24576), "mlp.c_proj.bias": (6144,)})
+    spec = check(config, tensors, 4)
+    assert round(spec.num_parameters() / 1e9, 1) == 15.5               # StarCoder: 15.5 B
+    assert spec.attention_kind == "MQA" and spec.kv_bytes_per_token() == 2 * 40 * 1 * 128 * 4
+
+
 def test_gpt_neox_pythia_160m() -> None:
     config = {"model_type": "gpt_neox", "hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12,
               "num_hidden_layers": 12, "vocab_size": 50304, "tie_word_embeddings": False,
@@ -240,6 +255,7 @@ def test_qwen2_moe_shared_expert_and_sparse_step() -> None:
              + 2 * h)                                                  # norms
     assert spec.num_parameters() == 24 * layer + 2 * 151936 * h + h
     assert round(spec.num_parameters() / 1e9, 1) == 14.3               # Qwen1.5-MoE-A2.7B: 14.3 B total
+    assert spec.kv_bytes_per_token() == 2 * 24 * 16 * 128 * 2
 
 
 def test_llava_counts_the_vision_tower_and_projector() -> None:

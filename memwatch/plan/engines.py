@@ -19,8 +19,11 @@ vLLM       ``available_kv_cache_memory_bytes = requested_memory − non_kv_cache
            The CUDA-graph estimate (``GPUModelRunner.profile_cudagraph_memory``: the first capture plus
            at least 1 MiB for each further one, in one shared pool) is approximated here as the decode
            activation peak of the largest captured batch plus 1 MiB per captured size, with vLLM's
-           capture sizes ``1, 2, 4, 8 … 248 (step 8), 256 … max (step 16)``, ``max = min(2 ×
-           max_num_seqs, 512)``.
+           capture sizes ``[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)``, ``max =
+           min(2 × max_num_seqs, 512)`` (``VllmConfig._set_cudagraph_sizes``, ``vllm/config/vllm.py``).
+           The profile run's batch is the serving default of ``EngineArgs.get_batch_defaults``
+           (``vllm/engine/arg_utils.py``): 8,192 tokens and 1,024 sequences on devices of 70 GiB and
+           more (except A100s, which the device size cannot tell apart), 2,048 and 256 below.
 SGLang     ``rest_memory = available − pre_model_load_memory × (1 − mem_fraction_static)``
            (``KVCacheConfigurator._profile_available_bytes``, ``python/sglang/srt/mem_cache/
            kv_cache_configurator.py``), with ``pre_model_load_memory`` the free memory after the
