@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
@@ -103,11 +105,12 @@ class _Hub(http.server.BaseHTTPRequestHandler):
 
     def do_HEAD(self) -> None:
         self.requests.append(("HEAD", self.path))
-        if self.path.endswith("/resolve/main/config.json"):
+        if self.path.startswith("/acme/") and self.path.endswith("/resolve/main/config.json"):
             self._headers()
         else:
             self.send_response(404)
-            self.send_header("X-Error-Code", "EntryNotFound")
+            self.send_header("X-Error-Code", "RepoNotFound" if not self.path.startswith("/acme/") else "EntryNotFound")
+            self.send_header("X-Error-Message", "Repository not found")
             self.end_headers()
 
     def do_GET(self) -> None:
@@ -146,6 +149,36 @@ def test_online_an_uncached_name_downloads_only_its_config(tmp_path: Path, endpo
     env["HF_HUB_OFFLINE"] = "1"
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, env=env)
     assert (done.returncode, done.stdout.strip()) == (0, "5"), done.stderr
+
+
+def plan_in_a_process(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    program = "import sys; from memwatch.cli.plan import plan; plan.main(sys.argv[1:])"
+    return subprocess.run([sys.executable, "-c", program, *args], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", **env})
+
+
+def test_online_a_name_the_hub_does_not_have_is_one_error_with_exit_3(tmp_path: Path, endpoint: str) -> None:
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_ENDPOINT": endpoint, "HOME": str(tmp_path)}
+    done = plan_in_a_process(env, "--model", "nobody/nothing", "--gpu-memory", "24GiB")
+    assert done.returncode == 3 and done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: model 'nobody/nothing' not found on {endpoint}")
+
+
+def test_an_unreachable_hub_is_one_error_with_exit_4_at_once(tmp_path: Path) -> None:
+    with socket.socket() as probe:                                    # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_ENDPOINT": f"http://127.0.0.1:{port}",
+           "HOME": str(tmp_path)}
+    started = time.monotonic()
+    done = plan_in_a_process(env, "--model", "acme/fresh", "--gpu-memory", "24GiB")
+    assert done.returncode == 4 and done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: cannot download the config of 'acme/fresh': http://127.0.0.1:{port} cannot be "
+                           "reached")
+    assert f"not in the cache {tmp_path / 'hub'}" in line
+    assert time.monotonic() - started < 10                            # not half a minute of retries
 
 
 def test_a_cached_or_shipped_name_neither_imports_torch_nor_opens_a_socket(cache: Path) -> None:

@@ -11,13 +11,16 @@ only when a hub name has to be looked up, with its telemetry off unless the user
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from memwatch.errors import NotFoundError, UnavailableError
 
 _TRUE = {"1", "on", "yes", "true"}
+CONNECT_TIMEOUT_S = 5.0
 
 
 def _import_hub() -> None:
@@ -76,6 +79,21 @@ def cached_config(name: HubName) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
+def _unreachable(endpoint: str) -> str | None:
+    """Why ``endpoint`` cannot be connected to within a few seconds, or None when it can.
+
+    huggingface_hub retries a failed request for about half a minute; a machine without network
+    should hear so at once.
+    """
+    url = urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "", port), timeout=CONNECT_TIMEOUT_S):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+
+
 def download_config(name: HubName) -> Path:
     """Download only ``config.json`` of ``name`` into the cache and return its path."""
     _import_hub()
@@ -89,6 +107,14 @@ def download_config(name: HubName) -> Path:
 
     endpoint = os.environ.get("HF_ENDPOINT") or None
     where = endpoint or "the Hugging Face Hub"
+    unreachable = _unreachable(endpoint or "https://huggingface.co")
+    if unreachable:
+        raise UnavailableError(f"cannot download the config of {name.label!r}: {where} cannot be reached "
+                               f"({unreachable}) and it is not in the cache {cache_dir()}; pass a config.json "
+                               "path, or set HF_HUB_OFFLINE=1 to look only in the cache")
+    from huggingface_hub.utils import logging as hub_logging
+
+    hub_logging.set_verbosity_error()                                  # one line of our own, not its retries
     try:
         return Path(hf_hub_download(name.repo_id, "config.json", revision=name.revision, cache_dir=cache_dir(),
                                     endpoint=endpoint, etag_timeout=10))
