@@ -291,6 +291,51 @@ def test_llava_counts_the_vision_tower_and_projector() -> None:
     assert spec.kv_bytes_per_token() == 2 * 32 * 32 * 128 * 2          # the text model's KV only
 
 
+def test_qwen2_5_vl_counts_its_own_vision_tower_and_merger() -> None:
+    config = {"model_type": "qwen2_5_vl", "hidden_size": 3584, "intermediate_size": 18944,
+              "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+              "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                                "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                                "spatial_merge_size": 2, "spatial_patch_size": 14, "temporal_patch_size": 2}}
+    tensors: Shapes = {"visual.patch_embed.proj.weight": (1280, 3, 2, 14, 14), "visual.merger.ln_q.weight": (1280,),
+                       "visual.merger.mlp.0.weight": (5120, 5120), "visual.merger.mlp.0.bias": (5120,),
+                       "visual.merger.mlp.2.weight": (3584, 5120), "visual.merger.mlp.2.bias": (3584,)}
+    tensors |= per_layer("visual.blocks", 32, {
+        "norm1.weight": (1280,), "norm2.weight": (1280,), "attn.qkv.weight": (3840, 1280), "attn.qkv.bias": (3840,),
+        "attn.proj.weight": (1280, 1280), "attn.proj.bias": (1280,), "mlp.gate_proj.weight": (3420, 1280),
+        "mlp.gate_proj.bias": (3420,), "mlp.up_proj.weight": (3420, 1280), "mlp.up_proj.bias": (3420,),
+        "mlp.down_proj.weight": (1280, 3420), "mlp.down_proj.bias": (1280,)})
+    spec = ModelSpec.from_config(config, "Qwen2.5-VL-7B-Instruct")
+    assert spec.parameter_breakdown()["vision"] == parameters(tensors)
+    assert spec.num_parameters() == 7_615_616_512 + parameters(tensors)   # Qwen2.5-7B's text model
+    assert round(spec.num_parameters() / 1e9, 2) == 8.29               # Qwen2.5-VL-7B-Instruct: 8.29 B
+    assert spec.kv_bytes_per_token() == 2 * 28 * 4 * 128 * 2
+
+
+def test_qwen2_vl_tower_with_layernorms_and_a_two_matrix_mlp() -> None:
+    vision = {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3, "hidden_size": 3584,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    spec = ModelSpec.from_config({"model_type": "qwen2_vl", "hidden_size": 3584, "intermediate_size": 18944,
+                                  "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+                                  "vocab_size": 152064, "vision_config": vision})
+    block = 2 * 2 * 1280 + (3840 * 1280 + 3840) + (1280 * 1280 + 1280) + (5120 * 1280 + 5120) + (1280 * 5120 + 1280)
+    merger = 2 * 1280 + 5120 * 5120 + 5120 + 3584 * 5120 + 3584
+    assert spec.parameter_breakdown()["vision"] == 3 * 2 * 14 * 14 * 1280 + 32 * block + merger
+    assert round(spec.num_parameters() / 1e9, 2) == 8.29               # Qwen2-VL-7B-Instruct: 8.29 B
+
+
+def test_an_unknown_vision_tower_is_named_as_not_counted() -> None:
+    from memwatch.plan import PlanInputs, plan_capacity
+
+    config = {"model_type": "mystery_vlm", "vision_config": {"model_type": "mystery_vision", "width": 1024},
+              "text_config": {"model_type": "llama", "torch_dtype": "bfloat16"}}
+    spec = ModelSpec.from_config(config, "mystery")
+    assert spec.parameter_breakdown().get("vision", 0) == 0
+    plan = plan_capacity(spec, PlanInputs(kv_cache_memory_bytes=2**30))
+    assert "the vision tower (mystery_vision) is not counted" in plan.weights_source
+
+
 JAMBA = {"model_type": "jamba", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
          "num_key_value_heads": 8, "num_hidden_layers": 32, "num_experts": 16, "num_experts_per_tok": 2,
          "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 8, "attn_layer_offset": 4,

@@ -170,6 +170,7 @@ def config_fields(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
     attention_bias = bool(config.get("attention_bias", False))
     kv_lora_rank = config.get("kv_lora_rank")
 
+    vision = vision_parameters(raw, hidden)
     fields = dict(
         name=name,
         hidden_size=hidden,
@@ -194,7 +195,8 @@ def config_fields(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
         embedding_norm=config.get("_embedding_norm", False),
         final_norm=config.get("_final_norm", True),
         lm_head_bias=config.get("_lm_head_bias", False),
-        vision_parameters=vision_parameters(raw, hidden),
+        vision_parameters=vision[0],
+        uncounted=vision[1],
         quantization=quantization_from_config(config),
         layer_types=layer_types,
         sliding_window=window if layer_types else None,

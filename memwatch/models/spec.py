@@ -113,6 +113,8 @@ class ModelSpec:
     lm_head_bias: bool = False
     vision_parameters: int = 0
     """Parameters of a multimodal model's vision tower and projector, counted from ``vision_config``."""
+    uncounted: str = ""
+    """What the config describes but the count leaves out (an unknown vision tower), for the plan to say."""
     # Hybrid models: layers without attention keep a fixed state per sequence instead of per-token KV.
     quantization: Quantization = NO_QUANTIZATION
     """How the checkpoint stores its linear layers (its ``quantization_config``)."""

@@ -205,7 +205,7 @@ def _weights(spec: ModelSpec, inputs: PlanInputs, dtype: str) -> tuple[int, str]
     scheme = (spec.quantization if inputs.quantization is None
               else quantization_from_option(inputs.quantization))
     weights = spec.weight_bytes(dtype, inputs.tp, inputs.pp, quantization=scheme)
-    params = f"{spec.num_parameters():,} parameters"
+    params = f"{spec.num_parameters():,} parameters" + (f" ({spec.uncounted})" if spec.uncounted else "")
     if scheme.quantized:
         return weights, f"{params}; linear layers {scheme.describe()}, the rest {dtype}"
     return weights, f"{params} × {dtype}"
