@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("bench_plugin.py", "bench_ingest.py", "bench_detectors.py", "bench_attach.py")
+BENCHMARKS = ("bench_plugin.py", "bench_ingest.py", "bench_detectors.py", "bench_attach.py", "bench_startup.py")
 
 
 def main() -> int:

@@ -2,4 +2,4 @@
 
 from memwatch.cli import main
 
-main()
+main(prog_name="memwatch")

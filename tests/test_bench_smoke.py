@@ -22,3 +22,8 @@ def test_ingest_benchmark_stores_every_row() -> None:
 def test_detector_benchmark_runs() -> None:
     out = _run("bench_detectors.py", "--samples", "5000")
     assert "samples:           5,000 over 2 ranks (0 flagged)" in out
+
+
+def test_startup_benchmark_runs() -> None:
+    out = _run("bench_startup.py", "--repeats", "1")
+    assert "ratio memwatch/baseline: --help" in out and "memwatch runs" in out

@@ -5,17 +5,16 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-import sqlite_utils
-
 from memwatch.records import SAMPLE_COLUMNS
 from memwatch.store import open_store
+from memwatch.store.db import Database
 from memwatch.store.schema import MIGRATIONS, SCHEMA_VERSION
 from memwatch.store.window import downsampled, time_span, window_rows
 
 
 def _version_1(path: Path) -> None:
     """A database as the previous memwatch wrote it: schema version 1, text run ids in every sample."""
-    db = sqlite_utils.Database(sqlite3.connect(path))
+    db = Database(sqlite3.connect(path))
     MIGRATIONS[0](db)
     db.execute("PRAGMA user_version = 1")
     conn = db.conn

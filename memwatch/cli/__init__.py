@@ -2,11 +2,16 @@
 
 Every command turns :class:`memwatch.errors.MemwatchError` into ``error: <one line>`` on stderr and
 its documented exit code (see :mod:`memwatch.errors`); no traceback reaches the user for a problem
-the user can fix.
+the user can fix. A usage error (an unknown option, a missing argument) is one line too, exit code 2.
+
+A command's module is imported only when that command runs: ``memwatch --help`` and ``memwatch runs``
+do not pay for the simulator, the detectors or ``attach``. :data:`COMMANDS` lists them, in the order
+``--help`` shows them, with the short help it prints (a test keeps it equal to each command's own).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 from typing import Any
@@ -15,9 +20,61 @@ import click
 
 from ..errors import MemwatchError
 
+COMMANDS: dict[str, str] = {
+    "serve": "Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).",
+    "demo": "See memwatch work without a GPU: four 32K-token requests on a simulated 24 GiB card.",
+    "runs": "List recorded runs: id, engine, model, ranks, status, start and GPU.",
+    "timeline": "Show a run's samples in time order.",
+    "check": "Check a recorded run's memory ledger.",
+    "explain": "Explain how a recorded run ended.",
+    "plan": "Plan KV-cache capacity per rank from a model config, or compare a run with its plan.",
+    "attach": "Watch the GPU memory of the running process PID and its child processes.",
+    "sim": "Simulate an engine on a virtual GPU, with the real Monitor writing real rings.",
+    "run": "Run CMD with memwatch on: MEMWATCH=1 and one MEMWATCH_RUN_ID for it and every process it starts.",
+    "sql": "Run one read-only SQL query on the database and print its rows.",
+}
+"""Every command: its module under ``memwatch.cli`` (same name) and its short help."""
+
 
 class MemwatchGroup(click.Group):
-    """A click group that maps memwatch's errors to one line and an exit code."""
+    """A click group that maps memwatch's errors to one line and an exit code, and loads commands lazily."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*COMMANDS, *sorted(name for name in self.commands if name not in COMMANDS)]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = self.commands.get(cmd_name)
+        if command is None and cmd_name in COMMANDS:
+            command = importlib.import_module(f"{__name__}.{cmd_name}").command
+            self.add_command(command, cmd_name)
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list from :data:`COMMANDS`, without importing a single command."""
+        rows = [(name, COMMANDS[name] if name in COMMANDS else self.commands[name].get_short_help_str())
+                for name in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        """Click's usage errors as one line, ``error: <what>; see `memwatch CMD --help```, exit code 2."""
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            result = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "memwatch"
+            message = exc.format_message().rstrip(".")
+            click.echo(f"error: {message[:1].lower()}{message[1:]}; see `{where} --help`", err=True)
+            sys.exit(2)
+        except click.ClickException as exc:
+            click.echo(f"error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -42,12 +99,3 @@ def main(verbose: int) -> None:
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-
-def _register() -> None:
-    from . import attach, check, demo, explain, plan, run, runs, serve, sim, sql, timeline
-
-    for module in (serve, demo, runs, timeline, check, explain, plan, attach, sim, run, sql):
-        main.add_command(module.command)
-
-
-_register()

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from ..detectors import DetectorConfig
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..detectors import DetectorConfig
 
 db_option = click.option(
     "--db",
@@ -23,6 +26,8 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 def _load_thresholds(ctx: click.Context, param: click.Parameter, value: Path | None) -> DetectorConfig | None:
     if value is None:
         return None
+    from ..detectors import DetectorConfig  # only when asked: the detectors are not start-up cost
+
     try:
         with open(value, "rb") as f:
             settings = tomllib.load(f)

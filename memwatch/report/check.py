@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors import STARTUP_PHASES, DetectorConfig, RankSummary, replay
 from memwatch.detectors.wording import format_count
@@ -23,6 +21,9 @@ from memwatch.report.ledger_text import render_lines, terms_lines
 from memwatch.report.readings import ENDED_BADLY, UNSIZED_SENTENCE, RankReadings, crash_sentences
 from memwatch.report.stored import stored_records
 from memwatch.units import format_bytes
+
+if TYPE_CHECKING:
+    from memwatch.store.db import Database
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def check_records(records: Iterable[Sample | Event], config: DetectorConfig | No
                        tuple(readings[rank] for rank in sorted(readings)), started_ns)
 
 
-def check_run(db: sqlite_utils.Database, ref: str, config: DetectorConfig | None = None) -> CheckReport:
+def check_run(db: Database, ref: str, config: DetectorConfig | None = None) -> CheckReport:
     """:func:`check_records` on a stored run (``ref``: id, unique prefix or ``latest``)."""
     run, records = stored_records(db, ref)
     return check_records(records, config, run.status, run.started_ns)

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from memwatch.detectors import STARTUP_PHASES, DetectorConfig, DetectorSet
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
@@ -25,6 +23,9 @@ from memwatch.flags import OOM, Flag
 from memwatch.records import Event, Sample
 from memwatch.report.readings import ENDED_BADLY, RankReadings, crash_sentences
 from memwatch.report.stored import stored_records
+
+if TYPE_CHECKING:
+    from memwatch.store.db import Database
 
 MiB = 1 << 20
 WINDOW_STEPS = 100
@@ -212,7 +213,7 @@ def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | 
                        tuple(readings[rank] for rank in sorted(readings)), unsized, started_ns)
 
 
-def explain_run(db: sqlite_utils.Database, ref: str, config: DetectorConfig | None = None) -> Explanation:
+def explain_run(db: Database, ref: str, config: DetectorConfig | None = None) -> Explanation:
     """:func:`explain_records` on a stored run (``ref``: id, unique prefix or ``latest``)."""
     run, records = stored_records(db, ref)
     return explain_records(records, config, run.status, run.started_ns)

@@ -1,5 +1,5 @@
 """The SQLite store: schema and migrations, the single writer thread, and read-side queries."""
 
-from .db import default_db_path, open_store
+from .db import Database, default_db_path, open_store
 
-__all__ = ["default_db_path", "open_store"]
+__all__ = ["Database", "default_db_path", "open_store"]

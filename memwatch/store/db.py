@@ -9,12 +9,38 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-
-import sqlite_utils
+from typing import Any
 
 from ..errors import NotFoundError, PermissionDeniedError, StoreError
 from .schema import migrate
+
+
+class Database:
+    """The store's connection, with the few helpers the commands use.
+
+    memwatch used sqlite-utils' ``Database`` for exactly these; importing that package (and numpy
+    through it) cost every command more than the rest of its start-up together.
+    """
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def execute(self, sql: str, parameters: Sequence[Any] | Mapping[str, Any] = ()) -> sqlite3.Cursor:
+        return self.conn.execute(sql, parameters)
+
+    def query(self, sql: str, parameters: Sequence[Any] | Mapping[str, Any] = ()) -> Iterator[dict[str, Any]]:
+        """Rows as dicts keyed by column name."""
+        cursor = self.conn.execute(sql, parameters)
+        keys = [column[0] for column in cursor.description or ()]
+        for row in cursor:
+            yield dict(zip(keys, row, strict=True))
+
+    def table_names(self) -> list[str]:
+        return [row[0] for row in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
 
 
 def default_db_path() -> Path:
@@ -25,7 +51,7 @@ def default_db_path() -> Path:
     return Path(data_home) / "memwatch" / "memwatch.db"
 
 
-def open_store(path: str | os.PathLike[str] | None = None, *, readonly: bool = False) -> sqlite_utils.Database:
+def open_store(path: str | os.PathLike[str] | None = None, *, readonly: bool = False) -> Database:
     """Open (and for writers create and migrate) the store; errors become one-line :class:`MemwatchError`s."""
     db_path = Path(path) if path is not None else default_db_path()
     try:
@@ -43,7 +69,7 @@ def open_store(path: str | os.PathLike[str] | None = None, *, readonly: bool = F
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=5000")
-        db = sqlite_utils.Database(conn)
+        db = Database(conn)
         if readonly:
             check_schema(db, db_path)
         else:
@@ -55,7 +81,7 @@ def open_store(path: str | os.PathLike[str] | None = None, *, readonly: bool = F
         raise StoreError(f"{db_path} is not a usable memwatch database ({exc}); pass another --db") from None
 
 
-def check_schema(db: sqlite_utils.Database, db_path: Path) -> None:
+def check_schema(db: Database, db_path: Path) -> None:
     from .schema import SCHEMA_VERSION
 
     version = db.execute("PRAGMA user_version").fetchone()[0]

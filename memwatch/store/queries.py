@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Any
 
 from ..errors import NotFoundError
 from ..records import EVENT_COLUMNS, Event, Sample
 from .window import time_span, window_samples
+
+if TYPE_CHECKING:
+    from memwatch.store.db import Database
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def _run(row: tuple[Any, ...]) -> Run:
     return Run(*values)
 
 
-def list_runs(db: sqlite_utils.Database, limit: int | None = None) -> list[Run]:
+def list_runs(db: Database, limit: int | None = None) -> list[Run]:
     """Runs, newest first."""
     sql = f"SELECT {_RUN_COLUMNS} FROM runs ORDER BY started_ns DESC"
     params: tuple[Any, ...] = ()
@@ -61,7 +62,7 @@ def list_runs(db: sqlite_utils.Database, limit: int | None = None) -> list[Run]:
     return [_run(row) for row in db.execute(sql, params).fetchall()]
 
 
-def get_run(db: sqlite_utils.Database, ref: str) -> Run:
+def get_run(db: Database, ref: str) -> Run:
     """A run by id, unique id prefix, or ``latest``."""
     if ref == "latest":
         row = db.execute(f"SELECT {_RUN_COLUMNS} FROM runs ORDER BY started_ns DESC LIMIT 1").fetchone()
@@ -79,19 +80,19 @@ def get_run(db: sqlite_utils.Database, ref: str) -> Run:
     return _run(rows[0])
 
 
-def run_ranks(db: sqlite_utils.Database, run_id: str) -> list[dict[str, Any]]:
+def run_ranks(db: Database, run_id: str) -> list[dict[str, Any]]:
     return list(db.query("SELECT * FROM ranks WHERE run_id = ? ORDER BY rank", (run_id,)))
 
 
 def samples(
-    db: sqlite_utils.Database, run_id: str, *, rank: int | None = None, since_ns: int | None = None,
+    db: Database, run_id: str, *, rank: int | None = None, since_ns: int | None = None,
     until_ns: int | None = None,
 ) -> Iterator[Sample]:
     """Samples of a run in time order (per rank when ``rank`` is given); a rolled-up second is its last sample."""
     return window_samples(db, run_id, rank=rank, since_ns=since_ns, until_ns=until_ns)
 
 
-def events(db: sqlite_utils.Database, run_id: str, *, rank: int | None = None) -> list[Event]:
+def events(db: Database, run_id: str, *, rank: int | None = None) -> list[Event]:
     sql = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE run_id = ?"
     params: list[Any] = [run_id]
     if rank is not None:
@@ -101,5 +102,5 @@ def events(db: sqlite_utils.Database, run_id: str, *, rank: int | None = None) -
     return [Event(*row[:5], json.loads(row[5] or "{}")) for row in db.execute(sql, params)]
 
 
-def last_ts_ns(db: sqlite_utils.Database, run_id: str) -> int | None:
+def last_ts_ns(db: Database, run_id: str) -> int | None:
     return time_span(db, run_id)[1]

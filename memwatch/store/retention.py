@@ -12,11 +12,13 @@ applies it by hand and reclaims the freed space. Rolling up is idempotent: a sec
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import sqlite_utils
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from .schema import ROLLUP_COLUMNS
+
+if TYPE_CHECKING:
+    from memwatch.store.db import Database
 
 NS = 1_000_000_000
 DEFAULT_FULL_NS = 3600 * NS
@@ -54,7 +56,7 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def evidence_seconds(db: sqlite_utils.Database, run_id: str, evidence_ns: int) -> list[tuple[int, int]]:
+def evidence_seconds(db: Database, run_id: str, evidence_ns: int) -> list[tuple[int, int]]:
     """Whole seconds (first, last, inclusive) kept at full resolution around the run's flags and OOMs."""
     moments = db.execute(
         "SELECT ts_ns FROM flags WHERE run_id = ? UNION SELECT ts_ns FROM events WHERE run_id = ? AND kind = 'oom'",
@@ -108,7 +110,7 @@ ROLLUP = (
 DELETE = "DELETE FROM sample_rows WHERE run_key = ?1 AND rank = ?2 AND ts_ns >= ?3 AND ts_ns < ?4"
 
 
-def plan_run(db: sqlite_utils.Database, run_id: str, retention: Retention) -> list[tuple[str, tuple[int, ...]]]:
+def plan_run(db: Database, run_id: str, retention: Retention) -> list[tuple[str, tuple[int, ...]]]:
     """The statements that apply ``retention`` to one run (run them in one transaction, in order)."""
     row = db.execute("SELECT run_key FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if row is None or row[0] is None:
@@ -139,7 +141,7 @@ def plan_run(db: sqlite_utils.Database, run_id: str, retention: Retention) -> li
 
 
 def apply_retention(
-    db: sqlite_utils.Database, retention: Retention | None = None, run_ids: list[str] | None = None
+    db: Database, retention: Retention | None = None, run_ids: list[str] | None = None
 ) -> PruneResult:
     """Apply ``retention`` to the given runs (all when ``None``) on a writable connection, one run per commit."""
     retention = retention or Retention()

@@ -18,10 +18,12 @@ columns to ``sample_seconds``), then call :func:`create_sample_view` to rebuild 
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import sqlite_utils
+from typing import TYPE_CHECKING
 
 from ..errors import StoreError
+
+if TYPE_CHECKING:
+    from memwatch.store.db import Database
 
 SCHEMA_VERSION = 3
 
@@ -32,49 +34,33 @@ ROLLUP_COLUMNS: tuple[str, ...] = (
 """Numeric sample columns kept per second as ``min_<col>``, ``max_<col>`` and ``last_<col>`` once rolled up."""
 
 
-def _v1(db: sqlite_utils.Database) -> None:
-    db["runs"].create(
-        {
-            "run_id": str, "pid": int, "hostname": str, "engine": str, "model": str, "rank_count": int,
-            "started_ns": int, "ended_ns": int, "status": str, "gpu_name": str, "gpu_total_bytes": int,
-            "config": str, "source": str,
-        },
-        pk="run_id",
-        defaults={"config": "{}", "status": "running"},
-    )
-    db["ranks"].create(
-        {
-            "run_id": str, "rank": int, "pid": int, "device_index": int, "gpu_name": str,
-            "gpu_total_bytes": int, "started_ns": int, "ended_ns": int, "status": str,
-            "records": int, "lost_records": int, "probe_unavailable": str,
-        },
-        pk=("run_id", "rank"),
-        defaults={"records": 0, "lost_records": 0, "status": "running"},
-    )
-    db["samples"].create(
-        {
-            "run_id": str, "rank": int, "step": int, "ts_ns": int, "phase": str,
-            "allocated_bytes": int, "peak_bytes": int, "reserved_bytes": int,
-            "driver_used_bytes": int, "driver_free_bytes": int,
-            "kv_blocks_used": int, "kv_blocks_total": int, "num_seqs": int, "num_tokens": int,
-            "step_kind": str, "peak_is_step": int, "process_used_bytes": int,
-        }
-    )
-    db["samples"].create_index(["run_id", "rank", "ts_ns"], index_name="samples_run_rank_ts")
-    db["events"].create({"run_id": str, "rank": int, "step": int, "ts_ns": int, "kind": str, "data": str})
-    db["events"].create_index(["run_id", "rank", "ts_ns"], index_name="events_run_rank_ts")
-    db["flags"].create(
-        {
-            "run_id": str, "rank": int, "step": int, "ts_ns": int, "kind": str, "severity": str,
-            "message": str, "data": str,
-        }
-    )
-    db["flags"].create_index(["run_id", "rank", "ts_ns"], index_name="flags_run_rank_ts")
-    db["ring_cursors"].create(
-        {"ring": str, "run_id": str, "rank": int, "next_seq": int, "lost": int, "finished": int},
-        pk="ring",
-        defaults={"lost": 0, "finished": 0},
-    )
+_V1_TABLES = (
+    """CREATE TABLE runs (run_id TEXT PRIMARY KEY, pid INTEGER, hostname TEXT, engine TEXT, model TEXT,
+       rank_count INTEGER, started_ns INTEGER, ended_ns INTEGER, status TEXT DEFAULT 'running', gpu_name TEXT,
+       gpu_total_bytes INTEGER, config TEXT DEFAULT '{}', source TEXT)""",
+    """CREATE TABLE ranks (run_id TEXT, rank INTEGER, pid INTEGER, device_index INTEGER, gpu_name TEXT,
+       gpu_total_bytes INTEGER, started_ns INTEGER, ended_ns INTEGER, status TEXT DEFAULT 'running',
+       records INTEGER DEFAULT 0, lost_records INTEGER DEFAULT 0, probe_unavailable TEXT,
+       PRIMARY KEY (run_id, rank))""",
+    """CREATE TABLE samples (run_id TEXT, rank INTEGER, step INTEGER, ts_ns INTEGER, phase TEXT,
+       allocated_bytes INTEGER, peak_bytes INTEGER, reserved_bytes INTEGER, driver_used_bytes INTEGER,
+       driver_free_bytes INTEGER, kv_blocks_used INTEGER, kv_blocks_total INTEGER, num_seqs INTEGER,
+       num_tokens INTEGER, step_kind TEXT, peak_is_step INTEGER, process_used_bytes INTEGER)""",
+    "CREATE INDEX samples_run_rank_ts ON samples (run_id, rank, ts_ns)",
+    "CREATE TABLE events (run_id TEXT, rank INTEGER, step INTEGER, ts_ns INTEGER, kind TEXT, data TEXT)",
+    "CREATE INDEX events_run_rank_ts ON events (run_id, rank, ts_ns)",
+    """CREATE TABLE flags (run_id TEXT, rank INTEGER, step INTEGER, ts_ns INTEGER, kind TEXT, severity TEXT,
+       message TEXT, data TEXT)""",
+    "CREATE INDEX flags_run_rank_ts ON flags (run_id, rank, ts_ns)",
+    """CREATE TABLE ring_cursors (ring TEXT PRIMARY KEY, run_id TEXT, rank INTEGER, next_seq INTEGER,
+       lost INTEGER DEFAULT 0, finished INTEGER DEFAULT 0)""",
+)
+
+
+def _v1(db: Database) -> None:
+    """The first schema: one row per run, rank, sample, event, flag and ring cursor."""
+    for statement in _V1_TABLES:
+        db.execute(statement)
 
 
 _SAMPLE_ROW_COLUMNS = (
@@ -85,7 +71,7 @@ _SAMPLE_ROW_COLUMNS = (
 )
 
 
-def _v2(db: sqlite_utils.Database) -> None:
+def _v2(db: Database) -> None:
     """Integer run key, compact sample rows, the per-second rollup and the live per-rank summaries."""
     conn = db.conn
     conn.execute("ALTER TABLE runs ADD COLUMN run_key INTEGER")
@@ -125,7 +111,7 @@ def _v2(db: sqlite_utils.Database) -> None:
     create_sample_view(db)
 
 
-def create_sample_view(db: sqlite_utils.Database) -> None:
+def create_sample_view(db: Database) -> None:
     """(Re)create the ``samples`` view over ``sample_rows`` and the trigger that makes it insertable."""
     conn = db.conn
     columns = [row[1] for row in conn.execute("PRAGMA table_info(sample_rows)") if row[1] != "run_key"]
@@ -149,7 +135,7 @@ ALLOCATOR_COLUMNS: tuple[str, ...] = ("segments", "active_bytes", "inactive_spli
 Not rolled up: seconds past the retention window keep the allocator's and driver's totals only."""
 
 
-def _v3(db: sqlite_utils.Database) -> None:
+def _v3(db: Database) -> None:
     """The allocator's signals: segments, active and inactive-split bytes, retries, OOM count."""
     for column in ALLOCATOR_COLUMNS:
         db.conn.execute(f"ALTER TABLE sample_rows ADD COLUMN {column} INTEGER")
@@ -165,11 +151,11 @@ ENSURE_RUN = (
 """Create a bare ``runs`` row for a run id that has none (bind the run id twice)."""
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3]
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3]
 """MIGRATIONS[i] takes a database from version i to i + 1."""
 
 
-def migrate(db: sqlite_utils.Database) -> None:
+def migrate(db: Database) -> None:
     """Bring ``db`` to :data:`SCHEMA_VERSION`; refuse a database from a newer memwatch."""
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if version > SCHEMA_VERSION:

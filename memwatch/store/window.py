@@ -12,12 +12,13 @@ is in it, not what the run holds.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..records import SAMPLE_COLUMNS, Sample
 from .schema import ROLLUP_COLUMNS
+
+if TYPE_CHECKING:
+    from memwatch.store.db import Database
 
 NS_PER_SECOND = 1_000_000_000
 
@@ -39,7 +40,7 @@ class WindowRow(NamedTuple):
     rollup: Rollup | None
 
 
-def run_key(db: sqlite_utils.Database, run_id: str) -> int | None:
+def run_key(db: Database, run_id: str) -> int | None:
     """The integer key a run's samples are stored under (``None`` for an unknown run)."""
     row = db.execute("SELECT run_key FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     return None if row is None else row[0]
@@ -70,7 +71,7 @@ _EXTRA = ", ".join(f"min_{c}, max_{c}" for c in ROLLUP_COLUMNS)
 
 
 def window_rows(
-    db: sqlite_utils.Database, run_id: str, *, rank: int | None = None,
+    db: Database, run_id: str, *, rank: int | None = None,
     since_ns: int | None = None, until_ns: int | None = None,
 ) -> Iterator[WindowRow]:
     """The run's timeline between ``since_ns`` and ``until_ns`` (inclusive), in time order, then rank."""
@@ -102,7 +103,7 @@ def window_rows(
 
 
 def window_samples(
-    db: sqlite_utils.Database, run_id: str, *, rank: int | None = None,
+    db: Database, run_id: str, *, rank: int | None = None,
     since_ns: int | None = None, until_ns: int | None = None,
 ) -> Iterator[Sample]:
     """:func:`window_rows` without the rollups: a rolled-up second is its last sample."""
@@ -110,7 +111,7 @@ def window_samples(
         yield row.sample
 
 
-def time_span(db: sqlite_utils.Database, run_id: str, rank: int | None = None) -> tuple[int | None, int | None]:
+def time_span(db: Database, run_id: str, rank: int | None = None) -> tuple[int | None, int | None]:
     """The first and last sample time of the run (or rank), over both resolutions."""
     key = run_key(db, run_id)
     if key is None:
@@ -135,7 +136,7 @@ class Bucket(NamedTuple):
 
 
 def downsampled(
-    db: sqlite_utils.Database, run_id: str, rank: int, *, buckets: int = 1000,
+    db: Database, run_id: str, rank: int, *, buckets: int = 1000,
     since_ns: int | None = None, until_ns: int | None = None, columns: Sequence[str] = ROLLUP_COLUMNS,
 ) -> list[Bucket]:
     """One rank's series cut into at most ``buckets`` equal time buckets, each keeping its min and max.

@@ -14,9 +14,10 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import sqlite_utils
+if TYPE_CHECKING:
+    from memwatch.store.db import Database
 
 log = logging.getLogger("memwatch.store")
 
@@ -95,7 +96,7 @@ _STOP = object()
 class StoreWriter(threading.Thread):
     """Owns the write connection. ``submit`` never blocks on SQLite; ``flush``/``close`` wait."""
 
-    def __init__(self, db: sqlite_utils.Database, *, max_queue: int = 256) -> None:
+    def __init__(self, db: Database, *, max_queue: int = 256) -> None:
         super().__init__(name="memwatch-store-writer", daemon=True)
         self._db = db
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
