@@ -7,11 +7,10 @@ import sqlite3
 import struct
 from pathlib import Path
 
-import sqlite_utils
 from test_cuda_probe import FakeTorch
 
 from memwatch.collector import read_ring
-from memwatch.store import open_store
+from memwatch.store import Database, open_store
 from memwatch.store.schema import ALLOCATOR_COLUMNS, MIGRATIONS
 from memwatch_engine import Monitor
 from memwatch_engine.probes.cuda import CudaProbe
@@ -100,7 +99,7 @@ def test_a_version_1_ring_still_reads_and_stores_null_signals(runtime_dir: Path,
 
 def test_an_older_database_gains_the_signal_columns(tmp_path: Path) -> None:
     path = tmp_path / "old.db"
-    db = sqlite_utils.Database(path)
+    db = Database(sqlite3.connect(path))
     for step in MIGRATIONS[:2]:  # the schema as the previous memwatch left it
         step(db)
     db.execute("PRAGMA user_version = 2")
