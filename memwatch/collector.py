@@ -215,6 +215,9 @@ class Collector:
             records = typed_records(run_id, rank, drained, names)
             for observer in self._observers:
                 batch.flags.extend(observer(header, records))
+                statements = getattr(observer, "statements", None)  # e.g. per-rank summaries kept live
+                if statements is not None:
+                    batch.statements.extend(statements(header))
         return batch
 
     def _finish(self, state: RingState, closed: bool) -> None:

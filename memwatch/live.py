@@ -6,7 +6,10 @@ come back as ``flags`` rows for the same transaction and go to the log as they a
 bytes (the detectors are pure and cannot ask). A run's
 detector state is dropped once every rank it saw has finished. A sidecar restarted mid-run starts
 its detectors afresh from the first records it reads; a run's sizing event read earlier is replayed
-from the store so that the ledger is complete.
+from the store so that the ledger is complete. Next to the detectors, each rank's
+:class:`~memwatch.detectors.RankSummary` is kept and stored with every batch (``rank_summaries``), so
+``check`` and ``explain`` need not replay the run; a restarted sidecar stores its summaries as
+incomplete, and those readers replay instead.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from typing import Any
 
 from memwatch_engine.ring import RingHeader
 
-from .detectors import DetectorConfig, DetectorSet
+from .detectors import DetectorConfig, DetectorSet, RankSummary
 from .flags import EXTERNAL_PROCESS, Flag
 from .nvml import GpuProcess, Nvml
 from .records import Event, Sample
+from .store.summaries import UPSERT_SUMMARY, config_key, summary_params
 from .units import format_bytes
 
 log = logging.getLogger("memwatch.flags")
@@ -51,20 +55,34 @@ class LiveDetectors:
         self._writer_pids: dict[str, set[int]] = {}
         self._nvml_query = nvml_query
         self.flags_raised = 0
+        self._summaries: dict[str, dict[int, RankSummary]] = {}
+        self._complete: dict[str, bool] = {}
+        self._config_key = config_key(config)
 
     def __call__(self, header: RingHeader, records: list[Sample | Event]) -> list[tuple[Any, ...]]:
         detectors = self._runs.get(header.run_id)
         if detectors is None:
             detectors = self._runs[header.run_id] = DetectorSet(self._config)
+            self._complete[header.run_id] = True
             if self._stored_events is not None:  # a restarted sidecar: learn the sizing again
                 for event in self._stored_events(header.run_id):
                     detectors.on_event(event)
+                    self._complete[header.run_id] = False  # the summaries miss what came before
+        summaries = self._summaries.setdefault(header.run_id, {})
         self._open_ranks.setdefault(header.run_id, set()).add(header.rank)
         self._writer_pids.setdefault(header.run_id, set()).add(header.writer_pid)
         rows: list[tuple[Any, ...]] = []
         on_sample, on_event = detectors.on_sample, detectors.on_event
+        last_terms = detectors.last_terms
         for record in records:
-            flags = on_sample(record) if type(record) is Sample else on_event(record)
+            if type(record) is Sample:
+                flags = on_sample(record)
+                summary = summaries.get(record.rank)
+                if summary is None:
+                    summary = summaries[record.rank] = RankSummary(record.rank)
+                summary.observe(record, last_terms(record.rank))  # type: ignore[arg-type]
+            else:
+                flags = on_event(record)
             for flag in flags:
                 if flag.kind == EXTERNAL_PROCESS:
                     flag = self._name_other_processes(header, flag)
@@ -73,6 +91,16 @@ class LiveDetectors:
                 rows.append(flag_row(flag))
         self.flags_raised += len(rows)
         return rows
+
+    def statements(self, header: RingHeader) -> list[tuple[str, tuple[Any, ...]]]:
+        """The rank's summary as it stands after the records just observed, to store with them."""
+        summary = self._summaries.get(header.run_id, {}).get(header.rank)
+        detectors = self._runs.get(header.run_id)
+        if summary is None or detectors is None:
+            return []
+        summary.sizing = detectors.ledger(header.rank).sizing
+        complete = self._complete.get(header.run_id, False)
+        return [(UPSERT_SUMMARY, summary_params(header.run_id, summary, complete, self._config_key))]
 
     def _name_other_processes(self, header: RingHeader, flag: Flag) -> Flag:
         """Say which processes NVML sees on the rank's GPU besides the run's own (real engines only)."""
@@ -102,6 +130,8 @@ class LiveDetectors:
         ranks.discard(header.rank)
         if not ranks:
             self._runs.pop(header.run_id, None)
+            self._summaries.pop(header.run_id, None)
+            self._complete.pop(header.run_id, None)
             self._open_ranks.pop(header.run_id, None)
             self._writer_pids.pop(header.run_id, None)
 

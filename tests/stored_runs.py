@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memwatch.collector import Collector
+from memwatch.live import LiveDetectors
 from memwatch.sim import run_scenario
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
@@ -12,8 +13,11 @@ from memwatch.store.writer import StoreWriter
 START_NS = 1_700_000_000_000_000_000
 
 
-def store_scenario(name: str, runtime_dir: Path, db_path: Path) -> str:
-    """Run a shipped scenario into ``runtime_dir``, store its rings into ``db_path``; returns the run id."""
+def store_scenario(name: str, runtime_dir: Path, db_path: Path, *, live: bool = False) -> str:
+    """Run a shipped scenario into ``runtime_dir``, store its rings into ``db_path``; returns the run id.
+
+    ``live`` runs the sidecar's live detectors too (flags and per-rank summaries stored as they go).
+    """
     result = run_scenario(name, runtime_dir=runtime_dir, start_ns=START_NS)
     store_rings(runtime_dir, db_path)
     return result.run_id
@@ -23,7 +27,8 @@ def store_rings(runtime_dir: Path, db_path: Path) -> None:
     """Drain every ring in ``runtime_dir`` into ``db_path``; a writer that is gone makes its run ``crashed``."""
     writer = StoreWriter(open_store(db_path))
     writer.start()
-    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False)
+    observers = [LiveDetectors()] if live else []
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False, observers=observers)
     collector.scan()
     while collector.poll():
         pass

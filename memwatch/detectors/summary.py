@@ -40,6 +40,7 @@ class ServingPoint:
     oom_margin_bytes: int | None
     activation_reserve_bytes: int | None
     headroom_bytes: int | None
+    reclaimable_cache_bytes: int | None = None
 
 
 @dataclass
@@ -60,6 +61,9 @@ class RankSummary:
     """The serving point with the smallest OOM margin."""
     largest_activation_bytes: int = 0
     """The largest step activation peak among serving points."""
+    max_peak_bytes: int | None = None
+    max_reserved_bytes: int | None = None
+    max_driver_used_bytes: int | None = None
 
     def observe(self, sample: Sample, terms: LedgerTerms) -> None:
         """Take in one sample of this rank and its ledger terms."""
@@ -67,6 +71,13 @@ class RankSummary:
         self.last_step = sample.step
         self.last_ts_ns = sample.ts_ns
         self.last_terms = terms
+        if sample.peak_bytes is not None and (self.max_peak_bytes is None or sample.peak_bytes > self.max_peak_bytes):
+            self.max_peak_bytes = sample.peak_bytes
+        reserved, used = sample.reserved_bytes, sample.driver_used_bytes
+        if reserved is not None and (self.max_reserved_bytes is None or reserved > self.max_reserved_bytes):
+            self.max_reserved_bytes = reserved
+        if used is not None and (self.max_driver_used_bytes is None or used > self.max_driver_used_bytes):
+            self.max_driver_used_bytes = used
         headroom, margin = terms.headroom_bytes, terms.oom_margin_bytes
         if headroom is not None and (self.min_headroom is None or headroom < self.min_headroom.value_bytes):
             self.min_headroom = Tightest(sample.step, sample.ts_ns, headroom, terms)
@@ -96,7 +107,8 @@ class RankSummary:
             "min_headroom": tight(self.min_headroom), "min_oom_margin": tight(self.min_oom_margin),
             "sizing": None if self.sizing is None else list(self.sizing),
             "first_serving": point(self.first_serving), "tightest_serving": point(self.tightest_serving),
-            "largest_activation_bytes": self.largest_activation_bytes,
+            "largest_activation_bytes": self.largest_activation_bytes, "max_peak_bytes": self.max_peak_bytes,
+            "max_reserved_bytes": self.max_reserved_bytes, "max_driver_used_bytes": self.max_driver_used_bytes,
         }
 
     @classmethod
@@ -113,11 +125,12 @@ class RankSummary:
             min_headroom=tight(data["min_headroom"]), min_oom_margin=tight(data["min_oom_margin"]),
             sizing=None if data["sizing"] is None else Sizing(*data["sizing"]),
             first_serving=point(data["first_serving"]), tightest_serving=point(data["tightest_serving"]),
-            largest_activation_bytes=data["largest_activation_bytes"],
+            largest_activation_bytes=data["largest_activation_bytes"], max_peak_bytes=data["max_peak_bytes"],
+            max_reserved_bytes=data["max_reserved_bytes"], max_driver_used_bytes=data["max_driver_used_bytes"],
         )
 
 
 def serving_point(sample: Sample, terms: LedgerTerms) -> ServingPoint:
     return ServingPoint(sample.step, sample.ts_ns, terms.non_torch_bytes, terms.cache_slack_bytes,
                         sample.allocated_bytes, sample.driver_free_bytes, terms.oom_margin_bytes,
-                        terms.activation_reserve_bytes, terms.headroom_bytes)
+                        terms.activation_reserve_bytes, terms.headroom_bytes, terms.reclaimable_cache_bytes)

@@ -19,7 +19,7 @@ from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
 from memwatch.report.ledger_text import render_lines, terms_lines
 from memwatch.report.readings import ENDED_BADLY, UNSIZED_SENTENCE, RankReadings, crash_sentences
-from memwatch.report.stored import stored_records
+from memwatch.report.stored import stored_readings, stored_run
 from memwatch.units import format_bytes
 
 if TYPE_CHECKING:
@@ -117,9 +117,17 @@ def check_records(records: Iterable[Sample | Event], config: DetectorConfig | No
 
 
 def check_run(db: Database, ref: str, config: DetectorConfig | None = None) -> CheckReport:
-    """:func:`check_records` on a stored run (``ref``: id, unique prefix or ``latest``)."""
-    run, records = stored_records(db, ref)
-    return check_records(records, config, run.status, run.started_ns)
+    """The check of a stored run (``ref``: id, unique prefix or ``latest``).
+
+    Reads the summaries and flags the sidecar stored live when they cover the whole run with these
+    thresholds (a few rows, whatever the run's length); otherwise replays the run as a stream.
+    """
+    state = stored_run(db, ref, config)
+    run = state.run
+    ranks = tuple(RankCheck.from_summary(state.summaries[rank]) for rank in sorted(state.summaries))
+    readings = stored_readings(db, run.run_id, state.summaries)
+    return CheckReport(run.run_id, ranks, tuple(state.flags), run.status,
+                       tuple(readings[rank] for rank in sorted(readings)), run.started_ns)
 
 
 def render_check(report: CheckReport) -> str:

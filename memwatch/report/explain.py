@@ -15,14 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Protocol
 
 from memwatch.detectors import STARTUP_PHASES, DetectorConfig, DetectorSet
+from memwatch.detectors.summary import RankSummary, ServingPoint, serving_point
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
 from memwatch.flags import OOM, Flag
 from memwatch.records import Event, Sample
 from memwatch.report.readings import ENDED_BADLY, RankReadings, crash_sentences
-from memwatch.report.stored import stored_records
+from memwatch.report.stored import StoredPoints, first_ooms, stored_readings, stored_run
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database
@@ -43,23 +44,47 @@ TERMS: tuple[tuple[str, str], ...] = (
 )
 
 
-class _Point(NamedTuple):
-    step: int
-    ts_ns: int
-    non_torch_bytes: int | None
-    cache_slack_bytes: int | None
-    allocated_bytes: int | None
-    driver_free_bytes: int | None
-    oom_margin_bytes: int | None
-    activation_reserve_bytes: int | None
-    headroom_bytes: int | None
-    reclaimable_cache_bytes: int | None = None
+class Points(Protocol):
+    """One rank's serving points up to its out-of-memory, searched the few ways ``explain`` needs.
+
+    Points are samples after KV sizing outside the start-up phases, in time order, up to the OOM's
+    time. :class:`ListPoints` holds them in memory (a replay); a store answers the same questions
+    with indexed queries (:mod:`memwatch.report.stored`), so a long run is never loaded whole.
+    """
+
+    def first(self) -> ServingPoint | None: ...
+    def last(self) -> ServingPoint | None: ...
+    def last_at_most(self, term: str, limit: int) -> ServingPoint | None: ...
+    def first_reaching(self, term: str, from_step: int, threshold: float) -> ServingPoint | None: ...
+    def first_from_step(self, step: int) -> ServingPoint | None: ...
+
+
+@dataclass
+class ListPoints:
+    """:class:`Points` over a list already in time order."""
+
+    points: list[ServingPoint]
+
+    def first(self) -> ServingPoint | None:
+        return self.points[0] if self.points else None
+
+    def last(self) -> ServingPoint | None:
+        return self.points[-1] if self.points else None
+
+    def last_at_most(self, term: str, limit: int) -> ServingPoint | None:
+        return next((p for p in reversed(self.points) if (v := getattr(p, term)) is not None and v <= limit), None)
+
+    def first_reaching(self, term: str, from_step: int, threshold: float) -> ServingPoint | None:
+        return next((p for p in self.points if p.step >= from_step and (v := getattr(p, term)) is not None
+                     and v >= threshold), None)
+
+    def first_from_step(self, step: int) -> ServingPoint | None:
+        return next((p for p in self.points if p.step >= step), None)
 
 
 @dataclass
 class _RankHistory:
-    points: list[_Point] = field(default_factory=list)
-    largest_activation: int = 0
+    points: list[ServingPoint] = field(default_factory=list)
     oom: Event | None = None
 
 
@@ -174,6 +199,7 @@ def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | 
     detectors = DetectorSet(config)
     flags: list[Flag] = []
     histories: dict[int, _RankHistory] = {}
+    summaries: dict[int, RankSummary] = {}
     readings: dict[int, RankReadings] = {}
     run_id = None
     for record in records:
@@ -190,33 +216,59 @@ def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | 
             rank_readings = readings[record.rank] = RankReadings(record.rank)
         rank_readings.add(record, record.phase in STARTUP_PHASES)
         terms = detectors.last_terms(record.rank)
-        if terms is None or terms.budget_bytes is None or record.phase in STARTUP_PHASES:
-            continue
-        if terms.step_activation_peak_bytes is not None:
-            history.largest_activation = max(history.largest_activation, terms.step_activation_peak_bytes)
-        history.points.append(_Point(record.step, record.ts_ns, terms.non_torch_bytes, terms.cache_slack_bytes,
-                                     record.allocated_bytes, record.driver_free_bytes, terms.oom_margin_bytes,
-                                     terms.activation_reserve_bytes, terms.headroom_bytes,
-                                     terms.reclaimable_cache_bytes))
-    tolerance = detectors.config.activation_tolerance_bytes
-    ooms = tuple(_explain_oom(rank, history, flags, tolerance) for rank, history in sorted(histories.items())
-                 if history.oom is not None)
-    tightest = tuple(filter(None, (_tightest(rank, history) for rank, history in sorted(histories.items()))))
-    unsized = tuple(rank for rank in sorted(readings) if detectors.ledger(rank).sizing is None)
-    if ooms:
+        assert terms is not None  # on_sample always leaves the sample's terms
+        summaries.setdefault(record.rank, RankSummary(record.rank)).observe(record, terms)
+        if terms.budget_bytes is not None and record.phase not in STARTUP_PHASES:
+            history.points.append(serving_point(record, terms))
+    for rank, summary in summaries.items():
+        summary.sizing = detectors.ledger(rank).sizing
+    ooms = {rank: history.oom for rank, history in histories.items() if history.oom is not None}
+    points: dict[int, Points] = {rank: ListPoints([p for p in histories[rank].points if p.ts_ns <= oom.ts_ns])
+                                 for rank, oom in ooms.items()}
+    return explain_from(run_id, summaries, ooms, points, flags, detectors.config, status, readings, started_ns)
+
+
+def explain_from(
+    run_id: str | None, summaries: dict[int, RankSummary], ooms: dict[int, Event], points: dict[int, Points],
+    flags: list[Flag], config: DetectorConfig, status: str | None, readings: dict[int, RankReadings],
+    started_ns: int | None,
+) -> Explanation:
+    """The explanation from per-rank summaries and raw readings, each OOM rank's first OOM and points, the flags."""
+    tolerance = config.activation_tolerance_bytes
+    reports = tuple(
+        _explain_oom(rank, oom, points[rank], summaries.get(rank, RankSummary(rank)).largest_activation_bytes,
+                     flags, tolerance)
+        for rank, oom in sorted(ooms.items())
+    )
+    tightest = tuple(filter(None, (_tightest(rank, summary.tightest_serving)
+                                   for rank, summary in sorted(summaries.items()))))
+    unsized = tuple(rank for rank in sorted(readings) if rank in summaries and summaries[rank].sizing is None)
+    if reports:
         outcome = "oom"
     elif not readings:
         outcome = "empty"
     else:
         outcome = status if status in ENDED_BADLY else "ok"
-    return Explanation(run_id, outcome, ooms, () if ooms else tightest, len(flags), status,
+    return Explanation(run_id, outcome, reports, () if reports else tightest, len(flags), status,
                        tuple(readings[rank] for rank in sorted(readings)), unsized, started_ns)
 
 
 def explain_run(db: Database, ref: str, config: DetectorConfig | None = None) -> Explanation:
-    """:func:`explain_records` on a stored run (``ref``: id, unique prefix or ``latest``)."""
-    run, records = stored_records(db, ref)
-    return explain_records(records, config, run.status, run.started_ns)
+    """How a stored run ended (``ref``: id, unique prefix or ``latest``), without loading its samples.
+
+    Per-rank summaries and flags come from the store (or a streamed replay); each out-of-memory rank
+    is then searched through the samples' index (:class:`memwatch.report.stored.StoredPoints`).
+    """
+    state = stored_run(db, ref, config)
+    run = state.run
+    ooms = first_ooms(db, run.run_id)
+    points: dict[int, Points] = {}
+    for rank, oom in ooms.items():
+        summary = state.summaries.get(rank)
+        points[rank] = StoredPoints(db, run.run_id, rank, None if summary is None else summary.first_serving,
+                                    oom.ts_ns)
+    return explain_from(run.run_id, state.summaries, ooms, points, state.flags, config or DetectorConfig(),
+                        run.status, stored_readings(db, run.run_id, state.summaries), run.started_ns)
 
 
 def render_explanation(explanation: Explanation) -> str:
@@ -227,17 +279,16 @@ def render_explanation(explanation: Explanation) -> str:
 # -- out of memory --------------------------------------------------------------------------------
 
 
-def _explain_oom(rank: int, history: _RankHistory, flags: list[Flag], tolerance: int) -> OomReport:
-    oom = history.oom
-    assert oom is not None
+def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int, flags: list[Flag],
+                 tolerance: int) -> OomReport:
     data = oom.data if isinstance(oom.data, dict) else {}
     requested, free = _int(data.get("requested_bytes")), _int(data.get("driver_free_bytes"))
     # Up to the OOM by the clock, not by record order: a store returns events first at equal times.
-    points = [point for point in history.points if point.ts_ns <= oom.ts_ns]
-    reserve = points[-1].activation_reserve_bytes if points else None
+    last = points.last()
+    reserve = last.activation_reserve_bytes if last is not None else None
     over = requested - reserve if requested is not None and reserve is not None else None
     over = over if over is not None and over > tolerance else None
-    growth = _growth(points, history.largest_activation, oom) if points else None
+    growth = _growth(points, largest_activation, oom) if last is not None else None
     window = _window(points, oom)
     before = tuple(FlagBefore(flag.kind, flag.severity, flag.step, oom.step - flag.step,
                               (oom.ts_ns - flag.ts_ns) / 1e9, flag.message)
@@ -268,8 +319,9 @@ def _explain_oom(rank: int, history: _RankHistory, flags: list[Flag], tolerance:
                      tuple(sentences))
 
 
-def _growth(points: list[_Point], largest_activation: int, oom: Event) -> TermGrowth | None:
-    first, last = points[0], points[-1]
+def _growth(points: Points, largest_activation: int, oom: Event) -> TermGrowth | None:
+    first, last = points.first(), points.last()
+    assert first is not None and last is not None
     best: TermGrowth | None = None
     best_excess = MIN_GROWTH_BYTES - 1
     for term, label in TERMS:
@@ -280,12 +332,10 @@ def _growth(points: list[_Point], largest_activation: int, oom: Event) -> TermGr
         excess = end - allowed
         if excess <= best_excess:
             continue
-        onset = next((p for p in reversed(points) if (value := getattr(p, term)) is not None
-                      and value <= allowed + ONSET_TOLERANCE_BYTES), first)
+        onset = points.last_at_most(term, allowed + ONSET_TOLERANCE_BYTES) or first
         from_bytes = getattr(onset, term)
         grown = end - from_bytes
-        reached = next(p for p in points if p.step >= onset.step and getattr(p, term) is not None
-                       and getattr(p, term) - from_bytes >= JUMP_FRACTION * grown)
+        reached = points.first_reaching(term, onset.step, from_bytes + JUMP_FRACTION * grown) or last
         best_excess = excess
         best = TermGrowth(term, label, from_bytes, end, grown, onset.step, oom.step - onset.step,
                           (oom.ts_ns - onset.ts_ns) / 1e9, reached.step - onset.step <= JUMP_STEPS)
@@ -302,11 +352,10 @@ def _growth_sentence(growth: TermGrowth) -> str:
             f"{format_count(growth.steps)} steps ({seconds}), since step {format_count(growth.since_step)}.")
 
 
-def _window(points: list[_Point], oom: Event) -> WindowChange | None:
-    inside = [p for p in points if p.step >= oom.step - WINDOW_STEPS]
-    if not inside:
+def _window(points: Points, oom: Event) -> WindowChange | None:
+    start, end = points.first_from_step(oom.step - WINDOW_STEPS), points.last()
+    if start is None or end is None:
         return None
-    start, end = inside[0], inside[-1]
     keys = ("driver_free_bytes", "non_torch_bytes", "cache_slack_bytes", "allocated_bytes", "oom_margin_bytes")
     return WindowChange(start.step, end.step, (end.ts_ns - start.ts_ns) / 1e9,
                         {key: getattr(start, key) for key in keys}, {key: getattr(end, key) for key in keys})
@@ -329,11 +378,9 @@ def _window_sentence(window: WindowChange) -> str:
 # -- healthy runs ---------------------------------------------------------------------------------
 
 
-def _tightest(rank: int, history: _RankHistory) -> Tightest | None:
-    points = [p for p in history.points if p.oom_margin_bytes is not None]
-    if not points:
+def _tightest(rank: int, tight: ServingPoint | None) -> Tightest | None:
+    if tight is None or tight.oom_margin_bytes is None:
         return None
-    tight = min(points, key=lambda p: p.oom_margin_bytes)  # type: ignore[arg-type,return-value]
     margin = tight.oom_margin_bytes
     assert margin is not None
     reclaimable = tight.reclaimable_cache_bytes
