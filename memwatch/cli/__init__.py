@@ -25,6 +25,8 @@ COMMANDS: dict[str, str] = {
     "demo": "See memwatch work without a GPU: four 32K-token requests on a simulated 24 GiB card.",
     "runs": "List recorded runs: id, engine, model, ranks, status, start and GPU.",
     "timeline": "Show a run's samples in time order.",
+    "events": "List a run's events in time order.",
+    "flags": "List the flags stored for a run, in time order.",
     "check": "Check a recorded run's memory ledger.",
     "explain": "Explain how a recorded run ended.",
     "plan": "Plan KV-cache capacity per rank from a model config, or compare a run with its plan.",

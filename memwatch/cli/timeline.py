@@ -1,32 +1,31 @@
-"""``memwatch timeline RUN``: the samples of a run as a table, JSON lines or CSV."""
+"""``memwatch timeline RUN``: the samples of a run, or a window of it, as a table, JSON lines or CSV."""
 
 from __future__ import annotations
 
 import csv
 import json
-import re
 import sys
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
 
+from ..detectors import interleave
 from ..errors import UsageError
-from ..records import SAMPLE_COLUMNS, Sample
+from ..ledger import Ledger, LedgerTerms
+from ..records import SAMPLE_COLUMNS, Event, Sample
 from ..store import open_store
-from ..store.queries import get_run, last_ts_ns, samples
+from ..store.db import Database
+from ..store.moments import find_moment, parse_duration_ns, resolve_time
+from ..store.queries import Run, events, get_run, last_ts_ns
+from ..store.window import WindowRow, window_rows
 from ..units import format_bytes
 from .options import db_option, json_option
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_SCALE = {"ms": 1e6, "s": 1e9, None: 1e9, "m": 60e9, "h": 3600e9}
+__all__ = ["command", "parse_duration_ns"]
 
-
-def parse_duration_ns(text: str) -> int:
-    """``60s``, ``5m``, ``1.5h``, ``250ms`` or a bare number of seconds, in nanoseconds."""
-    match = _DURATION.match(text)
-    if not match:
-        raise UsageError(f"cannot read duration {text!r}; write e.g. 60s, 5m, 1h or 250ms")
-    return int(float(match.group(1)) * _SCALE[match.group(2)])
+LEDGER_COLUMNS: tuple[str, ...] = (*LedgerTerms._fields, "non_pytorch_bytes")
 
 
 @click.command("timeline")
@@ -36,46 +35,115 @@ def parse_duration_ns(text: str) -> int:
 @click.option("--csv", "as_csv", is_flag=True, help="CSV with a header row.")
 @click.option("--rank", type=int, default=None, help="Only this rank.")
 @click.option("--last", "last", default=None, help="Only the last part of the run, e.g. 60s or 5m.")
-def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: int | None, last: str | None) -> None:
+@click.option("--since", default=None, help="From this time: +90s (after the start), -5m (before the end), or ISO.")
+@click.option("--until", default=None, help="Up to this time, written as for --since.")
+@click.option("--around", default=None, help="Centre the window on oom, a flag kind (its first flag), or step:N.")
+@click.option("--window", "window", default="60s", show_default=True, help="The window's width with --around.")
+@click.option("--ledger", is_flag=True, help="Add the ledger terms of every sample as columns.")
+def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: int | None, last: str | None,
+            since: str | None, until: str | None, around: str | None, window: str, ledger: bool) -> None:
     """Show a run's samples in time order. RUN is a run id, a unique prefix, or `latest`.
 
-    --json writes one JSON object per sample per line, keyed by the `samples` column names.
+    --json writes one JSON object per sample per line, keyed by the `samples` column names (plus the
+    ledger terms with --ledger; a second rolled up by retention also carries `rolled_up`: its sample
+    count and the min and max of each column).
     """
     if as_json and as_csv:
         raise UsageError("choose one of --json and --csv")
+    if around is not None and (since or until or last):
+        raise UsageError("--around sets the window itself; drop --since, --until and --last")
     db = open_store(db_path, readonly=True)
     info = get_run(db, run)
-    since = None
+    since_ns = until_ns = None
     if last is not None:
         end = last_ts_ns(db, info.run_id)
-        since = None if end is None else end - parse_duration_ns(last)
-    rows = samples(db, info.run_id, rank=rank, since_ns=since)
+        since_ns = None if end is None else end - parse_duration_ns(last)
+    if since is not None:
+        since_ns = resolve_time(db, info, since)
+    if until is not None:
+        until_ns = resolve_time(db, info, until)
+    if around is not None:
+        centre, half = find_moment(db, info, around, rank), parse_duration_ns(window) // 2
+        since_ns, until_ns = centre - half, centre + half
+    rows = window_rows(db, info.run_id, rank=rank, since_ns=since_ns, until_ns=until_ns)
+    with_terms = _with_ledger(db, info, rows, rank) if ledger else ((row, None) for row in rows)
     if as_json:
-        for sample in rows:
-            sys.stdout.write(json.dumps(sample._asdict()) + "\n")
-        return
-    if as_csv:
-        writer = csv.writer(sys.stdout)
-        writer.writerow(SAMPLE_COLUMNS)
-        writer.writerows(rows)
-        return
+        _write_json(with_terms)
+    elif as_csv:
+        _write_csv(with_terms, ledger)
+    else:
+        _write_table(info, with_terms, ledger)
+
+
+def _with_ledger(
+    db: Database, info: Run, rows: Iterator[WindowRow], rank: int | None
+) -> Iterator[tuple[WindowRow, LedgerTerms]]:
+    """Each row with its ledger terms; the run's events (the sizing) go in before the samples they precede."""
+    ledgers: dict[int, Ledger] = {}
+    pending: deque[WindowRow] = deque()
+
+    def samples() -> Iterator[Sample]:
+        for row in rows:
+            pending.append(row)
+            yield row.sample
+
+    for record in interleave(samples(), events(db, info.run_id, rank=rank)):
+        book = ledgers.setdefault(record.rank, Ledger())
+        if isinstance(record, Event):
+            book.on_event(record)
+        else:
+            yield pending.popleft(), book.on_sample(record)
+
+
+def _terms_dict(terms: LedgerTerms) -> dict[str, int | None]:
+    return {**terms._asdict(), "non_pytorch_bytes": terms.non_pytorch_bytes}
+
+
+def _write_json(rows: Iterator[tuple[WindowRow, LedgerTerms | None]]) -> None:
+    for row, terms in rows:
+        record = row.sample._asdict()
+        if terms is not None:
+            record.update(_terms_dict(terms))
+        if row.rollup is not None:
+            record["rolled_up"] = row.rollup._asdict()
+        sys.stdout.write(json.dumps(record) + "\n")
+
+
+def _write_csv(rows: Iterator[tuple[WindowRow, LedgerTerms | None]], ledger: bool) -> None:
+    writer = csv.writer(sys.stdout)
+    writer.writerow((*SAMPLE_COLUMNS, *LEDGER_COLUMNS) if ledger else SAMPLE_COLUMNS)
+    for row, terms in rows:
+        writer.writerow((*row.sample, *_terms_dict(terms).values()) if terms is not None else row.sample)
+
+
+def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]], ledger: bool) -> None:
     start = info.started_ns or 0
     click.echo(f"run {info.run_id}  {info.engine or '-'}  {info.model or '-'}  status {info.status}")
-    if info.source == "nvml":  # seen from outside: the process's NVML bytes instead of the allocator's view
+    nvml = info.source == "nvml"  # seen from outside: the process's NVML bytes instead of the allocator's view
+    if nvml:
         header = f"{'T+s':>8} {'GPU':>4} {'SAMPLE':>7} {'PROCESS':>10} {'DRV USED':>10} {'DRV FREE':>10}"
     else:
         header = (f"{'T+s':>8} {'RANK':>4} {'STEP':>7} {'PHASE':<9} {'KIND':<7} {'ALLOCATED':>10} {'RESERVED':>10} "
                   f"{'PEAK':>10} {'DRV USED':>10} {'DRV FREE':>10} {'KV':>11}")
+        if ledger:
+            header += f" {'NON-TORCH':>10} {'SLACK':>10} {'HEADROOM':>10} {'OOM MARGIN':>10}"
     click.echo(header)
     count = 0
-    for s in rows:
-        click.echo(_nvml_line(s, start) if info.source == "nvml" else _engine_line(s, start))
+    for row, terms in rows:
+        line = _nvml_line(row, start) if nvml else _engine_line(row, start)
+        if terms is not None and not nvml:
+            line += "".join(f" {format_bytes(value):>10}" for value in (
+                terms.non_torch_bytes, terms.cache_slack_bytes, terms.headroom_bytes, terms.oom_margin_bytes))
+        if row.rollup is not None:
+            line += f"  (1 s: {row.rollup.samples} samples)"
+        click.echo(line)
         count += 1
     if count == 0:
         click.echo("(no samples in that window)")
 
 
-def _engine_line(s: Sample, start: int) -> str:
+def _engine_line(row: WindowRow, start: int) -> str:
+    s = row.sample
     kv = f"{s.kv_blocks_used}/{s.kv_blocks_total}" if s.kv_blocks_total is not None else "-"
     return (
         f"{(s.ts_ns - start) / 1e9:>8.3f} {s.rank:>4} {s.step:>7} {s.phase or '-':<9} {s.step_kind or '-':<7} "
@@ -85,7 +153,8 @@ def _engine_line(s: Sample, start: int) -> str:
     )
 
 
-def _nvml_line(s: Sample, start: int) -> str:
+def _nvml_line(row: WindowRow, start: int) -> str:
+    s = row.sample
     return (
         f"{(s.ts_ns - start) / 1e9:>8.3f} {s.rank:>4} {s.step:>7} {format_bytes(s.process_used_bytes):>10} "
         f"{format_bytes(s.driver_used_bytes):>10} {format_bytes(s.driver_free_bytes):>10}"
