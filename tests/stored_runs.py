@@ -19,11 +19,11 @@ def store_scenario(name: str, runtime_dir: Path, db_path: Path, *, live: bool = 
     ``live`` runs the sidecar's live detectors too (flags and per-rank summaries stored as they go).
     """
     result = run_scenario(name, runtime_dir=runtime_dir, start_ns=START_NS)
-    store_rings(runtime_dir, db_path)
+    store_rings(runtime_dir, db_path, live=live)
     return result.run_id
 
 
-def store_rings(runtime_dir: Path, db_path: Path) -> None:
+def store_rings(runtime_dir: Path, db_path: Path, *, live: bool = False) -> None:
     """Drain every ring in ``runtime_dir`` into ``db_path``; a writer that is gone makes its run ``crashed``."""
     writer = StoreWriter(open_store(db_path))
     writer.start()

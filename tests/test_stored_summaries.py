@@ -32,9 +32,9 @@ def test_stored_summaries_give_the_replays_answers(scenario: str, runtime_dir: P
     run_id = store_scenario(scenario, runtime_dir, db_path, live=True)
     db = open_store(db_path, readonly=True)
     assert stored_run(db, run_id).from_summaries
-    _, records = stored_records(db, run_id)
-    _same_check(check_run(db, run_id).to_dict(), check_records(records).to_dict())
-    fast, slow = explain_run(db, run_id).to_dict(), explain_records(records).to_dict()
+    run, records = stored_records(db, run_id)
+    _same_check(check_run(db, run_id).to_dict(), check_records(records, None, run.status, run.started_ns).to_dict())
+    fast, slow = explain_run(db, run_id).to_dict(), explain_records(records, None, run.status, run.started_ns).to_dict()
     assert fast == slow
     assert fast["outcome"] == ("ok" if scenario.startswith("clean") else "oom")
 
@@ -44,10 +44,11 @@ def test_other_thresholds_or_a_partial_summary_replay(runtime_dir: Path, db_path
     db = open_store(db_path)
     strict = DetectorConfig(drift_min_bytes=64 << 20)
     assert not stored_run(db, run_id, strict).from_summaries
-    _, records = stored_records(db, run_id)
-    _same_check(check_run(db, run_id, strict).to_dict(), check_records(records, strict).to_dict())
+    run, records = stored_records(db, run_id)
+    _same_check(check_run(db, run_id, strict).to_dict(),
+                check_records(records, strict, run.status, run.started_ns).to_dict())
     with db.conn:
         db.execute("UPDATE rank_summaries SET complete = 0")
     assert not stored_run(db, run_id).from_summaries
-    assert explain_run(db, run_id).to_dict() == explain_records(records).to_dict()
+    assert explain_run(db, run_id).to_dict() == explain_records(records, None, run.status, run.started_ns).to_dict()
     assert dataclasses.asdict(strict) != dataclasses.asdict(DetectorConfig())

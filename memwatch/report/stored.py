@@ -161,10 +161,12 @@ def stored_readings(db: Database, run_id: str,
         if key is None:
             continue
         rows = []
-        for table, columns, order in (("sample_rows", _RAW_COLUMNS, "ts_ns"),
-                                      ("sample_seconds", _ROLLED_COLUMNS, "second")):
-            rows += db.execute(f"SELECT {columns} FROM {table} WHERE run_key = ? AND rank = ?"
-                               f" ORDER BY {order} DESC LIMIT ?", (key, rank, WINDOW_STEPS)).fetchall()
+        for table, columns, order in (("sample_seconds", _ROLLED_COLUMNS, "second DESC"),
+                                      ("sample_rows", _RAW_COLUMNS, "ts_ns DESC, rowid DESC")):
+            newest_first = db.execute(f"SELECT {columns} FROM {table} WHERE run_key = ? AND rank = ?"
+                                      f" ORDER BY {order} LIMIT ?", (key, rank, WINDOW_STEPS)).fetchall()
+            rows += reversed(newest_first)
+        # in time order, then as stored (a stable sort keeps the order of samples at the same time)
         last = sorted((Sample.from_row((run_id, *row)) for row in rows), key=lambda s: s.ts_ns)[-WINDOW_STEPS:]
         result.window.extend(last)
         result.last = last[-1] if last else None
