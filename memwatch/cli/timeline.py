@@ -25,7 +25,7 @@ from .options import db_option, json_option
 
 __all__ = ["command", "parse_duration_ns"]
 
-LEDGER_COLUMNS: tuple[str, ...] = (*LedgerTerms._fields, "non_pytorch_bytes")
+LEDGER_COLUMNS: tuple[str, ...] = LedgerTerms._fields
 
 
 @click.command("timeline")
@@ -95,15 +95,11 @@ def _with_ledger(
             yield pending.popleft(), book.on_sample(record)
 
 
-def _terms_dict(terms: LedgerTerms) -> dict[str, int | None]:
-    return {**terms._asdict(), "non_pytorch_bytes": terms.non_pytorch_bytes}
-
-
 def _write_json(rows: Iterator[tuple[WindowRow, LedgerTerms | None]]) -> None:
     for row, terms in rows:
         record = row.sample._asdict()
         if terms is not None:
-            record.update(_terms_dict(terms))
+            record.update(terms._asdict())
         if row.rollup is not None:
             record["rolled_up"] = row.rollup._asdict()
         sys.stdout.write(json.dumps(record) + "\n")
@@ -113,7 +109,7 @@ def _write_csv(rows: Iterator[tuple[WindowRow, LedgerTerms | None]], ledger: boo
     writer = csv.writer(sys.stdout)
     writer.writerow((*SAMPLE_COLUMNS, *LEDGER_COLUMNS) if ledger else SAMPLE_COLUMNS)
     for row, terms in rows:
-        writer.writerow((*row.sample, *_terms_dict(terms).values()) if terms is not None else row.sample)
+        writer.writerow((*row.sample, *terms) if terms is not None else row.sample)
 
 
 def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]], ledger: bool) -> None:
