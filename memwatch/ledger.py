@@ -233,6 +233,13 @@ class Ledger:
         if self._budget is not None and committed_at_sizing is not None:
             self._headroom_at_sizing = self._budget - committed_at_sizing
 
+    def saw_step_rise(self, rise_bytes: int | None) -> None:
+        """Take in the largest step rise (``peak - allocated`` of a step's own peak) of samples since sizing
+        that were not fed one by one, e.g. a store's aggregate over them."""
+        need = self._forward_need
+        if rise_bytes is not None and need is not None and rise_bytes > need:
+            self._forward_need = rise_bytes
+
     def on_sample(self, sample: Sample) -> LedgerTerms:
         """The ledger of one sample of this rank."""
         allocated = sample.allocated_bytes

@@ -8,6 +8,7 @@ through :class:`StoredPoints`, a handful of indexed queries instead of loading t
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,11 +17,11 @@ from memwatch.detectors import DetectorConfig, interleave, replay
 from memwatch.detectors.summary import STARTUP_PHASES, RankSummary, ServingPoint, serving_point
 from memwatch.flags import OOM, Flag
 from memwatch.ledger import KV_ALLOCATED, PHASE_END, WEIGHTS_LOADED, Ledger
-from memwatch.records import SAMPLE_COLUMNS, Event, Sample
+from memwatch.records import Event, Sample
 from memwatch.report.readings import WINDOW_STEPS, RankReadings
 from memwatch.store.queries import Run, events, get_run, samples
 from memwatch.store.summaries import load_summaries, stored_flags
-from memwatch.store.window import run_key
+from memwatch.store.window import RAW_SELECT, ROLLED_SELECT, run_key
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database
@@ -57,14 +58,6 @@ _TERMS = {
     "cache_slack_bytes": "{p}reserved_bytes - {p}allocated_bytes",
     "allocated_bytes": "{p}allocated_bytes",
 }
-_RAW_COLUMNS = ", ".join(SAMPLE_COLUMNS[1:])
-_ROLLED_COLUMNS = (
-    "rank, last_step, last_ts_ns, last_phase, last_allocated_bytes, last_peak_bytes, last_reserved_bytes,"
-    " last_driver_used_bytes, last_driver_free_bytes, last_kv_blocks_used, last_kv_blocks_total, last_num_seqs,"
-    " last_num_tokens, last_step_kind, 0, last_process_used_bytes"
-)
-
-
 class StoredPoints:
     """:class:`memwatch.report.explain.Points` of one stored rank, from ``first`` up to the OOM at ``until_ns``."""
 
@@ -77,12 +70,34 @@ class StoredPoints:
         self._ledger = Ledger()
         for event in _events(db, run_id, LEDGER_EVENTS, rank, until_ns):
             self._ledger.on_event(event)
+        self._rises: dict[int, int | None] = {}
+        """Largest step rise from sizing up to a time, for the times asked so far."""
+
+    def _rise_until(self, ts_ns: int) -> int | None:
+        """The largest step rise of the rank's samples from its sizing up to ``ts_ns`` (what the ledger's
+        forward need has grown to by then), scanning only from the nearest time already asked."""
+        sizing = self._ledger.sizing
+        if sizing is None:
+            return None
+        if ts_ns in self._rises:
+            return self._rises[ts_ns]
+        earlier = [t for t in self._rises if t < ts_ns]
+        start = max(earlier) if earlier else None
+        low, known = (start, self._rises[start]) if start is not None else (sizing.ts_ns - 1, None)
+        found = self._db.execute(
+            "SELECT max(peak_bytes - allocated_bytes) FROM sample_rows WHERE run_key = ? AND rank = ? AND ts_ns > ?"
+            " AND ts_ns <= ? AND peak_is_step", (self._key, self._rank, low, ts_ns)).fetchone()[0]
+        rise = max((value for value in (known, found) if value is not None), default=None)
+        self._rises[ts_ns] = rise
+        return rise
 
     def _point(self, row: tuple[Any, ...] | None) -> ServingPoint | None:
         if row is None:
             return None
         sample = Sample.from_row((self._run_id, *row[1:]))
-        return serving_point(sample, self._ledger.on_sample(sample))
+        ledger = copy.copy(self._ledger)
+        ledger.saw_step_rise(self._rise_until(sample.ts_ns - 1))
+        return serving_point(sample, ledger.on_sample(sample))
 
     def _search(self, condition: str, params: tuple[Any, ...], latest: bool,
                 step_from: int | None = None) -> ServingPoint | None:
@@ -92,8 +107,8 @@ class StoredPoints:
         order = "DESC" if latest else "ASC"
         found = []
         for table, columns, ts, prefix, step in (
-            ("sample_rows", _RAW_COLUMNS, "ts_ns", "", "step"),
-            ("sample_seconds", _ROLLED_COLUMNS, "last_ts_ns", "last_", "last_step"),
+            ("sample_rows", RAW_SELECT, "ts_ns", "", "step"),
+            ("sample_seconds", ROLLED_SELECT, "last_ts_ns", "last_", "last_step"),
         ):
             where = (f"run_key = ? AND rank = ? AND {ts} >= ? AND {ts} <= ?"
                      f" AND ({prefix}phase IS NULL OR {prefix}phase {_SKIP_STARTUP})")
@@ -161,8 +176,8 @@ def stored_readings(db: Database, run_id: str,
         if key is None:
             continue
         rows = []
-        for table, columns, order in (("sample_seconds", _ROLLED_COLUMNS, "second DESC"),
-                                      ("sample_rows", _RAW_COLUMNS, "ts_ns DESC, rowid DESC")):
+        for table, columns, order in (("sample_seconds", ROLLED_SELECT, "second DESC"),
+                                      ("sample_rows", RAW_SELECT, "ts_ns DESC, rowid DESC")):
             newest_first = db.execute(f"SELECT {columns} FROM {table} WHERE run_key = ? AND rank = ?"
                                       f" ORDER BY {order} LIMIT ?", (key, rank, WINDOW_STEPS)).fetchall()
             rows += reversed(newest_first)
@@ -174,8 +189,8 @@ def stored_readings(db: Database, run_id: str,
                 and result.last.driver_free_bytes is not None:
             result.total_bytes = result.last.driver_used_bytes + result.last.driver_free_bytes
         first = []
-        for table, columns, phase, order in (("sample_rows", _RAW_COLUMNS, "phase", "ts_ns"),
-                                             ("sample_seconds", _ROLLED_COLUMNS, "last_phase", "second")):
+        for table, columns, phase, order in (("sample_rows", RAW_SELECT, "phase", "ts_ns"),
+                                             ("sample_seconds", ROLLED_SELECT, "last_phase", "second")):
             row = db.execute(f"SELECT {columns} FROM {table} WHERE run_key = ? AND rank = ?"
                              f" AND ({phase} IS NULL OR {phase} {_SKIP_STARTUP}) ORDER BY {order} LIMIT 1",
                              (key, rank)).fetchone()

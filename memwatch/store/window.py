@@ -60,13 +60,19 @@ def _where(key: int, rank: int | None, since_ns: int | None, until_ns: int | Non
     return " AND ".join(clauses), params
 
 
-_RAW = ", ".join(column for column in SAMPLE_COLUMNS[1:])
-_ROLLED = (
-    "rank, last_step, last_ts_ns, last_phase, last_allocated_bytes, last_peak_bytes, last_reserved_bytes,"
-    " last_driver_used_bytes, last_driver_free_bytes, last_kv_blocks_used, last_kv_blocks_total, last_num_seqs,"
-    " last_num_tokens, last_step_kind, 0, last_process_used_bytes, NULL, NULL, NULL, NULL, NULL"
-)
-"""A rolled-up second as a sample: its last values; the allocator's signals are not rolled up."""
+def _rolled_as(column: str) -> str:
+    if column in ("rank",):
+        return column
+    if column in ("step", "ts_ns", "phase", "step_kind") or column in ROLLUP_COLUMNS:
+        return f"last_{column}"
+    return "0" if column == "peak_is_step" else "NULL"
+
+
+RAW_SELECT = ", ".join(SAMPLE_COLUMNS[1:])
+"""``sample_rows`` columns in :data:`SAMPLE_COLUMNS` order, run id left out."""
+ROLLED_SELECT = ", ".join(_rolled_as(column) for column in SAMPLE_COLUMNS[1:])
+"""A rolled-up second as a sample (same order): its last values; columns not rolled up (the allocator's
+signals) are NULL."""
 _EXTRA = ", ".join(f"min_{c}, max_{c}" for c in ROLLUP_COLUMNS)
 
 
@@ -82,8 +88,8 @@ def window_rows(
     rolled_where, rolled_params = _where(key, rank, since_ns, until_ns, "last_ts_ns")
     nulls = ", ".join(["NULL"] * (3 + 2 * len(ROLLUP_COLUMNS)))
     sql = (
-        f"SELECT {_RAW}, {nulls} FROM sample_rows WHERE {raw_where}"
-        f" UNION ALL SELECT {_ROLLED}, samples, first_ts_ns, first_step, {_EXTRA}"
+        f"SELECT {RAW_SELECT}, {nulls} FROM sample_rows WHERE {raw_where}"
+        f" UNION ALL SELECT {ROLLED_SELECT}, samples, first_ts_ns, first_step, {_EXTRA}"
         f" FROM sample_seconds WHERE {rolled_where}"
         " ORDER BY 3, 1"
     )
