@@ -3,7 +3,9 @@
 One sidecar per runtime directory, guarded by an exclusive ``flock`` on ``sidecar.lock`` held for
 the process's life (the kernel drops it if the process dies, so a stale lock cannot block the
 next one). SIGTERM/SIGINT stop the loop; before exiting it drains every ring one last time and
-waits for the writer, so nothing already in a ring is lost by stopping the sidecar.
+waits for the writer, so nothing already in a ring is lost by stopping the sidecar. Every
+``retention_interval`` seconds it queues, through the writer like any batch, the roll-up of the old
+samples of the runs it stores (:mod:`memwatch.store.retention`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from .live import LiveDetectors
 from .records import Event
 from .store.db import default_db_path, open_store
 from .store.queries import events
-from .store.writer import StoreWriter
+from .store.retention import Retention, plan_run
+from .store.writer import Batch, StoreWriter
 
 log = logging.getLogger("memwatch.serve")
 
@@ -49,6 +52,8 @@ class Sidecar:
         observers: Iterable[Observer] = (),
         detect: bool = True,
         detector_config: DetectorConfig | None = None,
+        retention: Retention | None = None,
+        retention_interval: float = 30.0,
     ) -> None:
         try:
             self.runtime_dir = ensure_runtime_dir(runtime_dir)
@@ -61,6 +66,9 @@ class Sidecar:
         self._observers = list(observers)
         self.detect = detect
         self.detector_config = detector_config
+        self.retention = retention if retention is not None else Retention()
+        self.retention_interval = retention_interval
+        self._retained: set[str] = set()
         self._stop = threading.Event()
         self._lock_fd: int | None = None
 
@@ -110,12 +118,16 @@ class Sidecar:
         """Poll until stopped (or idle for ``exit_when_idle`` seconds), then drain and close."""
         next_scan = 0.0
         idle_since = time.monotonic()
+        next_retention = idle_since + self.retention_interval
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_scan:
                     self.collector.scan()
                     next_scan = now + self.scan_interval
+                if now >= next_retention:
+                    self.apply_retention()
+                    next_retention = now + self.retention_interval
                 read = self.collector.poll()
                 if self.collector.rings:
                     idle_since = now
@@ -131,6 +143,20 @@ class Sidecar:
                 pass
         finally:
             self.close()
+
+    def apply_retention(self) -> None:
+        """Queue the roll-up of old samples of the runs being stored (and those that just finished)."""
+        active = {state.header.run_id for state in self.collector.rings.values()}
+        runs, self._retained = active | self._retained, active
+        if not runs:
+            return
+        reader = open_store(self.db_path, readonly=True)
+        try:
+            statements = [step for run_id in sorted(runs) for step in plan_run(reader, run_id, self.retention)]
+        finally:
+            reader.conn.close()
+        if statements:
+            self.writer.submit(Batch(statements=statements))
 
     def close(self) -> None:
         collector = getattr(self, "collector", None)

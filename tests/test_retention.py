@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from click.testing import CliRunner
+
+from memwatch.cli import main
+from memwatch.daemon import Sidecar
 from memwatch.store import open_store
 from memwatch.store.retention import Retention, apply_retention
 from memwatch.store.window import window_rows
+from memwatch_engine.ring import RingWriter
 
 S = 1_000_000_000
 STEP_NS = 10_000_000  # 100 steps/s
@@ -65,3 +71,50 @@ def test_late_rows_of_a_rolled_second_merge_into_it(db_path: Path) -> None:
     row = db.execute("SELECT samples, min_allocated_bytes, last_step FROM sample_seconds WHERE rank = 0 AND second = 3"
                      ).fetchone()
     assert row == (101, 5, 399)  # counted and its minimum taken; the last sample by time is still step 399
+
+
+def test_the_sidecar_rolls_up_a_running_run_and_keeps_the_minutes_around_its_oom(runtime_dir: Path,
+                                                                                   db_path: Path) -> None:
+    ring = RingWriter(runtime_dir / "long-r0.ring", run_id="long", capacity=1 << 13, meta={"engine": "test"})
+    base = 10**18
+    for step in range(6000):  # 60 s at 100 steps/s
+        ring.write_sample(step, base + step * STEP_NS, 0, 2, 0, 1 << 30, 1 << 30, 1 << 30, 2 << 30, 6 << 30,
+                          64, 10, 100, 4)
+    ring.write_event(2000, base + 2000 * STEP_NS, "oom", {"requested_bytes": 1})
+    sidecar = Sidecar(runtime_dir, db_path, detect=False, retention=Retention(full_ns=10 * S, evidence_ns=3 * S))
+    sidecar.start()
+    try:
+        sidecar.collector.scan()
+        while sidecar.collector.poll():
+            pass
+        assert sidecar.writer.flush(timeout=30)
+        sidecar.apply_retention()  # the ring is still open: the run is being stored
+        assert sidecar.writer.flush(timeout=30)
+        db = open_store(db_path, readonly=True)
+        # the newest sample is at 59.99 s: seconds 49..59 stay whole, and 17..23 around the OOM at 20 s
+        kept = set(range(17, 24)) | set(range(49, 60))
+        raw = {s for (s,) in db.execute("SELECT DISTINCT (ts_ns - ?) / 1000000000 FROM sample_rows", (base,))}
+        assert raw == kept
+        assert db.execute("SELECT count(*) FROM sample_rows").fetchone()[0] == 100 * len(kept)
+        assert db.execute("SELECT count(*), sum(samples) FROM sample_seconds").fetchone() == (60 - len(kept),
+                                                                                             100 * (60 - len(kept)))
+    finally:
+        ring.close()
+        sidecar.close()
+
+
+def test_prune_by_hand_reclaims_space_and_the_timeline_still_reads(db_path: Path) -> None:
+    _fill(db_path, seconds=300)
+    code = CliRunner().invoke(main, ["prune", "--keep-full", "20s", "--keep-evidence", "5s", "--json",
+                                     "--db", str(db_path)])
+    result = json.loads(code.stdout)
+    full_seconds = set(range(45, 56)) | set(range(279, 300))
+    assert result["rolled_samples"] == 2 * 100 * (300 - len(full_seconds))
+    assert result["vacuumed"] and result["bytes_after"] < result["bytes_before"] / 2
+    timeline = CliRunner().invoke(main, ["timeline", "r", "--rank", "1", "--json", "--db", str(db_path)])
+    rows = [json.loads(line) for line in timeline.stdout.splitlines()]
+    assert len(rows) == (300 - len(full_seconds)) + 100 * len(full_seconds)
+    spike = next(row for row in rows if row.get("rolled_up") and row["step"] == 1299)
+    assert spike["rolled_up"]["maximum"]["allocated_bytes"] == 999999
+    bad = CliRunner().invoke(main, ["prune", "--keep-full", "1m", "--keep-evidence", "2m", "--db", str(db_path)])
+    assert bad.exit_code == 2 and "shorter than --keep-full" in bad.stderr

@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "sim": "Simulate an engine on a virtual GPU, with the real Monitor writing real rings.",
     "run": "Run CMD with memwatch on: MEMWATCH=1 and one MEMWATCH_RUN_ID for it and every process it starts.",
     "sql": "Run one read-only SQL query on the database and print its rows.",
+    "prune": "Roll samples older than --keep-full up per second per rank, keep the evidence, reclaim space.",
 }
 """Every command: its module under ``memwatch.cli`` (same name) and its short help."""
 

@@ -9,6 +9,8 @@ import click
 
 from ..daemon import Sidecar, SidecarRunning
 from ..detectors import DetectorConfig
+from ..store.moments import parse_duration_ns
+from ..store.retention import DEFAULT_EVIDENCE_NS, DEFAULT_FULL_NS, Retention
 from .options import db_option, thresholds_option
 
 
@@ -23,12 +25,17 @@ from .options import db_option, thresholds_option
               help="Exit 0 silently when a sidecar already serves the directory.")
 @click.option("--no-detect", is_flag=True, help="Store timelines only; do not run the detectors live.")
 @thresholds_option
+@click.option("--keep-full", default=f"{DEFAULT_FULL_NS // 10**9}s", show_default=True,
+              help="Keep this much of the end of every run at full resolution; older samples are rolled up per second.")
+@click.option("--keep-evidence", default=f"{DEFAULT_EVIDENCE_NS // 10**9}s", show_default=True,
+              help="Keep this much either side of every flag and OOM at full resolution.")
 def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float,
             exit_when_idle: float | None, quiet_if_running: bool, no_detect: bool,
-            detector_config: DetectorConfig | None) -> None:
+            detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str) -> None:
     """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C)."""
+    retention = Retention(parse_duration_ns(keep_full), parse_duration_ns(keep_evidence))
     sidecar = Sidecar(runtime_dir, db_path, poll_interval=poll_interval, exit_when_idle=exit_when_idle,
-                      detect=not no_detect, detector_config=detector_config)
+                      detect=not no_detect, detector_config=detector_config, retention=retention)
     sidecar.install_signal_handlers()  # before the lock: whoever sees the lock may signal us at once
     try:
         sidecar.start()

@@ -61,6 +61,8 @@ class RankSummary:
     """The serving point with the smallest OOM margin."""
     largest_activation_bytes: int = 0
     """The largest step activation peak among serving points."""
+    first_running: Sample | None = None
+    """The first sample outside the start-up phases, sized or not (where raw readings are measured from)."""
     max_peak_bytes: int | None = None
     max_reserved_bytes: int | None = None
     max_driver_used_bytes: int | None = None
@@ -78,6 +80,8 @@ class RankSummary:
             self.max_reserved_bytes = reserved
         if used is not None and (self.max_driver_used_bytes is None or used > self.max_driver_used_bytes):
             self.max_driver_used_bytes = used
+        if self.first_running is None and sample.phase not in STARTUP_PHASES:
+            self.first_running = sample
         headroom, margin = terms.headroom_bytes, terms.oom_margin_bytes
         if headroom is not None and (self.min_headroom is None or headroom < self.min_headroom.value_bytes):
             self.min_headroom = Tightest(sample.step, sample.ts_ns, headroom, terms)
@@ -107,6 +111,7 @@ class RankSummary:
             "min_headroom": tight(self.min_headroom), "min_oom_margin": tight(self.min_oom_margin),
             "sizing": None if self.sizing is None else list(self.sizing),
             "first_serving": point(self.first_serving), "tightest_serving": point(self.tightest_serving),
+            "first_running": None if self.first_running is None else list(self.first_running),
             "largest_activation_bytes": self.largest_activation_bytes, "max_peak_bytes": self.max_peak_bytes,
             "max_reserved_bytes": self.max_reserved_bytes, "max_driver_used_bytes": self.max_driver_used_bytes,
         }
@@ -125,6 +130,7 @@ class RankSummary:
             min_headroom=tight(data["min_headroom"]), min_oom_margin=tight(data["min_oom_margin"]),
             sizing=None if data["sizing"] is None else Sizing(*data["sizing"]),
             first_serving=point(data["first_serving"]), tightest_serving=point(data["tightest_serving"]),
+            first_running=None if data.get("first_running") is None else Sample(*data["first_running"]),
             largest_activation_bytes=data["largest_activation_bytes"], max_peak_bytes=data["max_peak_bytes"],
             max_reserved_bytes=data["max_reserved_bytes"], max_driver_used_bytes=data["max_driver_used_bytes"],
         )

@@ -84,10 +84,14 @@ class StoredPoints:
         earlier = [t for t in self._rises if t < ts_ns]
         start = max(earlier) if earlier else None
         low, known = (start, self._rises[start]) if start is not None else (sizing.ts_ns - 1, None)
+        args = (self._key, self._rank, low, ts_ns)
         found = self._db.execute(
             "SELECT max(peak_bytes - allocated_bytes) FROM sample_rows WHERE run_key = ? AND rank = ? AND ts_ns > ?"
-            " AND ts_ns <= ? AND peak_is_step", (self._key, self._rank, low, ts_ns)).fetchone()[0]
-        rise = max((value for value in (known, found) if value is not None), default=None)
+            " AND ts_ns <= ? AND peak_is_step", args).fetchone()[0]
+        rolled = self._db.execute(
+            "SELECT max(max_step_rise_bytes) FROM sample_seconds WHERE run_key = ? AND rank = ? AND last_ts_ns > ?"
+            " AND first_ts_ns <= ?", args).fetchone()[0]
+        rise = max((value for value in (known, found, rolled) if value is not None), default=None)
         self._rises[ts_ns] = rise
         return rise
 
@@ -166,7 +170,7 @@ def _events(db: Database, run_id: str, kinds: tuple[str, ...], rank: int | None 
 def stored_readings(db: Database, run_id: str,
                     summaries: dict[int, RankSummary]) -> dict[int, RankReadings]:
     """Each rank's raw readings (what a crash or an unsized rank is explained with), from its summary and
-    two indexed reads: its first serving sample and its last :data:`~memwatch.report.readings.WINDOW_STEPS`."""
+    one indexed read of its last :data:`~memwatch.report.readings.WINDOW_STEPS` samples."""
     key = run_key(db, run_id)
     readings: dict[int, RankReadings] = {}
     for rank, summary in summaries.items():
@@ -188,15 +192,7 @@ def stored_readings(db: Database, run_id: str,
         if result.last is not None and result.last.driver_used_bytes is not None \
                 and result.last.driver_free_bytes is not None:
             result.total_bytes = result.last.driver_used_bytes + result.last.driver_free_bytes
-        first = []
-        for table, columns, phase, order in (("sample_rows", RAW_SELECT, "phase", "ts_ns"),
-                                             ("sample_seconds", ROLLED_SELECT, "last_phase", "second")):
-            row = db.execute(f"SELECT {columns} FROM {table} WHERE run_key = ? AND rank = ?"
-                             f" AND ({phase} IS NULL OR {phase} {_SKIP_STARTUP}) ORDER BY {order} LIMIT 1",
-                             (key, rank)).fetchone()
-            if row is not None:
-                first.append(Sample.from_row((run_id, *row)))
-        result.first_serving = min(first, key=lambda s: s.ts_ns) if first else None
+        result.first_serving = summary.first_running
     return readings
 
 

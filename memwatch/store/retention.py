@@ -37,6 +37,9 @@ class Retention:
     def __post_init__(self) -> None:
         if self.full_ns <= 0 or self.evidence_ns < 0:
             raise UsageError("retention windows must be positive; e.g. --keep-full 1h --keep-evidence 2m")
+        if self.evidence_ns >= self.full_ns:
+            raise UsageError("--keep-evidence must be shorter than --keep-full, so that a new flag's window is still "
+                             "at full resolution when it is raised")
 
 
 @dataclass
@@ -89,6 +92,8 @@ def _on_conflict() -> str:
     for column in ("last_step", "last_phase", "last_step_kind", *(f"last_{c}" for c in ROLLUP_COLUMNS)):
         updates.append(f"{column} = CASE WHEN {later} THEN excluded.{column} ELSE {column} END")
     updates.append(f"last_ts_ns = CASE WHEN {later} THEN excluded.last_ts_ns ELSE last_ts_ns END")
+    updates.append("max_step_rise_bytes = coalesce(max(max_step_rise_bytes, excluded.max_step_rise_bytes),"
+                   " max_step_rise_bytes, excluded.max_step_rise_bytes)")
     for c in ROLLUP_COLUMNS:
         updates.append(f"min_{c} = coalesce(min(min_{c}, excluded.min_{c}), min_{c}, excluded.min_{c})")
         updates.append(f"max_{c} = coalesce(max(max_{c}, excluded.max_{c}), max_{c}, excluded.max_{c})")
@@ -98,11 +103,13 @@ def _on_conflict() -> str:
 _BOUNDS = ", ".join(f"min({c}) AS min_{c}, max({c}) AS max_{c}" for c in ROLLUP_COLUMNS)
 ROLLUP = (
     "INSERT INTO sample_seconds (run_key, rank, second, samples, first_ts_ns, last_ts_ns, first_step, last_step,"
-    " last_phase, last_step_kind, " + ", ".join(f"min_{c}, max_{c}, last_{c}" for c in ROLLUP_COLUMNS) + ")"
-    " SELECT g.run_key, g.rank, g.second, g.n, g.t0, g.t1, g.s0, l.step, l.phase, l.step_kind, "
+    " last_phase, last_step_kind, max_step_rise_bytes, "
+    + ", ".join(f"min_{c}, max_{c}, last_{c}" for c in ROLLUP_COLUMNS) + ")"
+    " SELECT g.run_key, g.rank, g.second, g.n, g.t0, g.t1, g.s0, l.step, l.phase, l.step_kind, g.rise, "
     + ", ".join(f"g.min_{c}, g.max_{c}, l.{c}" for c in ROLLUP_COLUMNS)
     + " FROM (SELECT run_key, rank, ts_ns / 1000000000 AS second, count(*) AS n, min(ts_ns) AS t0, max(ts_ns) AS t1,"
-    f" min(step) AS s0, max(rowid) AS last_row, {_BOUNDS} FROM sample_rows"
+    " min(step) AS s0, max(rowid) AS last_row, max(CASE WHEN peak_is_step THEN peak_bytes - allocated_bytes END)"
+    f" AS rise, {_BOUNDS} FROM sample_rows"
     " WHERE run_key = ?1 AND rank = ?2 AND ts_ns >= ?3 AND ts_ns < ?4 GROUP BY second) g"
     " JOIN sample_rows l ON l.rowid = g.last_row WHERE 1" + _on_conflict()
 )

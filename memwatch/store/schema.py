@@ -25,7 +25,7 @@ from ..errors import StoreError
 if TYPE_CHECKING:
     from memwatch.store.db import Database
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 ROLLUP_COLUMNS: tuple[str, ...] = (
     "allocated_bytes", "peak_bytes", "reserved_bytes", "driver_used_bytes", "driver_free_bytes",
@@ -142,6 +142,12 @@ def _v3(db: Database) -> None:
     create_sample_view(db)
 
 
+def _v4(db: Database) -> None:
+    """Rolled-up seconds keep their largest step rise (``peak - allocated`` of a step's own peak), which
+    the ledger's forward need, and so the OOM margin of every later sample, depends on."""
+    db.conn.execute("ALTER TABLE sample_seconds ADD COLUMN max_step_rise_bytes INTEGER")
+
+
 NEXT_RUN_KEY = "(SELECT coalesce(max(run_key), 0) + 1 FROM runs)"
 """The key a new run gets (``runs.run_key`` is unique; the next free integer)."""
 ENSURE_RUN = (
@@ -151,7 +157,7 @@ ENSURE_RUN = (
 """Create a bare ``runs`` row for a run id that has none (bind the run id twice)."""
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3]
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4]
 """MIGRATIONS[i] takes a database from version i to i + 1."""
 
 

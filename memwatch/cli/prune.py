@@ -1,0 +1,62 @@
+"""``memwatch prune``: apply retention by hand (roll old samples up, keep the evidence) and reclaim space."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import click
+
+from ..store import default_db_path, open_store
+from ..store.moments import parse_duration_ns
+from ..store.queries import get_run
+from ..store.retention import DEFAULT_EVIDENCE_NS, DEFAULT_FULL_NS, Retention, apply_retention
+from .options import db_option, json_option
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())
+
+
+@click.command("prune")
+@db_option
+@json_option
+@click.option("--keep-full", default=f"{DEFAULT_FULL_NS // 10**9}s", show_default=True,
+              help="Keep this much of the end of every run at full resolution.")
+@click.option("--keep-evidence", default=f"{DEFAULT_EVIDENCE_NS // 10**9}s", show_default=True,
+              help="Keep this much either side of every flag and OOM at full resolution.")
+@click.option("--run", "runs", multiple=True, help="Only this run (repeatable); default all.")
+@click.option("--no-vacuum", is_flag=True, help="Do not rewrite the file to give the freed space back.")
+def command(db_path: Path | None, as_json: bool, keep_full: str, keep_evidence: str, runs: tuple[str, ...],
+            no_vacuum: bool) -> None:
+    """Roll samples older than --keep-full up per second per rank, keep the evidence, reclaim space.
+
+    The sidecar does the same as it runs; this applies it now, to every run or those named, with the
+    windows given, then VACUUMs the file (unless --no-vacuum).
+    """
+    retention = Retention(parse_duration_ns(keep_full), parse_duration_ns(keep_evidence))
+    path = db_path or default_db_path()
+    db = open_store(path, readonly=True)
+    run_ids = [get_run(db, ref).run_id for ref in runs] or None
+    db.conn.close()
+    before = _size(path)
+    db = open_store(path)
+    result = apply_retention(db, retention, run_ids)
+    vacuumed = False
+    if not no_vacuum:
+        try:
+            db.conn.execute("VACUUM")
+            db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            vacuumed = True
+        except sqlite3.OperationalError as exc:  # a sidecar writing: the freed pages are reused instead
+            click.echo(f"memwatch prune: space not given back now ({exc}); the freed pages will be reused", err=True)
+    db.conn.close()
+    after = _size(path)
+    report = {"runs": result.runs, "rolled_samples": result.rolled_samples, "bytes_before": before,
+              "bytes_after": after, "vacuumed": vacuumed}
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    click.echo(f"rolled {result.rolled_samples:,} samples of {result.runs} run(s) up into per-second rows; "
+               f"{before / 2**20:,.1f} MiB -> {after / 2**20:,.1f} MiB")
