@@ -12,22 +12,28 @@ $(BIN)/python:
 # The CPU torch wheel goes in first, so nothing later pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0 numpy
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,report]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/memwatch demo
+	@echo "Report: $$($(BIN)/memwatch report latest -o memwatch-demo-report.html)"
 
 test: $(STAMP) test-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
-# The tests compile a fake NVML library with a C compiler; install one if the machine has none.
+# The tests compile a fake NVML library with a C compiler, and open the HTML report in headless Chromium;
+# install what the machine lacks.
 test-deps:
 	@command -v gcc >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null; \
 	  else echo "no C compiler: install gcc (the NVML tests build a fake libnvidia-ml.so.1)"; exit 1; fi; }
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
+	  else echo "no chromium: install it (the report test opens the HTML page in headless Chromium)"; exit 1; fi; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

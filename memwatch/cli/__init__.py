@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "flags": "List the flags stored for a run, in time order.",
     "check": "Check a recorded run's memory ledger.",
     "explain": "Explain how a recorded run ended.",
+    "report": "Write a report of a recorded run as an HTML page or a PNG image.",
     "plan": "Plan KV-cache capacity per rank from a model config, or compare a run with its plan.",
     "attach": "Watch the GPU memory of the running process PID and its child processes.",
     "sim": "Simulate an engine on a virtual GPU, with the real Monitor writing real rings.",
@@ -48,7 +49,7 @@ class MemwatchGroup(click.Group):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         command = self.commands.get(cmd_name)
         if command is None and cmd_name in COMMANDS:
-            command = importlib.import_module(f"{__name__}.{cmd_name}").command
+            command = importlib.import_module(f"{__name__}.{cmd_name.replace('-', '_')}").command
             self.add_command(command, cmd_name)
         return command
 
@@ -101,4 +102,3 @@ def main(verbose: int) -> None:
     """
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-

@@ -1,0 +1,178 @@
+"""Everything a report draws for one run, read once: per rank the peak-keeping series split into the
+ledger's terms, the phases, flags, out-of-memory moments and preemptions; plus the run's summary facts.
+
+The ledger terms come from :class:`memwatch.ledger.Ledger` fed the rank's events in time order, so the
+picture uses exactly the arithmetic ``check`` uses. A downsampled bucket is drawn as two points, its
+minimum readings at its first moment and its maximum readings at its last.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlite_utils
+
+from memwatch.flags import Flag
+from memwatch.ledger import Ledger
+from memwatch.records import Event, Sample
+from memwatch.report.series import DEFAULT_BUCKETS, Series, peak_series
+from memwatch.store.queries import Run, events, get_run, run_ranks
+
+STACK_TERMS: tuple[tuple[str, str], ...] = (
+    ("weights", "weights"),
+    ("torch_other", "other long-lived PyTorch"),
+    ("kv", "KV cache"),
+    ("activations", "activations (allocated beyond long-lived)"),
+    ("cache_slack", "cache slack (reserved − allocated)"),
+    ("non_torch", "non-PyTorch (used − reserved)"),
+)
+"""The stacked ledger terms, bottom to top; their sum is the driver's used memory."""
+
+
+@dataclass
+class Points:
+    """The drawn points of one rank: time (ns), step, and each stacked term, the driver's reading and KV use."""
+
+    ts_ns: list[int] = field(default_factory=list)
+    step: list[int] = field(default_factory=list)
+    stack: dict[str, list[int]] = field(default_factory=lambda: {key: [] for key, _ in STACK_TERMS})
+    used: list[int | None] = field(default_factory=list)
+    budget: list[int | None] = field(default_factory=list)
+    kv_used: list[int | None] = field(default_factory=list)
+    kv_total: list[int | None] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    start_ns: int
+    end_ns: int
+
+
+@dataclass
+class RankData:
+    rank: int
+    status: str | None
+    series: Series
+    points: Points
+    phases: list[Phase]
+    flags: list[Flag]
+    ooms: list[Event]
+    preemptions: list[Event]
+    snapshot: list[Event]
+    sizing: dict[str, Any] | None
+    weights_bytes: int | None
+    total_bytes: int | None
+
+    @property
+    def has_kv(self) -> bool:
+        return any(value is not None for value in self.points.kv_total)
+
+
+@dataclass
+class RunData:
+    run: Run
+    start_ns: int
+    end_ns: int
+    ranks: list[RankData]
+
+
+def _flags(db: sqlite_utils.Database, run_id: str) -> list[Flag]:
+    rows = db.execute(
+        "SELECT run_id, rank, step, ts_ns, kind, severity, message, data FROM flags WHERE run_id = ?"
+        " ORDER BY ts_ns, rowid", (run_id,),
+    )
+    return [Flag(*row[:7], json.loads(row[7] or "{}")) for row in rows]
+
+
+def _phases(rank_events: list[Event], end_ns: int) -> list[Phase]:
+    open_at: dict[str, int] = {}
+    phases: list[Phase] = []
+    for event in rank_events:
+        name = str(event.data.get("phase", "?"))
+        if event.kind == "phase_start":
+            open_at[name] = event.ts_ns
+        elif event.kind == "phase_end" and name in open_at:
+            phases.append(Phase(name, open_at.pop(name), event.ts_ns))
+    phases.extend(Phase(name, start, end_ns) for name, start in open_at.items())
+    return sorted(phases, key=lambda phase: phase.start_ns)
+
+
+def _points(series: Series, rank_events: list[Event], run_id: str, rank: int) -> tuple[Points, Ledger]:
+    ledger, points = Ledger(), Points()
+    pending = [e for e in rank_events if e.kind in ("weights_loaded", "kv_allocated", "phase_end")]
+    next_event = 0
+    ends = ((series.first_ns, series.first_step, "min"), (series.last_ns, series.last_step, "max"))
+    for i in range(len(series)):
+        for times, steps, side in ends if series.downsampled else ends[:1]:
+            ts = times[i]
+            while next_event < len(pending) and pending[next_event].ts_ns <= ts:
+                ledger.on_event(pending[next_event])
+                next_event += 1
+            allocated = getattr(series, f"allocated_{side}")[i]
+            reserved = getattr(series, f"reserved_{side}")[i]
+            used = getattr(series, f"used_{side}")[i]
+            terms = ledger.on_sample(Sample(run_id, rank, steps[i], ts, None, allocated, None, reserved, used, None))
+            _stack(points, allocated or 0, reserved, used, terms)
+            points.ts_ns.append(ts)
+            points.step.append(steps[i])
+            points.used.append(used)
+            points.budget.append(terms.budget_bytes)
+            points.kv_used.append(getattr(series, f"kv_used_{side}")[i])
+            points.kv_total.append(series.kv_total_max[i])
+    for event in pending[next_event:]:
+        ledger.on_event(event)
+    return points, ledger
+
+
+def _stack(points: Points, allocated: int, reserved: int | None, used: int | None, terms: Any) -> None:
+    weights = min(terms.weights_bytes or 0, allocated)
+    if terms.kv_bytes is not None:
+        other = min(terms.torch_other_bytes or 0, allocated - weights)
+        kv = min(terms.kv_bytes, allocated - weights - other)
+    else:
+        other = kv = 0
+    values = {
+        "weights": weights, "torch_other": other, "kv": kv,
+        "activations": max(allocated - weights - other - kv, 0),
+        "cache_slack": max((reserved or allocated) - allocated, 0),
+        "non_torch": max((used or 0) - max(reserved or 0, allocated), 0),
+    }
+    for key, value in values.items():
+        points.stack[key].append(value)
+
+
+def load_run_data(db: sqlite_utils.Database, ref: str, buckets: int = DEFAULT_BUCKETS) -> RunData:
+    """The run ``ref`` (id, unique prefix or ``latest``) ready to draw, at most ``buckets`` buckets per rank."""
+    run = get_run(db, ref)
+    all_flags = _flags(db, run.run_id)
+    all_events = events(db, run.run_id)
+    ranks_rows = {row["rank"]: row for row in run_ranks(db, run.run_id)}
+    sample_ranks = [r[0] for r in db.execute("SELECT DISTINCT rank FROM samples WHERE run_id = ?", (run.run_id,))]
+    rank_ids = sorted(set(ranks_rows) | set(sample_ranks))
+    ranks: list[RankData] = []
+    start = end = None
+    for rank in rank_ids:
+        series = peak_series(db, run.run_id, rank, buckets)
+        if series.first_ns:
+            start = series.first_ns[0] if start is None else min(start, series.first_ns[0])
+            end = series.last_ns[-1] if end is None else max(end, series.last_ns[-1])
+        rank_events = [e for e in all_events if e.rank == rank]
+        points, ledger = _points(series, rank_events, run.run_id, rank)
+        sizing = None if ledger.sizing is None else ledger.sizing._asdict()
+        last_ns = series.last_ns[-1] if series.last_ns else (run.ended_ns or 0)
+        ranks.append(RankData(
+            rank=rank, status=(ranks_rows.get(rank) or {}).get("status"), series=series, points=points,
+            phases=_phases(rank_events, last_ns), flags=[f for f in all_flags if f.rank == rank],
+            ooms=[e for e in rank_events if e.kind == "oom"],
+            preemptions=[e for e in rank_events if e.kind == "preemption"],
+            snapshot=[e for e in rank_events if e.kind.startswith("snapshot_")],
+            sizing=sizing, weights_bytes=next((e.data.get("weights_bytes") for e in rank_events
+                                                if e.kind == "weights_loaded"), None),
+            total_bytes=(sizing or {}).get("total_bytes") or run.gpu_total_bytes,
+        ))
+    start = start if start is not None else run.started_ns or 0
+    end = end if end is not None else run.ended_ns or start
+    return RunData(run, start, end, ranks)
