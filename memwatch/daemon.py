@@ -26,6 +26,7 @@ from .detectors import DetectorConfig
 from .errors import PermissionDeniedError, UnavailableError
 from .live import LiveDetectors
 from .records import Event
+from .snapshot.live import SnapshotImporter
 from .store.db import default_db_path, open_store
 from .store.queries import events
 from .store.retention import Retention, plan_run
@@ -80,6 +81,8 @@ class Sidecar:
         observers = self._observers
         if self.detect:
             observers = [*observers, LiveDetectors(self.detector_config, stored_events=self._stored_events)]
+        self.snapshots = SnapshotImporter(self.writer, lambda: open_store(self.db_path, readonly=True))
+        observers = [*observers, self.snapshots]
         self.collector = Collector(self.runtime_dir, self.db_path, self.writer, observers=observers)
 
     def _stored_events(self, run_id: str) -> list[Event]:
@@ -162,6 +165,9 @@ class Sidecar:
         collector = getattr(self, "collector", None)
         if collector is not None:
             collector.close()
+        snapshots = getattr(self, "snapshots", None)
+        if snapshots is not None:
+            snapshots.close()
         writer = getattr(self, "writer", None)
         if writer is not None and writer.is_alive():
             writer.close()

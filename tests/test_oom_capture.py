@@ -78,6 +78,19 @@ def test_oom_event_and_last_samples_survive_the_process(runtime_dir: Path, db_pa
     assert last == [(4, 4 * size, 8 * MiB)]
     assert query(db_path, "SELECT kind FROM flags WHERE kind = 'oom'") == [("oom",)]
 
+    # The sidecar imported the snapshot the OOM wrote: the four live requests with the loop's frame, the
+    # failed 22 MiB segment with the 8 MiB CUDA still had, at the step of the oom event.
+    imported = wait_for(lambda: query(db_path, "SELECT step, data FROM events WHERE kind = 'snapshot_oom'"),
+                        what="the sidecar to import the snapshot")
+    [(step, data)] = imported
+    oom = json.loads(data)
+    assert (step, oom["requested_bytes"], oom["device_free_bytes"]) == (4, segment, 8 * MiB)
+    rows = query(db_path, "SELECT data FROM events WHERE kind = 'snapshot_allocation'")
+    allocations = [json.loads(data) for (data,) in rows]
+    assert [a["size_bytes"] for a in allocations] == [size] * 4
+    line = LOOP.splitlines().index("            held.append(fake_cuda.empty(20 * 2**20 + 1))") + 1
+    assert all(("<string>", line) in [(f["filename"], f["line"]) for f in a["frames"]] for a in allocations)
+
 
 def test_without_snapshot_switch_no_file_is_written(runtime_dir: Path, db_path: Path) -> None:
     done = _run_loop(runtime_dir, db_path)

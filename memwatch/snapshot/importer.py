@@ -60,28 +60,33 @@ def _step_at(db: sqlite_utils.Database, run_id: str, rank: int, ts_ns: int) -> i
     return int(row[0]) if row and row[0] is not None else 0
 
 
-def _moment(db: sqlite_utils.Database, run: Run, rank: int, snapshot: MemorySnapshot,
+def _moment(db: sqlite_utils.Database, run_id: str, rank: int, snapshot: MemorySnapshot,
             oom_event: Event | None) -> int:
     oom_entry = next((t for t in reversed(snapshot.traces) if t.action == "oom" and t.time_us), None)
     if oom_entry is not None:
         return oom_entry.time_us * 1000  # type: ignore[operator]
     if oom_event is not None:
         return oom_event.ts_ns
-    row = db.execute("SELECT max(ts_ns) FROM samples WHERE run_id = ? AND rank = ?", (run.run_id, rank)).fetchone()
-    return int(row[0] or run.ended_ns or run.started_ns or 0)
+    row = db.execute("SELECT max(ts_ns) FROM samples WHERE run_id = ? AND rank = ?", (run_id, rank)).fetchone()
+    if row[0] is None:
+        row = db.execute("SELECT coalesce(ended_ns, started_ns, 0) FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    return int(row[0] or 0) if row else 0
 
 
-def snapshot_events(db: sqlite_utils.Database, run: Run, rank: int, snapshot: MemorySnapshot, *,
-                    path: str, sha256: str) -> list[Event]:
-    """The events a snapshot adds to ``rank`` of ``run`` (pure apart from reading the run's samples)."""
-    rank_events = events(db, run.run_id, rank=rank)
-    oom_event = next((e for e in rank_events if e.kind == "oom"), None)
-    moment = _moment(db, run, rank, snapshot, oom_event)
-    step = oom_event.step if oom_event is not None else _step_at(db, run.run_id, rank, moment)
+def snapshot_events(db: sqlite_utils.Database, run_id: str, rank: int, snapshot: MemorySnapshot, *,
+                    path: str, sha256: str, oom_event: Event | None = None) -> list[Event]:
+    """The events a snapshot adds to ``rank`` of ``run_id`` (reads only the run's samples and events).
+
+    ``oom_event`` is the rank's ``oom`` event when the caller holds it (the sidecar, before it is stored).
+    """
+    if oom_event is None:
+        oom_event = next((e for e in events(db, run_id, rank=rank) if e.kind == "oom"), None)
+    moment = _moment(db, run_id, rank, snapshot, oom_event)
+    step = oom_event.step if oom_event is not None else _step_at(db, run_id, rank, moment)
 
     def event(kind: str, data: dict[str, Any], ts_ns: int = moment) -> Event:
-        at_step = step if ts_ns == moment else _step_at(db, run.run_id, rank, ts_ns)
-        return Event(run.run_id, rank, at_step, ts_ns, kind, data)
+        at_step = step if ts_ns == moment else _step_at(db, run_id, rank, ts_ns)
+        return Event(run_id, rank, at_step, ts_ns, kind, data)
 
     actions: dict[str, int] = {}
     for entry in snapshot.traces:
@@ -146,7 +151,7 @@ def import_snapshot(db: sqlite_utils.Database, ref: str, path: str | Path, *, ra
     for event in events(db, run.run_id):
         if event.kind == "snapshot_imported" and event.data.get("sha256") == sha256:
             return ImportResult(run.run_id, event.rank, (), already_imported=True)
-    new = snapshot_events(db, run, chosen, snapshot, path=str(path.resolve()), sha256=sha256)
+    new = snapshot_events(db, run.run_id, chosen, snapshot, path=str(path.resolve()), sha256=sha256)
     with db.conn:
         db.conn.executemany(INSERT_EVENT, [e.to_row() for e in new])
     return ImportResult(run.run_id, chosen, tuple(new))

@@ -14,6 +14,10 @@ has no room it releases the cache and retries once, then calls the out-of-memory
 Configuration (environment, read at import): ``FAKE_CUDA_TOTAL_BYTES`` (default 160 MiB),
 ``FAKE_CUDA_CONTEXT_BYTES`` (driver memory of this process outside the allocator, default 64 MiB),
 ``FAKE_CUDA_OTHER_BYTES`` (comma list, per device index: memory other processes hold).
+
+``torch.cuda.memory._dump_snapshot`` writes the pickle PyTorch writes: ``segments`` with their blocks and
+the allocation's Python frames, and ``device_traces`` (``segment_alloc``, ``alloc``, ``free_completed``,
+``oom`` with ``device_free``, each with ``time_us``), as if ``_record_memory_history`` were on.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import time
+import traceback
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +35,7 @@ import torch
 MiB = 1 << 20
 ROUNDING = 512
 SEGMENT_ROUNDING = 2 * MiB
+BASE_ADDRESS = 0x7F00_0000_0000
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -45,6 +52,15 @@ class FakeDevice:
         self.cached: list[int] = []  # sizes of wholly free segments
         self.num_ooms = self.num_alloc_retries = 0
         self._handles = itertools.count(1)
+        self.trace: list[dict[str, Any]] = []
+        self.frames: dict[int, list[dict[str, Any]]] = {}
+
+    def _record(self, action: str, size: int, **fields: Any) -> list[dict[str, Any]]:
+        frames = [{"filename": f.filename, "line": f.lineno, "name": f.name}
+                  for f in reversed(traceback.extract_stack()[:-3])]
+        self.trace.append({"action": action, "size": size, "stream": 0, "time_us": time.time_ns() // 1000,
+                           "frames": frames, **fields})
+        return frames
 
     @property
     def reserved(self) -> int:
@@ -67,12 +83,16 @@ class FakeDevice:
                 free = self.mem_get_info()[0]
                 if segment > free:
                     self.num_ooms += 1
+                    self._record("oom", segment, device_free=free)
                     for observer in list(_observers):
                         observer(self.index, segment, self.total, free)
                     raise torch.OutOfMemoryError(
                         f"CUDA out of memory. Tried to allocate {nbytes / MiB:.2f} MiB. GPU {self.index} has a "
                         f"total capacity of {self.total / MiB:.2f} MiB of which {free / MiB:.2f} MiB is free.")
         handle = next(self._handles)
+        if not fitting:
+            self._record("segment_alloc", segment, addr=_address(handle))
+        self.frames[handle] = self._record("alloc", size, addr=_address(handle))
         self.live[handle] = (size, segment)
         self.allocated += size
         self.peak = max(self.peak, self.allocated)
@@ -80,6 +100,8 @@ class FakeDevice:
 
     def free(self, handle: int) -> None:
         size, segment = self.live.pop(handle)
+        self._record("free_completed", size, addr=_address(handle))
+        self.frames.pop(handle, None)
         self.allocated -= size
         self.cached.append(segment)
 
@@ -115,14 +137,24 @@ class FakeDevice:
 
     def snapshot(self) -> list[dict[str, Any]]:
         segments = []
-        for size, segment in self.live.values():
-            blocks = [{"state": "active_allocated", "size": size}]
+        for handle, (size, segment) in self.live.items():
+            address = _address(handle)
+            blocks = [{"address": address, "size": size, "requested_size": size, "state": "active_allocated",
+                       "frames": self.frames.get(handle, [])}]
             if segment > size:
-                blocks.append({"state": "inactive", "size": segment - size})
-            segments.append({"device": self.index, "total_size": segment, "blocks": blocks})
-        for segment in self.cached:
-            segments.append({"device": self.index, "total_size": segment,
-                             "blocks": [{"state": "inactive", "size": segment}]})
+                blocks.append({"address": address + size, "size": segment - size, "requested_size": 0,
+                               "state": "inactive", "frames": []})
+            segments.append({"device": self.index, "address": address, "total_size": segment,
+                             "allocated_size": size, "active_size": size, "requested_size": size, "stream": 0,
+                             "segment_type": "large", "segment_pool_id": (0, 0), "is_expandable": False,
+                             "frames": [], "blocks": blocks})
+        for number, segment in enumerate(self.cached):
+            address = BASE_ADDRESS - (number + 1) * (1 << 32)
+            segments.append({"device": self.index, "address": address, "total_size": segment, "allocated_size": 0,
+                             "active_size": 0, "requested_size": 0, "stream": 0, "segment_type": "large",
+                             "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+                             "blocks": [{"address": address, "size": segment, "requested_size": 0,
+                                         "state": "inactive", "frames": []}]})
         return segments
 
 
@@ -164,9 +196,17 @@ def _set_device(index: Any) -> None:
     _current[0] = int(getattr(index, "index", index))
 
 
+def _address(handle: int) -> int:
+    return BASE_ADDRESS + handle * (1 << 32)
+
+
 def _dump_snapshot(filename: str = "dump_snapshot.pickle") -> None:
+    current = device()
+    traces: list[list[dict[str, Any]]] = [[] for _ in range(current.index + 1)]
+    traces[current.index] = list(current.trace)
     with open(filename, "wb") as f:
-        pickle.dump({"segments": device().snapshot(), "device_traces": [[]]}, f)
+        pickle.dump({"segments": current.snapshot(), "device_traces": traces,
+                     "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": ""}}, f)
 
 
 def _install() -> None:

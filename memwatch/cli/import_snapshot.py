@@ -1,0 +1,52 @@
+"""``memwatch import-snapshot FILE --run RUN``: a PyTorch memory snapshot joined to a run as events."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..snapshot import import_snapshot
+from ..store import open_store
+from ..units import format_bytes
+from .options import db_option, json_option
+
+
+@click.command("import-snapshot")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--run", "run", required=True, help="The run to join it to: an id, a unique prefix, or `latest`.")
+@click.option("--rank", type=int, default=None,
+              help="The rank it belongs to (default: the rank whose out-of-memory wrote it, else the first).")
+@db_option
+@json_option
+def command(file: Path, run: str, rank: int | None, db_path: Path | None, as_json: bool) -> None:
+    """Import a memory snapshot (the pickle torch.cuda.memory._dump_snapshot writes) into a run.
+
+    Adds events to the run: the largest live allocations with their top frames, the segments the
+    allocator grew by, and the trace's out-of-memory entry (with the requested bytes and what CUDA
+    still had free). The file is read with a loader that builds plain data only: nothing in it is
+    executed. Importing the same file twice adds nothing the second time.
+    """
+    result = import_snapshot(open_store(db_path), run, file, rank=rank)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    if result.already_imported:
+        click.echo(f"{file} was already imported into run {result.run_id} (rank {result.rank}); nothing added")
+        return
+    click.echo(f"imported {file} into run {result.run_id} rank {result.rank}: {len(result.events)} events")
+    for event in result.events:
+        data = event.data
+        if event.kind == "snapshot_allocation":
+            frame = (data.get("frames") or [{}])[0]
+            where = f" at {frame.get('name')} ({frame.get('filename')}:{frame.get('line')})" if frame else ""
+            click.echo(f"  live allocation #{data['place']}: {format_bytes(data['size_bytes'])}{where}")
+        elif event.kind == "snapshot_segments":
+            click.echo(f"  {data['segments']} segments, {format_bytes(data['reserved_bytes'])} reserved; the trace "
+                       f"grew {data['segment_allocs']} segments ({format_bytes(data['segment_alloc_bytes'])}) and "
+                       f"freed {data['segment_frees']} ({format_bytes(data['segment_free_bytes'])})")
+        elif event.kind == "snapshot_oom":
+            free = data.get("device_free_bytes")
+            click.echo(f"  out of memory at step {event.step}: {format_bytes(data['requested_bytes'])} requested"
+                       + ("" if free is None else f", {format_bytes(free)} free in CUDA"))
