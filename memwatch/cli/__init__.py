@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "flags": "List the flags stored for a run, in time order.",
     "check": "Check a recorded run's memory ledger.",
     "explain": "Explain how a recorded run ended.",
+    "diff": "Compare two recorded runs rank by rank (ids, unique prefixes or `latest`).",
     "import-snapshot": "Import a memory snapshot (the pickle torch.cuda.memory._dump_snapshot writes) into a run.",
     "report": "Write a report of a recorded run as an HTML page or a PNG image.",
     "plan": "Plan KV-cache capacity per rank from a model config, or compare a run with its plan.",

@@ -1,0 +1,28 @@
+"""``memwatch diff RUN_A RUN_B``: what changed between two runs of the same setup, term by term."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..report.diff import diff_runs, render_diff
+from ..store import open_store
+from .options import db_option, json_option
+
+
+@click.command("diff")
+@click.argument("run_a")
+@click.argument("run_b")
+@db_option
+@json_option
+def command(run_a: str, run_b: str, db_path: Path | None, as_json: bool) -> None:
+    """Compare two recorded runs rank by rank (ids, unique prefixes or `latest`).
+
+    The KV sizing's terms (weights, activation reserve, non-PyTorch, blocks, budget), what serving did
+    (largest step peak, peak driver use, least free, non-PyTorch drift slope, preemptions), the flags
+    stored and how each run ended, plus the engine settings that differ; then every change in one list.
+    """
+    diff = diff_runs(open_store(db_path, readonly=True), run_a, run_b)
+    click.echo(json.dumps(diff.to_dict(), indent=2, default=str) if as_json else render_diff(diff))
