@@ -21,7 +21,7 @@ def command(run_a: str, run_b: str, db_path: Path | None, as_json: bool) -> None
     """Compare two recorded runs rank by rank (ids, unique prefixes or `latest`).
 
     The KV sizing's terms (weights, activation reserve, non-PyTorch, blocks, budget), what serving did
-    (largest step peak, peak driver use, least free, non-PyTorch drift slope, preemptions), the flags
+    (allocator peak while serving, peak driver use, least free, non-PyTorch drift slope, preemptions), the flags
     stored and how each run ended, plus the engine settings that differ; then every change in one list.
     """
     diff = diff_runs(open_store(db_path, readonly=True), run_a, run_b)

@@ -1,7 +1,7 @@
 """``memwatch diff RUN_A RUN_B``: two runs of the same setup compared term by term, rank by rank.
 
 "What changed between yesterday's healthy run and today's OOM": the KV sizing's terms (weights,
-activation reserve, non-PyTorch at sizing, blocks, budget), what serving did (largest step peak, peak
+activation reserve, non-PyTorch at sizing, blocks, budget), what serving did (allocator peak while serving, peak
 driver use, least free, the drift of non-PyTorch memory, preemptions), the flags raised and how each
 run ended, plus the engine settings that differ. A term is listed as changed when it moved by at least
 :data:`BYTES_TOLERANCE` (bytes), :data:`SLOPE_TOLERANCE` (drift) or at all (counts, text).
@@ -34,7 +34,7 @@ TERMS: tuple[tuple[str, str], ...] = (
     ("num_blocks", "KV blocks"),
     ("kv_bytes", "KV cache"),
     ("budget_bytes", "budget (total × utilization)"),
-    ("largest_step_peak_bytes", "largest step peak"),
+    ("serving_peak_bytes", "allocator peak while serving"),
     ("peak_used_bytes", "peak driver used"),
     ("min_free_bytes", "least driver free"),
     ("drift_bytes_per_step", "non-PyTorch drift while serving"),

@@ -40,8 +40,8 @@ class RankFacts:
     budget_bytes: int | None
     peak_used_bytes: int | None
     min_free_bytes: int | None
-    largest_step_peak_bytes: int | None
-    """The largest allocator peak of one step (where the engine reset the peak per step)."""
+    serving_peak_bytes: int | None
+    """The allocator's largest peak once serving started (the engine resets it every step while serving)."""
     preemptions: int
     flags: dict[str, int]
     oom_requested_bytes: int | None
@@ -74,11 +74,19 @@ def rank_facts(data: RankData) -> RankFacts:
         kv_bytes=None if blocks is None or block_bytes is None else blocks * block_bytes,
         budget_bytes=None if total is None or utilization is None else int(total * utilization),
         peak_used_bytes=_max(series.used_max), min_free_bytes=_min(series.free_min),
-        largest_step_peak_bytes=_max(series.step_peak_max),
+        serving_peak_bytes=_serving_peak(data),
         preemptions=sum(int(e.data.get("count", 1) or 1) for e in data.preemptions),
         flags=flags, oom_requested_bytes=requested if isinstance(requested, int) else None,
         oom_step=None if oom is None else oom.step,
     )
+
+
+def _serving_peak(data: RankData) -> int | None:
+    serve = next((phase.start_ns for phase in data.phases if phase.name == "serve"), None)
+    if serve is None:
+        return None
+    series = data.series
+    return _max([peak for first, peak in zip(series.first_ns, series.peak_max, strict=True) if first >= serve])
 
 
 def run_facts(data: RunData) -> list[RankFacts]:

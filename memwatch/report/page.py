@@ -33,7 +33,7 @@ _FACT_ROWS: tuple[tuple[str, str], ...] = (
     ("activation_reserve_bytes", "activation reserve"), ("non_pytorch_bytes", "non-PyTorch at sizing"),
     ("num_blocks", "KV blocks"), ("kv_bytes", "KV cache"), ("budget_bytes", "budget (total × utilization)"),
     ("peak_used_bytes", "peak driver used"), ("min_free_bytes", "least driver free"),
-    ("largest_step_peak_bytes", "largest step peak (allocator)"), ("preemptions", "preemptions"),
+    ("serving_peak_bytes", "allocator peak while serving"), ("preemptions", "preemptions"),
     ("oom_requested_bytes", "OOM: bytes requested"),
 )
 

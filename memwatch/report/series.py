@@ -1,10 +1,11 @@
 """A rank's timeline as a bounded number of points that keeps every peak: min and max per time bucket.
 
 A run of millions of samples cannot be drawn point by point, and a plain average would hide the one
-spike that mattered. The samples of a rank are grouped into equal time buckets in SQL (one index
-range scan, nothing per row in Python) and each bucket keeps its first and last time and the min
-and max of every column, so a plot that draws a bucket as its min then its max shows every peak and
-every trough. A rank with few samples comes back sample by sample (min = max).
+spike that mattered. A long rank is read through :func:`memwatch.store.window.downsampled` (equal
+time buckets in SQL, each with the min and max of every column, rolled-up seconds included), so a plot
+that draws a bucket as its min then its max shows every peak and every trough. A rank with few
+samples comes back row by row from :func:`memwatch.store.window.window_rows` (a full-resolution sample
+has min = max; a rolled-up second keeps its own min and max).
 """
 
 from __future__ import annotations
@@ -13,17 +14,24 @@ from dataclasses import dataclass, field
 
 import sqlite_utils
 
+from memwatch.store.window import Bucket, downsampled, run_key, window_rows
+
 DEFAULT_BUCKETS = 1500
+
+_COLUMNS = {
+    "allocated": "allocated_bytes", "reserved": "reserved_bytes", "used": "driver_used_bytes",
+    "free": "driver_free_bytes", "kv_used": "kv_blocks_used", "kv_total": "kv_blocks_total", "peak": "peak_bytes",
+}
 
 
 @dataclass
 class Series:
-    """Columns of equal length, one entry per bucket (or per sample when not downsampled)."""
+    """Columns of equal length, one entry per bucket (or per stored row when not downsampled)."""
 
     first_ns: list[int] = field(default_factory=list)
     last_ns: list[int] = field(default_factory=list)
-    first_step: list[int] = field(default_factory=list)
-    last_step: list[int] = field(default_factory=list)
+    first_step: list[int | None] = field(default_factory=list)
+    last_step: list[int | None] = field(default_factory=list)
     count: list[int] = field(default_factory=list)
     allocated_min: list[int | None] = field(default_factory=list)
     allocated_max: list[int | None] = field(default_factory=list)
@@ -32,11 +40,13 @@ class Series:
     used_min: list[int | None] = field(default_factory=list)
     used_max: list[int | None] = field(default_factory=list)
     free_min: list[int | None] = field(default_factory=list)
+    free_max: list[int | None] = field(default_factory=list)
     kv_used_min: list[int | None] = field(default_factory=list)
     kv_used_max: list[int | None] = field(default_factory=list)
+    kv_total_min: list[int | None] = field(default_factory=list)
     kv_total_max: list[int | None] = field(default_factory=list)
-    step_peak_max: list[int | None] = field(default_factory=list)
-    """The largest allocator peak of a step whose peak is its own (``peak_is_step``)."""
+    peak_min: list[int | None] = field(default_factory=list)
+    peak_max: list[int | None] = field(default_factory=list)
     downsampled: bool = False
 
     def __len__(self) -> int:
@@ -46,43 +56,40 @@ class Series:
     def samples(self) -> int:
         return sum(self.count)
 
+    def _append(self, bucket: Bucket) -> None:
+        self.first_ns.append(bucket.first_ts_ns)
+        self.last_ns.append(bucket.last_ts_ns)
+        self.first_step.append(bucket.first_step)
+        self.last_step.append(bucket.last_step)
+        self.count.append(bucket.samples)
+        for name, column in _COLUMNS.items():
+            getattr(self, f"{name}_min").append(bucket.minimum.get(column))
+            getattr(self, f"{name}_max").append(bucket.maximum.get(column))
 
-_AGGREGATES = (
-    "min(ts_ns), max(ts_ns), min(step), max(step), count(*), min(allocated_bytes), max(allocated_bytes),"
-    " min(reserved_bytes), max(reserved_bytes), min(driver_used_bytes), max(driver_used_bytes),"
-    " min(driver_free_bytes), min(kv_blocks_used), max(kv_blocks_used), max(kv_blocks_total),"
-    " max(CASE WHEN peak_is_step THEN peak_bytes END)"
-)
-_RAW = (
-    "ts_ns, ts_ns, step, step, 1, allocated_bytes, allocated_bytes, reserved_bytes, reserved_bytes,"
-    " driver_used_bytes, driver_used_bytes, driver_free_bytes, kv_blocks_used, kv_blocks_used, kv_blocks_total,"
-    " CASE WHEN peak_is_step THEN peak_bytes END"
-)
+
+def _stored_count(db: sqlite_utils.Database, key: int, rank: int) -> int:
+    raw = db.execute("SELECT count(*) FROM sample_rows WHERE run_key = ? AND rank = ?", (key, rank)).fetchone()[0]
+    rolled = db.execute("SELECT count(*) FROM sample_seconds WHERE run_key = ? AND rank = ?", (key, rank)).fetchone()
+    return raw + rolled[0]
 
 
 def peak_series(db: sqlite_utils.Database, run_id: str, rank: int, buckets: int = DEFAULT_BUCKETS) -> Series:
-    """The rank's samples in time order, reduced to at most ``buckets`` min/max buckets."""
-    where = "run_id = ? AND rank = ?"
-    first, last, count = db.execute(
-        f"SELECT min(ts_ns), max(ts_ns), count(*) FROM samples WHERE {where}", (run_id, rank)
-    ).fetchone()
+    """The rank's timeline in time order, reduced to at most ``buckets`` min/max buckets when longer than 2×."""
     series = Series()
-    if not count:
+    key = run_key(db, run_id)
+    if key is None:
         return series
-    if count <= 2 * buckets or last == first:
-        rows = db.execute(f"SELECT {_RAW} FROM samples WHERE {where} ORDER BY ts_ns, rowid", (run_id, rank))
-    else:
-        width = (last - first) / buckets
-        rows = db.execute(
-            f"SELECT {_AGGREGATES} FROM samples WHERE {where} GROUP BY CAST((ts_ns - ?) / ? AS INTEGER)"
-            " ORDER BY 1", (run_id, rank, first, width),
-        )
+    if _stored_count(db, key, rank) > 2 * buckets:
         series.downsampled = True
-    columns = (series.first_ns, series.last_ns, series.first_step, series.last_step, series.count,
-               series.allocated_min, series.allocated_max, series.reserved_min, series.reserved_max,
-               series.used_min, series.used_max, series.free_min, series.kv_used_min, series.kv_used_max,
-               series.kv_total_max, series.step_peak_max)
-    for row in rows:
-        for column, value in zip(columns, row, strict=True):
-            column.append(value)
+        for bucket in downsampled(db, run_id, rank, buckets=buckets, columns=tuple(_COLUMNS.values())):
+            series._append(bucket)
+        return series
+    for row in window_rows(db, run_id, rank=rank):
+        sample, rollup = row.sample, row.rollup
+        values = {column: getattr(sample, column) for column in _COLUMNS.values()}
+        if rollup is None:
+            series._append(Bucket(sample.ts_ns, sample.ts_ns, 1, values, values, sample.step, sample.step))
+        else:
+            series._append(Bucket(rollup.first_ts_ns, sample.ts_ns, rollup.samples, rollup.minimum, rollup.maximum,
+                                  rollup.first_step, sample.step))
     return series

@@ -139,6 +139,8 @@ class Bucket(NamedTuple):
     samples: int
     minimum: dict[str, int | None]
     maximum: dict[str, int | None]
+    first_step: int | None = None
+    last_step: int | None = None
 
 
 def downsampled(
@@ -168,11 +170,11 @@ def downsampled(
     rolled_points = ", ".join(f"min_{c}, max_{c}" for c in columns)
     aggregates = ", ".join(f"min(lo_{c}), max(hi_{c})" for c in columns)
     sql = (
-        f"WITH points AS (SELECT (ts_ns - {lo}) / {width} AS b, ts_ns AS ts, ts_ns AS ts0, 1 AS n, {points}"
-        f" FROM sample_rows WHERE {raw_where}"
-        f" UNION ALL SELECT (last_ts_ns - {lo}) / {width}, last_ts_ns, first_ts_ns, samples, {rolled_points}"
-        f" FROM sample_seconds WHERE {rolled_where})"
-        f" SELECT b, min(ts0), max(ts), sum(n), {aggregates} FROM points GROUP BY b ORDER BY b"
+        f"WITH points AS (SELECT (ts_ns - {lo}) / {width} AS b, ts_ns AS ts, ts_ns AS ts0, 1 AS n, {points},"
+        f" step AS s0, step AS s1 FROM sample_rows WHERE {raw_where}"
+        f" UNION ALL SELECT (last_ts_ns - {lo}) / {width}, last_ts_ns, first_ts_ns, samples, {rolled_points},"
+        f" first_step, last_step FROM sample_seconds WHERE {rolled_where})"
+        f" SELECT b, min(ts0), max(ts), sum(n), {aggregates}, min(s0), max(s1) FROM points GROUP BY b ORDER BY b"
     )
     result = []
     count = len(columns)
@@ -182,5 +184,6 @@ def downsampled(
             row[1], row[2], row[3],
             {c: bounds[2 * i] for i, c in enumerate(columns)},
             {c: bounds[2 * i + 1] for i, c in enumerate(columns)},
+            row[-2], row[-1],
         ))
     return result
