@@ -113,7 +113,7 @@ def render_page(data: RunData, explanation: str) -> str:
              f"status <b>{html.escape(run.status or '?')}</b>")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">
 <title>memwatch report: run {html.escape(run.run_id)}</title><style>{_STYLE}</style></head>
 <body>
 <h1>memwatch report: run {html.escape(run.run_id)}</h1>
