@@ -37,8 +37,16 @@ def seconds(ts_ns: int, start_ns: int) -> float:
     return (ts_ns - start_ns) / 1e9
 
 
-def _gib(values: list[int | None]) -> list[float | None]:
-    return [None if v is None else v / GIB for v in values]
+def as_array(values: list[Any], scale: float = 1.0, dtype: str = "float64") -> Any:
+    """A float array (NaN where a reading is missing): plotly embeds arrays as compact binary, lists as text."""
+    import numpy as np
+
+    return (np.array([np.nan if v is None else v for v in values], dtype=np.float64) / scale).astype(dtype)
+
+
+def _gib(values: list[int | None]) -> Any:
+    """GiB as 32-bit floats: 7 significant digits (a KiB on a 100 GiB card) at half the page size."""
+    return as_array(values, GIB, "float32")
 
 
 def _nearest(data: RankData, ts_ns: int) -> int | None:
@@ -72,8 +80,8 @@ def build_figure(data: RunData) -> Any:
         return True
 
     for row, (rank, kind) in enumerate(rows, start=1):
-        x = [seconds(t, data.start_ns) for t in rank.points.ts_ns]
-        steps = rank.points.step
+        x = as_array([seconds(t, data.start_ns) for t in rank.points.ts_ns], dtype="float32")
+        steps = as_array(rank.points.step)
         if kind == "memory":
             _memory_row(go, fig, row, rank, x, steps, data.start_ns, show)
         else:
@@ -94,25 +102,26 @@ def build_figure(data: RunData) -> Any:
     return fig
 
 
-def _memory_row(go: Any, fig: Any, row: int, rank: RankData, x: list[float], steps: list[int], start_ns: int,
+def _memory_row(go: Any, fig: Any, row: int, rank: RankData, x: Any, steps: Any, start_ns: int,
                 show: Any) -> None:
-    hover = "%{y:.3f} GiB (step %{customdata:,})"
+    hover = "%{y:.3f} GiB"
     for key, label in STACK_TERMS:
         fig.add_trace(go.Scatter(
-            x=x, y=_gib(rank.points.stack[key]), customdata=steps, name=label, legendgroup=key, showlegend=show(key),
+            x=x, y=_gib(rank.points.stack[key]), name=label, legendgroup=key, showlegend=show(key),
             stackgroup=f"rank{rank.rank}", mode="lines", line={"width": 0.5, "color": TERM_COLORS[key]},
             hovertemplate=hover,
         ), row=row, col=1)
-    fig.add_trace(go.Scatter(
+    fig.add_trace(go.Scatter(  # the one trace that carries the step, shown once in the unified hover
         x=x, y=_gib(rank.points.used), customdata=steps, name="driver used", legendgroup="used",
-        showlegend=show("used"), mode="lines", line={"width": 1.4, "color": "#222222"}, hovertemplate=hover,
+        showlegend=show("used"), mode="lines", line={"width": 1.4, "color": "#222222"},
+        hovertemplate="%{y:.3f} GiB (step %{customdata:,.0f})",
     ), row=row, col=1)
     fig.add_trace(go.Scatter(
-        x=x, y=_gib(rank.points.budget), customdata=steps, name="budget (total × utilization)", legendgroup="budget",
+        x=x, y=_gib(rank.points.budget), name="budget (total × utilization)", legendgroup="budget",
         showlegend=show("budget"), mode="lines", line={"width": 1.2, "color": "#2ca02c", "dash": "dash"},
         hovertemplate=hover,
     ), row=row, col=1)
-    if rank.total_bytes and x:
+    if rank.total_bytes and len(x):
         fig.add_trace(go.Scatter(
             x=[x[0], x[-1]], y=[rank.total_bytes / GIB] * 2, name="GPU total", legendgroup="total",
             showlegend=show("total"), mode="lines", line={"width": 1, "color": "#7f7f7f", "dash": "dot"},
@@ -146,16 +155,16 @@ def _oom_text(step: int, data: dict[str, Any]) -> str:
     return f"out of memory at step {step:,}{asked}"
 
 
-def _kv_row(go: Any, fig: Any, row: int, rank: RankData, x: list[float], steps: list[int], start_ns: int,
+def _kv_row(go: Any, fig: Any, row: int, rank: RankData, x: Any, steps: Any, start_ns: int,
             show: Any) -> None:
-    hover = "%{y:,} blocks (step %{customdata:,})"
+    hover = "%{y:,.0f} blocks"
     fig.add_trace(go.Scatter(
-        x=x, y=rank.points.kv_used, customdata=steps, name="KV blocks used", legendgroup="kv_used",
+        x=x, y=as_array(rank.points.kv_used, dtype="float32"), name="KV blocks used", legendgroup="kv_used",
         showlegend=show("kv_used"), mode="lines", line={"width": 1.2, "color": "#55a868"}, fill="tozeroy",
         hovertemplate=hover,
     ), row=row, col=1)
     fig.add_trace(go.Scatter(
-        x=x, y=rank.points.kv_total, customdata=steps, name="KV blocks total", legendgroup="kv_total",
+        x=x, y=as_array(rank.points.kv_total, dtype="float32"), name="KV blocks total", legendgroup="kv_total",
         showlegend=show("kv_total"), mode="lines", line={"width": 1.2, "color": "#222222", "dash": "dash"},
         hovertemplate=hover,
     ), row=row, col=1)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from memwatch.errors import UnavailableError
-from memwatch.report.figure import GIB, PHASE_COLORS, SEVERITY_COLORS, TERM_COLORS, seconds
+from memwatch.report.figure import GIB, PHASE_COLORS, SEVERITY_COLORS, TERM_COLORS, as_array, seconds
 from memwatch.report.run_data import STACK_TERMS, RankData, RunData
 
 WIDTH_IN, MEMORY_IN, KV_IN, DPI = 12.0, 3.6, 1.6, 110
@@ -29,8 +29,8 @@ def _pyplot() -> Any:
     return plt
 
 
-def _values(values: list[int | None]) -> list[float]:
-    return [float("nan") if v is None else v / GIB for v in values]
+def _values(values: list[int | None]) -> Any:
+    return as_array(values, GIB)
 
 
 def write_png(data: RunData, path: str | Path) -> None:
@@ -46,7 +46,7 @@ def write_png(data: RunData, path: str | Path) -> None:
                              gridspec_kw={"height_ratios": heights})
     try:
         for ax, (rank, kind) in zip(axes[:, 0], rows, strict=False):
-            x = [seconds(t, data.start_ns) for t in rank.points.ts_ns]
+            x = as_array([seconds(t, data.start_ns) for t in rank.points.ts_ns])
             if kind == "memory":
                 _memory(ax, rank, x, data.start_ns)
             else:
@@ -71,8 +71,8 @@ def write_png(data: RunData, path: str | Path) -> None:
         plt.close(fig)
 
 
-def _memory(ax: Any, rank: RankData, x: list[float], start_ns: int) -> None:
-    if x:
+def _memory(ax: Any, rank: RankData, x: Any, start_ns: int) -> None:
+    if len(x):
         ax.stackplot(x, *[_values(rank.points.stack[key]) for key, _ in STACK_TERMS],
                      labels=[label for _, label in STACK_TERMS], colors=[TERM_COLORS[key] for key, _ in STACK_TERMS],
                      alpha=0.85, lw=0)
@@ -92,9 +92,8 @@ def _memory(ax: Any, rank: RankData, x: list[float], start_ns: int) -> None:
     ax.set_title(f"rank {rank.rank}: memory", fontsize=9, loc="left")
 
 
-def _kv(ax: Any, rank: RankData, x: list[float], start_ns: int) -> None:
-    used = [float("nan") if v is None else v for v in rank.points.kv_used]
-    total = [float("nan") if v is None else v for v in rank.points.kv_total]
+def _kv(ax: Any, rank: RankData, x: Any, start_ns: int) -> None:
+    used, total = as_array(rank.points.kv_used), as_array(rank.points.kv_total)
     ax.fill_between(x, used, color="#55a868", alpha=0.5, lw=0)
     ax.plot(x, used, color="#55a868", lw=1.0)
     ax.plot(x, total, color="#222222", lw=1.0, ls="--")

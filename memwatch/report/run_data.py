@@ -9,6 +9,8 @@ minimum readings at its first moment and its maximum readings at its last.
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +20,9 @@ from memwatch.flags import Flag
 from memwatch.ledger import Ledger
 from memwatch.records import Event, Sample
 from memwatch.report.series import DEFAULT_BUCKETS, Series, peak_series
+from memwatch.store import open_store
 from memwatch.store.queries import Run, events, get_run, run_ranks
+from memwatch.store.window import run_key
 
 STACK_TERMS: tuple[tuple[str, str], ...] = (
     ("weights", "weights"),
@@ -144,18 +148,51 @@ def _stack(points: Points, allocated: int, reserved: int | None, used: int | Non
         points.stack[key].append(value)
 
 
+def _sample_ranks(db: sqlite_utils.Database, run_id: str) -> list[int]:
+    """The ranks with samples, one index seek each (a DISTINCT would walk every sample)."""
+    key = run_key(db, run_id)
+    ranks: list[int] = []
+    if key is None:
+        return ranks
+    for table in ("sample_rows", "sample_seconds"):
+        rank = -1
+        while True:
+            row = db.execute(f"SELECT min(rank) FROM {table} WHERE run_key = ? AND rank > ?", (key, rank)).fetchone()
+            if row[0] is None:
+                break
+            rank = row[0]
+            ranks.append(rank)
+    return sorted(set(ranks))
+
+
+def _all_series(db: sqlite_utils.Database, run_id: str, ranks: list[int], buckets: int) -> list[Series]:
+    """Each rank's series; ranks are read in parallel on their own read-only connections (SQLite runs
+    without the GIL), since reading every sample of a long run is most of a report's time."""
+    path = next((row[2] for row in db.execute("PRAGMA database_list") if row[1] == "main"), "")
+    if len(ranks) < 2 or not path:
+        return [peak_series(db, run_id, rank, buckets) for rank in ranks]
+
+    def one(rank: int) -> Series:
+        reader = open_store(path, readonly=True)
+        try:
+            return peak_series(reader, run_id, rank, buckets)
+        finally:
+            reader.conn.close()
+
+    with ThreadPoolExecutor(max_workers=min(len(ranks), os.cpu_count() or 1, 8)) as pool:
+        return list(pool.map(one, ranks))
+
+
 def load_run_data(db: sqlite_utils.Database, ref: str, buckets: int = DEFAULT_BUCKETS) -> RunData:
     """The run ``ref`` (id, unique prefix or ``latest``) ready to draw, at most ``buckets`` buckets per rank."""
     run = get_run(db, ref)
     all_flags = _flags(db, run.run_id)
     all_events = events(db, run.run_id)
     ranks_rows = {row["rank"]: row for row in run_ranks(db, run.run_id)}
-    sample_ranks = [r[0] for r in db.execute("SELECT DISTINCT rank FROM samples WHERE run_id = ?", (run.run_id,))]
-    rank_ids = sorted(set(ranks_rows) | set(sample_ranks))
+    rank_ids = sorted(set(ranks_rows) | set(_sample_ranks(db, run.run_id)))
     ranks: list[RankData] = []
     start = end = None
-    for rank in rank_ids:
-        series = peak_series(db, run.run_id, rank, buckets)
+    for rank, series in zip(rank_ids, _all_series(db, run.run_id, rank_ids, buckets), strict=True):
         if series.first_ns:
             start = series.first_ns[0] if start is None else min(start, series.first_ns[0])
             end = series.last_ns[-1] if end is None else max(end, series.last_ns[-1])

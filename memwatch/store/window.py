@@ -164,26 +164,37 @@ def downsampled(
     if hi < lo:
         return []
     width = max(1, -(-(hi - lo + 1) // max(1, buckets)))
-    raw_where, raw_params = _where(key, rank, lo, hi, "ts_ns")
-    rolled_where, rolled_params = _where(key, rank, lo, hi, "last_ts_ns")
-    points = ", ".join(f"{c} AS lo_{c}, {c} AS hi_{c}" for c in columns)
-    rolled_points = ", ".join(f"min_{c}, max_{c}" for c in columns)
-    aggregates = ", ".join(f"min(lo_{c}), max(hi_{c})" for c in columns)
-    sql = (
-        f"WITH points AS (SELECT (ts_ns - {lo}) / {width} AS b, ts_ns AS ts, ts_ns AS ts0, 1 AS n, {points},"
-        f" step AS s0, step AS s1 FROM sample_rows WHERE {raw_where}"
-        f" UNION ALL SELECT (last_ts_ns - {lo}) / {width}, last_ts_ns, first_ts_ns, samples, {rolled_points},"
-        f" first_step, last_step FROM sample_seconds WHERE {rolled_where})"
-        f" SELECT b, min(ts0), max(ts), sum(n), {aggregates}, min(s0), max(s1) FROM points GROUP BY b ORDER BY b"
-    )
+    # One index range read per bucket: a GROUP BY over a computed bucket number would sort every row first.
+    bounds = ", ".join(f"min({c}), max({c})" for c in columns)
+    raw_sql = (f"SELECT count(*), min(ts_ns), max(ts_ns), min(step), max(step), {bounds} FROM sample_rows"
+               " WHERE run_key = ? AND rank = ? AND ts_ns >= ? AND ts_ns < ?")
+    rolled_bounds = ", ".join(f"min(min_{c}), max(max_{c})" for c in columns)
+    rolled_sql = (f"SELECT sum(samples), min(first_ts_ns), max(last_ts_ns), min(first_step), max(last_step),"
+                  f" {rolled_bounds} FROM sample_seconds WHERE run_key = ? AND rank = ? AND last_ts_ns >= ?"
+                  " AND last_ts_ns < ?")
+    rolled = db.execute("SELECT 1 FROM sample_seconds WHERE run_key = ? AND rank = ? AND last_ts_ns >= ?"
+                        " AND last_ts_ns <= ? LIMIT 1", (key, rank, lo, hi)).fetchone() is not None
     result = []
-    count = len(columns)
-    for row in db.execute(sql, [*raw_params, *rolled_params]):
-        bounds = row[4:4 + 2 * count]
-        result.append(Bucket(
-            row[1], row[2], row[3],
-            {c: bounds[2 * i] for i, c in enumerate(columns)},
-            {c: bounds[2 * i + 1] for i, c in enumerate(columns)},
-            row[-2], row[-1],
-        ))
+    for start in range(lo, hi + 1, width):
+        end = min(start + width, hi + 1)
+        parts = [row for row in [db.execute(raw_sql, (key, rank, start, end)).fetchone(),
+                                 db.execute(rolled_sql, (key, rank, start, end)).fetchone() if rolled else None]
+                 if row is not None and row[0]]
+        if parts:
+            result.append(_merge(parts, columns))
     return result
+
+
+def _merge(parts: list[tuple[Any, ...]], columns: Sequence[str]) -> Bucket:
+    """One bucket from its full-resolution and rolled-up aggregates (count, times, steps, min/max per column)."""
+
+    def pick(index: int, fold: Any) -> Any:
+        values = [part[index] for part in parts if part[index] is not None]
+        return fold(values) if values else None
+
+    return Bucket(
+        pick(1, min), pick(2, max), sum(part[0] for part in parts),
+        {c: pick(5 + 2 * i, min) for i, c in enumerate(columns)},
+        {c: pick(6 + 2 * i, max) for i, c in enumerate(columns)},
+        pick(3, min), pick(4, max),
+    )
