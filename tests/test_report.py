@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,8 @@ from chromium import open_page
 from stored_runs import store_scenario
 
 GiB, MiB = 1 << 30, 1 << 20
+ARTIFACTS = Path(os.environ.get("MEMWATCH_TEST_ARTIFACTS") or Path(__file__).resolve().parent.parent / ".artifacts")
+"""Where the report test keeps its screenshot (git-ignored)."""
 OOM_RED = np.array([0xD6, 0x27, 0x28]) / 255
 PLOT_STATE = """(() => {
   const plot = document.getElementById('memwatch-plot');
@@ -37,7 +40,7 @@ PLOT_STATE = """(() => {
 @pytest.fixture
 def oom_run(runtime_dir: Path, db_path: Path) -> str:
     """Two ranks; rank 1 leaks outside PyTorch from step 200 until out of memory (the sidecar's flags stored)."""
-    return store_scenario("non_torch_leak_tp2", runtime_dir, db_path, detect=True)
+    return store_scenario("non_torch_leak_tp2", runtime_dir, db_path, live=True)
 
 
 def _report(db_path: Path, run: str, out: Path) -> Path:
@@ -60,7 +63,8 @@ def test_html_report_renders_offline_in_headless_chromium(oom_run: str, db_path:
     url = page.as_uri()
     opened = open_page(url, PLOT_STATE)
     state = json.loads(opened.value)
-    artifact = tmp_path / "report-screenshot.png"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    artifact = ARTIFACTS / "report-screenshot.png"
     artifact.write_bytes(opened.screenshot)
     print(f"screenshot kept at {artifact}")
 
