@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("bench_plugin.py", "bench_ingest.py", "bench_detectors.py", "bench_attach.py", "bench_startup.py")
+BENCHMARKS = ("bench_plugin.py", "bench_ingest.py", "bench_detectors.py", "bench_attach.py", "bench_startup.py",
+              "bench_report.py")
 
 
 def main() -> int:

@@ -27,3 +27,8 @@ def test_detector_benchmark_runs() -> None:
 def test_startup_benchmark_runs() -> None:
     out = _run("bench_startup.py", "--repeats", "1")
     assert "ratio memwatch/baseline: --help" in out and "memwatch runs" in out
+
+
+def test_report_benchmark_writes_both_files() -> None:
+    out = _run("bench_report.py", "--samples", "16000", "--repeat", "1")
+    assert "database: 16,000 samples over 8 ranks" in out and "ratio report.html / start-up" in out
