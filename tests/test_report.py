@@ -139,3 +139,13 @@ def test_a_long_rank_is_drawn_from_buckets_that_keep_every_peak(db_path: Path) -
     assert len(points.used) == 2 * len(series)
     short = peak_series(db, "long", 0, buckets=20_000)
     assert not short.downsampled and len(short) == count and short.used_max == [used(i) for i in range(count)]
+
+
+def test_plotting_libraries_load_only_when_a_report_is_written() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, memwatch.cli, memwatch.daemon, memwatch_engine, memwatch_engine.adapters.oom;"
+            " print(sorted(m for m in sys.modules if m.split('.')[0] in ('plotly', 'matplotlib')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
