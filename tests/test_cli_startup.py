@@ -45,7 +45,7 @@ def test_runs_imports_the_store_and_nothing_heavy(tmp_path: Path) -> None:
 
 def test_the_help_list_is_each_commands_own_short_help() -> None:
     for name, short_help in COMMANDS.items():
-        command = importlib.import_module(f"memwatch.cli.{name}").command
+        command = importlib.import_module(f"memwatch.cli.{name.replace('-', '_')}").command
         assert command.name == name
         assert command.get_short_help_str(limit=200) == short_help, name
 

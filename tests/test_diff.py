@@ -69,7 +69,7 @@ def test_what_changed_between_a_healthy_run_and_its_oom(twins: tuple[str, str], 
 def test_drift_slope_is_the_least_squares_slope(db_path: Path) -> None:
     db = open_store(db_path)
     rows = [("r", 0, step, step * 1000, "serve", 0, None, 10 * MiB, 10 * MiB + 3 * step * 1000 + (step % 2) * 500,
-             0, -1, -1, -1, -1, None, 0, -1) for step in range(100)]
+             0, -1, -1, -1, -1, None, 0, -1, -1, -1, -1, -1, -1) for step in range(100)]
     db.conn.executemany(INSERT_SAMPLE, rows)
     db.conn.commit()
     # y = 3000·x + 500·(x mod 2) on x = 0..99: slope 3000 + 500·cov(x, x mod 2)/var(x), where

@@ -125,7 +125,7 @@ def test_a_long_rank_is_drawn_from_buckets_that_keep_every_peak(db_path: Path) -
         return base + (i % 50) * MiB + (3 * GiB if i == spike_at else 0) - (GiB if i == dip_at else 0)
 
     rows = [("long", 0, i, 1_000_000_000 + i * 1_000_000, "serve", 8 * GiB, 8 * GiB, 9 * GiB, used(i),
-             16 * GiB - used(i), -1, -1, -1, -1, "decode", 1, -1) for i in range(count)]
+             16 * GiB - used(i), -1, -1, -1, -1, "decode", 1, -1, -1, -1, -1, -1, -1) for i in range(count)]
     db.conn.executemany(INSERT_SAMPLE, rows)
     db.conn.commit()
     series = peak_series(db, "long", 0, buckets=200)

@@ -29,9 +29,9 @@ COMMANDS: dict[str, str] = {
     "flags": "List the flags stored for a run, in time order.",
     "check": "Check a recorded run's memory ledger.",
     "explain": "Explain how a recorded run ended.",
-    "diff": "Compare two recorded runs rank by rank (ids, unique prefixes or `latest`).",
-    "import-snapshot": "Import a memory snapshot (the pickle torch.cuda.memory._dump_snapshot writes) into a run.",
-    "report": "Write a report of a recorded run as an HTML page or a PNG image.",
+    "report": "Write a report of a recorded run: a self-contained HTML page or a PNG image.",
+    "diff": "Compare two recorded runs of the same setup, rank by rank and term by term.",
+    "import-snapshot": "Import a PyTorch memory snapshot into a recorded run as events.",
     "plan": "Plan KV-cache capacity per rank from a model config, or compare a run with its plan.",
     "attach": "Watch the GPU memory of the running process PID and its child processes.",
     "sim": "Simulate an engine on a virtual GPU, with the real Monitor writing real rings.",
@@ -39,7 +39,7 @@ COMMANDS: dict[str, str] = {
     "sql": "Run one read-only SQL query on the database and print its rows.",
     "prune": "Roll samples older than --keep-full up per second per rank, keep the evidence, reclaim space.",
 }
-"""Every command: its module under ``memwatch.cli`` (same name) and its short help."""
+"""Every command: its module under ``memwatch.cli`` (same name, ``-`` as ``_``) and its short help."""
 
 
 class MemwatchGroup(click.Group):

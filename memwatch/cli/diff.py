@@ -18,7 +18,9 @@ from .options import db_option, json_option
 @db_option
 @json_option
 def command(run_a: str, run_b: str, db_path: Path | None, as_json: bool) -> None:
-    """Compare two recorded runs rank by rank (ids, unique prefixes or `latest`).
+    """Compare two recorded runs of the same setup, rank by rank and term by term.
+
+    RUN_A and RUN_B are run ids, unique prefixes or `latest`.
 
     The KV sizing's terms (weights, activation reserve, non-PyTorch, blocks, budget), what serving did
     (allocator peak while serving, peak driver use, least free, non-PyTorch drift slope, preemptions), the flags

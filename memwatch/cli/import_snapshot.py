@@ -21,7 +21,9 @@ from .options import db_option, json_option
 @db_option
 @json_option
 def command(file: Path, run: str, rank: int | None, db_path: Path | None, as_json: bool) -> None:
-    """Import a memory snapshot (the pickle torch.cuda.memory._dump_snapshot writes) into a run.
+    """Import a PyTorch memory snapshot into a recorded run as events.
+
+    FILE is the pickle torch.cuda.memory._dump_snapshot writes.
 
     Adds events to the run: the largest live allocations with their top frames, the segments the
     allocator grew by, and the trace's out-of-memory entry (with the requested bytes and what CUDA

@@ -20,7 +20,9 @@ from .options import db_option
 @click.option("--buckets", type=click.IntRange(50, 100_000), default=DEFAULT_BUCKETS, show_default=True,
               help="Time buckets per rank for long runs (each keeps its min and max, so no peak is lost).")
 def command(run: str, db_path: Path | None, output: Path, buckets: int) -> None:
-    """Write a report of a recorded run. RUN is a run id, a unique prefix, or `latest`.
+    """Write a report of a recorded run: a self-contained HTML page or a PNG image.
+
+    RUN is a run id, a unique prefix, or `latest`.
 
     The HTML page holds everything in one file (plotly's JavaScript inlined; it makes no network
     request): per rank the ledger stacked against total × utilization with the driver's used line,

@@ -10,14 +10,15 @@ run ended, plus the engine settings that differ. A term is listed as changed whe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Any
 
 from memwatch.report.facts import RankFacts, rank_facts
 from memwatch.report.run_data import RunData, load_run_data
 from memwatch.store.queries import Run
 from memwatch.units import format_bytes
+
+if TYPE_CHECKING:
+    from memwatch.store.db import Database
 
 MiB = 1 << 20
 BYTES_TOLERANCE = 1 * MiB
@@ -44,7 +45,7 @@ TERMS: tuple[tuple[str, str], ...] = (
 )
 
 
-def drift_slope(db: sqlite_utils.Database, run_id: str, rank: int) -> float | None:
+def drift_slope(db: Database, run_id: str, rank: int) -> float | None:
     """Least-squares slope of non-PyTorch memory (used − reserved) over serving steps, bytes per step."""
     where = ("run_id = ? AND rank = ? AND phase = 'serve' AND driver_used_bytes IS NOT NULL"
              " AND reserved_bytes IS NOT NULL")
@@ -143,7 +144,7 @@ def _config_changes(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any
             if key not in skip and a.get(key) != b.get(key)}
 
 
-def diff_data(db: sqlite_utils.Database, a: RunData, b: RunData) -> RunDiff:
+def diff_data(db: Database, a: RunData, b: RunData) -> RunDiff:
     """Compare two loaded runs (drift slopes are asked of ``db``)."""
     ranks_a = {rank.rank: rank for rank in a.ranks}
     ranks_b = {rank.rank: rank for rank in b.ranks}
@@ -157,7 +158,7 @@ def diff_data(db: sqlite_utils.Database, a: RunData, b: RunData) -> RunDiff:
                    tuple(sorted(set(ranks_a) - set(ranks_b))), tuple(sorted(set(ranks_b) - set(ranks_a))))
 
 
-def diff_runs(db: sqlite_utils.Database, ref_a: str, ref_b: str) -> RunDiff:
+def diff_runs(db: Database, ref_a: str, ref_b: str) -> RunDiff:
     """:func:`diff_data` on two stored runs (ids, unique prefixes or ``latest``)."""
     return diff_data(db, load_run_data(db, ref_a, DIFF_BUCKETS), load_run_data(db, ref_b, DIFF_BUCKETS))
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-
-import sqlite_utils
+from typing import TYPE_CHECKING
 
 from memwatch.errors import NotFoundError, PermissionDeniedError, UsageError
 from memwatch.report.explain import explain_run, render_explanation
 from memwatch.report.run_data import load_run_data
 from memwatch.report.series import DEFAULT_BUCKETS
+
+if TYPE_CHECKING:
+    from memwatch.store.db import Database
 
 FORMATS = {".html": "html", ".htm": "html", ".png": "png"}
 
@@ -24,7 +26,7 @@ def report_format(path: Path) -> str:
     return fmt
 
 
-def write_report(db: sqlite_utils.Database, ref: str, path: str | os.PathLike[str], *,
+def write_report(db: Database, ref: str, path: str | os.PathLike[str], *,
                  buckets: int = DEFAULT_BUCKETS) -> Path:
     """Write the report of run ``ref`` to ``path`` (HTML or PNG by its suffix); returns the absolute path."""
     path = Path(path).expanduser().absolute()

@@ -12,9 +12,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Any
 
 from memwatch.flags import Flag
 from memwatch.ledger import Ledger
@@ -23,6 +21,9 @@ from memwatch.report.series import DEFAULT_BUCKETS, Series, peak_series
 from memwatch.store import open_store
 from memwatch.store.queries import Run, events, get_run, run_ranks
 from memwatch.store.window import run_key
+
+if TYPE_CHECKING:
+    from memwatch.store.db import Database
 
 STACK_TERMS: tuple[tuple[str, str], ...] = (
     ("weights", "weights"),
@@ -83,7 +84,7 @@ class RunData:
     ranks: list[RankData]
 
 
-def _flags(db: sqlite_utils.Database, run_id: str) -> list[Flag]:
+def _flags(db: Database, run_id: str) -> list[Flag]:
     rows = db.execute(
         "SELECT run_id, rank, step, ts_ns, kind, severity, message, data FROM flags WHERE run_id = ?"
         " ORDER BY ts_ns, rowid", (run_id,),
@@ -148,7 +149,7 @@ def _stack(points: Points, allocated: int, reserved: int | None, used: int | Non
         points.stack[key].append(value)
 
 
-def _sample_ranks(db: sqlite_utils.Database, run_id: str) -> list[int]:
+def _sample_ranks(db: Database, run_id: str) -> list[int]:
     """The ranks with samples, one index seek each (a DISTINCT would walk every sample)."""
     key = run_key(db, run_id)
     ranks: list[int] = []
@@ -165,7 +166,7 @@ def _sample_ranks(db: sqlite_utils.Database, run_id: str) -> list[int]:
     return sorted(set(ranks))
 
 
-def _all_series(db: sqlite_utils.Database, run_id: str, ranks: list[int], buckets: int) -> list[Series]:
+def _all_series(db: Database, run_id: str, ranks: list[int], buckets: int) -> list[Series]:
     """Each rank's series; ranks are read in parallel on their own read-only connections (SQLite runs
     without the GIL), since reading every sample of a long run is most of a report's time."""
     path = next((row[2] for row in db.execute("PRAGMA database_list") if row[1] == "main"), "")
@@ -183,7 +184,7 @@ def _all_series(db: sqlite_utils.Database, run_id: str, ranks: list[int], bucket
         return list(pool.map(one, ranks))
 
 
-def load_run_data(db: sqlite_utils.Database, ref: str, buckets: int = DEFAULT_BUCKETS) -> RunData:
+def load_run_data(db: Database, ref: str, buckets: int = DEFAULT_BUCKETS) -> RunData:
     """The run ``ref`` (id, unique prefix or ``latest``) ready to draw, at most ``buckets`` buckets per rank."""
     run = get_run(db, ref)
     all_flags = _flags(db, run.run_id)

@@ -11,10 +11,12 @@ has min = max; a rolled-up second keeps its own min and max).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import sqlite_utils
+from typing import TYPE_CHECKING
 
 from memwatch.store.window import Bucket, downsampled, run_key, window_rows
+
+if TYPE_CHECKING:
+    from memwatch.store.db import Database
 
 DEFAULT_BUCKETS = 1500
 
@@ -67,13 +69,13 @@ class Series:
             getattr(self, f"{name}_max").append(bucket.maximum.get(column))
 
 
-def _stored_count(db: sqlite_utils.Database, key: int, rank: int) -> int:
+def _stored_count(db: Database, key: int, rank: int) -> int:
     raw = db.execute("SELECT count(*) FROM sample_rows WHERE run_key = ? AND rank = ?", (key, rank)).fetchone()[0]
     rolled = db.execute("SELECT count(*) FROM sample_seconds WHERE run_key = ? AND rank = ?", (key, rank)).fetchone()
     return raw + rolled[0]
 
 
-def peak_series(db: sqlite_utils.Database, run_id: str, rank: int, buckets: int = DEFAULT_BUCKETS) -> Series:
+def peak_series(db: Database, run_id: str, rank: int, buckets: int = DEFAULT_BUCKETS) -> Series:
     """The rank's timeline in time order, reduced to at most ``buckets`` min/max buckets when longer than 2×."""
     series = Series()
     key = run_key(db, run_id)

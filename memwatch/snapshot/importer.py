@@ -18,15 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Any
 
 from memwatch.errors import UsageError
 from memwatch.records import Event
 from memwatch.snapshot.reader import Frame, MemorySnapshot, TraceEntry, read_snapshot
 from memwatch.store.queries import Run, events, get_run
 from memwatch.store.writer import INSERT_EVENT
+
+if TYPE_CHECKING:
+    from memwatch.store.db import Database
 
 TOP_ALLOCATIONS = 10
 TOP_FRAMES = 5
@@ -52,7 +53,7 @@ def _frames(frames: tuple[Frame, ...]) -> list[dict[str, Any]]:
     return [f.to_dict() for f in list(useful)[:TOP_FRAMES]]
 
 
-def _step_at(db: sqlite_utils.Database, run_id: str, rank: int, ts_ns: int) -> int:
+def _step_at(db: Database, run_id: str, rank: int, ts_ns: int) -> int:
     row = db.execute(
         "SELECT step FROM samples WHERE run_id = ? AND rank = ? AND ts_ns <= ? ORDER BY ts_ns DESC LIMIT 1",
         (run_id, rank, ts_ns),
@@ -60,7 +61,7 @@ def _step_at(db: sqlite_utils.Database, run_id: str, rank: int, ts_ns: int) -> i
     return int(row[0]) if row and row[0] is not None else 0
 
 
-def _moment(db: sqlite_utils.Database, run_id: str, rank: int, snapshot: MemorySnapshot,
+def _moment(db: Database, run_id: str, rank: int, snapshot: MemorySnapshot,
             oom_event: Event | None) -> int:
     oom_entry = next((t for t in reversed(snapshot.traces) if t.action == "oom" and t.time_us), None)
     if oom_entry is not None:
@@ -73,7 +74,7 @@ def _moment(db: sqlite_utils.Database, run_id: str, rank: int, snapshot: MemoryS
     return int(row[0] or 0) if row else 0
 
 
-def snapshot_events(db: sqlite_utils.Database, run_id: str, rank: int, snapshot: MemorySnapshot, *,
+def snapshot_events(db: Database, run_id: str, rank: int, snapshot: MemorySnapshot, *,
                     path: str, sha256: str, oom_event: Event | None = None) -> list[Event]:
     """The events a snapshot adds to ``rank`` of ``run_id`` (reads only the run's samples and events).
 
@@ -125,7 +126,7 @@ def _entry(entry: TraceEntry) -> dict[str, Any]:
             "frames": _frames(entry.frames)}
 
 
-def _rank_for(db: sqlite_utils.Database, run: Run, path: Path, rank: int | None) -> int:
+def _rank_for(db: Database, run: Run, path: Path, rank: int | None) -> int:
     ranks = [int(r[0]) for r in db.execute("SELECT rank FROM ranks WHERE run_id = ? ORDER BY rank", (run.run_id,))]
     if rank is not None:
         if ranks and rank not in ranks:
@@ -139,7 +140,7 @@ def _rank_for(db: sqlite_utils.Database, run: Run, path: Path, rank: int | None)
     return ranks[0] if ranks else 0
 
 
-def import_snapshot(db: sqlite_utils.Database, ref: str, path: str | Path, *, rank: int | None = None) -> ImportResult:
+def import_snapshot(db: Database, ref: str, path: str | Path, *, rank: int | None = None) -> ImportResult:
     """Read ``path`` and store its events on ``ref``'s rank (the one whose OOM wrote it, else ``rank`` or the first).
 
     Importing the same file (by content) into the same run twice stores nothing the second time.
