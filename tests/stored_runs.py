@@ -14,7 +14,7 @@ START_NS = 1_700_000_000_000_000_000
 
 
 def store_scenario(name: str | Path, runtime_dir: Path, db_path: Path, *, live: bool = False) -> str:
-    """Run a scenario (a shipped name or a file) into ``runtime_dir``, store its rings into ``db_path``; returns the run id.
+    """Run a scenario (shipped name or file) into ``runtime_dir``, store its rings into ``db_path``; returns the run id.
 
     ``live`` runs the sidecar's live detectors too (flags and per-rank summaries stored as they go).
     """
