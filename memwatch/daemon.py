@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from memwatch_engine.runtime import LOCK_NAME, PID_NAME, RuntimeDirError, ensure_runtime_dir
 
@@ -31,6 +32,9 @@ from .store.db import default_db_path, open_store
 from .store.queries import events
 from .store.retention import Retention, plan_run
 from .store.writer import Batch, StoreWriter
+
+if TYPE_CHECKING:  # the exporters (OpenTelemetry) are imported only by a sidecar that runs them
+    from .export import Exporters
 
 log = logging.getLogger("memwatch.serve")
 
@@ -55,6 +59,7 @@ class Sidecar:
         detector_config: DetectorConfig | None = None,
         retention: Retention | None = None,
         retention_interval: float = 30.0,
+        exporters: Exporters | None = None,
     ) -> None:
         try:
             self.runtime_dir = ensure_runtime_dir(runtime_dir)
@@ -70,6 +75,7 @@ class Sidecar:
         self.retention = retention if retention is not None else Retention()
         self.retention_interval = retention_interval
         self._retained: set[str] = set()
+        self.exporters = exporters
         self._stop = threading.Event()
         self._lock_fd: int | None = None
 
@@ -79,11 +85,25 @@ class Sidecar:
         self.writer = StoreWriter(self.db)
         self.writer.start()
         observers = self._observers
+        exporters = self.exporters
+        if exporters is not None:
+            try:
+                exporters.start()
+            except Exception:
+                self.exporters = None
+                self.close()
+                raise
+            observers = [exporters.state, *observers]
         if self.detect:
-            observers = [*observers, LiveDetectors(self.detector_config, stored_events=self._stored_events)]
+            on_flag = None if exporters is None else exporters.state.on_flag
+            observers = [*observers, LiveDetectors(self.detector_config, stored_events=self._stored_events,
+                                                   on_flag=on_flag)]
         self.snapshots = SnapshotImporter(self.writer, lambda: open_store(self.db_path, readonly=True))
         observers = [*observers, self.snapshots]
         self.collector = Collector(self.runtime_dir, self.db_path, self.writer, observers=observers)
+        if exporters is not None:
+            rings = self.collector.rings
+            exporters.watch_losses(lambda: [(s.header.run_id, s.header.rank, s.lost) for s in tuple(rings.values())])
 
     def _stored_events(self, run_id: str) -> list[Event]:
         reader = open_store(self.db_path, readonly=True)
@@ -171,6 +191,9 @@ class Sidecar:
         writer = getattr(self, "writer", None)
         if writer is not None and writer.is_alive():
             writer.close()
+        if self.exporters is not None:
+            self.exporters.close()
+            self.exporters = None
         if self._lock_fd is not None:
             try:
                 (self.runtime_dir / PID_NAME).unlink()

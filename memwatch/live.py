@@ -9,7 +9,7 @@ its detectors afresh from the first records it reads; a run's sizing event read 
 from the store so that the ledger is complete. Next to the detectors, each rank's
 :class:`~memwatch.detectors.RankSummary` is kept and stored with every batch (``rank_summaries``), so
 ``check`` and ``explain`` need not replay the run; a restarted sidecar stores its summaries as
-incomplete, and those readers replay instead.
+incomplete, and those readers replay instead. Each flag is also handed to ``on_flag`` (the exporters).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class LiveDetectors:
         config: DetectorConfig | None = None,
         stored_events: Callable[[str], Iterable[Event]] | None = None,
         nvml_query: Callable[[int], list[GpuProcess] | None] | None = None,
+        on_flag: Callable[[Flag], None] | None = None,
     ) -> None:
         self._config = config
         self._stored_events = stored_events
@@ -54,6 +55,7 @@ class LiveDetectors:
         self._open_ranks: dict[str, set[int]] = {}
         self._writer_pids: dict[str, set[int]] = {}
         self._nvml_query = nvml_query
+        self._on_flag = on_flag
         self.flags_raised = 0
         self._summaries: dict[str, dict[int, RankSummary]] = {}
         self._complete: dict[str, bool] = {}
@@ -89,6 +91,8 @@ class LiveDetectors:
                 log.log(_LEVELS.get(flag.severity, logging.WARNING), "run %s rank %d step %d: %s [%s]",
                         flag.run_id, flag.rank, flag.step, flag.message, flag.kind)
                 rows.append(flag_row(flag))
+                if self._on_flag is not None:
+                    self._on_flag(flag)
         self.flags_raised += len(rows)
         return rows
 

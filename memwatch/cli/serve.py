@@ -29,13 +29,36 @@ from .options import db_option, thresholds_option
               help="Keep this much of the end of every run at full resolution; older samples are rolled up per second.")
 @click.option("--keep-evidence", default=f"{DEFAULT_EVIDENCE_NS // 10**9}s", show_default=True,
               help="Keep this much either side of every flag and OOM at full resolution.")
+@click.option("--prometheus", metavar="[HOST:]PORT", default=None,
+              help="Serve metrics for Prometheus to scrape at http://HOST:PORT/metrics (host 127.0.0.1 unless "
+                   "given; env MEMWATCH_PROMETHEUS).")
+@click.option("--otlp", metavar="[ENDPOINT]", is_flag=False, flag_value="1", default=None,
+              help="Push metrics and flag log records over OTLP/HTTP (protobuf) to ENDPOINT, e.g. "
+                   "http://collector:4318; without one, OTEL_EXPORTER_OTLP_ENDPOINT or localhost:4318 "
+                   "(env MEMWATCH_OTLP).")
+@click.option("--console", "console", is_flag=True, default=False,
+              help="Print metrics and flag log records to stdout every export period (env MEMWATCH_CONSOLE=1).")
 def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float,
             exit_when_idle: float | None, quiet_if_running: bool, no_detect: bool,
-            detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str) -> None:
-    """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C)."""
+            detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str,
+            prometheus: str | None, otlp: str | None, console: bool) -> None:
+    """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).
+
+    With --prometheus, --otlp or --console (or their MEMWATCH_* variables, or OTEL_METRICS_EXPORTER)
+    it also exports each live rank's GPU memory, ledger and flags as OpenTelemetry metrics.
+    """
+    from ..export.config import export_config
+
     retention = Retention(parse_duration_ns(keep_full), parse_duration_ns(keep_evidence))
+    config = export_config(prometheus, otlp, console)
+    exporters = None
+    if config.enabled:
+        from ..export.pipeline import Exporters
+
+        exporters = Exporters(config)
     sidecar = Sidecar(runtime_dir, db_path, poll_interval=poll_interval, exit_when_idle=exit_when_idle,
-                      detect=not no_detect, detector_config=detector_config, retention=retention)
+                      detect=not no_detect, detector_config=detector_config, retention=retention,
+                      exporters=exporters)
     sidecar.install_signal_handlers()  # before the lock: whoever sees the lock may signal us at once
     try:
         sidecar.start()
@@ -45,6 +68,9 @@ def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float
         raise
     logging.getLogger("memwatch").setLevel(min(logging.getLogger().level, logging.INFO))
     click.echo(f"memwatch serve: rings in {sidecar.runtime_dir}, database {sidecar.db_path}", err=True)
+    if exporters is not None:
+        where = exporters.describe()
+        click.echo(f"memwatch serve: exporting to {', '.join(where)}", err=True)
     sidecar.run()
     c = sidecar.collector
     click.echo(f"memwatch serve: stopped after {c.records_total} records ({c.lost_total} lost)", err=True)

@@ -1,0 +1,122 @@
+"""The metrics memwatch exports, as asynchronous OpenTelemetry instruments read from an :class:`ExportState`.
+
+Device level follows the OpenTelemetry hardware conventions (``hw.gpu.memory.usage``, ``.limit``,
+``.utilization``); everything engine-specific is ``memwatch.*`` in bytes. The ledger metrics are
+named after :data:`memwatch.report.check.LEDGER_TERMS` — the terms ``memwatch check`` prints — so the
+two never disagree. Every instrument is observed at collection time (a scrape, a periodic export),
+never on the ingest path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from ..report.check import LEDGER_TERMS
+from .state import ExportState, RankSeries
+
+
+class MetricSpec(NamedTuple):
+    """One exported metric: its name, unit, instrument kind and what it reads from a rank."""
+
+    name: str
+    unit: str
+    kind: str
+    """``gauge``, ``updown`` (non-monotonic sum) or ``counter`` (monotonic sum)."""
+    description: str
+    read: Callable[[RankSeries], int | float | None]
+
+
+def _sample_field(name: str) -> Callable[[RankSeries], int | None]:
+    def read(series: RankSeries) -> int | None:
+        return None if series.last is None else getattr(series.last, name)
+    return read
+
+
+def _term(name: str) -> Callable[[RankSeries], int | None]:
+    def read(series: RankSeries) -> int | None:
+        return None if series.terms is None else getattr(series.terms, name)
+    return read
+
+
+def _utilization(series: RankSeries) -> float | None:
+    used, limit = _sample_field("driver_used_bytes")(series), series.limit_bytes
+    return None if used is None or not limit else used / limit
+
+
+def ledger_metric_name(term: str) -> str:
+    """``budget_bytes`` -> ``memwatch.budget`` (Prometheus: ``memwatch_budget_bytes``)."""
+    return "memwatch." + term.removesuffix("_bytes")
+
+
+HARDWARE_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("hw.gpu.memory.usage", "By", "updown", "GPU memory used (driver)", _sample_field("driver_used_bytes")),
+    MetricSpec("hw.gpu.memory.limit", "By", "updown", "Size of the GPU memory", lambda s: s.limit_bytes),
+    MetricSpec("hw.gpu.memory.utilization", "1", "gauge", "Fraction of GPU memory used", _utilization),
+)
+
+ALLOCATOR_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("memwatch.allocated", "By", "gauge", "PyTorch allocator: bytes in live tensors",
+               _sample_field("allocated_bytes")),
+    MetricSpec("memwatch.reserved", "By", "gauge", "PyTorch allocator: bytes reserved from the driver",
+               _sample_field("reserved_bytes")),
+    MetricSpec("memwatch.peak", "By", "gauge", "PyTorch allocator: peak allocated bytes", _sample_field("peak_bytes")),
+)
+
+LEDGER_METRICS: tuple[MetricSpec, ...] = tuple(
+    MetricSpec(ledger_metric_name(term), "By", "gauge", f"Ledger: {label}", _term(term)) for term, label in LEDGER_TERMS
+)
+
+KV_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("memwatch.kv.blocks.used", "{block}", "gauge", "KV cache blocks in use",
+               _sample_field("kv_blocks_used")),
+    MetricSpec("memwatch.kv.blocks.total", "{block}", "gauge", "KV cache blocks allocated",
+               _sample_field("kv_blocks_total")),
+)
+
+COUNTER_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("memwatch.samples", "{sample}", "counter", "Samples ingested", lambda s: s.samples),
+    MetricSpec("memwatch.preemptions", "{preemption}", "counter", "Requests preempted by the engine",
+               lambda s: s.preemptions),
+    MetricSpec("memwatch.ooms", "{oom}", "counter", "Out-of-memory errors", lambda s: s.ooms),
+    MetricSpec("memwatch.ring.records_lost", "{record}", "counter",
+               "Ring records overwritten before the sidecar read them", lambda s: s.lost),
+)
+
+METRICS: tuple[MetricSpec, ...] = HARDWARE_METRICS + ALLOCATOR_METRICS + LEDGER_METRICS + KV_METRICS + COUNTER_METRICS
+"""Every per-rank metric; ``memwatch.flags`` (by kind and severity) comes on top."""
+
+FLAGS_METRIC = "memwatch.flags"
+
+
+def _observe(state: ExportState, spec: MetricSpec) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    hardware = spec.name.startswith("hw.")
+
+    def callback(options: CallbackOptions) -> Iterable[Observation]:
+        observations = []
+        for series in state.snapshot():
+            value = spec.read(series)
+            if value is not None:
+                attributes = {**series.attributes, **series.hardware} if hardware else series.attributes
+                observations.append(Observation(value, attributes))
+        return observations
+    return callback
+
+
+def _observe_flags(state: ExportState) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def callback(options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(count, {**series.attributes, "kind": kind, "severity": severity})
+                for series in state.snapshot() for kind, severity, count in state.flag_counts(series)]
+    return callback
+
+
+def register_instruments(meter: Meter, state: ExportState) -> None:
+    """Create every instrument on ``meter``, each reading ``state`` when collected."""
+    makers = {"gauge": meter.create_observable_gauge, "updown": meter.create_observable_up_down_counter,
+              "counter": meter.create_observable_counter}
+    for spec in METRICS:
+        makers[spec.kind](spec.name, callbacks=[_observe(state, spec)], unit=spec.unit, description=spec.description)
+    meter.create_observable_counter(FLAGS_METRIC, callbacks=[_observe_flags(state)], unit="{flag}",
+                                    description="Flags the live detectors raised, by kind and severity")

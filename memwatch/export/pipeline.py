@@ -1,0 +1,114 @@
+"""The sidecar's exporters put together: one state, one meter provider, one logger provider.
+
+:class:`Exporters` owns the :class:`ExportState` the collector feeds, the OpenTelemetry providers
+with a reader per chosen exporter (Prometheus pull, OTLP and console push), and the flag log
+records. ``close()`` stops them all against one deadline, so a sidecar's stop never waits on an
+unreachable collector for longer than that.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterable
+from importlib.metadata import PackageNotFoundError, version
+
+from opentelemetry.sdk._logs import LoggerProvider
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, ConsoleLogRecordExporter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+from .config import ExportConfig
+from .flag_logs import FlagLogger
+from .instruments import register_instruments
+from .otlp import ResilientLogExporter, ResilientMetricExporter, quiet_sdk_loggers, signal_endpoint
+from .prometheus import PrometheusEndpoint
+from .state import ExportState
+
+log = logging.getLogger("memwatch.export")
+
+SCOPE = "memwatch"
+CLOSE_SECONDS = 5.0
+"""The deadline for a last export when the sidecar stops."""
+
+
+def _version() -> str:
+    try:
+        return version("memwatch")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def sidecar_resource() -> Resource:
+    """The resource of ``OTEL_RESOURCE_ATTRIBUTES``/``OTEL_SERVICE_NAME``; ``service.name`` memwatch by default."""
+    detected = Resource.create()
+    if str(detected.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        detected = detected.merge(Resource({SERVICE_NAME: "memwatch", "service.version": _version()}))
+    return detected
+
+
+class Exporters:
+    """Every exporter the sidecar runs, fed by one :class:`ExportState` (the collector observer)."""
+
+    def __init__(self, config: ExportConfig, *, readers: Iterable[MetricReader] = (),
+                 log_exporters: Iterable[object] = ()) -> None:
+        self.config = config
+        self.state = ExportState(linger=config.linger)
+        self.prometheus: PrometheusEndpoint | None = None
+        self.otlp_metrics: ResilientMetricExporter | None = None
+        self.otlp_logs: ResilientLogExporter | None = None
+        self._readers = list(readers)
+        self._log_exporters = list(log_exporters)
+        self.meter_provider: MeterProvider | None = None
+        self.logger_provider: LoggerProvider | None = None
+
+    def start(self) -> None:
+        """Open the endpoint and start the readers; raises :class:`UnavailableError` on a taken port."""
+        config = self.config
+        readers = list(self._readers)
+        log_exporters = list(self._log_exporters)
+        if config.otlp is not None:
+            quiet_sdk_loggers()
+        if config.prometheus is not None:
+            self.prometheus = PrometheusEndpoint(*config.prometheus)
+            self.prometheus.start()
+            readers.append(self.prometheus.reader)
+        if config.otlp is not None:
+            self.otlp_metrics = ResilientMetricExporter(signal_endpoint(config.otlp, "metrics"))
+            self.otlp_logs = ResilientLogExporter(signal_endpoint(config.otlp, "logs"))
+            readers.append(PeriodicExportingMetricReader(self.otlp_metrics))
+            log_exporters.append(self.otlp_logs)
+        if config.console:
+            readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stdout)))
+            log_exporters.append(ConsoleLogRecordExporter(out=sys.stdout))
+        resource = sidecar_resource()
+        self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+        register_instruments(self.meter_provider.get_meter(SCOPE, _version()), self.state)
+        if log_exporters:
+            self.logger_provider = LoggerProvider(resource=resource)
+            for exporter in log_exporters:
+                self.logger_provider.add_log_record_processor(BatchLogRecordProcessor(exporter))
+            self.state.add_flag_listener(FlagLogger(self.logger_provider.get_logger(SCOPE, _version()), self.state))
+
+    def describe(self) -> list[str]:
+        """Where each exporter sends (the Prometheus port as bound, for port 0)."""
+        where = self.config.describe()
+        if self.prometheus is not None:
+            where[0] = f"Prometheus on http://{self.prometheus.host}:{self.prometheus.port}/metrics"
+        return where
+
+    def watch_losses(self, source: Callable[[], Iterable[tuple[str, int, int]]]) -> None:
+        """Where to read (run id, rank, records lost) of the rings being drained."""
+        self.state.set_lost_records(source)
+
+    def close(self) -> None:
+        """A last export of everything, bounded by :data:`CLOSE_SECONDS`; then the endpoint goes."""
+        millis = CLOSE_SECONDS * 1000
+        if self.logger_provider is not None:
+            self.logger_provider.force_flush(int(millis))
+            self.logger_provider.shutdown()
+        if self.meter_provider is not None:
+            self.meter_provider.shutdown(timeout_millis=millis)
+        if self.prometheus is not None:
+            self.prometheus.close()

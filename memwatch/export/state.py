@@ -1,0 +1,187 @@
+"""What the exporters publish: the latest readings, ledger and counts of every live rank, kept in memory.
+
+:class:`ExportState` is a collector observer (beside the live detectors). It folds each drained batch
+into one :class:`RankSeries` per run and rank: the events go through the rank's own
+:class:`~memwatch.ledger.Ledger` (so the sizing is known), counters move, and only the batch's last
+sample is turned into ledger terms (the ledger is pure per sample, so the last one is all an exporter
+ever reports). The metric callbacks read a snapshot of it from the exporters' threads.
+
+Cardinality stays bounded: a rank's series are dropped ``linger`` seconds after its ring finished
+(long enough for a scrape or a periodic export to see the final counts), so a run's series stop
+when the run ends.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from memwatch_engine.ring import RingHeader
+
+from ..flags import FLAG_KINDS, SEVERITIES, Flag
+from ..ledger import Ledger, LedgerTerms
+from ..records import Event, Sample
+
+DEFAULT_LINGER_SECONDS = 60.0
+"""How long a finished rank's series stay published: one default OTLP export interval and scrape."""
+
+
+def run_attributes(header: RingHeader) -> dict[str, Any]:
+    """The attributes every series of one rank carries: run id, rank, engine, model, host, pid."""
+    meta = header.meta
+    return {
+        "run_id": header.run_id,
+        "rank": header.rank,
+        "engine": str(meta.get("engine") or "unknown"),
+        "model": str(meta.get("model") or "unknown"),
+        "host": str(meta.get("hostname") or "unknown"),
+        "pid": header.writer_pid,
+    }
+
+
+def hardware_attributes(header: RingHeader) -> dict[str, Any]:
+    """The OpenTelemetry hardware attributes of the rank's GPU, as far as the engine said."""
+    meta = header.meta
+    name = meta.get("gpu_name")
+    index = meta.get("device_index")
+    attributes: dict[str, Any] = {
+        "hw.id": str(meta.get("gpu_uuid") or (index if index is not None else "unknown")),
+        "hw.type": "gpu",
+    }
+    if name:
+        attributes["hw.name"] = str(name)
+        vendor = next((v for v in ("NVIDIA", "AMD", "Intel") if str(name).upper().startswith(v.upper())), None)
+        if vendor is not None:
+            attributes["hw.vendor"] = vendor
+    return attributes
+
+
+@dataclass
+class RankSeries:
+    """Everything published for one rank of one run."""
+
+    attributes: dict[str, Any]
+    hardware: dict[str, Any]
+    total_bytes: int | None
+    ledger: Ledger = field(default_factory=Ledger)
+    last: Sample | None = None
+    terms: LedgerTerms | None = None
+    samples: int = 0
+    preemptions: int = 0
+    ooms: int = 0
+    lost: int = 0
+    flags: Counter[tuple[str, str]] = field(default_factory=Counter)
+    ended_at: float | None = None
+
+    @property
+    def limit_bytes(self) -> int | None:
+        """The GPU's size: what the engine reported, else used + free of the last sample."""
+        if self.total_bytes:
+            return self.total_bytes
+        last = self.last
+        if last is None or last.driver_used_bytes is None or last.driver_free_bytes is None:
+            return None
+        return last.driver_used_bytes + last.driver_free_bytes
+
+
+class ExportState:
+    """Collector observer that keeps the exported view of every live rank (thread-safe snapshots)."""
+
+    def __init__(self, *, linger: float = DEFAULT_LINGER_SECONDS, clock: Callable[[], float] = time.monotonic,
+                 lost_records: Callable[[], Iterable[tuple[str, int, int]]] | None = None) -> None:
+        self.linger = linger
+        self._clock = clock
+        self._lost_records = lost_records
+        self._lock = threading.Lock()
+        self._ranks: dict[tuple[str, int], RankSeries] = {}
+        self._flag_listeners: list[Callable[[Flag], None]] = []
+
+    def add_flag_listener(self, listener: Callable[[Flag], None]) -> None:
+        """Call ``listener`` with every flag after it is counted (the log-record exporter)."""
+        self._flag_listeners.append(listener)
+
+    def set_lost_records(self, source: Callable[[], Iterable[tuple[str, int, int]]]) -> None:
+        """Where ring losses are read: (run id, rank, records lost) of every ring being drained."""
+        self._lost_records = source
+
+    # -- fed by the collector's thread -----------------------------------------------------------------
+
+    def __call__(self, header: RingHeader, records: list[Sample | Event]) -> tuple[()]:
+        key = (header.run_id, header.rank)
+        with self._lock:
+            series = self._ranks.get(key)
+            if series is None:
+                series = self._ranks[key] = RankSeries(run_attributes(header), hardware_attributes(header),
+                                                       header.meta.get("gpu_total_bytes"))
+            ledger = series.ledger
+            last = None
+            samples = 0
+            for record in records:
+                if type(record) is Sample:
+                    last = record
+                    samples += 1
+                    continue
+                ledger.on_event(record)
+                if record.kind == "preemption":
+                    count = record.data.get("count", 1) if isinstance(record.data, dict) else 1
+                    series.preemptions += count if isinstance(count, int) and count > 0 else 1
+                elif record.kind == "oom":
+                    series.ooms += 1
+            series.samples += samples
+            if last is not None:
+                if last.kv_blocks_total is None and series.last is not None:  # a sample without the KV view
+                    last = last._replace(kv_blocks_used=series.last.kv_blocks_used,
+                                         kv_blocks_total=series.last.kv_blocks_total)
+                series.last = last
+                series.terms = ledger.on_sample(last)
+            elif records and series.last is not None:  # a sizing event changes the terms of the last sample
+                series.terms = ledger.on_sample(series.last)
+        return ()
+
+    def on_flag(self, flag: Flag) -> None:
+        """Count a flag the live detectors raised, then hand it to the listeners."""
+        with self._lock:
+            series = self._ranks.get((flag.run_id, flag.rank))
+            if series is not None:
+                series.flags[(flag.kind, flag.severity)] += 1
+        for listener in self._flag_listeners:
+            listener(flag)
+
+    def finished(self, header: RingHeader) -> None:
+        """The rank's ring is done: its series linger, then go."""
+        with self._lock:
+            series = self._ranks.get((header.run_id, header.rank))
+            if series is not None:
+                series.ended_at = self._clock()
+
+    # -- read by the exporters' threads ----------------------------------------------------------------
+
+    def attributes_of(self, run_id: str, rank: int) -> dict[str, Any]:
+        """The attributes of a rank's series (just run id and rank for a rank not seen yet)."""
+        with self._lock:
+            series = self._ranks.get((run_id, rank))
+            return dict(series.attributes) if series is not None else {"run_id": run_id, "rank": rank}
+
+    def snapshot(self) -> list[RankSeries]:
+        """The live ranks (and those still lingering), oldest first; drops those whose linger is over."""
+        now = self._clock()
+        with self._lock:
+            for key in [k for k, s in self._ranks.items() if s.ended_at is not None and now - s.ended_at > self.linger]:
+                del self._ranks[key]
+            if self._lost_records is not None:
+                for run_id, rank, lost in self._lost_records():
+                    series = self._ranks.get((run_id, rank))
+                    if series is not None:
+                        series.lost = max(series.lost, lost)
+            return list(self._ranks.values())
+
+    def flag_counts(self, series: RankSeries) -> list[tuple[str, str, int]]:
+        """Every (kind, severity) with its count, zeros included, so that a rate sees the first flag."""
+        with self._lock:
+            counts = dict(series.flags)
+        return [(kind, severity, counts.get((kind, severity), 0)) for kind in FLAG_KINDS for severity in SEVERITIES
+                ] + [(kind, severity, n) for (kind, severity), n in counts.items() if kind not in FLAG_KINDS]
