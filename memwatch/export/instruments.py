@@ -71,9 +71,9 @@ LEDGER_METRICS: tuple[MetricSpec, ...] = tuple(
 
 KV_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("memwatch.kv.blocks.used", "{block}", "gauge", "KV cache blocks in use",
-               _sample_field("kv_blocks_used")),
+               lambda s: s.kv_blocks[0]),
     MetricSpec("memwatch.kv.blocks.total", "{block}", "gauge", "KV cache blocks allocated",
-               _sample_field("kv_blocks_total")),
+               lambda s: s.kv_blocks[1]),
 )
 
 COUNTER_METRICS: tuple[MetricSpec, ...] = (

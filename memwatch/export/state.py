@@ -74,6 +74,8 @@ class RankSeries:
     preemptions: int = 0
     ooms: int = 0
     lost: int = 0
+    kv_blocks: tuple[int | None, int | None] = (None, None)
+    """KV blocks (used, total) of the latest sample that reported them."""
     flags: Counter[tuple[str, str]] = field(default_factory=Counter)
     ended_at: float | None = None
 
@@ -118,12 +120,14 @@ class ExportState:
                 series = self._ranks[key] = RankSeries(run_attributes(header), hardware_attributes(header),
                                                        header.meta.get("gpu_total_bytes"))
             ledger = series.ledger
-            last = None
+            last = kv = None
             samples = 0
             for record in records:
                 if type(record) is Sample:
                     last = record
                     samples += 1
+                    if record.kv_blocks_total is not None:  # not every sample carries the KV view
+                        kv = record
                     continue
                 ledger.on_event(record)
                 if record.kind == "preemption":
@@ -132,10 +136,9 @@ class ExportState:
                 elif record.kind == "oom":
                     series.ooms += 1
             series.samples += samples
+            if kv is not None:
+                series.kv_blocks = (kv.kv_blocks_used, kv.kv_blocks_total)
             if last is not None:
-                if last.kv_blocks_total is None and series.last is not None:  # a sample without the KV view
-                    last = last._replace(kv_blocks_used=series.last.kv_blocks_used,
-                                         kv_blocks_total=series.last.kv_blocks_total)
                 series.last = last
                 series.terms = ledger.on_sample(last)
             elif records and series.last is not None:  # a sizing event changes the terms of the last sample
