@@ -23,8 +23,8 @@ test: $(STAMP) test-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
-# The tests compile a fake NVML library with a C compiler, and open the HTML report in headless Chromium;
-# install what the machine lacks.
+# The tests compile a fake NVML library with a C compiler, open the HTML report in headless Chromium, and
+# scrape the sidecar with a real Prometheus (promtool checks the alert rules); install what the machine lacks.
 test-deps:
 	@command -v gcc >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
@@ -34,6 +34,10 @@ test-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
 	  else echo "no chromium: install it (the report test opens the HTML page in headless Chromium)"; exit 1; fi; }
+	@{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  else echo "no Prometheus: install Debian's prometheus package (the exporter tests run a real one)"; exit 1; fi; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,75 @@
+"""``dashboards/``: the alert rules pass promtool and their unit tests; the dashboard covers the ledger.
+
+The rules' unit tests (``tests/promtool/memwatch-alerts.test.yml``) fire each alert on a synthetic
+series and keep it silent on a clean run; ``test_export_prometheus.py`` evaluates the same files
+against a real Prometheus scraping a real sidecar.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from memwatch.flags import FLAG_KINDS, RESERVE_OVERSTATED
+from memwatch.report.check import LEDGER_TERMS
+
+from prometheus_server import binary
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "dashboards" / "memwatch-alerts.yml"
+RULE_TESTS = ROOT / "tests" / "promtool" / "memwatch-alerts.test.yml"
+DASHBOARD = ROOT / "dashboards" / "memwatch.json"
+
+INFO_ONLY_KINDS = {RESERVE_OVERSTATED}
+"""Flag kinds no detector raises above ``info`` (a generous warmup reserve is advice, not a fault)."""
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([binary("promtool"), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_promtool_checks_the_rules() -> None:
+    result = _promtool("check", "rules", str(RULES))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 9 rules found" in result.stdout
+
+
+def test_promtool_unit_tests_fire_each_alert_and_stay_silent_on_a_clean_run() -> None:
+    result = _promtool("test", "rules", str(RULE_TESTS))
+    assert result.returncode == 0, result.stdout + result.stderr
+    alerts = re.findall(r"^\s+- alert: (\w+)$", RULES.read_text(), flags=re.M)
+    tests = RULE_TESTS.read_text()
+    for alert in alerts:
+        cases = re.findall(rf"- alertname: {alert}\n\s+eval_time: \w+\n\s+exp_alerts:(.*)", tests)
+        assert sorted(case.strip() == "[]" for case in cases) == [False, True], alert  # one silent, one firing
+
+
+def test_one_alert_per_flag_kind_of_warning_or_worse_and_one_for_the_oom_margin() -> None:
+    rules = RULES.read_text()
+    kinds = re.findall(r'memwatch_flags_total\{kind="(\w+)", severity=~"warning\|critical"\}', rules)
+    assert sorted(kinds) == sorted(set(FLAG_KINDS) - INFO_ONLY_KINDS)
+    assert "memwatch_oom_margin_bytes" in rules
+
+
+def test_the_dashboard_imports_with_a_datasource_input_and_shows_every_ledger_term() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert [(i["name"], i["type"], i["pluginId"]) for i in dashboard["__inputs"]] == [
+        ("DS_PROMETHEUS", "datasource", "prometheus")]
+    grafana = next(r for r in dashboard["__requires"] if r["id"] == "grafana")
+    assert int(grafana["version"].split(".")[0]) >= 10
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}"
+        assert all(t["datasource"]["uid"] == "${DS_PROMETHEUS}" for t in panel["targets"])
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["host", "run", "rank"]
+    first = panels[0]  # the invariant: the ledger stacked against total × utilization, one panel per rank
+    assert first["repeat"] == "rank" and first["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    first_exprs = " ".join(t["expr"] for t in first["targets"])
+    for term in ("non_torch", "weights", "torch_other", "kv", "activation_reserve", "headroom", "budget"):
+        assert f"memwatch_{term}_bytes" in first_exprs, term
+    text = DASHBOARD.read_text()
+    for term, _label in LEDGER_TERMS:
+        assert f"memwatch_{term}" in text, f"ledger term {term} is not on the dashboard"
+    assert dashboard["annotations"]["list"][-1]["expr"].count("memwatch_flags_total") == 1
