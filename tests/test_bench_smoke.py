@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from memwatch.export.instruments import METRICS
+from memwatch.flags import FLAG_KINDS, SEVERITIES
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -32,3 +35,10 @@ def test_startup_benchmark_runs() -> None:
 def test_report_benchmark_writes_both_files() -> None:
     out = _run("bench_report.py", "--samples", "16000", "--repeat", "1")
     assert "database: 16,000 samples over 8 ranks" in out and "ratio report.html / start-up" in out
+
+
+def test_export_benchmark_runs_with_the_exporters_delivering() -> None:
+    out = _run("bench_export.py", "--samples", "4000", "--repeat", "1", "--scrapes", "2")
+    assert "ratio on/off (medians)" in out and "(all delivered)" in out
+    per_rank = len(METRICS) + len(FLAG_KINDS) * len(SEVERITIES)  # every metric, and the flags by kind and severity
+    assert f"scrape latency with 64 ranks live ({64 * per_rank + 1:,} series)" in out  # + target_info

@@ -20,8 +20,9 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from memwatch.collector import Collector
 from memwatch.errors import UsageError
 from memwatch.export.config import OTLP_FROM_ENV, export_config, parse_listen
-from memwatch.export.instruments import register_instruments
+from memwatch.export.instruments import METRICS, register_instruments
 from memwatch.export.state import ExportState
+from memwatch.flags import Flag
 from memwatch.live import LiveDetectors
 from memwatch.sim import run_scenario
 from memwatch.store import open_store
@@ -185,3 +186,36 @@ def test_the_environment_configures_a_sidecar_started_without_options(runtime_di
     assert f'run_id="{run_id}"' in line and float(line.rsplit(" ", 1)[1]) == samples
     assert "hw_gpu_memory_usage_bytes{" in scraped and "memwatch_budget_bytes{" in scraped
     assert '"name": "hw.gpu.memory.usage"' in output  # the console exporter's JSON on stdout
+
+
+def test_the_scrape_has_the_names_labels_and_values_of_opentelemetry_s_prometheus_exporter() -> None:
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from memwatch.export.prometheus import render
+
+    state = ExportState()
+    for rank in range(2):
+        state(_header(rank=rank), list(SyntheticRun(jitter=False, serve_steps=40, rank=rank).records()))
+    state.on_flag(Flag("run-1", 1, 30, 0, "fragmentation", "warning", "slack grew", {}))
+    registry = CollectorRegistry()
+    reference = PrometheusMetricReader(scope_info_enabled=False, disable_target_info=True, registry=registry)
+    register_instruments(MeterProvider(metric_readers=[reference]).get_meter("memwatch"), state)
+
+    def samples(text: str) -> set[tuple[str, frozenset, float]]:
+        return {(s.name, frozenset(s.labels.items()), s.value)
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    ours, theirs = samples(render(state)), samples(generate_latest(registry).decode())
+    assert ours == theirs
+    assert len(ours) == 2 * (len(METRICS) + 27)  # every metric and every (kind, severity) of the flags, per rank
+    names = {name for name, _, _ in ours}
+    assert {"hw_gpu_memory_usage_bytes", "memwatch_budget_bytes", "memwatch_flags_total"} <= names
+    assert ("memwatch_flags_total", frozenset({**{k: str(v) for k, v in _attrs(1).items()}, "kind": "fragmentation",
+                                               "severity": "warning"}.items()), 1.0) in ours
+
+
+def _attrs(rank: int) -> dict[str, Any]:
+    return {"run_id": "run-1", "rank": rank, "engine": "nano-vllm", "model": "Qwen3-0.6B", "host": "node7",
+            "pid": 4321}

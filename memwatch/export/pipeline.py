@@ -70,10 +70,10 @@ class Exporters:
         log_exporters = list(self._log_exporters)
         if config.otlp is not None:
             quiet_sdk_loggers()
+        resource = sidecar_resource()
         if config.prometheus is not None:
-            self.prometheus = PrometheusEndpoint(*config.prometheus)
+            self.prometheus = PrometheusEndpoint(*config.prometheus, self.state, dict(resource.attributes))
             self.prometheus.start()
-            readers.append(self.prometheus.reader)
         if config.otlp is not None:
             self.otlp_metrics = ResilientMetricExporter(signal_endpoint(config.otlp, "metrics"))
             self.otlp_logs = ResilientLogExporter(signal_endpoint(config.otlp, "logs"))
@@ -82,7 +82,6 @@ class Exporters:
         if config.console:
             readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stdout)))
             log_exporters.append(ConsoleLogRecordExporter(out=sys.stdout))
-        resource = sidecar_resource()
         self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         register_instruments(self.meter_provider.get_meter(SCOPE, _version()), self.state)
         if log_exporters:

@@ -1,0 +1,177 @@
+"""What exporting costs the sidecar: ingest with the Prometheus and OTLP exporters on, against them off.
+
+Both sides are the sidecar as users run it: rings drained by the real ``Collector`` with the live
+detectors, stored by the real ``StoreWriter``. "On" adds the exporters' observer, a Prometheus
+endpoint scraped ten times a second by a client thread, and an OTLP/HTTP exporter pushing every 100 ms to a
+local receiver — far more often than anyone would — so their work competes with ingest for the GIL.
+Off and on alternate, ``--repeat`` times each, in the same run.
+
+Then: the scrape latency of ``/metrics`` with 64 ranks live (each with a sized ledger).
+
+Target: ingest on ≥ 0.9 × ingest off (medians).
+Run: .venv/bin/python bench/bench_export.py [--samples N] [--repeat R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from memwatch.collector import Collector
+from memwatch.export.config import ExportConfig
+from memwatch.export.pipeline import Exporters
+from memwatch.live import LiveDetectors
+from memwatch.records import Event, Sample
+from memwatch.store import open_store
+from memwatch.store.writer import StoreWriter
+from memwatch_engine.ring import RingHeader, RingWriter
+
+TARGET = 0.9
+RANKS = 8
+GiB = 1 << 30
+SIZING = {"total_bytes": 80 * GiB, "gpu_memory_utilization": 0.9, "used_bytes": 20 * GiB, "peak_bytes": 18 * GiB,
+          "current_bytes": 15 * GiB, "block_bytes": 2 << 20,
+          "num_blocks": int(80 * GiB * 0.9 - 20 * GiB - 18 * GiB + 15 * GiB) // (2 << 20)}  # the engine's own rule
+SCRAPE_EVERY = 0.1
+"""Seconds between scrapes during ingest: ten a second, far more often than any Prometheus asks."""
+
+
+def fill_rings(runtime: Path, samples: int) -> None:
+    per_rank = samples // RANKS
+    capacity = 1 << per_rank.bit_length()
+    for rank in range(RANKS):
+        writer = RingWriter(runtime / f"bench-r{rank}.ring", run_id="bench", rank=rank, world_size=RANKS,
+                            capacity=capacity, meta={"engine": "bench", "model": "m", "gpu_total_bytes": 80 * GiB})
+        writer.write_event(0, 10**18, "kv_allocated", SIZING)
+        for i in range(per_rank - 1):
+            writer.write_sample(i + 1, 10**18 + i * 1000, 5, 2, 1, 60 * GiB, 63 * GiB, 61 * GiB, 66 * GiB,
+                                14 * GiB, 64, i % 20_000, 20_000, 64)
+        writer.close()
+
+
+class _Sink(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def ingest(tmp: Path, samples: int, exporters: Exporters | None) -> float:
+    """Samples per second through the collector, the detectors and the writer (and the exporters when given)."""
+    runtime = Path(tempfile.mkdtemp(dir=tmp))
+    os.chmod(runtime, 0o700)
+    fill_rings(runtime, samples)
+    db_path = runtime / "bench.db"
+    writer = StoreWriter(open_store(db_path))
+    writer.start()
+    observers: list = [LiveDetectors()]
+    if exporters is not None:
+        observers = [exporters.state, LiveDetectors(on_flag=exporters.state.on_flag)]
+    collector = Collector(runtime, db_path, writer, observers=observers, is_alive=lambda pid, start: False)
+    start = time.perf_counter()
+    collector.scan()
+    while collector.poll():
+        pass
+    writer.flush()
+    elapsed = time.perf_counter() - start
+    collector.close()
+    writer.close()
+    return (samples // RANKS) * RANKS / elapsed
+
+
+def _scraper(url: str, stop: threading.Event, latencies: list[float]) -> None:
+    while not stop.wait(SCRAPE_EVERY):
+        start = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=10) as response:
+            response.read()
+        latencies.append(time.perf_counter() - start)
+
+
+def scrape_latency(ranks: int, scrapes: int) -> tuple[list[float], int]:
+    """Latencies of ``GET /metrics`` from a fresh sidecar endpoint with ``ranks`` sized ranks live."""
+    exporters = Exporters(ExportConfig(prometheus=("127.0.0.1", 0)))
+    exporters.start()
+    assert exporters.prometheus is not None
+    port = exporters.prometheus.port
+    for rank in range(ranks):
+        header = RingHeader("scrape", rank, ranks, 1000 + rank, 0, 1 << 16, 0,
+                            {"engine": "bench", "model": "m", "hostname": "node", "device_index": rank % 8,
+                             "gpu_name": "NVIDIA H100 80GB HBM3", "gpu_total_bytes": 80 * GiB})
+        exporters.state(header, [Event("scrape", rank, 0, 0, "kv_allocated", SIZING),
+                                 Sample("scrape", rank, 1, 1, "serve", 60 * GiB, 63 * GiB, 61 * GiB, 66 * GiB,
+                                        14 * GiB, 100, 20_000, 64, 64, "decode", True)])
+    url = f"http://127.0.0.1:{port}/metrics"
+    latencies = []
+    body = b""
+    for _ in range(scrapes):
+        start = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = response.read()
+        latencies.append(time.perf_counter() - start)
+    exporters.close()
+    series = sum(1 for line in body.decode().splitlines() if line and not line.startswith("#"))
+    return latencies, series
+
+
+def _fmt(values: list[float], unit: str = "") -> str:
+    return f"min {min(values):,.0f}{unit}  median {statistics.median(values):,.0f}{unit}  max {max(values):,.0f}{unit}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=200_000)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--scrapes", type=int, default=50)
+    args = parser.parse_args()
+    os.environ.setdefault("OTEL_METRIC_EXPORT_INTERVAL", "100")  # read when the OTLP reader is made
+
+    sink = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
+    threading.Thread(target=sink.serve_forever, name="otlp-sink", daemon=True).start()
+    exporters = Exporters(ExportConfig(prometheus=("127.0.0.1", 0), otlp=f"http://127.0.0.1:{sink.server_port}"))
+    exporters.start()
+    assert exporters.prometheus is not None
+    port = exporters.prometheus.port
+    stop = threading.Event()
+    scrapes: list[float] = []
+    scraper = threading.Thread(target=_scraper, args=(f"http://127.0.0.1:{port}/metrics", stop, scrapes),
+                               name="scraper", daemon=True)
+    off: list[float] = []
+    on: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        scraper.start()
+        for _ in range(args.repeat):
+            off.append(ingest(Path(tmp), args.samples, None))
+            on.append(ingest(Path(tmp), args.samples, exporters))
+        stop.set()
+        scraper.join(timeout=10)
+    exports = exporters.otlp_metrics
+    exporters.close()
+    sink.shutdown()
+    latencies, series = scrape_latency(64, args.scrapes)
+
+    ratio = statistics.median(on) / statistics.median(off)
+    print(f"ingest, exporters off (collector + detectors + writer): {_fmt(off, ' samples/s')}  "
+          f"({args.samples:,} samples over {RANKS} ranks, {args.repeat} runs)")
+    print(f"ingest, Prometheus + OTLP on:                           {_fmt(on, ' samples/s')}")
+    print(f"  during it: {len(scrapes):,} scrapes ({SCRAPE_EVERY * 1000:.0f} ms apart), OTLP pushes every 100 ms "
+          f"({'failing' if exports is not None and exports.reachability.failures else 'all delivered'})")
+    print(f"scrape latency with 64 ranks live ({series:,} series): {_fmt([s * 1000 for s in latencies], ' ms')}"
+          f"  ({args.scrapes} scrapes)")
+    print(f"ratio on/off (medians): {ratio:.2f}   target: >= {TARGET:.2f} -> {'PASS' if ratio >= TARGET else 'FAIL'}")
+    return 0 if ratio >= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
