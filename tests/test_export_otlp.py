@@ -15,13 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from memwatch.report.check import LEDGER_TERMS, check_run
+from memwatch.report.check import check_run
 from memwatch.store import open_store
 
 from otlp_receiver import OtlpReceiver
 from processes import SidecarProcess, memwatch_env, query, wait_for
 
 RUN_ATTRIBUTES = ("run_id", "rank", "engine", "model", "host", "pid")
+CHECK_TERMS = ("budget_bytes", "non_torch_bytes", "weights_bytes", "torch_other_bytes", "kv_bytes",
+               "activation_reserve_bytes", "headroom_bytes", "cache_slack_bytes", "residual_bytes", "oom_margin_bytes")
+"""Every ledger term ``memwatch check`` prints."""
 
 
 def _simulate(runtime_dir: Path, db_path: Path, scenario: str) -> str:
@@ -80,7 +83,7 @@ def test_otlp_metrics_and_flag_logs_match_the_store(runtime_dir: Path, db_path: 
 
         terms = next(r for r in report.ranks if r.rank == rank).last_terms
         assert terms is not None
-        for term, _label in LEDGER_TERMS:  # every term `memwatch check` prints, in bytes
+        for term in CHECK_TERMS:  # every term `memwatch check` prints, in bytes
             _, value, unit = _by_rank(latest["memwatch." + term.removesuffix("_bytes")])[rank]
             assert (value, unit) == (getattr(terms, term), "By"), term
         exported_kv = [_by_rank(latest[f"memwatch.kv.blocks.{which}"]).get(rank) for which in ("used", "total")]

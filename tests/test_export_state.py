@@ -219,3 +219,21 @@ def test_the_scrape_has_the_names_labels_and_values_of_opentelemetry_s_prometheu
 def _attrs(rank: int) -> dict[str, Any]:
     return {"run_id": "run-1", "rank": rank, "engine": "nano-vllm", "model": "Qwen3-0.6B", "host": "node7",
             "pid": 4321}
+
+
+def test_every_term_the_check_prints_is_exported_in_bytes(runtime_dir: Path, db_path: Path) -> None:
+    from memwatch.report.check import check_run, render_check
+    from memwatch.report.ledger_text import terms_lines
+
+    from stored_runs import store_scenario
+
+    run_id = store_scenario("demo", runtime_dir, db_path)
+    report = check_run(open_store(db_path, readonly=True), run_id)
+    printed = render_check(report)
+    labels = [line.label for line in terms_lines(report.ranks[0].last_terms)]
+    assert all(label in printed for label in labels)
+    exported = {spec.name: spec for spec in METRICS if spec.name.startswith("memwatch.")}
+    assert len(labels) == len([s for s in exported.values() if s.description.startswith("Ledger: ")])
+    for label in labels:
+        spec = next(s for s in exported.values() if s.description == f"Ledger: {label}")
+        assert spec.unit == "By"

@@ -2,8 +2,8 @@
 
 Device level follows the OpenTelemetry hardware conventions (``hw.gpu.memory.usage``, ``.limit``,
 ``.utilization``); everything engine-specific is ``memwatch.*`` in bytes. The ledger metrics are
-named after :data:`memwatch.report.check.LEDGER_TERMS` — the terms ``memwatch check`` prints — so the
-two never disagree. Every instrument is observed at collection time (a scrape, a periodic export),
+named after the terms ``memwatch check`` prints (:data:`PRINTED_TERMS`, from the printed ledger's own
+lists), so the two never disagree. Every instrument is observed at collection time (a scrape, a periodic export),
 never on the ingest path.
 """
 
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from ..report.check import LEDGER_TERMS
+from ..report.ledger_text import OUTSIDE_TERMS, SUM_TERMS
 from .state import ExportState, RankSeries
 
 
@@ -46,6 +46,15 @@ def _utilization(series: RankSeries) -> float | None:
     return None if used is None or not limit else used / limit
 
 
+PRINTED_TERMS: tuple[tuple[str, str], ...] = (
+    ("budget_bytes", "budget (total × utilization)"),
+    *SUM_TERMS,
+    ("headroom_bytes", "headroom (left in the budget)"),
+    *((term, label) for term, label, _note in OUTSIDE_TERMS),
+)
+"""Every ledger term a printed ledger shows, in its order: budget, the terms it splits into, headroom, the rest."""
+
+
 def ledger_metric_name(term: str) -> str:
     """``budget_bytes`` -> ``memwatch.budget`` (Prometheus: ``memwatch_budget_bytes``)."""
     return "memwatch." + term.removesuffix("_bytes")
@@ -66,7 +75,8 @@ ALLOCATOR_METRICS: tuple[MetricSpec, ...] = (
 )
 
 LEDGER_METRICS: tuple[MetricSpec, ...] = tuple(
-    MetricSpec(ledger_metric_name(term), "By", "gauge", f"Ledger: {label}", _term(term)) for term, label in LEDGER_TERMS
+    MetricSpec(ledger_metric_name(term), "By", "gauge", f"Ledger: {label}", _term(term))
+    for term, label in PRINTED_TERMS
 )
 
 KV_METRICS: tuple[MetricSpec, ...] = (
