@@ -215,6 +215,8 @@ def render(summary: DemoSummary) -> str:
         "",
         f"Database: {summary.db_path}  (run {run.run_id}, {summary.wall_seconds:.1f} s wall time)",
         f"Next: memwatch timeline {run.run_id}   memwatch plan --run {run.run_id}   memwatch runs",
+        "Live in Grafana: memwatch serve --prometheus 9464 (or --otlp http://collector:4318) exports these "
+        "readings, the ledger and the flags; dashboards/ has the dashboard and alert rules",
     ]
     return "\n".join(lines)
 

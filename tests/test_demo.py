@@ -49,3 +49,4 @@ def test_demo_report_is_readable(runtime_dir: Path, db_path: Path) -> None:
     assert "The KV cache holds 88,832 tokens (347 blocks of 256 tokens)." in out
     assert "at most 2 request(s) resident at once; 0 preemption(s)" in out
     assert f"Database: {db_path}" in out
+    assert "Live in Grafana: memwatch serve --prometheus 9464" in out  # the way to the exporters and dashboards/
