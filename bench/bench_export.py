@@ -86,7 +86,7 @@ def ingest(tmp: Path, samples: int, exporters: Exporters | None) -> float:
     collector.scan()
     while collector.poll():
         pass
-    writer.flush()
+    assert writer.flush(timeout=60), "the store writer did not commit within 60 s"
     elapsed = time.perf_counter() - start
     collector.close()
     writer.close()

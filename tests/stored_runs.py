@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
-from memwatch.collector import Collector
+from memwatch.collector import Collector, Observer
 from memwatch.live import LiveDetectors
 from memwatch.sim import run_scenario
 from memwatch.store import open_store
@@ -23,11 +24,11 @@ def store_scenario(name: str | Path, runtime_dir: Path, db_path: Path, *, live: 
     return result.run_id
 
 
-def store_rings(runtime_dir: Path, db_path: Path, *, live: bool = False) -> None:
+def store_rings(runtime_dir: Path, db_path: Path, *, live: bool = False, observers: Iterable[Observer] = ()) -> None:
     """Drain every ring in ``runtime_dir`` into ``db_path``; a writer that is gone makes its run ``crashed``."""
     writer = StoreWriter(open_store(db_path))
     writer.start()
-    observers = [LiveDetectors()] if live else []
+    observers = [*observers, LiveDetectors()] if live else list(observers)
     collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False, observers=observers)
     collector.scan()
     while collector.poll():

@@ -69,7 +69,7 @@ def test_prometheus_scrapes_the_sidecar_and_every_dashboard_and_rule_expression_
         finally:
             if sim.poll() is None:
                 sim.kill()
-                sim.wait()
+                sim.wait(timeout=10)
         assert sim.returncode == 0, err
         assert json.loads(out)["status"] == "oom"
         # The run's last values linger for a while: the OOM and the vanished margin reach the alerts too.

@@ -17,7 +17,6 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from memwatch.collector import Collector
 from memwatch.errors import UsageError
 from memwatch.export.config import OTLP_FROM_ENV, export_config, parse_listen
 from memwatch.export.instruments import METRICS, register_instruments
@@ -26,11 +25,11 @@ from memwatch.flags import Flag
 from memwatch.live import LiveDetectors
 from memwatch.sim import run_scenario
 from memwatch.store import open_store
-from memwatch.store.writer import StoreWriter
 from memwatch_engine.ring import RingHeader
 
 from processes import SidecarProcess, memwatch_env, query, wait_for
 from prometheus_server import free_port
+from stored_runs import store_rings, store_scenario
 from synthetic import GiB, SyntheticRun
 
 
@@ -59,16 +58,7 @@ def test_preemptions_samples_and_flags_count_what_the_collector_stored(runtime_d
     result = run_scenario("kv_pressure", runtime_dir=runtime_dir)
     state = ExportState()
     reader = _reader(state)
-    writer = StoreWriter(open_store(db_path))
-    writer.start()
-    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False,
-                          observers=[state, LiveDetectors(on_flag=state.on_flag)])
-    collector.scan()
-    while collector.poll():
-        pass
-    writer.flush()
-    collector.close()
-    writer.close()
+    store_rings(runtime_dir, db_path, observers=[state, LiveDetectors(on_flag=state.on_flag)])
     points = _points(reader)
     stored_preemptions = sum(json.loads(data)["count"] for (data,) in query(
         db_path, "SELECT data FROM events WHERE run_id = ? AND kind = 'preemption'", (result.run_id,)))
@@ -224,8 +214,6 @@ def _attrs(rank: int) -> dict[str, Any]:
 def test_every_term_the_check_prints_is_exported_in_bytes(runtime_dir: Path, db_path: Path) -> None:
     from memwatch.report.check import check_run, render_check
     from memwatch.report.ledger_text import terms_lines
-
-    from stored_runs import store_scenario
 
     run_id = store_scenario("demo", runtime_dir, db_path)
     report = check_run(open_store(db_path, readonly=True), run_id)

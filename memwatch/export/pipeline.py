@@ -1,9 +1,9 @@
 """The sidecar's exporters put together: one state, one meter provider, one logger provider.
 
 :class:`Exporters` owns the :class:`ExportState` the collector feeds, the OpenTelemetry providers
-with a reader per chosen exporter (Prometheus pull, OTLP and console push), and the flag log
-records. ``close()`` stops them all against one deadline, so a sidecar's stop never waits on an
-unreachable collector for longer than that.
+with a reader per pushing exporter (OTLP, console), the Prometheus endpoint, and the flag log
+records. ``close()`` gives metrics and flag records one last export each, bounded by
+:data:`CLOSE_SECONDS`, so a sidecar's stop never waits long on an unreachable collector.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
 
 from opentelemetry.sdk._logs import LoggerProvider
-from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, ConsoleLogRecordExporter
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, ConsoleLogRecordExporter, LogRecordExporter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -51,23 +51,20 @@ def sidecar_resource() -> Resource:
 class Exporters:
     """Every exporter the sidecar runs, fed by one :class:`ExportState` (the collector observer)."""
 
-    def __init__(self, config: ExportConfig, *, readers: Iterable[MetricReader] = (),
-                 log_exporters: Iterable[object] = ()) -> None:
+    def __init__(self, config: ExportConfig) -> None:
         self.config = config
         self.state = ExportState(linger=config.linger)
         self.prometheus: PrometheusEndpoint | None = None
         self.otlp_metrics: ResilientMetricExporter | None = None
         self.otlp_logs: ResilientLogExporter | None = None
-        self._readers = list(readers)
-        self._log_exporters = list(log_exporters)
         self.meter_provider: MeterProvider | None = None
         self.logger_provider: LoggerProvider | None = None
 
     def start(self) -> None:
         """Open the endpoint and start the readers; raises :class:`UnavailableError` on a taken port."""
         config = self.config
-        readers = list(self._readers)
-        log_exporters = list(self._log_exporters)
+        readers: list[MetricReader] = []
+        log_exporters: list[LogRecordExporter] = []
         if config.otlp is not None:
             quiet_sdk_loggers()
         resource = sidecar_resource()
@@ -82,8 +79,9 @@ class Exporters:
         if config.console:
             readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stdout)))
             log_exporters.append(ConsoleLogRecordExporter(out=sys.stdout))
-        self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
-        register_instruments(self.meter_provider.get_meter(SCOPE, _version()), self.state)
+        if readers:  # the Prometheus endpoint renders the state itself; the SDK serves the pushing exporters
+            self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+            register_instruments(self.meter_provider.get_meter(SCOPE, _version()), self.state)
         if log_exporters:
             self.logger_provider = LoggerProvider(resource=resource)
             for exporter in log_exporters:
