@@ -113,7 +113,8 @@ def scrape_latency(ranks: int, scrapes: int) -> tuple[list[float], int]:
                              "gpu_name": "NVIDIA H100 80GB HBM3", "gpu_total_bytes": 80 * GiB})
         exporters.state(header, [Event("scrape", rank, 0, 0, "kv_allocated", SIZING),
                                  Sample("scrape", rank, 1, 1, "serve", 60 * GiB, 63 * GiB, 61 * GiB, 66 * GiB,
-                                        14 * GiB, 100, 20_000, 64, 64, "decode", True)])
+                                        14 * GiB, 100, 20_000, 64, 64, "decode", True, segments=900,
+                                        active_bytes=60 * GiB, inactive_split_bytes=GiB // 2)])
     url = f"http://127.0.0.1:{port}/metrics"
     latencies = []
     body = b""

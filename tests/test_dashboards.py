@@ -22,7 +22,8 @@ RULE_TESTS = ROOT / "tests" / "promtool" / "memwatch-alerts.test.yml"
 DASHBOARD = ROOT / "dashboards" / "memwatch.json"
 
 CHECK_TERMS = ("budget_bytes", "non_torch_bytes", "weights_bytes", "torch_other_bytes", "kv_bytes",
-               "activation_reserve_bytes", "headroom_bytes", "cache_slack_bytes", "residual_bytes", "oom_margin_bytes")
+               "activation_reserve_bytes", "headroom_bytes", "cache_slack_bytes", "reclaimable_cache_bytes",
+               "pinned_cache_bytes", "residual_bytes", "oom_margin_bytes")
 """Every ledger term ``memwatch check`` prints."""
 
 INFO_ONLY_KINDS = {RESERVE_OVERSTATED}
@@ -36,7 +37,7 @@ def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_promtool_checks_the_rules() -> None:
     result = _promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 9 rules found" in result.stdout
+    assert "SUCCESS: 10 rules found" in result.stdout
 
 
 def test_promtool_unit_tests_fire_each_alert_and_stay_silent_on_a_clean_run() -> None:

@@ -50,7 +50,7 @@ PRINTED_TERMS: tuple[tuple[str, str], ...] = (
     ("budget_bytes", "budget (total × utilization)"),
     *SUM_TERMS,
     ("headroom_bytes", "headroom (left in the budget)"),
-    *((term, label) for term, label, _note in OUTSIDE_TERMS),
+    *((term, f"{label.strip()} ({note})") for term, label, note in OUTSIDE_TERMS),
 )
 """Every ledger term a printed ledger shows, in its order: budget, the terms it splits into, headroom, the rest."""
 

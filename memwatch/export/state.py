@@ -1,10 +1,10 @@
 """What the exporters publish: the latest readings, ledger and counts of every live rank, kept in memory.
 
 :class:`ExportState` is a collector observer (beside the live detectors). It folds each drained batch
-into one :class:`RankSeries` per run and rank: the events go through the rank's own
-:class:`~memwatch.ledger.Ledger` (so the sizing is known), counters move, and only the batch's last
-sample is turned into ledger terms (the ledger is pure per sample, so the last one is all an exporter
-ever reports). The metric callbacks read a snapshot of it from the exporters' threads.
+into one :class:`RankSeries` per run and rank: every record goes through the rank's own
+:class:`~memwatch.ledger.Ledger` (it learns the sizing from events and the largest forward from the
+samples), counters move, and the terms of the batch's last sample are kept: an exporter only ever
+reports the latest. The metric callbacks read a snapshot of it from the exporters' threads.
 
 Cardinality stays bounded: a rank's series are dropped ``linger`` seconds after its ring finished
 (long enough for a scrape or a periodic export to see the final counts), so a run's series stop
@@ -120,11 +120,13 @@ class ExportState:
                 series = self._ranks[key] = RankSeries(run_attributes(header), hardware_attributes(header),
                                                        header.meta.get("gpu_total_bytes"))
             ledger = series.ledger
-            last = kv = None
+            on_sample = ledger.on_sample
+            last = kv = terms = None
             samples = 0
             for record in records:
                 if type(record) is Sample:
                     last = record
+                    terms = on_sample(record)
                     samples += 1
                     if record.kv_blocks_total is not None:  # not every sample carries the KV view
                         kv = record
@@ -140,9 +142,7 @@ class ExportState:
                 series.kv_blocks = (kv.kv_blocks_used, kv.kv_blocks_total)
             if last is not None:
                 series.last = last
-                series.terms = ledger.on_sample(last)
-            elif records and series.last is not None:  # a sizing event changes the terms of the last sample
-                series.terms = ledger.on_sample(series.last)
+                series.terms = terms
         return ()
 
     def on_flag(self, flag: Flag) -> None:
