@@ -4,11 +4,12 @@ Both sides are the sidecar as users run it: rings drained by the real ``Collecto
 detectors, stored by the real ``StoreWriter``. "On" adds the exporters' observer, a Prometheus
 endpoint scraped every second by a client thread, and an OTLP/HTTP exporter pushing every second to a
 local receiver (15 and 60 times the usual intervals), so their work competes with ingest for the GIL.
-Off and on alternate, ``--repeat`` times each, in the same run.
+Off and on alternate, ``--repeat`` times each, in the same run; the ratio is taken per pair (an "on" run
+against the "off" run just before it), so that a machine busy with other work skews both sides alike.
 
 Then: the scrape latency of ``/metrics`` with 64 ranks live (each with a sized ledger).
 
-Target: ingest on ≥ 0.9 × ingest off (medians).
+Target: ingest on ≥ 0.9 × ingest off (the median of the pairs' ratios).
 Run: .venv/bin/python bench/bench_export.py [--samples N] [--repeat R]
 """
 
@@ -79,8 +80,10 @@ def ingest(tmp: Path, samples: int, exporters: Exporters | None) -> float:
     writer = StoreWriter(open_store(db_path))
     writer.start()
     observers: list = [LiveDetectors()]
-    if exporters is not None:
-        observers = [exporters.state, LiveDetectors(on_flag=exporters.state.on_flag)]
+    if exporters is not None:  # wired as the sidecar wires them: the exporters read the detectors' ledger
+        live = LiveDetectors(on_flag=exporters.state.on_flag)
+        exporters.state.set_terms_source(live.last_terms)
+        observers = [exporters.state, live]
     collector = Collector(runtime, db_path, writer, observers=observers, is_alive=lambda pid, start: False)
     start = time.perf_counter()
     collector.scan()
@@ -135,7 +138,7 @@ def _fmt(values: list[float], unit: str = "") -> str:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=200_000)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--scrapes", type=int, default=50)
     args = parser.parse_args()
     os.environ.setdefault("OTEL_METRIC_EXPORT_INTERVAL", EXPORT_EVERY_MS)  # read when the OTLP reader is made
@@ -164,7 +167,8 @@ def main() -> int:
     sink.shutdown()
     latencies, series = scrape_latency(64, args.scrapes)
 
-    ratio = statistics.median(on) / statistics.median(off)
+    pairs = [o / f for o, f in zip(on, off, strict=True)]  # each "on" run against the "off" run just before it
+    ratio = statistics.median(pairs)
     print(f"ingest, exporters off (collector + detectors + writer): {_fmt(off, ' samples/s')}  "
           f"({args.samples:,} samples over {RANKS} ranks, {args.repeat} runs)")
     print(f"ingest, Prometheus + OTLP on:                           {_fmt(on, ' samples/s')}")
@@ -173,7 +177,8 @@ def main() -> int:
           f"({'failing' if exports is not None and exports.reachability.failures else 'all delivered'})")
     print(f"scrape latency with 64 ranks live ({series:,} series): {_fmt([s * 1000 for s in latencies], ' ms')}"
           f"  ({args.scrapes} scrapes)")
-    print(f"ratio on/off (medians): {ratio:.2f}   target: >= {TARGET:.2f} -> {'PASS' if ratio >= TARGET else 'FAIL'}")
+    print(f"ratio on/off per pair of runs: min {min(pairs):.2f}  median {ratio:.2f}  max {max(pairs):.2f}   "
+          f"target: median >= {TARGET:.2f} -> {'PASS' if ratio >= TARGET else 'FAIL'}")
     return 0 if ratio >= TARGET else 1
 
 

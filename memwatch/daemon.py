@@ -96,8 +96,10 @@ class Sidecar:
             observers = [exporters.state, *observers]
         if self.detect:
             on_flag = None if exporters is None else exporters.state.on_flag
-            observers = [*observers, LiveDetectors(self.detector_config, stored_events=self._stored_events,
-                                                   on_flag=on_flag)]
+            live = LiveDetectors(self.detector_config, stored_events=self._stored_events, on_flag=on_flag)
+            observers = [*observers, live]
+            if exporters is not None:
+                exporters.state.set_terms_source(live.last_terms)  # the detectors' ledger, not a second one
         self.snapshots = SnapshotImporter(self.writer, lambda: open_store(self.db_path, readonly=True))
         observers = [*observers, self.snapshots]
         self.collector = Collector(self.runtime_dir, self.db_path, self.writer, observers=observers)

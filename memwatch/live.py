@@ -22,7 +22,9 @@ from typing import Any
 from memwatch_engine.ring import RingHeader
 
 from .detectors import DetectorConfig, DetectorSet, RankSummary
+from .errors import UsageError
 from .flags import EXTERNAL_PROCESS, Flag
+from .ledger import LedgerTerms
 from .nvml import GpuProcess, Nvml
 from .records import Event, Sample
 from .store.summaries import UPSERT_SUMMARY, config_key, summary_params
@@ -105,6 +107,16 @@ class LiveDetectors:
         summary.sizing = detectors.ledger(header.rank).sizing
         complete = self._complete.get(header.run_id, False)
         return [(UPSERT_SUMMARY, summary_params(header.run_id, summary, complete, self._config_key))]
+
+    def last_terms(self, run_id: str, rank: int) -> LedgerTerms | None:
+        """The ledger terms of the latest sample of a live rank (``None`` before it, or after the run)."""
+        detectors = self._runs.get(run_id)
+        if detectors is None:
+            return None
+        try:
+            return detectors.last_terms(rank)
+        except UsageError:  # no record of that rank yet
+            return None
 
     def _name_other_processes(self, header: RingHeader, flag: Flag) -> Flag:
         """Say which processes NVML sees on the rank's GPU besides the run's own (real engines only)."""

@@ -39,6 +39,6 @@ def test_report_benchmark_writes_both_files() -> None:
 
 def test_export_benchmark_runs_with_the_exporters_delivering() -> None:
     out = _run("bench_export.py", "--samples", "4000", "--repeat", "1", "--scrapes", "2")
-    assert "ratio on/off (medians)" in out and "(all delivered)" in out
+    assert "ratio on/off per pair of runs" in out and "(all delivered)" in out
     per_rank = len(METRICS) + len(FLAG_KINDS) * len(SEVERITIES)  # every metric, and the flags by kind and severity
     assert f"scrape latency with 64 ranks live ({64 * per_rank + 1:,} series)" in out  # + target_info

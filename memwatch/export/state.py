@@ -1,10 +1,11 @@
 """What the exporters publish: the latest readings, ledger and counts of every live rank, kept in memory.
 
 :class:`ExportState` is a collector observer (beside the live detectors). It folds each drained batch
-into one :class:`RankSeries` per run and rank: every record goes through the rank's own
-:class:`~memwatch.ledger.Ledger` (it learns the sizing from events and the largest forward from the
-samples), counters move, and the terms of the batch's last sample are kept: an exporter only ever
-reports the latest. The metric callbacks read a snapshot of it from the exporters' threads.
+into one :class:`RankSeries` per run and rank: counters move and the last sample is kept. The ledger
+terms of that sample come from the live detectors, which compute them anyway (``terms_source``, read
+when a snapshot is taken and when the rank ends); without detectors (``serve --no-detect``) every
+record goes through the rank's own :class:`~memwatch.ledger.Ledger`. The metric callbacks and the
+Prometheus endpoint read a snapshot from the exporters' threads.
 
 Cardinality stays bounded: a rank's series are dropped ``linger`` seconds after its ring finished
 (long enough for a scrape or a periodic export to see the final counts), so a run's series stop
@@ -101,6 +102,11 @@ class ExportState:
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], RankSeries] = {}
         self._flag_listeners: list[Callable[[Flag], None]] = []
+        self._terms_source: Callable[[str, int], LedgerTerms | None] | None = None
+
+    def set_terms_source(self, source: Callable[[str, int], LedgerTerms | None]) -> None:
+        """Take the ledger terms of a rank's latest sample from ``source`` (the live detectors) instead."""
+        self._terms_source = source
 
     def add_flag_listener(self, listener: Callable[[Flag], None]) -> None:
         """Call ``listener`` with every flag after it is counted (the log-record exporter)."""
@@ -119,19 +125,21 @@ class ExportState:
             if series is None:
                 series = self._ranks[key] = RankSeries(run_attributes(header), hardware_attributes(header),
                                                        header.meta.get("gpu_total_bytes"))
+            own_ledger = self._terms_source is None
             ledger = series.ledger
-            on_sample = ledger.on_sample
             last = kv = terms = None
             samples = 0
             for record in records:
                 if type(record) is Sample:
                     last = record
-                    terms = on_sample(record)
                     samples += 1
+                    if own_ledger:
+                        terms = ledger.on_sample(record)
                     if record.kv_blocks_total is not None:  # not every sample carries the KV view
                         kv = record
                     continue
-                ledger.on_event(record)
+                if own_ledger:
+                    ledger.on_event(record)
                 if record.kind == "preemption":
                     count = record.data.get("count", 1) if isinstance(record.data, dict) else 1
                     series.preemptions += count if isinstance(count, int) and count > 0 else 1
@@ -142,7 +150,8 @@ class ExportState:
                 series.kv_blocks = (kv.kv_blocks_used, kv.kv_blocks_total)
             if last is not None:
                 series.last = last
-                series.terms = terms
+                if own_ledger:
+                    series.terms = terms
         return ()
 
     def on_flag(self, flag: Flag) -> None:
@@ -159,6 +168,7 @@ class ExportState:
         with self._lock:
             series = self._ranks.get((header.run_id, header.rank))
             if series is not None:
+                self._take_terms(series)  # the detectors forget the run once all its ranks are done
                 series.ended_at = self._clock()
 
     # -- read by the exporters' threads ----------------------------------------------------------------
@@ -175,12 +185,21 @@ class ExportState:
         with self._lock:
             for key in [k for k, s in self._ranks.items() if s.ended_at is not None and now - s.ended_at > self.linger]:
                 del self._ranks[key]
+            for series in self._ranks.values():
+                if series.ended_at is None:
+                    self._take_terms(series)
             if self._lost_records is not None:
                 for run_id, rank, lost in self._lost_records():
                     series = self._ranks.get((run_id, rank))
                     if series is not None:
                         series.lost = max(series.lost, lost)
             return list(self._ranks.values())
+
+    def _take_terms(self, series: RankSeries) -> None:
+        if self._terms_source is not None:
+            terms = self._terms_source(series.attributes["run_id"], series.attributes["rank"])
+            if terms is not None:
+                series.terms = terms
 
     def flag_counts(self, series: RankSeries) -> list[tuple[str, str, int]]:
         """Every (kind, severity) with its count, zeros included, so that a rate sees the first flag."""
