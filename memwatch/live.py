@@ -22,7 +22,6 @@ from typing import Any
 from memwatch_engine.ring import RingHeader
 
 from .detectors import DetectorConfig, DetectorSet, RankSummary
-from .errors import UsageError
 from .flags import EXTERNAL_PROCESS, Flag
 from .ledger import LedgerTerms
 from .nvml import GpuProcess, Nvml
@@ -110,13 +109,8 @@ class LiveDetectors:
 
     def last_terms(self, run_id: str, rank: int) -> LedgerTerms | None:
         """The ledger terms of the latest sample of a live rank (``None`` before it, or after the run)."""
-        detectors = self._runs.get(run_id)
-        if detectors is None:
-            return None
-        try:
-            return detectors.last_terms(rank)
-        except UsageError:  # no record of that rank yet
-            return None
+        detectors = self._runs.get(run_id)  # read from the exporters' threads: single dict reads only
+        return None if detectors is None else detectors.latest_terms(rank)
 
     def _name_other_processes(self, header: RingHeader, flag: Flag) -> Flag:
         """Say which processes NVML sees on the rank's GPU besides the run's own (real engines only)."""

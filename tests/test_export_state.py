@@ -226,3 +226,19 @@ def test_every_term_the_check_prints_is_exported_in_bytes(runtime_dir: Path, db_
     for label in labels:
         spec = next(s for s in exported.values() if s.description.startswith(f"Ledger: {label.strip()}"))
         assert spec.unit == "By"
+
+
+def test_with_detectors_the_exporters_read_their_ledger_and_get_the_same_terms() -> None:
+    live = LiveDetectors()
+    shared = ExportState()
+    shared.set_terms_source(live.last_terms)
+    own = ExportState()
+    header = _header()
+    records = list(SyntheticRun(jitter=False, serve_steps=30).records())
+    assert live.last_terms("run-1", 0) is None and live.last_terms("run-1", 5) is None
+    shared(header, records)
+    live(header, records)
+    own(header, records)
+    [terms_shared], [terms_own] = [s.terms for s in shared.snapshot()], [s.terms for s in own.snapshot()]
+    assert terms_shared is not None and terms_shared == terms_own
+    assert terms_shared.budget_bytes is not None and terms_shared.headroom_bytes is not None

@@ -70,6 +70,11 @@ class DetectorSet:
         self.ledger(rank)
         return self._ranks[rank].last_terms
 
+    def latest_terms(self, rank: int) -> LedgerTerms | None:
+        """Like :meth:`last_terms`, but ``None`` for a rank not seen yet: one dict read, safe from another thread."""
+        state = self._ranks.get(rank)
+        return None if state is None else state.last_terms
+
     def _rank(self, record: Sample | Event) -> _Rank:
         if record.run_id != self._run_id:
             if self._run_id is not None:

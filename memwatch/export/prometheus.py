@@ -93,7 +93,12 @@ class PrometheusEndpoint:
                 if self.path.split("?", 1)[0] not in ("/metrics", "/"):
                     self.send_error(404, "memwatch serves /metrics")
                     return
-                body = render(endpoint.state, endpoint.resource).encode()
+                try:
+                    body = render(endpoint.state, endpoint.resource).encode()
+                except Exception as exc:  # a scrape must never take the sidecar's log down with a traceback
+                    log.error("prometheus: cannot render /metrics: %s", exc)
+                    self.send_error(500, "memwatch could not render its metrics; see the sidecar's log")
+                    return
                 self.send_response(200)
                 self.send_header("Content-Type", CONTENT_TYPE)
                 self.send_header("Content-Length", str(len(body)))
