@@ -233,7 +233,7 @@ class Collector:
         batch = Batch(statements=[
             ("UPDATE ranks SET status = ?, ended_ns = ?, records = records + ?, lost_records = ?"
              " WHERE run_id = ? AND rank = ?", (status, ended, state.records, state.lost, run_id, header.rank)),
-            (_RUN_STATUS, (run_id,) * 7),
+            (_RUN_STATUS, (run_id,) * 8),
         ])
         batch.cursors.append((state.key, run_id, header.rank, state.cursor, state.lost, 1))
         self._writer.submit(batch)
@@ -260,7 +260,8 @@ UPDATE runs SET
     WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status = 'running') THEN 'running'
     WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status = 'oom') THEN 'oom'
     WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status = 'crashed') THEN 'crashed'
-    WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status <> 'ok') THEN 'error'
+    WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status NOT IN ('ok', 'detached')) THEN 'error'
+    WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status = 'detached') THEN 'detached'
     ELSE 'ok' END
 WHERE run_id = ? AND (SELECT count(*) FROM ranks WHERE run_id = ?) > 0
 """

@@ -149,3 +149,18 @@ def patch_on_import(module_name: str, patch: Patch) -> None:
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
     _finder.add(module_name, patch)
+
+
+def unwrap(owner: type | ModuleType, name: str) -> None:
+    """Put back what :func:`wrap_method` or :func:`wrap_function` replaced; a no-op when not wrapped."""
+    current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+    if current is not None and getattr(current, WRAPPED, False):
+        setattr(owner, name, current.__wrapped__)
+
+
+def patch_now(module_name: str, patch: Patch) -> ModuleType | None:
+    """Run ``patch`` on ``module_name`` if it is already imported, without an import hook."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        patch(module)
+    return module

@@ -33,7 +33,7 @@ from typing import Any
 from ..monitor import Monitor, new_run_id
 from ..probes.base import UNKNOWN
 from ..probes.cuda import CudaProbe
-from .hooks import Guard, patch_on_import, require_methods, wrap_function, wrap_method
+from .hooks import Guard, patch_now, patch_on_import, require_methods, unwrap, wrap_function, wrap_method
 from .oom import capture_oom
 
 MODEL_RUNNER = "nanovllm.engine.model_runner"
@@ -75,6 +75,34 @@ def install() -> None:
     patch_on_import(MODEL_RUNNER, _patch_model_runner)
     patch_on_import(SCHEDULER, _patch_scheduler)
     patch_on_import(LLM_ENGINE, _patch_llm_engine)
+
+
+def install_live() -> ModuleType | None:
+    """Patch the nano-vllm modules this process already runs (an injected memwatch); its model runner module."""
+    patch_now(SCHEDULER, _patch_scheduler)
+    patch_now(LLM_ENGINE, _patch_llm_engine)
+    return patch_now(MODEL_RUNNER, _patch_model_runner)
+
+
+def uninstall() -> None:
+    """Put nano-vllm's original methods back (an injected memwatch detaching)."""
+    import sys
+
+    for module_name, owner_name, names in _PATCHED:
+        module = sys.modules.get(module_name)
+        owner = getattr(module, owner_name, None) if owner_name else module
+        for name in names if owner is not None else ():
+            unwrap(owner, name)
+    _process.scheduler = None
+
+
+_PATCHED = (
+    (LLM_ENGINE, "LLMEngine", ("__init__",)),
+    (SCHEDULER, "Scheduler", ("__init__", "preempt")),
+    (MODEL_RUNNER, "ModelRunner",
+     ("__init__", "warmup_model", "allocate_kv_cache", "capture_cudagraph", "run", "exit")),
+    (MODEL_RUNNER, None, ("load_model",)),
+)
 
 
 # -- LLMEngine: one run id per engine instance ------------------------------------------------------
@@ -257,23 +285,31 @@ def _record_kv_sizing(runner: Any, state: _Rank, readings: tuple[int, int, int, 
     num_blocks = int(config.num_kvcache_blocks)
     if num_blocks == -1:  # the engine failed before choosing
         return
-    hf_config = config.hf_config
+    layout = kv_layout(runner)
+    current, peak, reserved, used, free = readings
+    known = UNKNOWN not in (current, peak, used, free)
+    state.monitor.kv_allocated(
+        num_blocks, layout.pop("block_bytes"),
+        total_bytes=used + free if known else None, used_bytes=used if known else None,
+        peak_bytes=peak if known else None, current_bytes=current if known else None,
+        reserved_bytes=reserved if known and reserved != UNKNOWN else None,
+        gpu_memory_utilization=float(config.gpu_memory_utilization), **layout,
+    )
+
+
+def kv_layout(runner: Any) -> dict[str, int]:
+    """Bytes per KV block and the engine settings they come from, read from a ``ModelRunner``."""
+    hf_config = runner.config.hf_config
     num_kv_heads = hf_config.num_key_value_heads // runner.world_size
     head_dim = getattr(hf_config, "head_dim", hf_config.hidden_size // hf_config.num_attention_heads)
     dtype_bytes = hf_config.dtype.itemsize
     block_size = int(runner.block_size)
-    block_bytes = 2 * hf_config.num_hidden_layers * block_size * num_kv_heads * head_dim * dtype_bytes
-    current, peak, reserved, used, free = readings
-    known = UNKNOWN not in (current, peak, used, free)
-    state.monitor.kv_allocated(
-        num_blocks, block_bytes,
-        total_bytes=used + free if known else None, used_bytes=used if known else None,
-        peak_bytes=peak if known else None, current_bytes=current if known else None,
-        reserved_bytes=reserved if known and reserved != UNKNOWN else None,
-        gpu_memory_utilization=float(config.gpu_memory_utilization), block_size=block_size,
-        num_hidden_layers=int(hf_config.num_hidden_layers), num_kv_heads=int(num_kv_heads),
-        head_dim=int(head_dim), dtype_bytes=int(dtype_bytes), tensor_parallel_size=int(runner.world_size),
-    )
+    return {
+        "block_bytes": 2 * hf_config.num_hidden_layers * block_size * num_kv_heads * head_dim * dtype_bytes,
+        "block_size": block_size, "num_hidden_layers": int(hf_config.num_hidden_layers),
+        "num_kv_heads": int(num_kv_heads), "head_dim": int(head_dim), "dtype_bytes": int(dtype_bytes),
+        "tensor_parallel_size": int(runner.world_size),
+    }
 
 
 def _wrap_run(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import deque
 from collections.abc import Iterator
 from contextlib import closing
@@ -33,17 +34,38 @@ from .options import db_option, json_option
     help="Stop after this many seconds (default: when the process exits, or on Ctrl-C).",
 )
 @click.option("--record", is_flag=True, help="Also store the samples in the database as a run (source 'nvml').")
+@click.option("--inject", is_flag=True,
+              help="Record every step inside PID, a Python engine started without memwatch (pauses it briefly).")
+@click.option("--detach", "detach_", is_flag=True, help="Undo --inject in PID: original methods back, recording stops.")
+@click.option("--inject-timeout", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
+              help="Seconds --inject and --detach wait for the process before giving up (it is left as it was).")
 @db_option
 def attach(
     pid: int, once: bool, as_json: bool, interval: float, duration: float | None, record: bool,
-    db_path: Path | None,
+    inject: bool, detach_: bool, inject_timeout: float, db_path: Path | None,
 ) -> None:
     """Watch the GPU memory of the running process PID and its child processes.
 
     A process without the memwatch plugin is watched from outside: NVML gives the memory it holds on
     each GPU and each device's used, free and total bytes; psutil gives its command line, user, RSS
     and CPU. Watching stops when the process exits, after --duration, or on Ctrl-C.
+
+    --inject turns on memwatch's per-step recording inside a Python engine that was started without
+    it, without restarting it; --detach turns it off again.
     """
+    if inject and detach_:
+        raise UsageError("--inject and --detach contradict each other; pass one of them")
+    if detach_:
+        from ..attach.inject import detach
+
+        pids = detach(pid, timeout_s=inject_timeout)
+        click.echo(f"memwatch detached from process {', '.join(map(str, pids))}: the engine's own methods are "
+                   "back and the recording stopped; the run ends 'detached'", err=True)
+        return
+    if inject:
+        _inject(pid, interval, inject_timeout)
+    else:
+        _hint(pid)
     if not record and click.get_current_context().get_parameter_source("db_path") is ParameterSource.COMMANDLINE:
         raise UsageError("--db only says where --record stores samples; add --record or drop --db")
     with closing(open_source(pid)) as source:
@@ -52,6 +74,39 @@ def attach(
         if recorder is not None:
             recorder.finish(status)
             click.echo(f"recorded run {recorder.run_id}", err=True)
+
+
+def _inject(pid: int, interval: float, timeout_s: float) -> None:
+    from memwatch_engine.runtime import ensure_runtime_dir
+    from memwatch_engine.spawn import ensure_sidecar
+
+    from ..attach.inject import inject
+    from ..attach.inject_checks import check_all
+
+    check_all(pid)  # refusals come before anything is started
+    directory = ensure_runtime_dir()
+    if os.environ.get("MEMWATCH_SPAWN", "1") != "0":
+        ensure_sidecar(directory)
+    done = inject(pid, interval_s=interval, timeout_s=timeout_s)
+    for warning in dict.fromkeys(done.warnings):
+        click.echo(f"warning: inside process {pid}: {warning}", err=True)
+    if done.already:
+        click.echo(f"process {pid} is already recorded by memwatch; nothing injected", err=True)
+    elif done.engine is None:
+        click.echo(f"process {pid} has nothing for memwatch to record; nothing was left running in it", err=True)
+    else:
+        how = "a sampler thread" if done.engine == "python" else f"the {done.engine} adapter"
+        click.echo(f"memwatch runs inside process {', '.join(map(str, done.pids))} ({how}, run {done.run_id}); "
+                   f"undo with: memwatch attach --detach {pid}", err=True)
+
+
+def _hint(pid: int) -> None:
+    """For a Python process without memwatch, say what --inject would do before watching from outside."""
+    from ..attach.inject_checks import inject_hint
+
+    hint = inject_hint(pid)
+    if hint:
+        click.echo(hint, err=True)
 
 
 def _run(

@@ -1,0 +1,327 @@
+"""`memwatch attach --inject`: recording turned on inside running Python processes through gdb.
+
+The targets are real interpreters started without memwatch: a plain PyTorch loop on ``fake_cuda``'s
+device, and the nano-vllm mirror serving with tensor parallelism 2 (rank 1 in a spawned worker).
+Each is also run once without injection, and its own output must be the same. The `memwatch` used
+is the real command in a child process; the sidecar is a real ``memwatch serve``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mirrors.zero_code import MIRRORS
+
+from memwatch.attach.inject_checks import CAP_SYS_PTRACE, check_ptrace, check_user
+from memwatch.errors import PermissionDeniedError
+
+from processes import SidecarProcess, memwatch_env, query, wait_for
+
+pytestmark = pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is installed by `make test`")
+
+MiB = 1 << 20
+PLAIN = """
+import sys, threading, time
+from pathlib import Path
+import torch
+import fake_cuda
+
+stop = Path(sys.argv[1])
+x = torch.zeros(4)
+print("ready", flush=True)
+rounds = 0
+while rounds < 3 or not stop.exists():
+    buffer = fake_cuda.empty(4 << 20)
+    x += 1
+    buffer.free()
+    rounds += 1
+    time.sleep(0.05)
+print("threads", sorted(thread.name for thread in threading.enumerate()), flush=True)
+"""
+LIGHT = """
+import sys, threading, time
+from pathlib import Path
+
+stop = Path(sys.argv[1])
+print("ready", flush=True)
+while not stop.exists():
+    time.sleep(0.05)
+print("threads", sorted(thread.name for thread in threading.enumerate()), flush=True)
+"""
+SERVE = """
+import sys, threading, time
+from pathlib import Path
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler
+
+if __name__ == "__main__":
+    originals = (ModelRunner.run, ModelRunner.exit, Scheduler.preempt)
+    stop = Path(sys.argv[2])
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, max_num_batched_tokens=2048, max_model_len=1024, max_num_seqs=16)
+    lengths = set()
+    rounds = 0
+    while rounds < 2 or not stop.exists():
+        outputs = llm.generate([[1] * 100, [2] * 100], SamplingParams(max_tokens=8))
+        lengths.add(tuple(len(output["token_ids"]) for output in outputs))
+        if rounds == 0:
+            print("ready", flush=True)
+        rounds += 1
+        time.sleep(0.05)
+    print("lengths", sorted(lengths), flush=True)
+    print("originals", (ModelRunner.run, ModelRunner.exit, Scheduler.preempt) == originals, flush=True)
+    print("threads", sorted(thread.name for thread in threading.enumerate()), flush=True)
+"""
+MODEL_CONFIG = {
+    "hidden_size": 512, "num_hidden_layers": 16, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 128, "intermediate_size": 1024, "vocab_size": 2048, "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+DEVICE = {"FAKE_CUDA_TOTAL_BYTES": str(160 * MiB), "FAKE_CUDA_CONTEXT_BYTES": str(64 * MiB),
+          "FAKE_CUDA_OTHER_BYTES": f"0,{8 * MiB}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _memwatch(env: dict[str, str], *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "memwatch", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _target_env(runtime_dir: Path, db_path: Path, **extra: str) -> dict[str, str]:
+    env = memwatch_env(runtime_dir, db_path, PYTHONPATH=str(MIRRORS), **extra)
+    for name in ("MEMWATCH", "MEMWATCH_RUN_ID"):
+        env.pop(name, None)
+    return env
+
+
+class Target:
+    """A script run as a real process that serves until a stop file appears."""
+
+    def __init__(self, script: Path, env: dict[str, str], *args: str) -> None:
+        self.stop = script.with_suffix(".stop")
+        self.stop.unlink(missing_ok=True)
+        self.proc = subprocess.Popen([sys.executable, str(script), *args, str(self.stop)], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline() == "ready\n", self.proc.stderr.read()
+
+    def finish(self) -> tuple[str, str]:
+        self.stop.touch()
+        out, err = self.proc.communicate(timeout=60)
+        assert self.proc.returncode == 0, err
+        return "ready\n" + out, err
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+
+def _unattended(script: Path, env: dict[str, str], *args: str) -> tuple[str, str]:
+    return Target(script, env, *args).finish()
+
+
+def test_inject_into_a_plain_torch_loop_records_samples_and_detach_stops_it(
+        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(PLAIN)
+    env = _target_env(runtime_dir, db_path)
+    reference = _unattended(script, env)
+
+    with SidecarProcess(runtime_dir, db_path) as sidecar:
+        target = Target(script, env)
+        sidecar.pause()  # a ring listed before its header is written would be skipped: not what is tested here
+        done = _memwatch(env, "attach", "--inject", str(target.proc.pid), "--interval", "0.1", "--once", "--json")
+        sidecar.resume()
+        assert done.returncode == 0, done.stderr
+        assert "a sampler thread" in done.stderr and f"--detach {target.proc.pid}" in done.stderr
+        assert json.loads(done.stdout)["source"] == "ring"  # the live view now reads the process's own ring
+        wait_for(lambda: len(query(db_path, "SELECT 1 FROM samples")) >= 5, what="sampler readings in the database")
+        assert target.running()
+
+        detached = _memwatch(env, "attach", "--detach", str(target.proc.pid))
+        assert detached.returncode == 0, detached.stderr
+        wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("detached",)], what="the run to end")
+        assert target.running()
+        output = target.finish()
+
+    assert output == reference
+    assert output[0].endswith("threads ['MainThread']\n")  # the sampler thread is gone
+    [(engine, source, config)] = query(db_path, "SELECT engine, source, config FROM runs")
+    assert (engine, source, json.loads(config)["attached_late"]) == ("python", "injected", True)
+    # Every sample falls between two loop steps or inside one: 0 or 4 MiB allocated. The 4 MiB segment
+    # stays cached, and the driver sees it plus the 64 MiB context: 68 MiB used of 160 MiB.
+    rows = query(db_path, "SELECT allocated_bytes, reserved_bytes, driver_used_bytes, driver_free_bytes FROM samples")
+    assert {row[0] for row in rows} <= {0, 4 * MiB}
+    assert {row[1:] for row in rows} == {(4 * MiB, 68 * MiB, 92 * MiB)}
+
+
+def test_inject_into_a_nanovllm_tp2_engine_patches_every_rank_and_detach_restores_it(
+        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    model = tmp_path / "Qwen3-mini"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    script = tmp_path / "serve.py"
+    script.write_text(SERVE)
+    reference = _unattended(script, _target_env(runtime_dir, db_path, NANOVLLM_MIRROR_PORT=str(_free_port()), **DEVICE),
+                            str(model))
+    env = _target_env(runtime_dir, db_path, NANOVLLM_MIRROR_PORT=str(_free_port()), **DEVICE)
+
+    with SidecarProcess(runtime_dir, db_path) as sidecar:
+        target = Target(script, env, str(model))
+        sidecar.pause()
+        done = _memwatch(env, "attach", "--inject", str(target.proc.pid), "--once", "--json")
+        sidecar.resume()
+        assert done.returncode == 0, done.stderr
+        assert "the nano-vllm adapter" in done.stderr
+        assert len(json.loads(done.stdout)["ranks"]) == 2  # rank 1 lives in the spawned worker
+        steps = "SELECT rank, count(*) FROM samples WHERE step_kind IS NOT NULL GROUP BY rank"
+        wait_for(lambda: [rank for rank, count in query(db_path, steps) if count >= 8] == [0, 1],
+                 timeout=60, what="steps of both ranks in the database")
+        assert target.running()
+
+        detached = _memwatch(env, "attach", "--detach", str(target.proc.pid))
+        assert detached.returncode == 0, detached.stderr
+        wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("detached",)], what="the run to end")
+        output = target.finish()
+
+    assert output == reference
+    assert "originals True\n" in output[0] and "lengths [(8, 8)]\n" in output[0]
+    [(engine, source, ranks, config)] = query(db_path, "SELECT engine, source, rank_count, config FROM runs")
+    assert (engine, source, ranks, json.loads(config)["attached_late"]) == ("nano-vllm", "injected", 2, True)
+    # What startup would have recorded, read from the live engine (the adapter test derives the counts):
+    # block_bytes = 2 · 16 layers · 256 · (4 KV heads // 2) · 128 · 2 bytes = 4 MiB; rank 0 chose 7 blocks,
+    # rank 1 (8 MiB less free) 5. The readings it sized on are gone: no used, peak or current.
+    sizing = [(rank, json.loads(data)) for rank, data in query(
+        db_path, "SELECT rank, data FROM events WHERE kind = 'kv_allocated' ORDER BY rank")]
+    assert [(rank, data["num_blocks"], data["block_bytes"], data["total_bytes"], data["gpu_memory_utilization"],
+             data["used_bytes"], data["peak_bytes"], data["current_bytes"]) for rank, data in sizing] == [
+        (0, 7, 4 * MiB, 160 * MiB, 0.9, None, None, None), (1, 5, 4 * MiB, 160 * MiB, 0.9, None, None, None)]
+    late = [json.loads(data) for (data,) in query(db_path, "SELECT data FROM events WHERE kind = 'attached_late'")]
+    assert len(late) == 2 and all("activation_reserve_bytes" in data["unknown_terms"] for data in late)
+    # Each round is one prefill of 2 × 100 tokens and 7 decodes; rank 0 sees the block manager: 7 blocks.
+    prefills = query(db_path, "SELECT DISTINCT num_seqs, num_tokens FROM samples WHERE step_kind = 'prefill'")
+    assert prefills == [(2, 200)]
+    assert query(db_path, "SELECT DISTINCT kv_blocks_total FROM samples WHERE rank = 0 AND step_kind IS NOT NULL") \
+        == [(7,)]
+
+
+# -- refusals ---------------------------------------------------------------------------------------------
+
+
+def test_a_process_that_is_not_python_is_refused(sleeper: subprocess.Popen[bytes]) -> None:
+    done = _memwatch(memwatch_env(Path("/nonexistent"), Path("/nonexistent")), "attach", "--inject",
+                     str(sleeper.pid))
+    assert done.returncode == 2
+    assert done.stderr == (f"error: process {sleeper.pid} is not a Python process (sleep); "
+                           "--inject works on Python engines only\n")
+
+
+def test_without_gdb_on_the_path_the_injection_is_refused_and_nothing_changes(
+        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(LIGHT)
+    env = _target_env(runtime_dir, db_path)
+    target = Target(script, env)
+    done = _memwatch({**env, "PATH": str(tmp_path / "empty")}, "attach", "--inject", str(target.proc.pid))
+    assert done.returncode == 4
+    assert done.stderr.startswith("error: gdb is not installed") and done.stderr.count("\n") == 1
+    assert not list(runtime_dir.glob("*.ring"))
+    out, err = target.finish()
+    assert (out.splitlines()[-1], err) == ("threads ['MainThread']", "")
+
+
+def test_an_injection_that_times_out_leaves_the_process_running_unchanged(
+        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    # Pure Python arithmetic never releases the interpreter lock, so the process never reaches a safe point.
+    script = tmp_path / "busy.py"
+    script.write_text("import sys, time\nend = time.monotonic() + 6\nprint('ready', flush=True)\n"
+                      "while time.monotonic() < end:\n    pass\n"
+                      "print('memwatch loaded:', 'memwatch_engine' in sys.modules)\n")
+    env = _target_env(runtime_dir, db_path)
+    target = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    assert target.stdout.readline() == "ready\n"
+    done = _memwatch(env, "attach", "--inject", str(target.pid), "--inject-timeout", "1.5")
+    assert done.returncode == 4
+    assert "reached no safe point within 1.5s" in done.stderr and "left it running" in done.stderr
+    assert target.poll() is None
+    out, _ = target.communicate(timeout=30)
+    assert (target.returncode, out) == (0, "memwatch loaded: False\n")
+    assert not list(runtime_dir.glob("*"))
+
+
+def test_detach_of_a_process_memwatch_does_not_record_says_so(tmp_path: Path, runtime_dir: Path,
+                                                              db_path: Path) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(LIGHT)
+    env = _target_env(runtime_dir, db_path)
+    target = Target(script, env)
+    done = _memwatch(env, "attach", "--detach", str(target.proc.pid))
+    target.finish()
+    assert done.returncode == 3
+    assert done.stderr == (f"error: process {target.proc.pid} is not being recorded by memwatch (no ring); "
+                           "nothing to detach\n")
+
+
+AS_NOBODY = """
+import os, sys
+from memwatch.cli import main
+from memwatch.cli.attach import attach
+import memwatch.attach.inject, memwatch.attach.inject_checks, memwatch.hostinfo
+main.add_command(attach)
+os.setgid(65534)
+os.setuid(65534)
+main(sys.argv[1:], prog_name="memwatch")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another user needs root; the seam test below covers it")
+def test_another_users_process_is_refused(tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(LIGHT)
+    env = _target_env(runtime_dir, db_path)
+    target = Target(script, env)  # root's process; memwatch runs as nobody
+    done = subprocess.run([sys.executable, "-c", AS_NOBODY, "attach", "--inject", str(target.proc.pid)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    target.finish()
+    assert done.returncode == 5
+    assert done.stderr == (f"error: cannot inspect process {target.proc.pid}: it belongs to another user; "
+                           "run memwatch as that user (or as root)\n")
+
+
+def test_the_user_check_refuses_another_uid_unless_root() -> None:
+    own = os.getpid()
+    other_uid = os.geteuid() + 1
+    with pytest.raises(PermissionDeniedError, match=f"belongs to uid {os.geteuid()}, not to you"):
+        check_user(own, euid=other_uid)
+    check_user(own, euid=0)  # root may inject anywhere
+    check_user(own)
+
+
+@pytest.mark.parametrize(("scope", "capabilities", "refused"), [
+    ("0", 0, None),
+    ("1", 0, "only your own child processes"),
+    ("1", 1 << CAP_SYS_PTRACE, None),
+    ("2", 0, "only a process with CAP_SYS_PTRACE"),
+    ("2", 1 << CAP_SYS_PTRACE, None),
+    ("3", 1 << CAP_SYS_PTRACE, "forbids tracing any process"),
+])
+def test_ptrace_rules_of_yama_and_the_capability(tmp_path: Path, scope: str, capabilities: int,
+                                                 refused: str | None) -> None:
+    yama = tmp_path / "ptrace_scope"
+    yama.write_text(scope + "\n")
+    if refused is None:
+        check_ptrace(os.getpid(), yama_path=yama, capabilities=capabilities)
+    else:
+        with pytest.raises(PermissionDeniedError, match=refused):
+            check_ptrace(os.getpid(), yama_path=yama, capabilities=capabilities)
+    check_ptrace(os.getpid(), yama_path=tmp_path / "absent", capabilities=0)  # no Yama: plain ptrace rules
