@@ -23,8 +23,9 @@ test: $(STAMP) test-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
-# The tests compile a fake NVML library with a C compiler, open the HTML report in headless Chromium, and
-# scrape the sidecar with a real Prometheus (promtool checks the alert rules); install what the machine lacks.
+# The tests compile a fake NVML library with a C compiler, open the HTML report in headless Chromium,
+# scrape the sidecar with a real Prometheus (promtool checks the alert rules), and inject into processes
+# through gdb; install what the machine lacks.
 test-deps:
 	@command -v gcc >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
@@ -38,6 +39,10 @@ test-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
 	  else echo "no Prometheus: install Debian's prometheus package (the exporter tests run a real one)"; exit 1; fi; }
+	@command -v gdb >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends gdb >/dev/null; \
+	  else echo "no gdb: install it (the attach --inject tests inject through gdb)"; exit 1; fi; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,12 +18,11 @@ from pathlib import Path
 import pytest
 from mirrors.zero_code import MIRRORS
 
+from memwatch.attach.inject import payload
 from memwatch.attach.inject_checks import CAP_SYS_PTRACE, check_ptrace, check_user
 from memwatch.errors import PermissionDeniedError
 
 from processes import SidecarProcess, memwatch_env, query, wait_for
-
-pytestmark = pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is installed by `make test`")
 
 MiB = 1 << 20
 PLAIN = """
@@ -325,3 +323,34 @@ def test_ptrace_rules_of_yama_and_the_capability(tmp_path: Path, scope: str, cap
         with pytest.raises(PermissionDeniedError, match=refused):
             check_ptrace(os.getpid(), yama_path=yama, capabilities=capabilities)
     check_ptrace(os.getpid(), yama_path=tmp_path / "absent", capabilities=0)  # no Yama: plain ptrace rules
+
+
+def test_without_inject_attach_says_what_inject_would_do(tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(LIGHT)
+    env = _target_env(runtime_dir, db_path)
+    target = Target(script, env)
+    done = _memwatch(env, "attach", str(target.proc.pid), "--once")
+    out, err = target.finish()
+    note = done.stderr.splitlines()[0]
+    assert note.startswith(f"note: process {target.proc.pid} is a Python process without memwatch; "
+                           f"`memwatch attach --inject {target.proc.pid}` would record")
+    assert "pauses the process" in note and "--detach" in note
+    assert (out.splitlines()[-1], err) == ("threads ['MainThread']", "")  # nothing was run in it
+
+
+def test_the_injected_lines_load_the_engine_plugin_where_the_target_lacks_it(tmp_path: Path,
+                                                                             runtime_dir: Path) -> None:
+    """An interpreter without site-packages cannot import memwatch_engine; the lines load it from its folder,
+    start the sampler, leave no name behind in ``__main__``, and report through the status file."""
+    status = tmp_path / "status.json"
+    request = {"action": "start", "mode": "sampler", "run_id": "feedc0de0001", "runtime_dir": str(runtime_dir),
+               "interval_s": 0.05, "status": str(status)}
+    program = payload(request) + "\nprint(sorted(name for name in globals() if not name.startswith('__')))\n"
+    done = subprocess.run([sys.executable, "-S", "-c", program], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"]})
+    assert (done.returncode, done.stdout, done.stderr) == (0, "[]\n", "")
+    outcome = json.loads(status.read_text())
+    assert outcome["ok"] and outcome["engine"] == "python" and outcome["ranks"] == [0]
+    assert outcome["probes"] == ["nvml"]  # no torch in that interpreter, and none imported
+    assert outcome["rings"] == [str(runtime_dir / "feedc0de0001-r0.ring")]
