@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from mirrors.zero_code import MIRRORS
+from test_adapter_nanovllm import DEVICE, _free_port, _model_dir
 
 from memwatch.attach.inject import payload
 from memwatch.attach.inject_checks import CAP_SYS_PTRACE, check_ptrace, check_user
@@ -77,19 +77,6 @@ if __name__ == "__main__":
     print("originals", (ModelRunner.run, ModelRunner.exit, Scheduler.preempt) == originals, flush=True)
     print("threads", sorted(thread.name for thread in threading.enumerate()), flush=True)
 """
-MODEL_CONFIG = {
-    "hidden_size": 512, "num_hidden_layers": 16, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "head_dim": 128, "intermediate_size": 1024, "vocab_size": 2048, "max_position_embeddings": 4096,
-    "torch_dtype": "bfloat16",
-}
-DEVICE = {"FAKE_CUDA_TOTAL_BYTES": str(160 * MiB), "FAKE_CUDA_CONTEXT_BYTES": str(64 * MiB),
-          "FAKE_CUDA_OTHER_BYTES": f"0,{8 * MiB}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _memwatch(env: dict[str, str], *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
@@ -165,9 +152,7 @@ def test_inject_into_a_plain_torch_loop_records_samples_and_detach_stops_it(
 
 def test_inject_into_a_nanovllm_tp2_engine_patches_every_rank_and_detach_restores_it(
         tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
-    model = tmp_path / "Qwen3-mini"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    model = _model_dir(tmp_path)
     script = tmp_path / "serve.py"
     script.write_text(SERVE)
     reference = _unattended(script, _target_env(runtime_dir, db_path, NANOVLLM_MIRROR_PORT=str(_free_port()), **DEVICE),
