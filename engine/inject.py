@@ -111,7 +111,8 @@ def detach() -> dict[str, Any]:
     _state = None
     if state.thread is not None:
         state.stop.set()
-        state.thread.join(timeout=5.0)
+        if state.thread is not threading.current_thread():  # the injector may have run us on that very thread
+            state.thread.join(timeout=5.0)
     if state.engine not in (None, "python"):
         from .adapters import late
 

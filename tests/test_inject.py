@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -92,13 +93,14 @@ def _target_env(runtime_dir: Path, db_path: Path, **extra: str) -> dict[str, str
 
 
 class Target:
-    """A script run as a real process that serves until a stop file appears."""
+    """A script run as a real process that serves until a stop file appears; killed at the test's end."""
 
     def __init__(self, script: Path, env: dict[str, str], *args: str) -> None:
         self.stop = script.with_suffix(".stop")
         self.stop.unlink(missing_ok=True)
         self.proc = subprocess.Popen([sys.executable, str(script), *args, str(self.stop)], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _started.append(self.proc)
         assert self.proc.stdout.readline() == "ready\n", self.proc.stderr.read()
 
     def finish(self) -> tuple[str, str]:
@@ -109,6 +111,19 @@ class Target:
 
     def running(self) -> bool:
         return self.proc.poll() is None
+
+
+_started: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_target_outlives_its_test() -> Iterator[None]:
+    yield
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 def _unattended(script: Path, env: dict[str, str], *args: str) -> tuple[str, str]:
@@ -122,11 +137,9 @@ def test_inject_into_a_plain_torch_loop_records_samples_and_detach_stops_it(
     env = _target_env(runtime_dir, db_path)
     reference = _unattended(script, env)
 
-    with SidecarProcess(runtime_dir, db_path) as sidecar:
+    with SidecarProcess(runtime_dir, db_path):
         target = Target(script, env)
-        sidecar.pause()  # a ring listed before its header is written would be skipped: not what is tested here
         done = _memwatch(env, "attach", "--inject", str(target.proc.pid), "--interval", "0.1", "--once", "--json")
-        sidecar.resume()
         assert done.returncode == 0, done.stderr
         assert "a sampler thread" in done.stderr and f"--detach {target.proc.pid}" in done.stderr
         assert json.loads(done.stdout)["source"] == "ring"  # the live view now reads the process's own ring
@@ -159,11 +172,9 @@ def test_inject_into_a_nanovllm_tp2_engine_patches_every_rank_and_detach_restore
                             str(model))
     env = _target_env(runtime_dir, db_path, NANOVLLM_MIRROR_PORT=str(_free_port()), **DEVICE)
 
-    with SidecarProcess(runtime_dir, db_path) as sidecar:
+    with SidecarProcess(runtime_dir, db_path):
         target = Target(script, env, str(model))
-        sidecar.pause()
         done = _memwatch(env, "attach", "--inject", str(target.proc.pid), "--once", "--json")
-        sidecar.resume()
         assert done.returncode == 0, done.stderr
         assert "the nano-vllm adapter" in done.stderr
         assert len(json.loads(done.stdout)["ranks"]) == 2  # rank 1 lives in the spawned worker
@@ -281,13 +292,21 @@ def test_another_users_process_is_refused(tmp_path: Path, runtime_dir: Path, db_
                            "run memwatch as that user (or as root)\n")
 
 
-def test_the_user_check_refuses_another_uid_unless_root() -> None:
-    own = os.getpid()
-    other_uid = os.geteuid() + 1
-    with pytest.raises(PermissionDeniedError, match=f"belongs to uid {os.geteuid()}, not to you"):
-        check_user(own, euid=other_uid)
-    check_user(own, euid=0)  # root may inject anywhere
+def test_the_user_check_refuses_another_users_process_even_to_root() -> None:
+    own, me = os.getpid(), os.geteuid()
     check_user(own)
+    with pytest.raises(PermissionDeniedError, match=f"belongs to uid {me}, not to you"):
+        check_user(own, euid=me + 1)
+    # Root may trace it, but the rings would land in root's runtime directory, where its user's sidecar never looks.
+    if me == 0:
+        other = subprocess.Popen(["sleep", "30"], user=65534)
+        _started.append(other)
+        pid, uid = other.pid, 65534
+        wait_for(lambda: "65534" in Path(f"/proc/{pid}/status").read_text(), what="the process to be nobody's")
+    else:
+        pid, uid = own, me
+    with pytest.raises(PermissionDeniedError, match=f"run memwatch as that user: sudo -u '#{uid}'"):
+        check_user(pid, euid=0)
 
 
 @pytest.mark.parametrize(("scope", "capabilities", "refused"), [

@@ -84,10 +84,17 @@ def _interpreter_version(pid: int, exe: str) -> tuple[int, int]:
 def check_user(pid: int, euid: int | None = None) -> None:
     """The process must be ours, or we must be root."""
     euid = os.geteuid() if euid is None else euid
-    uid = _status_field(pid, "Uid")
-    if euid != 0 and uid is not None and int(uid.split()[0]) != euid:
-        raise PermissionDeniedError(f"process {pid} belongs to uid {uid.split()[0]}, not to you (uid {euid}); "
+    field = _status_field(pid, "Uid")
+    uid = int(field.split()[0]) if field else euid
+    if uid == euid:
+        return
+    if euid != 0:
+        raise PermissionDeniedError(f"process {pid} belongs to uid {uid}, not to you (uid {euid}); "
                                     "run memwatch attach --inject as that user or as root")
+    # Root may trace anyone, but the rings must belong to the process's own user for its sidecar to trust them.
+    raise PermissionDeniedError(f"process {pid} belongs to uid {uid}, whose rings must live in that user's runtime "
+                                f"directory; run memwatch as that user: sudo -u '#{uid}' memwatch attach --inject "
+                                f"{pid}")
 
 
 def check_ptrace(pid: int, yama_path: Path = YAMA_PATH, capabilities: int | None = None) -> None:

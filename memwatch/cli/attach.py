@@ -13,6 +13,7 @@ import click
 from click.core import ParameterSource
 
 from ..attach import open_source, watch
+from ..attach.inject_checks import check_all, inject_hint
 from ..attach.record import RunRecorder
 from ..attach.snapshot import Snapshot, Source
 from ..attach.view import TREND_POINTS, render
@@ -81,7 +82,6 @@ def _inject(pid: int, interval: float, timeout_s: float) -> None:
     from memwatch_engine.spawn import ensure_sidecar
 
     from ..attach.inject import inject
-    from ..attach.inject_checks import check_all
 
     check_all(pid)  # refusals come before anything is started
     directory = ensure_runtime_dir()
@@ -102,8 +102,6 @@ def _inject(pid: int, interval: float, timeout_s: float) -> None:
 
 def _hint(pid: int) -> None:
     """For a Python process without memwatch, say what --inject would do before watching from outside."""
-    from ..attach.inject_checks import inject_hint
-
     hint = inject_hint(pid)
     if hint:
         click.echo(hint, err=True)
