@@ -26,7 +26,7 @@ from .flags import EXTERNAL_PROCESS, Flag
 from .ledger import LedgerTerms
 from .nvml import GpuProcess, Nvml
 from .records import Event, Sample
-from .store.summaries import UPSERT_SUMMARY, config_key, summary_params
+from .store.summaries import UPSERT_MINUTE, UPSERT_SUMMARY, config_key, minute_rows, summary_params
 from .units import format_bytes
 
 log = logging.getLogger("memwatch.flags")
@@ -105,7 +105,8 @@ class LiveDetectors:
             return []
         summary.sizing = detectors.ledger(header.rank).sizing
         complete = self._complete.get(header.run_id, False)
-        return [(UPSERT_SUMMARY, summary_params(header.run_id, summary, complete, self._config_key))]
+        minutes = [(UPSERT_MINUTE, row) for row in minute_rows(header.run_id, summary)]
+        return [(UPSERT_SUMMARY, summary_params(header.run_id, summary, complete, self._config_key)), *minutes]
 
     def last_terms(self, run_id: str, rank: int) -> LedgerTerms | None:
         """The ledger terms of the latest sample of a live rank (``None`` before it, or after the run)."""

@@ -6,7 +6,8 @@ import csv
 import json
 import sys
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import lru_cache
 from pathlib import Path
 
 import click
@@ -125,33 +126,34 @@ def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]]
             header += f" {'NON-TORCH':>10} {'SLACK':>10} {'HEADROOM':>10} {'OOM MARGIN':>10}"
     click.echo(header)
     count = 0
+    size = lru_cache(maxsize=8192)(format_bytes)  # a window repeats the same few values many times
+    write = sys.stdout.write
     for row, terms in rows:
-        line = _nvml_line(row, start) if nvml else _engine_line(row, start)
+        line = _nvml_line(row, start, size) if nvml else _engine_line(row, start, size)
         if terms is not None and not nvml:
-            line += "".join(f" {format_bytes(value):>10}" for value in (
+            line += "".join(f" {size(value):>10}" for value in (
                 terms.non_torch_bytes, terms.cache_slack_bytes, terms.headroom_bytes, terms.oom_margin_bytes))
         if row.rollup is not None:
             line += f"  (1 s: {row.rollup.samples} samples)"
-        click.echo(line)
+        write(line + "\n")
         count += 1
     if count == 0:
         click.echo("(no samples in that window)")
 
 
-def _engine_line(row: WindowRow, start: int) -> str:
+def _engine_line(row: WindowRow, start: int, size: Callable[[int | None], str]) -> str:
     s = row.sample
     kv = f"{s.kv_blocks_used}/{s.kv_blocks_total}" if s.kv_blocks_total is not None else "-"
     return (
         f"{(s.ts_ns - start) / 1e9:>8.3f} {s.rank:>4} {s.step:>7} {s.phase or '-':<9} {s.step_kind or '-':<7} "
-        f"{format_bytes(s.allocated_bytes):>10} {format_bytes(s.reserved_bytes):>10} "
-        f"{format_bytes(s.peak_bytes):>10} {format_bytes(s.driver_used_bytes):>10} "
-        f"{format_bytes(s.driver_free_bytes):>10} {kv:>11}"
+        f"{size(s.allocated_bytes):>10} {size(s.reserved_bytes):>10} {size(s.peak_bytes):>10} "
+        f"{size(s.driver_used_bytes):>10} {size(s.driver_free_bytes):>10} {kv:>11}"
     )
 
 
-def _nvml_line(row: WindowRow, start: int) -> str:
+def _nvml_line(row: WindowRow, start: int, size: Callable[[int | None], str]) -> str:
     s = row.sample
     return (
-        f"{(s.ts_ns - start) / 1e9:>8.3f} {s.rank:>4} {s.step:>7} {format_bytes(s.process_used_bytes):>10} "
-        f"{format_bytes(s.driver_used_bytes):>10} {format_bytes(s.driver_free_bytes):>10}"
+        f"{(s.ts_ns - start) / 1e9:>8.3f} {s.rank:>4} {s.step:>7} {size(s.process_used_bytes):>10} "
+        f"{size(s.driver_used_bytes):>10} {size(s.driver_free_bytes):>10}"
     )

@@ -9,7 +9,7 @@ the exact integers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from memwatch.detectors.detector_set import STARTUP_PHASES
@@ -43,6 +43,36 @@ class ServingPoint:
     reclaimable_cache_bytes: int | None = None
 
 
+MINUTE_NS = 60_000_000_000
+SEARCHED_TERMS: tuple[str, ...] = ("non_torch_bytes", "cache_slack_bytes", "allocated_bytes")
+"""The terms ``explain`` searches a rank's serving points by."""
+
+
+@dataclass
+class Minute:
+    """One minute of one rank: the range of each searched term over its serving points, and the largest
+    step rise (``peak - allocated`` of a step's own peak) after sizing. A store keeps one row per minute,
+    so that a search of a long run reads the few minutes that can hold the answer."""
+
+    low: list[int | None] = field(default_factory=lambda: [None] * len(SEARCHED_TERMS))
+    high: list[int | None] = field(default_factory=lambda: [None] * len(SEARCHED_TERMS))
+    max_step_rise_bytes: int | None = None
+
+    def add_rise(self, rise: int) -> None:
+        if self.max_step_rise_bytes is None or rise > self.max_step_rise_bytes:
+            self.max_step_rise_bytes = rise
+
+    def add_point(self, values: tuple[int | None, ...]) -> None:
+        low, high = self.low, self.high
+        for i, value in enumerate(values):
+            if value is None:
+                continue
+            if low[i] is None or value < low[i]:  # type: ignore[operator]
+                low[i] = value
+            if high[i] is None or value > high[i]:  # type: ignore[operator]
+                high[i] = value
+
+
 @dataclass
 class RankSummary:
     """One rank's run so far: samples, last terms, tightest moments, sizing, and what ``explain`` needs."""
@@ -66,6 +96,8 @@ class RankSummary:
     max_peak_bytes: int | None = None
     max_reserved_bytes: int | None = None
     max_driver_used_bytes: int | None = None
+    minutes: dict[int, Minute] = field(default_factory=dict)
+    """Minutes touched since the owner last stored and cleared them (not part of :meth:`to_json`)."""
 
     def observe(self, sample: Sample, terms: LedgerTerms) -> None:
         """Take in one sample of this rank and its ledger terms."""
@@ -87,8 +119,15 @@ class RankSummary:
             self.min_headroom = Tightest(sample.step, sample.ts_ns, headroom, terms)
         if margin is not None and (self.min_oom_margin is None or margin < self.min_oom_margin.value_bytes):
             self.min_oom_margin = Tightest(sample.step, sample.ts_ns, margin, terms)
+        minute = None
+        if sample.peak_is_step and terms.activation_reserve_bytes is not None and sample.peak_bytes is not None \
+                and sample.allocated_bytes is not None:
+            minute = self._minute(sample.ts_ns)
+            minute.add_rise(sample.peak_bytes - sample.allocated_bytes)
         if terms.budget_bytes is None or sample.phase in STARTUP_PHASES:
             return
+        (minute or self._minute(sample.ts_ns)).add_point((terms.non_torch_bytes, terms.cache_slack_bytes,
+                                                          sample.allocated_bytes))
         if terms.step_activation_peak_bytes is not None:
             self.largest_activation_bytes = max(self.largest_activation_bytes, terms.step_activation_peak_bytes)
         point = None
@@ -97,6 +136,13 @@ class RankSummary:
         best = self.tightest_serving
         if margin is not None and (best is None or best.oom_margin_bytes is None or margin < best.oom_margin_bytes):
             self.tightest_serving = point or serving_point(sample, terms)
+
+    def _minute(self, ts_ns: int) -> Minute:
+        key = ts_ns // MINUTE_NS
+        minute = self.minutes.get(key)
+        if minute is None:
+            minute = self.minutes[key] = Minute()
+        return minute
 
     def to_json(self) -> dict[str, Any]:
         def tight(value: Tightest | None) -> list[Any] | None:

@@ -23,7 +23,8 @@ from memwatch.detectors.wording import format_bytes, format_count, format_durati
 from memwatch.flags import OOM, Flag
 from memwatch.records import Event, Sample
 from memwatch.report.readings import ENDED_BADLY, RankReadings, crash_sentences
-from memwatch.report.stored import StoredPoints, first_ooms, stored_readings, stored_run
+from memwatch.report.stored import first_ooms, ledger_events, stored_readings, stored_run
+from memwatch.report.stored_points import StoredPoints
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database
@@ -257,7 +258,7 @@ def explain_run(db: Database, ref: str, config: DetectorConfig | None = None) ->
     """How a stored run ended (``ref``: id, unique prefix or ``latest``), without loading its samples.
 
     Per-rank summaries and flags come from the store (or a streamed replay); each out-of-memory rank
-    is then searched through the samples' index (:class:`memwatch.report.stored.StoredPoints`).
+    is then searched through the samples' index (:class:`memwatch.report.stored_points.StoredPoints`).
     """
     state = stored_run(db, ref, config)
     run = state.run
@@ -266,7 +267,8 @@ def explain_run(db: Database, ref: str, config: DetectorConfig | None = None) ->
     for rank, oom in ooms.items():
         summary = state.summaries.get(rank)
         points[rank] = StoredPoints(db, run.run_id, rank, None if summary is None else summary.first_serving,
-                                    oom.ts_ns)
+                                    oom.ts_ns, ledger_events(db, run.run_id, rank, oom.ts_ns),
+                                    use_minutes=state.from_summaries)
     return explain_from(run.run_id, state.summaries, ooms, points, state.flags, config or DetectorConfig(),
                         run.status, stored_readings(db, run.run_id, state.summaries), run.started_ns)
 

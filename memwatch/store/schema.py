@@ -25,7 +25,7 @@ from ..errors import StoreError
 if TYPE_CHECKING:
     from memwatch.store.db import Database
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 ROLLUP_COLUMNS: tuple[str, ...] = (
     "allocated_bytes", "peak_bytes", "reserved_bytes", "driver_used_bytes", "driver_free_bytes",
@@ -148,6 +148,16 @@ def _v4(db: Database) -> None:
     db.conn.execute("ALTER TABLE sample_seconds ADD COLUMN max_step_rise_bytes INTEGER")
 
 
+def _v5(db: Database) -> None:
+    """Per rank per minute, the range of the terms explain searches by and the largest step rise, kept live."""
+    db.conn.execute(
+        "CREATE TABLE serving_minutes (run_id TEXT NOT NULL, rank INTEGER NOT NULL, minute INTEGER NOT NULL,"
+        " min_non_torch_bytes INTEGER, max_non_torch_bytes INTEGER, min_cache_slack_bytes INTEGER,"
+        " max_cache_slack_bytes INTEGER, min_allocated_bytes INTEGER, max_allocated_bytes INTEGER,"
+        " max_step_rise_bytes INTEGER, PRIMARY KEY (run_id, rank, minute)) WITHOUT ROWID"
+    )
+
+
 NEXT_RUN_KEY = "(SELECT coalesce(max(run_key), 0) + 1 FROM runs)"
 """The key a new run gets (``runs.run_key`` is unique; the next free integer)."""
 ENSURE_RUN = (
@@ -157,7 +167,7 @@ ENSURE_RUN = (
 """Create a bare ``runs`` row for a run id that has none (bind the run id twice)."""
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4]
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5]
 """MIGRATIONS[i] takes a database from version i to i + 1."""
 
 

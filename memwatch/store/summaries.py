@@ -13,7 +13,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from ..detectors import DetectorConfig
-from ..detectors.summary import RankSummary
+from ..detectors.summary import SEARCHED_TERMS, RankSummary
 from ..flags import Flag
 
 if TYPE_CHECKING:
@@ -25,6 +25,27 @@ UPSERT_SUMMARY = (
     " detector_config = excluded.detector_config, samples = excluded.samples, last_step = excluded.last_step,"
     " last_ts_ns = excluded.last_ts_ns, summary = excluded.summary"
 )
+
+
+_MERGED = ", ".join(
+    f"{column} = coalesce({column[:3]}({column}, excluded.{column}), {column}, excluded.{column})"
+    for column in (*(f"{bound}_{term}" for term in SEARCHED_TERMS for bound in ("min", "max")), "max_step_rise_bytes")
+)
+UPSERT_MINUTE = (
+    "INSERT INTO serving_minutes (run_id, rank, minute, min_non_torch_bytes, max_non_torch_bytes,"
+    " min_cache_slack_bytes, max_cache_slack_bytes, min_allocated_bytes, max_allocated_bytes, max_step_rise_bytes)"
+    f" VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, rank, minute) DO UPDATE SET {_MERGED}"
+)
+
+
+def minute_rows(run_id: str, summary: RankSummary) -> list[tuple[Any, ...]]:
+    """The minutes the summary touched since the last call, as ``serving_minutes`` rows; forgets them."""
+    rows = []
+    for key, minute in summary.minutes.items():
+        bounds = [value for pair in zip(minute.low, minute.high, strict=True) for value in pair]
+        rows.append((run_id, summary.rank, key, *bounds, minute.max_step_rise_bytes))
+    summary.minutes.clear()
+    return rows
 
 
 def config_key(config: DetectorConfig | None) -> str:

@@ -46,9 +46,24 @@ def run_key(db: Database, run_id: str) -> int | None:
     return None if row is None else row[0]
 
 
-def _where(key: int, rank: int | None, since_ns: int | None, until_ns: int | None, ts: str) -> tuple[str, list[Any]]:
+def stored_ranks(db: Database, key: int) -> list[int]:
+    """The ranks a run has samples of (either resolution), one index probe per rank."""
+    ranks: set[int] = set()
+    for table in ("sample_rows", "sample_seconds"):
+        rank = -(1 << 62)
+        while (rank := db.execute(f"SELECT min(rank) FROM {table} WHERE run_key = ? AND rank > ?",
+                                  (key, rank)).fetchone()[0]) is not None:
+            ranks.add(rank)
+    return sorted(ranks)
+
+
+def _where(key: int, rank: int | list[int] | None, since_ns: int | None, until_ns: int | None,
+           ts: str) -> tuple[str, list[Any]]:
     clauses, params = ["run_key = ?"], [key]
-    if rank is not None:
+    if isinstance(rank, list):  # every rank listed, so that a time range is an index range per rank
+        clauses.append(f"rank IN ({', '.join('?' * len(rank))})")
+        params.extend(rank)
+    elif rank is not None:
         clauses.append("rank = ?")
         params.append(rank)
     if since_ns is not None:
@@ -84,8 +99,16 @@ def window_rows(
     key = run_key(db, run_id)
     if key is None:
         return
-    raw_where, raw_params = _where(key, rank, since_ns, until_ns, "ts_ns")
-    rolled_where, rolled_params = _where(key, rank, since_ns, until_ns, "last_ts_ns")
+    ranks = stored_ranks(db, key) if rank is None and (since_ns is not None or until_ns is not None) else rank
+    raw_where, raw_params = _where(key, ranks, since_ns, until_ns, "ts_ns")
+    rolled_where, rolled_params = _where(key, ranks, since_ns, until_ns, "last_ts_ns")
+    rolled = db.execute(f"SELECT 1 FROM sample_seconds WHERE {rolled_where} LIMIT 1", rolled_params).fetchone()
+    if rolled is None:  # all at full resolution (the usual case for a recent window): no union to pad and sort
+        from_row = Sample.from_row
+        for row in db.execute(f"SELECT ?, {RAW_SELECT} FROM sample_rows WHERE {raw_where} ORDER BY ts_ns, rank",
+                              [run_id, *raw_params]):
+            yield WindowRow(from_row(row), None)
+        return
     nulls = ", ".join(["NULL"] * (3 + 2 * len(ROLLUP_COLUMNS)))
     sql = (
         f"SELECT {RAW_SELECT}, {nulls} FROM sample_rows WHERE {raw_where}"
