@@ -42,3 +42,9 @@ def test_export_benchmark_runs_with_the_exporters_delivering() -> None:
     assert "ratio on/off per pair of runs" in out and "(all delivered)" in out
     per_rank = len(METRICS) + len(FLAG_KINDS) * len(SEVERITIES)  # every metric, and the flags by kind and severity
     assert f"scrape latency with 64 ranks live ({64 * per_rank + 1:,} series)" in out  # + target_info
+
+
+def test_postmortem_benchmark_runs() -> None:
+    out = _run("bench_postmortem.py", "--samples", "40000", "--hours", "0.1", "--repeats", "1")
+    assert "ratio unindexed/indexed" in out and "ratio to --help" in out and "bytes per stored sample" in out
+    assert "evidence windows" in out and "kept whole: 2 of 2 -> PASS" in out
