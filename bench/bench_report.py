@@ -1,11 +1,12 @@
 """``memwatch report`` on a long run: the whole command, against start-up and a read of every sample.
 
 It builds a database with one run of N samples (default 2,500,000) over 8 ranks (KV sizing, serving
-steps every 10 ms with activation noise and KV use, one rank leaking outside PyTorch until an OOM,
-its flags), then times, as subprocesses: ``memwatch --help`` (start-up), ``memwatch report RUN -o
-FILE.html`` and ``-o FILE.png``; and in-process, the naive baseline a plot of every point would start
-from: reading all the run's samples into Python. It prints min/median/max of each, the ratios, and
-the page's size; it exits 1 when the HTML report's median is over 5 s.
+steps every 10 ms with activation noise and KV use, one rank leaking outside PyTorch until an OOM, and
+the flags and per-rank summaries a live sidecar stores), then times, as subprocesses: ``memwatch
+--help`` (start-up), ``memwatch report RUN -o FILE.html`` and ``-o FILE.png``; and in-process, the
+naive baseline a plot of every point would start from: reading all the run's samples into Python. It
+prints min/median/max of each, the ratios, and the page's size; it exits 1 when the HTML report's
+median is over 5 s.
 
 Run: .venv/bin/python bench/bench_report.py [--samples N] [--repeat K]
 """
@@ -24,7 +25,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from memwatch.detectors import interleave, replay
+from memwatch.live import flag_row
 from memwatch.store import open_store
+from memwatch.store.db import Database
+from memwatch.store.queries import events, samples
+from memwatch.store.summaries import UPSERT_SUMMARY, config_key, summary_params
+from memwatch.store.writer import INSERT_FLAG
 
 TARGET_S = 5.0
 RANKS = 8
@@ -69,15 +76,12 @@ def build(db_path: Path, samples: int) -> str:
         sizing = {"total_bytes": TOTAL, "gpu_memory_utilization": UTILIZATION, "used_bytes": NON_TORCH + WEIGHTS,
                   "peak_bytes": WEIGHTS + RESERVE, "current_bytes": WEIGHTS, "block_bytes": BLOCK_BYTES,
                   "num_blocks": NUM_BLOCKS}
-        events = [(START_NS - 10**9, "weights_loaded", {"weights_bytes": WEIGHTS}),
+        rank_events = [(START_NS - 10**9, "weights_loaded", {"weights_bytes": WEIGHTS}),
                   (START_NS - 10**8, "kv_allocated", sizing), (START_NS - 1, "phase_start", {"phase": "serve"})]
         if rank == LEAK_RANK:
-            events.append((end_ns - STEP_NS, "oom", {"requested_bytes": 64 * MiB, "driver_free_bytes": 0}))
-            conn.execute("INSERT INTO flags (run_id, rank, step, ts_ns, kind, severity, message, data)"
-                         " VALUES (?, ?, ?, ?, 'oom', 'critical', 'out of memory', '{}')",
-                         (run_id, rank, steps - 1, end_ns - STEP_NS))
+            rank_events.append((end_ns - STEP_NS, "oom", {"requested_bytes": 64 * MiB, "driver_free_bytes": 0}))
         conn.executemany("INSERT INTO events (run_id, rank, step, ts_ns, kind, data) VALUES (?, ?, 0, ?, ?, ?)",
-                         [(run_id, rank, ts, kind, json.dumps(data)) for ts, kind, data in events])
+                         [(run_id, rank, ts, kind, json.dumps(data)) for ts, kind, data in rank_events])
         conn.executemany(
             "INSERT INTO sample_rows (run_key, rank, step, ts_ns, phase, allocated_bytes, peak_bytes, reserved_bytes,"
             " driver_used_bytes, driver_free_bytes, kv_blocks_used, kv_blocks_total, num_seqs, num_tokens,"
@@ -85,9 +89,20 @@ def build(db_path: Path, samples: int) -> str:
             _rows(key, rank, steps, seed=rank),
         )
     conn.commit()
+    _store_what_the_sidecar_keeps(db, run_id)
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()
     return run_id
+
+
+def _store_what_the_sidecar_keeps(db: Database, run_id: str) -> None:
+    """The flags and complete per-rank summaries a live sidecar would have stored, from one replay."""
+    replayed = replay(interleave(samples(db, run_id), events(db, run_id)))
+    config = config_key(None)
+    with db.conn:
+        db.conn.executemany(INSERT_FLAG, [flag_row(flag) for flag in replayed.flags])
+        db.conn.executemany(UPSERT_SUMMARY, [summary_params(run_id, summary, True, config)
+                                             for summary in replayed.ranks.values()])
 
 
 def _timed(command: list[str], repeat: int) -> list[float]:

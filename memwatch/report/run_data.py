@@ -8,7 +8,6 @@ minimum readings at its first moment and its maximum readings at its last.
 
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from memwatch.records import Event, Sample
 from memwatch.report.series import DEFAULT_BUCKETS, Series, peak_series
 from memwatch.store import open_store
 from memwatch.store.queries import Run, events, get_run, run_ranks
+from memwatch.store.summaries import stored_flags
 from memwatch.store.window import run_key
 
 if TYPE_CHECKING:
@@ -82,14 +82,6 @@ class RunData:
     start_ns: int
     end_ns: int
     ranks: list[RankData]
-
-
-def _flags(db: Database, run_id: str) -> list[Flag]:
-    rows = db.execute(
-        "SELECT run_id, rank, step, ts_ns, kind, severity, message, data FROM flags WHERE run_id = ?"
-        " ORDER BY ts_ns, rowid", (run_id,),
-    )
-    return [Flag(*row[:7], json.loads(row[7] or "{}")) for row in rows]
 
 
 def _phases(rank_events: list[Event], end_ns: int) -> list[Phase]:
@@ -187,7 +179,7 @@ def _all_series(db: Database, run_id: str, ranks: list[int], buckets: int) -> li
 def load_run_data(db: Database, ref: str, buckets: int = DEFAULT_BUCKETS) -> RunData:
     """The run ``ref`` (id, unique prefix or ``latest``) ready to draw, at most ``buckets`` buckets per rank."""
     run = get_run(db, ref)
-    all_flags = _flags(db, run.run_id)
+    all_flags = stored_flags(db, run.run_id)
     all_events = events(db, run.run_id)
     ranks_rows = {row["rank"]: row for row in run_ranks(db, run.run_id)}
     rank_ids = sorted(set(ranks_rows) | set(_sample_ranks(db, run.run_id)))
