@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from memwatch.store.db import Database
 
 FORMATS = {".html": "html", ".htm": "html", ".png": "png"}
+PNG_BUCKETS = 600
+"""The image is about 1,200 pixels wide: more buckets than that cannot show, they only cost drawing time."""
 
 
 def report_format(path: Path) -> str:
@@ -31,7 +33,7 @@ def write_report(db: Database, ref: str, path: str | os.PathLike[str], *,
     """Write the report of run ``ref`` to ``path`` (HTML or PNG by its suffix); returns the absolute path."""
     path = Path(path).expanduser().absolute()
     fmt = report_format(path)
-    data = load_run_data(db, ref, buckets)
+    data = load_run_data(db, ref, min(buckets, PNG_BUCKETS) if fmt == "png" else buckets)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         if fmt == "png":
