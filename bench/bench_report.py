@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -105,15 +106,19 @@ def _store_what_the_sidecar_keeps(db: Database, run_id: str) -> None:
                                              for summary in replayed.ranks.values()])
 
 
-def _timed(command: list[str], repeat: int) -> list[float]:
-    times = []
+def _timed(command: list[str], repeat: int) -> tuple[list[float], list[float]]:
+    """Wall-clock and CPU (user + system) seconds of each run of ``command``."""
+    times, cpu = [], []
     for _ in range(repeat):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         times.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
         if done.returncode != 0:
             raise SystemExit(f"{' '.join(command)} failed: {done.stderr.strip()}")
-    return times
+    return times, cpu
 
 
 def _read_all(db_path: Path, run_id: str) -> float:
@@ -145,13 +150,15 @@ def main() -> int:
         print(f"database: {args.samples:,} samples over {RANKS} ranks, built in {time.perf_counter() - start:.1f} s, "
               f"{os.path.getsize(db_path) / 2**20:,.0f} MiB")
         html, png = Path(tmp) / "report.html", Path(tmp) / "report.png"
-        startup = _timed([memwatch, "--help"], args.repeat)
-        page = _timed([memwatch, "report", run_id, "--db", str(db_path), "-o", str(html)], args.repeat)
-        image = _timed([memwatch, "report", run_id, "--db", str(db_path), "-o", str(png)], args.repeat)
+        startup, _ = _timed([memwatch, "--help"], args.repeat)
+        page, page_cpu = _timed([memwatch, "report", run_id, "--db", str(db_path), "-o", str(html)], args.repeat)
+        image, image_cpu = _timed([memwatch, "report", run_id, "--db", str(db_path), "-o", str(png)], args.repeat)
         read_all = [_read_all(db_path, run_id) for _ in range(args.repeat)]
         print(_show("memwatch --help (start-up)", startup))
         print(_show("memwatch report -o FILE.html", page))
+        print(_show("  its CPU time (user + system)", page_cpu))
         print(_show("memwatch report -o FILE.png", image))
+        print(_show("  its CPU time (user + system)", image_cpu))
         print(_show("baseline: read every sample", read_all))
         median = statistics.median(page)
         print(f"page: {html.stat().st_size / 2**20:.1f} MiB; image: {png.stat().st_size / 2**10:.0f} KiB")
