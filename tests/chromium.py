@@ -10,6 +10,7 @@ screenshot. Every wait has a deadline, and the browser is killed at the end what
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import select
@@ -93,16 +94,18 @@ def open_page(url: str, condition: str, *, width: int = 1400, timeout: float = 9
     commands_r, commands_w = os.pipe()
     replies_r, replies_w = os.pipe()
 
-    def child_fds() -> None:
-        os.dup2(commands_r, 3)
-        os.dup2(replies_w, 4)
-
     profile = tempfile.mkdtemp(prefix="memwatch-chromium-")
-    process = subprocess.Popen([binary, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               pass_fds=(3, 4), preexec_fn=child_fds)
+    # The child's ends go above 10, then bash moves them to fds 3 and 4 (no preexec_fn, which is
+    # unsafe in a process with threads).
+    child_r, child_w = fcntl.fcntl(commands_r, fcntl.F_DUPFD, 10), fcntl.fcntl(replies_w, fcntl.F_DUPFD, 10)
     os.close(commands_r)
     os.close(replies_w)
+    wrapper = f'exec "$0" "$@" 3<&{child_r} 4>&{child_w} {child_r}<&- {child_w}>&-'
+    process = subprocess.Popen(["bash", "-c", wrapper, binary, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               pass_fds=(child_r, child_w))
+    os.close(child_r)
+    os.close(child_w)
     try:
         pipe = _Pipe(commands_w, replies_r, deadline)
         target = pipe.send("Target.createTarget", {"url": "about:blank"})["targetId"]
