@@ -149,3 +149,11 @@ def test_plotting_libraries_load_only_when_a_report_is_written() -> None:
             " print(sorted(m for m in sys.modules if m.split('.')[0] in ('plotly', 'matplotlib')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
+
+
+def test_a_run_stored_without_live_detectors_still_shows_its_flags(runtime_dir: Path, db_path: Path) -> None:
+    run_id = store_scenario("non_torch_leak", runtime_dir, db_path)  # no flags table rows: replayed as check does
+    [rank] = load_run_data(open_store(db_path, readonly=True), run_id).ranks
+    assert [(f.kind, f.severity) for f in rank.flags] == [
+        ("oom_risk", "warning"), ("non_torch_drift", "warning"), ("oom_risk", "critical"), ("oom", "critical")]
+    assert [e.step for e in rank.ooms] == [rank.flags[-1].step]

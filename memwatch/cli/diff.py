@@ -24,7 +24,7 @@ def command(run_a: str, run_b: str, db_path: Path | None, as_json: bool) -> None
 
     The KV sizing's terms (weights, activation reserve, non-PyTorch, blocks, budget), what serving did
     (allocator peak while serving, peak driver use, least free, non-PyTorch drift slope, preemptions), the flags
-    stored and how each run ended, plus the engine settings that differ; then every change in one list.
+    and how each run ended, plus the engine settings that differ; then every change in one list.
     """
     diff = diff_runs(open_store(db_path, readonly=True), run_a, run_b)
     click.echo(json.dumps(diff.to_dict(), indent=2, default=str) if as_json else render_diff(diff))

@@ -27,6 +27,6 @@ def command(run: str, db_path: Path | None, output: Path, buckets: int) -> None:
     The HTML page holds everything in one file (plotly's JavaScript inlined; it makes no network
     request): per rank the ledger stacked against total × utilization with the driver's used line,
     KV blocks and preemptions, phases shaded, flags and the out-of-memory marked; a summary table, the
-    stored flags and the `explain` text. The PNG is the same figure. Prints the file's path.
+    flags and the `explain` text. The PNG is the same figure. Prints the file's path.
     """
     click.echo(write_report(open_store(db_path, readonly=True), run, output, buckets=buckets))

@@ -2,7 +2,7 @@
 
 The page loads nothing from anywhere (no CDN, no fonts, no MathJax), so it opens on a machine with no
 network and can be attached to a ticket as one file. It holds the run's facts, a summary table per
-rank, every stored flag, the largest live allocations of an imported memory snapshot, the ``explain``
+rank, every flag, the largest live allocations of an imported memory snapshot, the ``explain``
 text, and the figure of :mod:`memwatch.report.figure`.
 """
 
@@ -69,7 +69,7 @@ def _summary_table(facts: list[RankFacts]) -> str:
 def _flags_table(data: RunData) -> str:
     flags = sorted((f for r in data.ranks for f in r.flags), key=lambda f: f.ts_ns)
     if not flags:
-        return "<p>No flags were stored for this run.</p>"
+        return "<p>No flags were raised for this run.</p>"
     rows = "".join(
         f"<tr><td>{f.rank}</td><td>{f.step:,}</td><td>{(f.ts_ns - data.start_ns) / 1e9:,.1f} s</td>"
         f"<td class='l {html.escape(f.severity)}'>{html.escape(f.severity)}</td>"
