@@ -295,6 +295,24 @@ class Monitor:
         """Requests were preempted (their KV blocks taken back) for lack of KV space."""
         self.event("preemption", {"count": int(count)})
 
+    def request_arrived(self, request_id: Any, prompt_tokens: int, max_tokens: int | None = None) -> None:
+        """A request reached the engine (one event per request, recorded by rank 0): the replayable workload."""
+        try:
+            data: dict[str, Any] = {"request_id": _request_key(request_id), "prompt_tokens": int(prompt_tokens)}
+            if max_tokens is not None:
+                data["max_tokens"] = int(max_tokens)
+        except (TypeError, ValueError):
+            return  # a count that is not a number is not worth raising into the engine for
+        self.event("request_arrived", data)
+
+    def request_finished(self, request_id: Any, output_tokens: int) -> None:
+        """A request finished after generating ``output_tokens`` tokens (one event per request)."""
+        try:
+            data = {"request_id": _request_key(request_id), "output_tokens": int(output_tokens)}
+        except (TypeError, ValueError):
+            return
+        self.event("request_finished", data)
+
     def oom(self, requested_bytes: int | None = None, **details: Any) -> None:
         """An out-of-memory happened: write a last sample and an ``oom`` event, flushed to the ring."""
         if not self._enabled:
@@ -350,6 +368,11 @@ class Monitor:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self.close("ok" if exc_type is None else "error")
+
+
+def _request_key(request_id: Any) -> int | str:
+    """Request ids as JSON keeps them: integers stay integers, anything else becomes its string."""
+    return request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else str(request_id)
 
 
 def _none(value: int) -> int | None:

@@ -101,17 +101,23 @@ class SimulatedEngine:
                             for r in sorted(requests, key=lambda r: (r.arrival_ns, r.request_id)))
             while pending or injected or not scheduler.is_finished():
                 while pending and pending[0].arrival_ns <= self.clock.now_ns():
-                    scheduler.add(pending.popleft())
+                    self._arrive(scheduler, pending.popleft())
                 idle = scheduler.is_finished() and not pending
                 while injected and (injected[0].at_step <= stats.steps + 1 or idle):
                     extra = injected.popleft()
-                    scheduler.add(Sequence(next_id, extra.prompt_tokens, extra.output_tokens, self.clock.now_ns()))
+                    self._arrive(scheduler, Sequence(next_id, extra.prompt_tokens, extra.output_tokens,
+                                                     self.clock.now_ns()))
                     next_id += 1
                 if scheduler.is_finished():
                     self.clock.advance_to(pending[0].arrival_ns)
                     continue
                 self._step(scheduler, manager)
         return stats
+
+    def _arrive(self, scheduler: Scheduler, seq: Sequence) -> None:
+        """Queue a request and record its arrival on rank 0, as the adapters do: the workload a replay reads."""
+        scheduler.add(seq)
+        self.runners[0].monitor.request_arrived(seq.seq_id, seq.num_prompt_tokens, seq.max_tokens)
 
     def _fault_requests(self) -> list[ExtraRequest]:
         """Requests the scenario's faults add, each fault counted once however many ranks it applies to."""
@@ -140,7 +146,10 @@ class SimulatedEngine:
         blocks_used = manager.num_used
         stats.max_kv_blocks_used = max(stats.max_kv_blocks_used, blocks_used)
         stats.max_resident_requests = scheduler.max_resident
-        stats.finished += len(scheduler.postprocess(seqs, is_prefill))
+        finished = scheduler.postprocess(seqs, is_prefill)
+        stats.finished += len(finished)
+        for seq in finished:
+            lead.monitor.request_finished(seq.seq_id, seq.num_completion_tokens)
         kind = "prefill" if is_prefill else "decode"
         lead.monitor.step(kind, num_seqs=len(seqs), num_tokens=num_tokens,
                           kv_blocks_used=blocks_used, kv_blocks_total=manager.num_blocks)
