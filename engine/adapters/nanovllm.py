@@ -63,6 +63,8 @@ class _Process:
         self.scheduler: Any = None
         self.preemptions = 0
         self.run_ids: set[str] = set()
+        self.lead: _Rank | None = None
+        """Rank 0 of this process, which records the requests the scheduler sees."""
 
 
 _process = _Process()
@@ -136,6 +138,9 @@ def _patch_scheduler(module: ModuleType) -> None:
     require_methods(module.Scheduler, ("__init__", "preempt"))
     wrap_method(module.Scheduler, "__init__", _wrap_scheduler_init)
     wrap_method(module.Scheduler, "preempt", _wrap_preempt)
+    if hasattr(module.Scheduler, "add") and hasattr(module.Scheduler, "postprocess"):
+        wrap_method(module.Scheduler, "add", _wrap_add)
+        wrap_method(module.Scheduler, "postprocess", _wrap_postprocess)
 
 
 def _wrap_scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -153,6 +158,39 @@ def _wrap_preempt(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self, *args, **kwargs)
 
     return preempt
+
+
+def _wrap_add(original: Callable[..., Any]) -> Callable[..., Any]:
+    def add(self: Any, seq: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, seq, *args, **kwargs)
+        _guard.call(_request_arrived, seq)
+        return result
+
+    return add
+
+
+def _wrap_postprocess(original: Callable[..., Any]) -> Callable[..., Any]:
+    def postprocess(self: Any, seqs: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, seqs, *args, **kwargs)
+        _guard.call(_requests_finished, seqs)
+        return result
+
+    return postprocess
+
+
+def _request_arrived(seq: Any) -> None:
+    """One event per request as it reaches the scheduler: the workload ``memwatch replay`` reads."""
+    lead = _process.lead
+    if lead is not None:
+        lead.monitor.request_arrived(seq.seq_id, seq.num_prompt_tokens, getattr(seq, "max_tokens", None))
+
+
+def _requests_finished(seqs: Any) -> None:
+    lead = _process.lead
+    if lead is not None:
+        for seq in seqs:
+            if seq.is_finished:
+                lead.monitor.request_finished(seq.seq_id, seq.num_completion_tokens)
 
 
 # -- ModelRunner: phases, KV sizing, steps ----------------------------------------------------------
@@ -197,6 +235,8 @@ def _start_rank(runner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
     )
     state = _Rank(monitor, rank)
     runner.__dict__[RANK_ATTRIBUTE] = state
+    if rank == 0:
+        _process.lead = state
     state.load_phase.enter_context(monitor.phase("load"))
     _loading.append(state)
     capture_oom(monitor)
@@ -365,5 +405,7 @@ def _finish_rank(runner: Any, status: str) -> None:
     state.load_phase.close()
     state.phases.close()
     state.monitor.close(status)
+    if _process.lead is state:
+        _process.lead = None
     if state in _loading:
         _loading.remove(state)
