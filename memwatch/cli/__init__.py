@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "import-snapshot": "Import a PyTorch memory snapshot into a recorded run as events.",
     "plan": "Plan KV-cache capacity per rank from a model config, or compare a run with its plan.",
     "attach": "Watch the GPU memory of the running process PID and its child processes.",
+    "replay": "Replay a recorded run's workload and memory behaviour in the simulator under other settings.",
     "sim": "Simulate an engine on a virtual GPU, with the real Monitor writing real rings.",
     "run": "Run CMD with memwatch on: MEMWATCH=1 and one MEMWATCH_RUN_ID for it and every process it starts.",
     "sql": "Run one read-only SQL query on the database and print its rows.",

@@ -185,7 +185,7 @@ class RankRunner:
         peak = stats["allocated_bytes.all.peak"]
         current = stats["allocated_bytes.all.current"]
         reserved = stats["reserved_bytes.all.current"]
-        block_bytes = self.spec.block_bytes(engine.block_size, tp=self.tp)
+        block_bytes = self.block_bytes()
         num_blocks = int(total * engine.gpu_memory_utilization - used - peak + current) // block_bytes
         self.monitor.kv_allocated(
             num_blocks, block_bytes, total_bytes=total, used_bytes=used, peak_bytes=peak, current_bytes=current,
@@ -201,6 +201,10 @@ class RankRunner:
             )
         self._persistent.append(self.gpu.malloc(num_blocks * block_bytes))
         return self.kv_sizing
+
+    def block_bytes(self) -> int:
+        """Bytes of one KV block on this rank."""
+        return self.spec.block_bytes(self.engine.block_size, tp=self.tp)
 
     def capture_cudagraph(self) -> list[int]:
         """Static decode buffers plus one graph pool for the largest captured batch; returns the sizes."""

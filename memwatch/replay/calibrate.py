@@ -1,0 +1,286 @@
+"""Calibrate a memory model from what a run recorded: its samples and events, never its scenario.
+
+Per rank, from the ``kv_allocated`` event: the device size, the long-lived PyTorch memory at sizing
+(weights and the rest), the memory outside PyTorch (``used − reserved``), the activation reserve
+(``peak − current``) and the KV bytes per block. From the first serving sample: what stayed allocated
+after the KV cache (CUDA graphs and their buffers). From the serving steps' own peaks: activation
+bytes per token and per sequence of a forward, fitted by least squares. From ``used − reserved`` per
+step: the non-PyTorch level the replay follows step by step, and the growth per step it continues
+with past the end of the recording (a leak keeps leaking). From rank 0's step timestamps: the
+seconds a prefill token and a decode step take. The engine's settings come from ``config`` events.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from memwatch.errors import NotFoundError
+from memwatch.records import Event, Sample
+
+GROWTH_WINDOW = 20
+"""Serving steps at the end of the recording whose mean non-PyTorch growth continues in the replay."""
+
+SETTING_DEFAULTS: dict[str, Any] = {
+    "gpu_memory_utilization": 0.9, "block_size": 256, "max_num_batched_tokens": 16384, "max_num_seqs": 512,
+    "max_model_len": 4096, "tensor_parallel_size": 1, "enforce_eager": False,
+}
+"""nano-vllm's own defaults, for a setting a run did not record."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    gpu_memory_utilization: float
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    tensor_parallel_size: int
+    enforce_eager: bool
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Virtual seconds per step, fitted from rank 0's step timestamps."""
+
+    prefill_tokens_per_s: float
+    decode_step_s: float
+    decode_per_seq_s: float
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """One rank's memory, as the recording shows it."""
+
+    rank: int
+    total_bytes: int
+    num_blocks: int
+    block_bytes: int
+    used_bytes: int
+    """Driver ``used`` when the KV cache was sized."""
+    reserved_bytes: int
+    current_bytes: int
+    """Long-lived PyTorch memory at sizing: weights and everything else still allocated."""
+    weights_bytes: int | None
+    activation_reserve_bytes: int
+    """``peak − current`` at sizing: what warmup measured."""
+    graph_bytes: int
+    """Allocated after the KV cache and before serving (CUDA graphs, static buffers)."""
+    activation_per_token: float
+    activation_per_seq: float
+    outside_levels: tuple[tuple[int, int], ...]
+    """``(step, bytes)``: non-PyTorch memory (``used − reserved``) above its level when serving began."""
+    outside_growth_per_step: float
+    fitted_forwards: int
+    fit_max_error_bytes: int
+    fit_mean_error_bytes: int
+
+    @property
+    def non_torch_bytes(self) -> int:
+        return self.used_bytes - self.reserved_bytes
+
+    def activation(self, num_tokens: int, num_seqs: int) -> int:
+        return max(0, round(self.activation_per_token * num_tokens + self.activation_per_seq * num_seqs))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    run_id: str
+    model: str | None
+    gpu_name: str | None
+    settings: EngineSettings
+    cost: StepCost
+    ranks: tuple[RankModel, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def calibrate(run_id: str, model: str | None, gpu_name: str | None, config: dict[str, Any],
+              events: list[Event], samples_by_rank: dict[int, list[Sample]]) -> Calibration:
+    """The calibration of one stored run; :class:`NotFoundError` when it never sized a KV cache."""
+    sizing = {event.rank: event.data for event in events if event.kind == "kv_allocated"}
+    if 0 not in sizing:
+        raise NotFoundError(f"run {run_id} never sized a KV cache (no kv_allocated event on rank 0), so there is "
+                            "no memory model to replay; replay a run that got to serving")
+    settings = _settings(config, events, sizing[0])
+    ranks = tuple(_rank_model(rank, sizing[rank], settings, events, samples_by_rank.get(rank, []))
+                  for rank in sorted(sizing))
+    cost = _cost([e for e in events if e.rank == 0], samples_by_rank.get(0, []))
+    return Calibration(run_id, model, gpu_name, settings, cost, ranks)
+
+
+def _settings(config: dict[str, Any], events: list[Event], sizing: dict[str, Any]) -> EngineSettings:
+    values = dict(SETTING_DEFAULTS)
+    values.update({key: config[key] for key in SETTING_DEFAULTS if config.get(key) is not None})
+    for event in events:
+        if event.kind == "config" and event.rank == 0:
+            values.update({key: event.data[key] for key in SETTING_DEFAULTS if event.data.get(key) is not None})
+    for key in ("gpu_memory_utilization", "block_size"):
+        if sizing.get(key) is not None:
+            values[key] = sizing[key]
+    kinds = {f.name: f.type for f in fields(EngineSettings)}
+    return EngineSettings(**{key: _cast(kinds[key], value) for key, value in values.items()})
+
+
+def _cast(kind: Any, value: Any) -> Any:
+    name = kind if isinstance(kind, str) else kind.__name__
+    return {"float": float, "int": int, "bool": bool}[name](value)
+
+
+def _serving(samples: list[Sample]) -> list[Sample]:
+    """The last sample of each serving step (phase ``serve``), in step order."""
+    by_step: dict[int, Sample] = {}
+    for sample in samples:
+        if sample.phase == "serve":
+            by_step[sample.step] = sample
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _rank_model(rank: int, data: dict[str, Any], settings: EngineSettings, events: list[Event],
+                samples: list[Sample]) -> RankModel:
+    total, used = int(data["total_bytes"]), int(data["used_bytes"])
+    peak, current = int(data["peak_bytes"]), int(data["current_bytes"])
+    reserved = int(data.get("reserved_bytes") or current)
+    num_blocks, block_bytes = int(data["num_blocks"]), int(data["block_bytes"])
+    weights = next((int(e.data["weights_bytes"]) for e in events
+                    if e.rank == rank and e.kind == "weights_loaded" and e.data.get("weights_bytes") is not None), None)
+    serving = _serving(samples)
+    graph = 0
+    if serving and serving[0].allocated_bytes is not None:
+        graph = max(0, serving[0].allocated_bytes - current - num_blocks * block_bytes)
+    per_token, per_seq, errors = _fit_activation(serving, peak - current, settings)
+    levels, growth = _outside(serving)
+    return RankModel(
+        rank=rank, total_bytes=total, num_blocks=num_blocks, block_bytes=block_bytes, used_bytes=used,
+        reserved_bytes=reserved, current_bytes=current, weights_bytes=weights,
+        activation_reserve_bytes=peak - current, graph_bytes=graph,
+        activation_per_token=per_token, activation_per_seq=per_seq, outside_levels=levels,
+        outside_growth_per_step=growth, fitted_forwards=len(errors),
+        fit_max_error_bytes=max(errors, default=0),
+        fit_mean_error_bytes=round(sum(errors) / len(errors)) if errors else 0,
+    )
+
+
+def _forwards(serving: list[Sample]) -> list[tuple[int, int, int]]:
+    """``(tokens, seqs, activation bytes)`` of every step whose own peak shows a forward's allocation."""
+    points = []
+    for sample in serving:
+        if not sample.peak_is_step or sample.num_tokens is None or sample.num_seqs is None:
+            continue
+        if sample.peak_bytes is None or sample.allocated_bytes is None:
+            continue
+        activation = sample.peak_bytes - sample.allocated_bytes
+        if activation > 0 and sample.num_seqs > 0:
+            points.append((sample.num_tokens, sample.num_seqs, activation))
+    return points
+
+
+def _fit_activation(serving: list[Sample], reserve: int, settings: EngineSettings) -> tuple[float, float, list[int]]:
+    """Least squares of ``activation = a·tokens + b·seqs``, refitted without outliers; errors in bytes."""
+    points = _forwards(serving)
+    if not points:  # no forward allocated while serving: the warmup's reserve is the only evidence
+        from memwatch.models import warmup_batch
+
+        num_seqs, seq_len = warmup_batch(settings.max_num_batched_tokens, settings.max_model_len,
+                                         settings.max_num_seqs)
+        return reserve / (num_seqs * seq_len), 0.0, []
+    a, b = _least_squares(points)
+    residuals = sorted(abs(a * t + b * s - y) for t, s, y in points)
+    limit = 3 * residuals[len(residuals) // 2] + (1 << 20)
+    kept = [p for p in points if abs(a * p[0] + b * p[1] - p[2]) <= limit]
+    if kept and len(kept) < len(points):
+        a, b = _least_squares(kept)
+    errors = [abs(round(a * t + b * s) - y) for t, s, y in points]
+    return a, b, errors
+
+
+def _least_squares(points: list[tuple[int, int, int]]) -> tuple[float, float]:
+    stt = sum(t * t for t, _, _ in points)
+    sss = sum(s * s for _, s, _ in points)
+    sts = sum(t * s for t, s, _ in points)
+    sty = sum(t * y for t, _, y in points)
+    ssy = sum(s * y for _, s, y in points)
+    det = stt * sss - sts * sts
+    if abs(det) <= 1e-9 * max(stt * sss, 1):  # every forward the same shape ratio: per token only
+        return sty / stt, 0.0
+    a, b = (sty * sss - ssy * sts) / det, (ssy * stt - sty * sts) / det
+    if b < 0 or a < 0:
+        return sty / stt, 0.0
+    return a, b
+
+
+def _outside(serving: list[Sample]) -> tuple[tuple[tuple[int, int], ...], float]:
+    """Non-PyTorch memory per serving step above its first level, and its recent growth per step."""
+    readings = [(s.step, s.driver_used_bytes - s.reserved_bytes) for s in serving
+                if s.driver_used_bytes is not None and s.reserved_bytes is not None]
+    if not readings:
+        return (), 0.0
+    base = readings[0][1]
+    levels, last = [], 0
+    for step, value in readings:
+        if value - base != last:
+            last = value - base
+            levels.append((step, last))
+    tail = [r for r in readings if r[0] > 0][-GROWTH_WINDOW - 1:]
+    growth = 0.0
+    if len(tail) >= 2 and tail[-1][0] > tail[0][0]:
+        growth = max(0.0, (tail[-1][1] - tail[0][1]) / (tail[-1][0] - tail[0][0]))
+    return tuple(levels), growth
+
+
+def _cost(events: list[Event], samples: list[Sample]) -> StepCost:
+    """Seconds per prefill token and per decode step, from the gaps between rank 0's steps."""
+    steps = [s for s in _serving(samples) if s.step > 0 and s.step_kind in ("prefill", "decode")]
+    arrivals = sorted(e.ts_ns for e in events if e.kind == "request_arrived")
+    start = next((s.ts_ns for s in samples if s.phase == "serve"), None)
+    prefill_tokens = prefill_ns = 0
+    decode: list[tuple[int, int]] = []
+    previous = start
+    index = 0
+    for sample in steps:
+        began = previous if previous is not None else sample.ts_ns
+        while index < len(arrivals) and arrivals[index] <= sample.ts_ns:
+            began = max(began, arrivals[index])  # after an idle gap the step starts at the arrival
+            index += 1
+        duration = sample.ts_ns - began
+        previous = sample.ts_ns
+        if duration <= 0:
+            continue
+        if sample.step_kind == "prefill" and sample.num_tokens:
+            prefill_tokens += sample.num_tokens
+            prefill_ns += duration
+        elif sample.step_kind == "decode" and sample.num_seqs:
+            decode.append((sample.num_seqs, duration))
+    prefill_rate = _round(prefill_tokens / (prefill_ns / 1e9)) if prefill_ns else SETTING_PREFILL_RATE
+    per_step, per_seq = _line(decode)
+    return StepCost(prefill_rate, _round(per_step / 1e9), _round(per_seq / 1e9))
+
+
+SETTING_PREFILL_RATE = 8000.0
+"""Prefill tokens per second assumed when a run recorded no prefill step."""
+
+
+def _line(points: list[tuple[int, int]]) -> tuple[float, float]:
+    """Least squares ``y = a + b·x`` (``b = 0`` when every x is the same)."""
+    if not points:
+        return 0.025e9, 0.0
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    if var == 0:
+        return my, 0.0
+    b = sum((x - mx) * (y - my) for x, y in points) / var
+    b = max(b, 0.0)
+    return max(my - b * mx, 0.0), b
+
+
+def _round(value: float) -> float:
+    """Nine significant digits: a rate fitted from nanosecond gaps comes back as the rate that made them."""
+    if value == 0 or not math.isfinite(value):
+        return 0.0
+    return float(f"{value:.9g}")

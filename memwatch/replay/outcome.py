@@ -1,0 +1,86 @@
+"""What a stored run's serving came to, per rank, measured the same way for an original and its replay."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from memwatch.collector import Collector
+from memwatch.live import LiveDetectors
+from memwatch.records import Event
+from memwatch.report.check import check_run
+from memwatch.store import open_store
+from memwatch.store.db import Database
+from memwatch.store.queries import events as run_events
+from memwatch.store.queries import samples as run_samples
+from memwatch.store.writer import StoreWriter
+
+STORE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    rank: int
+    kv_blocks: int | None
+    max_concurrent_seqs: int
+    """The largest batch a serving step ran."""
+    preemptions: int
+    oom: bool
+    oom_step: int | None
+    tightest_oom_margin_bytes: int | None
+    steps: int
+    drain_s: float | None
+    """First request's arrival to last request's finish, when every request finished."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_outcome(db: Database, run_id: str) -> list[RankOutcome]:
+    """Every rank's outcome of the stored run ``run_id``."""
+    events = run_events(db, run_id)
+    check = {rank.rank: rank for rank in check_run(db, run_id).ranks}
+    drain = _drain_s(events)
+    preemptions = sum(int(e.data.get("count", 1)) for e in events if e.kind == "preemption")
+    outcomes = []
+    ranks = sorted({e.rank for e in events} | set(check))
+    for rank in ranks:
+        sizing = next((e.data for e in events if e.rank == rank and e.kind == "kv_allocated"), None)
+        oom = next((e for e in events if e.rank == rank and e.kind == "oom"), None)
+        batch, steps = 0, 0
+        for sample in run_samples(db, run_id, rank=0):
+            if sample.phase == "serve" and sample.num_seqs is not None:
+                batch = max(batch, sample.num_seqs)
+            steps = max(steps, sample.step)
+        margin = check[rank].min_oom_margin_bytes if rank in check else None
+        outcomes.append(RankOutcome(
+            rank=rank, kv_blocks=None if sizing is None else int(sizing["num_blocks"]), max_concurrent_seqs=batch,
+            preemptions=preemptions, oom=oom is not None, oom_step=None if oom is None else oom.step + 1,
+            tightest_oom_margin_bytes=margin, steps=steps, drain_s=drain,
+        ))
+    return outcomes
+
+
+def _drain_s(events: list[Event]) -> float | None:
+    arrivals = {e.data.get("request_id"): e.ts_ns for e in events if e.rank == 0 and e.kind == "request_arrived"}
+    finishes = {e.data.get("request_id"): e.ts_ns for e in events if e.rank == 0 and e.kind == "request_finished"}
+    if not arrivals or set(arrivals) - set(finishes):
+        return None
+    return (max(finishes.values()) - min(arrivals.values())) / 1e9
+
+
+def store_rings(runtime_dir: Path, db_path: Path) -> None:
+    """Drain the closed rings in ``runtime_dir`` into ``db_path`` as the sidecar would, live detectors included."""
+    writer = StoreWriter(open_store(db_path))
+    writer.start()
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False,
+                          observers=[LiveDetectors()])
+    try:
+        collector.scan()
+        while collector.poll():
+            pass
+        writer.flush(timeout=STORE_TIMEOUT_S)
+    finally:
+        collector.close()
+        writer.close()

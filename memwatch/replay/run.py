@@ -1,0 +1,237 @@
+"""Run a recorded workload through the simulated engine with a calibrated memory model, under new settings.
+
+Each rank is a :class:`memwatch.sim.runner.RankRunner` whose startup and forwards come from the
+calibration instead of a model config: the long-lived PyTorch memory as one allocation, the warmup's
+activation reserve, nano-vllm's KV formula on the virtual GPU's readings, the CUDA-graph memory, and
+per step the activation fit and the recorded non-PyTorch level. The scheduler, block manager, caching
+allocator, clock and Monitor are the simulator's own, so the replay is recorded like any simulated run.
+
+Changing a setting scales what it shapes: ``--tp`` divides the weights, KV block, activations and graph
+memory per rank by the new size over the old (and adds NCCL buffers going from one rank to several);
+``--block-size`` scales the KV block; ``--max-num-seqs`` scales the graph pool and moves the warmup
+reserve along the activation fit, as a new warmup shape would.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from memwatch.errors import MemwatchError, UsageError
+from memwatch.models import warmup_batch
+from memwatch.replay.calibrate import Calibration, EngineSettings, RankModel
+from memwatch.replay.workload import RecordedWorkload
+from memwatch.sim.clock import VirtualClock
+from memwatch.sim.engine import SimulatedEngine
+from memwatch.sim.gpu import LARGE_SEGMENT_ROUNDING, ROUNDING, SimulatedOutOfMemory, VirtualGPU
+from memwatch.sim.runner import MAX_GRAPH_BATCH, RankRunner
+from memwatch.sim.scenario import CostModel, EngineConfig
+from memwatch_engine import Monitor
+from memwatch_engine.monitor import new_run_id
+
+NCCL_BYTES = 128 << 20
+"""NCCL buffers a rank takes outside PyTorch once there is more than one rank (the simulator's figure)."""
+
+ARRIVAL_SLACK_NS = 1000
+"""Arrivals move this much earlier, so that a fitted step time a nanosecond off never slips one by a step."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a replay changes; ``None`` keeps the recorded value."""
+
+    utilization: float | None = None
+    gpu_memory_bytes: int | None = None
+    tp: int | None = None
+    block_size: int | None = None
+    max_num_seqs: int | None = None
+    load: float = 1.0
+
+    def describe(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    run_id: str
+    status: str
+    error: str | None
+    engine: EngineConfig
+    steps: int
+    preemptions: int
+    virtual_duration_ns: int
+
+
+def engine_config(settings: EngineSettings, change: Settings) -> EngineConfig:
+    """The engine settings of the replay; a value nano-vllm would refuse is a :class:`UsageError`."""
+    return EngineConfig(
+        gpu_memory_utilization=settings.gpu_memory_utilization if change.utilization is None else change.utilization,
+        block_size=settings.block_size if change.block_size is None else change.block_size,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs if change.max_num_seqs is None else change.max_num_seqs,
+        max_model_len=settings.max_model_len,
+        tensor_parallel_size=settings.tensor_parallel_size if change.tp is None else change.tp,
+        enforce_eager=settings.enforce_eager,
+    )
+
+
+class CalibratedRunner(RankRunner):
+    """One rank whose memory follows a calibrated :class:`RankModel`, rescaled to the new settings."""
+
+    def __init__(self, rank: int, model: RankModel, recorded: EngineSettings, engine: EngineConfig,
+                 gpu: VirtualGPU, monitor: Monitor, clock: VirtualClock) -> None:
+        super().__init__(rank, None, engine, gpu, monitor, clock)  # type: ignore[arg-type]
+        self.model = model
+        self.recorded = recorded
+        self.scale = recorded.tensor_parallel_size / engine.tensor_parallel_size
+        self._outside = dict(model.outside_levels)
+        self._last_recorded_step = max(self._outside, default=0)
+        self._level = 0
+        self._start_outside = 0
+
+    def _outside_at_start(self) -> int:
+        """Memory outside PyTorch before loading: so that ``used`` at sizing is what the run measured."""
+        model = self.model
+        slack = model.reserved_bytes - _round_up(model.current_bytes, LARGE_SEGMENT_ROUNDING)
+        nccl = 0
+        if self.recorded.tensor_parallel_size == 1 and self.tp > 1:
+            nccl = NCCL_BYTES
+        elif self.recorded.tensor_parallel_size > 1 and self.tp == 1:
+            nccl = -min(NCCL_BYTES, model.non_torch_bytes)
+        return max(0, model.non_torch_bytes + slack + nccl)
+
+    def load_weights(self) -> None:
+        current = _round_up(round(self.model.current_bytes * self.scale), ROUNDING)
+        self._start_outside = self._outside_at_start()
+        self.gpu.take_non_pytorch("outside", self._start_outside)
+        self._persistent.append(self.gpu.malloc(current))
+        self.weights_bytes = self.gpu.allocated_bytes
+        self.monitor.weights_loaded()
+
+    def warmup(self) -> None:
+        self.gpu.empty_cache()
+        self.gpu.reset_peak_memory_stats()
+        self.gpu.free(self.gpu.malloc(self._reserve()))
+        self.gpu.empty_cache()
+
+    def _reserve(self) -> int:
+        """The recorded reserve, moved along the activation fit when the warmup's shape changes."""
+        model, recorded, engine = self.model, self.recorded, self.engine
+        old = warmup_batch(recorded.max_num_batched_tokens, recorded.max_model_len, recorded.max_num_seqs)
+        new = warmup_batch(engine.max_num_batched_tokens, engine.max_model_len, engine.max_num_seqs)
+        shift = model.activation(new[0] * new[1], new[0]) - model.activation(old[0] * old[1], old[0])
+        return max(ROUNDING, _round_up(round((model.activation_reserve_bytes + shift) * self.scale), ROUNDING))
+
+    def warmup_shape(self) -> tuple[int, int]:
+        engine = self.engine
+        return warmup_batch(engine.max_num_batched_tokens, engine.max_model_len, engine.max_num_seqs)
+
+    def block_bytes(self) -> int:
+        model = self.model
+        return round(model.block_bytes * self.engine.block_size / self.recorded.block_size * self.scale)
+
+    def capture_cudagraph(self) -> list[int]:
+        old = min(self.recorded.max_num_seqs, MAX_GRAPH_BATCH)
+        new = min(self.engine.max_num_seqs, MAX_GRAPH_BATCH)
+        nbytes = round(self.model.graph_bytes * self.scale * new / old)
+        if nbytes:
+            self._persistent.append(self.gpu.malloc(nbytes))
+        self.graph_batch_limit = new
+        return [new]
+
+    def before_step(self, step: int) -> None:
+        """Follow the recorded non-PyTorch level; past the recording, keep its last growth rate."""
+        if step in self._outside:
+            level = self._outside[step]
+        elif step > self._last_recorded_step and self.model.outside_growth_per_step:
+            level = self._level + round(self.model.outside_growth_per_step)
+        else:
+            return
+        if level > self._level:
+            self.gpu.take_non_pytorch("outside", level - self._level)  # raises when the driver has no room
+        elif level < self._level:
+            held = self._start_outside + level
+            self.gpu.release_non_pytorch("outside")
+            self.gpu.take_non_pytorch("outside", max(0, held))
+        self._level = level
+
+    def forward(self, num_tokens: int, num_seqs: int, *, prefill: bool, max_seq_len: int) -> int:
+        if not prefill and num_seqs <= self.graph_batch_limit:
+            return 0
+        model = self.model
+        nbytes = round(model.activation_per_token * self.scale * num_tokens + model.activation_per_seq * num_seqs)
+        if nbytes <= 0:
+            return 0
+        self.gpu.free(self.gpu.malloc(nbytes))
+        return nbytes
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def replay(calibration: Calibration, workload: RecordedWorkload, change: Settings, *,
+           runtime_dir: str | Path, start_ns: int | None = None, run_id: str | None = None) -> ReplayResult:
+    """Serve ``workload`` on simulated ranks calibrated from a run, under ``change``; rings go to ``runtime_dir``."""
+    engine = engine_config(calibration.settings, change)
+    if change.gpu_memory_bytes is not None and change.gpu_memory_bytes <= 0:
+        raise UsageError("--gpu-memory must be a positive number of bytes")
+    run_id = run_id or new_run_id()
+    clock = VirtualClock(time.time_ns() if start_ns is None else start_ns)
+    requests = [replace(r, arrival_ns=max(0, r.arrival_ns - ARRIVAL_SLACK_NS))
+                for r in workload.requests_at(change.load)]
+    too_long = max(r.prompt_tokens + r.output_tokens for r in requests)
+    if too_long > engine.max_model_len:
+        engine = replace(engine, max_model_len=too_long)
+    models = {model.rank: model for model in calibration.ranks}
+    config = {"replay_of": calibration.run_id, "replay_settings": change.describe(), "scenario": "replay"}
+    runners: list[CalibratedRunner] = []
+    for rank in range(engine.tensor_parallel_size):
+        model = models.get(rank, models[0])
+        total = model.total_bytes if change.gpu_memory_bytes is None else change.gpu_memory_bytes
+        gpu = VirtualGPU(total, context_bytes=0, device_name=calibration.gpu_name or "Virtual GPU", index=rank)
+        monitor = Monitor(engine="nano-vllm", model=calibration.model, rank=rank,
+                          world_size=engine.tensor_parallel_size, run_id=run_id, probe=gpu,
+                          runtime_dir=runtime_dir, config=config, spawn_sidecar=False, clock=clock.now_ns,
+                          source="sim")
+        runners.append(CalibratedRunner(rank, model, calibration.settings, engine, gpu, monitor, clock))
+    cost = calibration.cost
+    simulated = SimulatedEngine(engine, CostModel(prefill_tokens_per_s=cost.prefill_tokens_per_s,
+                                                  decode_step_s=cost.decode_step_s,
+                                                  decode_per_seq_s=cost.decode_per_seq_s), runners, clock)
+    status, error = "ok", None
+    try:
+        _start(simulated, runners)
+        simulated.serve(requests)
+    except SimulatedOutOfMemory as exc:
+        status, error = "oom", str(exc)
+    except MemwatchError as exc:
+        status, error = "error", str(exc)
+    for runner in runners:
+        if runner.status == "running":
+            runner.status = "ok" if status == "ok" else "error"
+        runner.monitor.close(runner.status)
+    stats = simulated.stats
+    return ReplayResult(run_id, status, error, engine, stats.steps, stats.preemptions, clock.elapsed_ns)
+
+
+def _start(simulated: SimulatedEngine, runners: list[CalibratedRunner]) -> None:
+    """Startup as the simulated engine runs it, with the settings recorded as a config event."""
+    engine = simulated.engine
+    for runner in runners:
+        runner.monitor.set_config(
+            gpu_memory_utilization=engine.gpu_memory_utilization, block_size=engine.block_size,
+            max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs,
+            max_model_len=engine.max_model_len, tensor_parallel_size=engine.tensor_parallel_size,
+            enforce_eager=engine.enforce_eager,
+        )
+    for phase, method in (("load", "load_weights"), ("warmup", "warmup"), ("kv_alloc", "allocate_kv_cache")):
+        with simulated.phase(phase):
+            for runner in runners:
+                getattr(runner, method)()
+    if not engine.enforce_eager:
+        with simulated.phase("cudagraph"):
+            for runner in runners:
+                runner.capture_cudagraph()
