@@ -80,9 +80,8 @@ def _replay_into(recording: Recording, change: Settings, db_path: Path) -> Repla
     engine_config(recording.calibration.settings, change)  # bad settings fail before anything runs
     with tempfile.TemporaryDirectory(prefix="memwatch-replay-") as runtime:
         result = replay(recording.calibration, recording.workload, change, runtime_dir=runtime)
-        if result.status == "error" and result.steps == 0:
-            raise UsageError(f"at these settings the engine cannot start: {result.error}; choose settings "
-                             "that leave room for the KV cache")
+        if result.status != "ok" and result.steps == 0:
+            raise UsageError(f"at these settings the engine cannot start: {result.error}")
         with _quiet_flags():
             store_rings(Path(runtime), db_path)
     return result
