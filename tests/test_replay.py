@@ -21,6 +21,7 @@ from memwatch.replay.run import Settings
 from memwatch.sim import Scenario, shipped_scenarios
 from memwatch.store import open_store
 from memwatch.store.queries import get_run
+
 from stored_runs import store_scenario
 
 GiB = 1 << 30
@@ -66,15 +67,15 @@ def test_replay_at_the_recorded_settings_reproduces_the_run(name: str, tmp_path:
     assert run_outcome(db, run_id) == recorded  # the original is untouched
 
 
-def _engine(**changes: object):  # noqa: ANN202
+def _engine(**changes: object):
     return lambda scenario: dataclasses.replace(scenario, engine=dataclasses.replace(scenario.engine, **changes))
 
 
-def _gpu(total: int):  # noqa: ANN202
+def _gpu(total: int):
     return lambda scenario: dataclasses.replace(scenario, gpu=dataclasses.replace(scenario.gpu, total_bytes=total))
 
 
-def _rate(factor: float):  # noqa: ANN202
+def _rate(factor: float):
     def change(scenario: Scenario) -> Scenario:
         random = scenario.workload.random
         assert random is not None and random.rate_per_s is not None
