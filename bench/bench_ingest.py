@@ -57,13 +57,13 @@ def bench_raw(db_path: Path, n: int) -> float:
         db.execute("INSERT INTO runs (run_id) VALUES ('bench')")  # the run's key is 1
     db.conn.close()
     rows = [(1, 0, i, 10**18 + i * 1000, "serve", 14 << 30, 18 << 30, 15 << 30, 20 << 30, None,
-             i % 3780, 3780, 64, 64, "decode", 1, None, 40, 14 << 30, 64 << 20, 0, 0) for i in range(n)]
+             i % 3780, 3780, 64, 64, "decode", 1, None, 40, 14 << 30, 64 << 20, 0, 0, i) for i in range(n)]
     conn = sqlite3.connect(db_path)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
     start = time.perf_counter()
     with conn:
-        conn.executemany("INSERT INTO sample_rows VALUES (" + ", ".join("?" * 22) + ")", rows)
+        conn.executemany("INSERT INTO sample_rows VALUES (" + ", ".join("?" * 23) + ")", rows)
     elapsed = time.perf_counter() - start
     conn.close()
     return n / elapsed

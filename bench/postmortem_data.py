@@ -73,10 +73,10 @@ def insert_steps(conn: Any, key: int, ranks: int, first_step: int, steps: int, s
         " r(rank) AS (SELECT value FROM json_each(?))"
         " INSERT INTO sample_rows (run_key, rank, step, ts_ns, phase, allocated_bytes, peak_bytes, reserved_bytes,"
         " driver_used_bytes, driver_free_bytes, kv_blocks_used, kv_blocks_total, num_seqs, num_tokens, step_kind,"
-        " peak_is_step)"
+        " peak_is_step, seq)"
         " SELECT ?, rank, i, ? + i * ? + rank * 1000, 'serve', ? + (i % 7) * 2097152, ? + (i % 7) * 2097152 + ?,"
         " ? + 268435456, ? + 268435456 + CASE WHEN rank = ? THEN i * ? ELSE 0 END,"
-        " ? - (? + 268435456 + CASE WHEN rank = ? THEN i * ? ELSE 0 END), (i * 37) % ?, ?, 64, 64, 'decode', 1"
+        " ? - (? + 268435456 + CASE WHEN rank = ? THEN i * ? ELSE 0 END), (i * 37) % ?, ?, 64, 64, 'decode', 1, i"
         " FROM c, r",
         (first_step, first_step + steps - 1, json.dumps(list(range(ranks))), key, start_ns, STEP_NS, WEIGHTS + kv,
          WEIGHTS + kv, GIB, WEIGHTS + kv, used0, LEAK_RANK, leak_per_step, TOTAL, used0, LEAK_RANK, leak_per_step,

@@ -74,7 +74,7 @@ def test_oom_event_and_last_samples_survive_the_process(runtime_dir: Path, db_pa
     steps = query(db_path, "SELECT step, allocated_bytes FROM samples WHERE step_kind = 'prefill' ORDER BY step")
     assert steps == [(n, n * size) for n in (1, 2, 3, 4)]
     last = query(db_path, "SELECT step, allocated_bytes, driver_free_bytes FROM sample_rows"
-                          " ORDER BY rowid DESC LIMIT 1")
+                          " ORDER BY ts_ns DESC, seq DESC LIMIT 1")
     assert last == [(4, 4 * size, 8 * MiB)]
     assert query(db_path, "SELECT kind FROM flags WHERE kind = 'oom'") == [("oom",)]
 

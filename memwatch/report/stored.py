@@ -79,7 +79,7 @@ def stored_readings(db: Database, run_id: str,
             continue
         rows = []
         for table, columns, order in (("sample_seconds", ROLLED_SELECT, "second DESC"),
-                                      ("sample_rows", RAW_SELECT, "ts_ns DESC, rowid DESC")):
+                                      ("sample_rows", RAW_SELECT, "ts_ns DESC, seq DESC")):
             newest_first = db.execute(f"SELECT {columns} FROM {table} WHERE run_key = ? AND rank = ?"
                                       f" ORDER BY {order} LIMIT ?", (key, rank, WINDOW_STEPS)).fetchall()
             rows += reversed(newest_first)

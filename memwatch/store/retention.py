@@ -108,12 +108,14 @@ ROLLUP = (
     " SELECT g.run_key, g.rank, g.second, g.n, g.t0, g.t1, g.s0, l.step, l.phase, l.step_kind, g.rise, "
     + ", ".join(f"g.min_{c}, g.max_{c}, l.{c}" for c in ROLLUP_COLUMNS)
     + " FROM (SELECT run_key, rank, ts_ns / 1000000000 AS second, count(*) AS n, min(ts_ns) AS t0, max(ts_ns) AS t1,"
-    " min(step) AS s0, max(rowid) AS last_row, max(CASE WHEN peak_is_step THEN peak_bytes - allocated_bytes END)"
+    " min(step) AS s0, max(CASE WHEN peak_is_step THEN peak_bytes - allocated_bytes END)"
     f" AS rise, {_BOUNDS} FROM sample_rows"
     " WHERE run_key = ?1 AND rank = ?2 AND ts_ns >= ?3 AND ts_ns < ?4 GROUP BY second) g"
-    " JOIN sample_rows l ON l.rowid = g.last_row WHERE 1" + _on_conflict()
+    " JOIN sample_rows l ON l.run_key = g.run_key AND l.rank = g.rank AND l.ts_ns = g.t1 AND l.seq ="
+    " (SELECT max(seq) FROM sample_rows m WHERE m.run_key = g.run_key AND m.rank = g.rank AND m.ts_ns = g.t1)"
+    " WHERE 1" + _on_conflict()
 )
-"""Fold one rank's samples in [?3, ?4) ns into per-second rows (the last sample by arrival order)."""
+"""Fold one rank's samples in [?3, ?4) ns into per-second rows (the last sample: latest time, then seq)."""
 DELETE = "DELETE FROM sample_rows WHERE run_key = ?1 AND rank = ?2 AND ts_ns >= ?3 AND ts_ns < ?4"
 
 

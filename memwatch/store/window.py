@@ -105,7 +105,7 @@ def window_rows(
     rolled = db.execute(f"SELECT 1 FROM sample_seconds WHERE {rolled_where} LIMIT 1", rolled_params).fetchone()
     if rolled is None:  # all at full resolution (the usual case for a recent window): no union to pad and sort
         from_row = Sample.from_row
-        for row in db.execute(f"SELECT ?, {RAW_SELECT} FROM sample_rows WHERE {raw_where} ORDER BY ts_ns, rank",
+        for row in db.execute(f"SELECT ?, {RAW_SELECT} FROM sample_rows WHERE {raw_where} ORDER BY ts_ns, rank, seq",
                               [run_id, *raw_params]):
             yield WindowRow(from_row(row), None)
         return

@@ -60,11 +60,11 @@ def raw_sample_insert(run_id: str, rank: int, phase_names: dict[int, str | None]
         "INSERT INTO sample_rows (run_key, rank, step, ts_ns, phase, allocated_bytes, peak_bytes, reserved_bytes,"
         " driver_used_bytes, driver_free_bytes, kv_blocks_used, kv_blocks_total, num_seqs, num_tokens,"
         " step_kind, peak_is_step, process_used_bytes, segments, active_bytes, inactive_split_bytes,"
-        f" alloc_retries, num_ooms) VALUES ({key}, {int(rank)}, ?6, ?7,"
+        f" alloc_retries, num_ooms, seq) VALUES ({key}, {int(rank)}, ?6, ?7,"
         f" CASE ?4 {phases} END, NULLIF(?8, -1), NULLIF(?9, -1), NULLIF(?10, -1), NULLIF(?11, -1),"
         " NULLIF(?12, -1), NULLIF(?14, -1), NULLIF(?15, -1), NULLIF(?16, -1), NULLIF(?13, -1),"
-        f" CASE ?5 WHEN 1 THEN 'prefill' WHEN 2 THEN 'decode' END, ?3 & 1, NULL, {signals})"
-        " -- ?1 seq, ?2 type unused"
+        f" CASE ?5 WHEN 1 THEN 'prefill' WHEN 2 THEN 'decode' END, ?3 & 1, NULL, {signals}, ?1)"
+        " -- ?2 type unused"
     )
 
 
