@@ -170,7 +170,8 @@ def _v6(db: Database) -> None:
 
     A rank's window is then a run of neighbouring pages instead of one row in every few pages of the
     whole run, and the separate index (a third of each sample's bytes) is gone. ``seq`` tells apart
-    rows of one rank at the same time: the ring's sequence number, or the order of arrival.
+    rows of one rank at the same time: the ring's sequence number, or the order of arrival (0 by
+    default, for writers that name the columns and never store two rows of a rank at one time).
     """
     conn = db.conn
     info = list(conn.execute("PRAGMA table_info(sample_rows)"))
@@ -178,7 +179,7 @@ def _v6(db: Database) -> None:
     definitions = [f"{row[1]} {row[2]}{' NOT NULL' if row[3] else ''}" for row in info]
     conn.execute("DROP TRIGGER IF EXISTS samples_insert")
     conn.execute("DROP VIEW IF EXISTS samples")
-    conn.execute(f"CREATE TABLE sample_rows_clustered ({', '.join(definitions)}, seq INTEGER NOT NULL,"
+    conn.execute(f"CREATE TABLE sample_rows_clustered ({', '.join(definitions)}, seq INTEGER NOT NULL DEFAULT 0,"
                  " PRIMARY KEY (run_key, rank, ts_ns, seq)) WITHOUT ROWID")
     conn.execute(f"INSERT INTO sample_rows_clustered ({', '.join(names)}, seq)"
                  f" SELECT {', '.join(names)}, rowid FROM sample_rows")
