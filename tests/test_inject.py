@@ -19,9 +19,9 @@ import pytest
 from mirrors.zero_code import MIRRORS
 from test_adapter_nanovllm import DEVICE, _free_port, _model_dir
 
-from memwatch.attach.inject import payload
+from memwatch.attach.inject import detach, inject, payload
 from memwatch.attach.inject_checks import CAP_SYS_PTRACE, check_ptrace, check_user
-from memwatch.errors import PermissionDeniedError
+from memwatch.errors import NotFoundError, PermissionDeniedError
 
 from processes import SidecarProcess, memwatch_env, query, wait_for
 
@@ -358,3 +358,24 @@ def test_the_injected_lines_load_the_engine_plugin_where_the_target_lacks_it(tmp
     assert outcome["ok"] and outcome["engine"] == "python" and outcome["ranks"] == [0]
     assert outcome["probes"] == ["nvml"]  # no torch in that interpreter, and none imported
     assert outcome["rings"] == [str(runtime_dir / "feedc0de0001-r0.ring")]
+
+
+def test_a_process_can_be_injected_again_after_a_detach(tmp_path: Path, runtime_dir: Path, db_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No sidecar drains the first run's closed ring here: it must not pass for a recording still on."""
+    script = tmp_path / "loop.py"
+    script.write_text(LIGHT)
+    target = Target(script, _target_env(runtime_dir, db_path))
+    monkeypatch.setenv("MEMWATCH_RUNTIME_DIR", str(runtime_dir))
+    first = inject(target.proc.pid, interval_s=0.05)
+    assert detach(target.proc.pid) == [target.proc.pid]
+    second = inject(target.proc.pid, interval_s=0.05)
+    assert (first.engine, second.engine, second.already) == ("python", "python", False)
+    assert first.run_id != second.run_id
+    assert detach(target.proc.pid) == [target.proc.pid]
+    with pytest.raises(NotFoundError):
+        detach(target.proc.pid)
+    out, err = target.finish()
+    assert (out.splitlines()[-1], err) == ("threads ['MainThread']", "")
+    assert sorted(path.name for path in runtime_dir.glob("*.ring")) == sorted(
+        f"{run.run_id}-r0.ring" for run in (first, second))

@@ -29,6 +29,7 @@ from typing import Any
 
 import memwatch_engine
 from memwatch_engine.monitor import new_run_id
+from memwatch_engine.ring import RingFormatError, RingReader
 from memwatch_engine.runtime import ensure_runtime_dir
 
 from ..errors import MemwatchError, NotFoundError, UnavailableError, UsageError
@@ -83,7 +84,7 @@ def inject(pid: int, *, interval_s: float = 1.0, timeout_s: float = DEFAULT_TIME
     """Start recording in ``pid`` and, when it runs an engine, in each of its ranks' processes."""
     directory = ensure_runtime_dir(runtime_dir)
     target, gdb = check_all(pid)
-    if find_rings({pid}, directory):
+    if _recording({pid}, directory):
         return Injected(pid=pid, run_id=None, engine=None, already=True)
     run_id = new_run_id()
     request = {"action": "start", "run_id": run_id, "runtime_dir": str(directory), "interval_s": interval_s}
@@ -111,17 +112,10 @@ def inject(pid: int, *, interval_s: float = 1.0, timeout_s: float = DEFAULT_TIME
 
 def detach(pid: int, *, timeout_s: float = DEFAULT_TIMEOUT_S, runtime_dir: Path | None = None) -> list[int]:
     """Undo an injection in ``pid`` and its ranks' processes; the pids that detached."""
-    from memwatch_engine.ring import RingReader
-
     from ..hostinfo import HostWatcher
 
     directory = ensure_runtime_dir(runtime_dir)
-    writers: list[int] = []
-    for path in find_rings({pid, *HostWatcher(pid).children()}, directory):
-        reader = RingReader(path)
-        if reader.header.writer_pid not in writers:
-            writers.append(reader.header.writer_pid)
-        reader.close()
+    writers = _recording({pid, *HostWatcher(pid).children()}, directory)
     if not writers:
         raise NotFoundError(f"process {pid} is not being recorded by memwatch (no ring); nothing to detach")
     detached = []
@@ -133,6 +127,20 @@ def detach(pid: int, *, timeout_s: float = DEFAULT_TIMEOUT_S, runtime_dir: Path 
         raise UsageError(f"process {pid} was started with memwatch on, not injected; stop it with the "
                          "engine, or restart it without MEMWATCH=1")
     return detached
+
+
+def _recording(pids: set[int], directory: Path) -> list[int]:
+    """The pids among ``pids`` that write a ring still open (a closed one is only waiting to be drained)."""
+    writers: list[int] = []
+    for path in find_rings(pids, directory):
+        try:
+            reader = RingReader(path)
+        except (RingFormatError, OSError):
+            continue
+        if not reader.closed and reader.header.writer_pid not in writers:
+            writers.append(reader.header.writer_pid)
+        reader.close()
+    return sorted(writers)
 
 
 def run_in(target: Target, gdb: str | None, request: dict[str, Any], directory: Path,
