@@ -48,3 +48,8 @@ def test_postmortem_benchmark_runs() -> None:
     out = _run("bench_postmortem.py", "--samples", "40000", "--hours", "0.1", "--repeats", "1")
     assert "ratio unindexed/indexed" in out and "ratio to --help" in out and "bytes per stored sample" in out
     assert "evidence windows" in out and "kept whole: 2 of 2 -> PASS" in out
+
+
+def test_inject_benchmark_measures_every_call() -> None:
+    out = _run("bench_inject.py", "--cycles", "1", "--no-torch")
+    assert "(1 calls)" in out and "ratio injection/bare gdb attach" in out
