@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,11 @@ def handle(request_json: str) -> None:
     try:
         request = json.loads(request_json)
         status_path = request.get("status")
+        if request.get("script"):  # sys.remote_exec's file: run once, then gone
+            Path(request["script"]).unlink(missing_ok=True)
+        if time.time() > float(request.get("expires", "inf")):
+            logger.removeHandler(notes)
+            return  # the injector gave up waiting (and said so): act on nothing it no longer expects
         outcome = detach() if request.get("action") == "detach" else start(request)
     except BaseException as exc:  # the target must never see memwatch's faults
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

@@ -379,3 +379,16 @@ def test_a_process_can_be_injected_again_after_a_detach(tmp_path: Path, runtime_
     assert (out.splitlines()[-1], err) == ("threads ['MainThread']", "")
     assert sorted(path.name for path in runtime_dir.glob("*.ring")) == sorted(
         f"{run.run_id}-r0.ring" for run in (first, second))
+
+
+def test_lines_that_run_after_the_injector_gave_up_do_nothing(tmp_path: Path, runtime_dir: Path) -> None:
+    """``sys.remote_exec`` may run the file late: past its expiry it removes the file and starts nothing."""
+    script, status = tmp_path / "inject-1.py", tmp_path / "status.json"
+    request = {"action": "start", "mode": "sampler", "run_id": "feedc0de0002", "runtime_dir": str(runtime_dir),
+               "status": str(status), "script": str(script), "expires": 1.0}
+    script.write_text(payload(request) + "\n")
+    done = subprocess.run([sys.executable, "-c", f"exec(open({str(script)!r}).read())\nimport sys\n"
+                           "print('memwatch_engine.inject' in sys.modules)"],
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "True\n", "")
+    assert not script.exists() and not status.exists() and not list(runtime_dir.iterdir())

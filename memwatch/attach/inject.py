@@ -148,10 +148,13 @@ def run_in(target: Target, gdb: str | None, request: dict[str, Any], directory: 
     """Run the payload with ``request`` in the target and return what it reported."""
     status = directory / f"inject-{target.pid}.json"
     status.unlink(missing_ok=True)
-    request = {**request, "status": str(status)}
+    script = directory / f"inject-{target.pid}.{'gdb' if gdb else 'py'}"
+    # sys.remote_exec runs the file whenever the target next reaches a safe point, perhaps after we gave up:
+    # the lines then remove the file and do nothing.
+    request = {**request, "status": str(status), "expires": time.time() + timeout_s,
+               "script": None if gdb else str(script)}
     code = payload(request)
     deadline = time.monotonic() + timeout_s
-    script = directory / f"inject-{target.pid}.{'gdb' if gdb else 'py'}"
     try:
         if gdb is not None:
             _write_private(script, gdb_commands(code))
@@ -167,7 +170,8 @@ def run_in(target: Target, gdb: str | None, request: dict[str, Any], directory: 
                                "injection; retry, or raise --inject-timeout") from None
     finally:
         status.unlink(missing_ok=True)
-        script.unlink(missing_ok=True)
+        if gdb is not None:
+            script.unlink(missing_ok=True)
     if not outcome.get("ok"):
         raise UnavailableError(f"memwatch could not start inside process {target.pid}: {outcome.get('error')}; "
                                "the process runs on unobserved")
