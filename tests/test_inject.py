@@ -57,12 +57,19 @@ print("threads", sorted(thread.name for thread in threading.enumerate()), flush=
 SERVE = """
 import sys, threading, time
 from pathlib import Path
+import nanovllm.engine.model_runner
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 
+
+def methods():
+    return [dict(vars(owner)) for owner in (LLMEngine, Scheduler, ModelRunner)], nanovllm.engine.model_runner.load_model
+
+
 if __name__ == "__main__":
-    originals = (ModelRunner.run, ModelRunner.exit, Scheduler.preempt)
+    originals = methods()
     stop = Path(sys.argv[2])
     llm = LLM(sys.argv[1], tensor_parallel_size=2, max_num_batched_tokens=2048, max_model_len=1024, max_num_seqs=16)
     lengths = set()
@@ -75,7 +82,7 @@ if __name__ == "__main__":
         rounds += 1
         time.sleep(0.05)
     print("lengths", sorted(lengths), flush=True)
-    print("originals", (ModelRunner.run, ModelRunner.exit, Scheduler.preempt) == originals, flush=True)
+    print("originals", methods() == originals, flush=True)
     print("threads", sorted(thread.name for thread in threading.enumerate()), flush=True)
 """
 
@@ -203,6 +210,8 @@ def test_inject_into_a_nanovllm_tp2_engine_patches_every_rank_and_detach_restore
     late = [json.loads(data) for (data,) in query(db_path, "SELECT data FROM events WHERE kind = 'attached_late'")]
     assert len(late) == 2 and all("activation_reserve_bytes" in data["unknown_terms"] for data in late)
     # Each round is one prefill of 2 × 100 tokens and 7 decodes; rank 0 sees the block manager: 7 blocks.
+    arrived = query(db_path, "SELECT rank, count(*) FROM events WHERE kind = 'request_arrived' GROUP BY rank")
+    assert len(arrived) == 1 and arrived[0][0] == 0 and arrived[0][1] >= 2  # rank 0 records the workload
     prefills = query(db_path, "SELECT DISTINCT num_seqs, num_tokens FROM samples WHERE step_kind = 'prefill'")
     assert prefills == [(2, 200)]
     assert query(db_path, "SELECT DISTINCT kv_blocks_total FROM samples WHERE rank = 0 AND step_kind IS NOT NULL") \

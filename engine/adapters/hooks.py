@@ -151,11 +151,11 @@ def patch_on_import(module_name: str, patch: Patch) -> None:
     _finder.add(module_name, patch)
 
 
-def unwrap(owner: type | ModuleType, name: str) -> None:
-    """Put back what :func:`wrap_method` or :func:`wrap_function` replaced; a no-op when not wrapped."""
-    current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
-    if current is not None and getattr(current, WRAPPED, False):
-        setattr(owner, name, current.__wrapped__)
+def unwrap_all(owner: type | ModuleType) -> None:
+    """Put back everything :func:`wrap_method` or :func:`wrap_function` replaced on a class or module."""
+    for name, current in list(vars(owner).items()):
+        if getattr(current, WRAPPED, False):
+            setattr(owner, name, current.__wrapped__)
 
 
 def patch_now(module_name: str, patch: Patch) -> ModuleType | None:

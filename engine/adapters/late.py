@@ -72,7 +72,10 @@ def _attach_runner(runner: Any, run_id: str, runtime_dir: str | None) -> Monitor
     if weights is not None:
         monitor.weights_loaded(weights)
     _record_kv_sizing(runner, monitor)
-    runner.__dict__[nanovllm.RANK_ATTRIBUTE] = nanovllm._Rank(monitor, rank)
+    state = nanovllm._Rank(monitor, rank)
+    runner.__dict__[nanovllm.RANK_ATTRIBUTE] = state
+    if rank == 0:
+        nanovllm._process.lead = state  # where the scheduler's request events go
     return monitor
 
 

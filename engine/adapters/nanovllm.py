@@ -33,7 +33,7 @@ from typing import Any
 from ..monitor import Monitor, new_run_id
 from ..probes.base import UNKNOWN
 from ..probes.cuda import CudaProbe
-from .hooks import Guard, patch_now, patch_on_import, require_methods, unwrap, wrap_function, wrap_method
+from .hooks import Guard, patch_now, patch_on_import, require_methods, unwrap_all, wrap_function, wrap_method
 from .oom import capture_oom
 
 MODEL_RUNNER = "nanovllm.engine.model_runner"
@@ -90,21 +90,13 @@ def uninstall() -> None:
     """Put nano-vllm's original methods back (an injected memwatch detaching)."""
     import sys
 
-    for module_name, owner_name, names in _PATCHED:
+    for module_name, owner_name in ((LLM_ENGINE, "LLMEngine"), (SCHEDULER, "Scheduler"),
+                                    (MODEL_RUNNER, "ModelRunner"), (MODEL_RUNNER, None)):
         module = sys.modules.get(module_name)
         owner = getattr(module, owner_name, None) if owner_name else module
-        for name in names if owner is not None else ():
-            unwrap(owner, name)
-    _process.scheduler = None
-
-
-_PATCHED = (
-    (LLM_ENGINE, "LLMEngine", ("__init__",)),
-    (SCHEDULER, "Scheduler", ("__init__", "preempt")),
-    (MODEL_RUNNER, "ModelRunner",
-     ("__init__", "warmup_model", "allocate_kv_cache", "capture_cudagraph", "run", "exit")),
-    (MODEL_RUNNER, None, ("load_model",)),
-)
+        if owner is not None:
+            unwrap_all(owner)
+    _process.scheduler = _process.lead = None
 
 
 # -- LLMEngine: one run id per engine instance ------------------------------------------------------
