@@ -99,6 +99,7 @@ PREDICTIONS = [
     ("clean_eager", Settings(utilization=0.7), _engine(gpu_memory_utilization=0.7)),
     ("skip_peak_reset", Settings(gpu_memory_bytes=10 * GiB), _gpu(10 * GiB)),
     ("rank_imbalance", Settings(gpu_memory_bytes=10 * GiB), _gpu(10 * GiB)),
+    ("clean_llama_80g", Settings(tp=2), _engine(tensor_parallel_size=2)),
 ]
 
 

@@ -92,6 +92,8 @@ class Calibration:
     settings: EngineSettings
     cost: StepCost
     ranks: tuple[RankModel, ...]
+    dtype: str | None = None
+    attention: str = "flash"
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -110,7 +112,12 @@ def calibrate(run_id: str, model: str | None, gpu_name: str | None, config: dict
     ranks = tuple(_rank_model(rank, sizing[rank], settings, events, samples_by_rank.get(rank, []))
                   for rank in sorted(sizing))
     cost = _cost([e for e in events if e.rank == 0], samples_by_rank.get(0, []))
-    return Calibration(run_id, model, gpu_name, settings, cost, ranks)
+    described = dict(config)
+    for event in events:
+        if event.kind == "config" and event.rank == 0:
+            described.update(event.data)
+    return Calibration(run_id, model, gpu_name, settings, cost, ranks, dtype=described.get("dtype"),
+                       attention=str(described.get("attention") or "flash"))
 
 
 def _settings(config: dict[str, Any], events: list[Event], sizing: dict[str, Any]) -> EngineSettings:

@@ -22,6 +22,7 @@ from typing import Any
 from memwatch.errors import MemwatchError, UsageError
 from memwatch.models import warmup_batch
 from memwatch.replay.calibrate import Calibration, EngineSettings, RankModel
+from memwatch.replay.scaling import TPScale, tp_scale
 from memwatch.replay.workload import RecordedWorkload
 from memwatch.sim.clock import VirtualClock
 from memwatch.sim.engine import SimulatedEngine
@@ -81,11 +82,12 @@ class CalibratedRunner(RankRunner):
     """One rank whose memory follows a calibrated :class:`RankModel`, rescaled to the new settings."""
 
     def __init__(self, rank: int, model: RankModel, recorded: EngineSettings, engine: EngineConfig,
-                 gpu: VirtualGPU, monitor: Monitor, clock: VirtualClock) -> None:
+                 gpu: VirtualGPU, monitor: Monitor, clock: VirtualClock, tp: TPScale) -> None:
         super().__init__(rank, None, engine, gpu, monitor, clock)  # type: ignore[arg-type]
         self.model = model
         self.recorded = recorded
         self.scale = recorded.tensor_parallel_size / engine.tensor_parallel_size
+        self.tp_scale = tp
         self._outside = dict(model.outside_levels)
         self._last_recorded_step = max(self._outside, default=0)
         self._level = 0
@@ -103,7 +105,7 @@ class CalibratedRunner(RankRunner):
         return max(0, model.non_torch_bytes + slack + nccl)
 
     def load_weights(self) -> None:
-        current = _round_up(round(self.model.current_bytes * self.scale), ROUNDING)
+        current = _round_up(round(self.model.current_bytes * self.tp_scale.weights), ROUNDING)
         self._start_outside = self._outside_at_start()
         self.gpu.take_non_pytorch("outside", self._start_outside)
         self._persistent.append(self.gpu.malloc(current))
@@ -122,7 +124,8 @@ class CalibratedRunner(RankRunner):
         old = warmup_batch(recorded.max_num_batched_tokens, recorded.max_model_len, recorded.max_num_seqs)
         new = warmup_batch(engine.max_num_batched_tokens, engine.max_model_len, engine.max_num_seqs)
         shift = model.activation(new[0] * new[1], new[0]) - model.activation(old[0] * old[1], old[0])
-        return max(ROUNDING, _round_up(round((model.activation_reserve_bytes + shift) * self.scale), ROUNDING))
+        reserve = (model.activation_reserve_bytes + shift) * self.tp_scale.reserve
+        return max(ROUNDING, _round_up(round(reserve), ROUNDING))
 
     def warmup_shape(self) -> tuple[int, int]:
         engine = self.engine
@@ -135,7 +138,7 @@ class CalibratedRunner(RankRunner):
     def capture_cudagraph(self) -> list[int]:
         old = min(self.recorded.max_num_seqs, MAX_GRAPH_BATCH)
         new = min(self.engine.max_num_seqs, MAX_GRAPH_BATCH)
-        nbytes = round(self.model.graph_bytes * self.scale * new / old)
+        nbytes = round(self.model.graph_bytes * self.tp_scale.activation_per_token * new / old)
         if nbytes:
             self._persistent.append(self.gpu.malloc(nbytes))
         self.graph_batch_limit = new
@@ -161,7 +164,8 @@ class CalibratedRunner(RankRunner):
         if not prefill and num_seqs <= self.graph_batch_limit:
             return 0
         model = self.model
-        nbytes = round(model.activation_per_token * self.scale * num_tokens + model.activation_per_seq * num_seqs)
+        per_token = model.activation_per_token * self.tp_scale.activation_per_token
+        nbytes = round(per_token * num_tokens + model.activation_per_seq * num_seqs)
         if nbytes <= 0:
             return 0
         self.gpu.free(self.gpu.malloc(nbytes))
@@ -188,6 +192,9 @@ def replay(calibration: Calibration, workload: RecordedWorkload, change: Setting
     models = {model.rank: model for model in calibration.ranks}
     config = {"replay_of": calibration.run_id, "replay_settings": change.describe(), "scenario": "replay"}
     runners: list[CalibratedRunner] = []
+    scale = tp_scale(calibration.model, calibration.dtype, calibration.attention,
+                     calibration.settings.tensor_parallel_size, engine.tensor_parallel_size,
+                     warmup_batch(engine.max_num_batched_tokens, engine.max_model_len, engine.max_num_seqs))
     for rank in range(engine.tensor_parallel_size):
         model = models.get(rank, models[0])
         total = model.total_bytes if change.gpu_memory_bytes is None else change.gpu_memory_bytes
@@ -196,7 +203,7 @@ def replay(calibration: Calibration, workload: RecordedWorkload, change: Setting
                           world_size=engine.tensor_parallel_size, run_id=run_id, probe=gpu,
                           runtime_dir=runtime_dir, config=config, spawn_sidecar=False, clock=clock.now_ns,
                           source="sim")
-        runners.append(CalibratedRunner(rank, model, calibration.settings, engine, gpu, monitor, clock))
+        runners.append(CalibratedRunner(rank, model, calibration.settings, engine, gpu, monitor, clock, scale))
     cost = calibration.cost
     simulated = SimulatedEngine(engine, CostModel(prefill_tokens_per_s=cost.prefill_tokens_per_s,
                                                   decode_step_s=cost.decode_step_s,

@@ -1,0 +1,59 @@
+"""How a change of tensor-parallel size scales the calibrated memory, per rank.
+
+Without the model's architecture, everything scales by old TP over new TP. When the run's model is one
+memwatch knows (``memwatch.models``), the ratios come from its shapes instead: hidden-size activations,
+norms and the logits stay whole on every rank while attention heads, the MLP and the vocabulary shard,
+so a rank's activation does not halve when TP doubles. Only ratios are taken from the model; the bytes
+they scale are the ones the run recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from memwatch.errors import MemwatchError
+
+PROBE_TOKENS = 8192
+"""Prefill tokens of the forward whose per-token activation sets the activation ratio."""
+
+
+@dataclass(frozen=True)
+class TPScale:
+    weights: float
+    activation_per_token: float
+    reserve: float
+    """Of the warmup forward."""
+
+    @classmethod
+    def uniform(cls, factor: float) -> TPScale:
+        return cls(factor, factor, factor)
+
+
+def tp_scale(model: str | None, dtype: str | None, attention: str, old_tp: int, new_tp: int,
+             warmup: tuple[int, int]) -> TPScale:
+    """Ratios new/old per rank; ``warmup`` is the new warmup's ``(num_seqs, seq_len)``."""
+    uniform = TPScale.uniform(old_tp / new_tp)
+    if old_tp == new_tp or not model:
+        return uniform if old_tp != new_tp else TPScale.uniform(1.0)
+    from memwatch.models import ModelSpec, forward_activation_bytes
+    from memwatch.models.spec import canonical_dtype
+
+    try:
+        spec = ModelSpec.load(model)
+        if dtype:
+            spec = dataclasses.replace(spec, dtype=canonical_dtype(dtype))
+
+        def act(tokens: int, seqs: int, tp: int, seq_len: int) -> int:
+            return forward_activation_bytes(spec, tokens, seqs, prefill=True, tp=tp, attention=attention,
+                                            max_seq_len=seq_len)
+
+        seqs, seq_len = warmup
+        logits_free = [act(PROBE_TOKENS, 1, tp, PROBE_TOKENS) - act(1, 1, tp, 1) for tp in (old_tp, new_tp)]
+        return TPScale(
+            weights=spec.weight_bytes(tp=new_tp) / spec.weight_bytes(tp=old_tp),
+            activation_per_token=logits_free[1] / logits_free[0],
+            reserve=act(seqs * seq_len, seqs, new_tp, seq_len) / act(seqs * seq_len, seqs, old_tp, seq_len),
+        )
+    except (MemwatchError, OSError, ValueError, ZeroDivisionError):
+        return uniform  # a model memwatch does not know, or one that does not shard this way
