@@ -10,7 +10,7 @@ import click
 from ..store import open_store
 from ..store.queries import get_run
 from .options import db_option, json_option
-from .output import csv_option, pick_format, write_rows
+from .output import csv_option, pick_format, where_kinds_rank, write_rows
 
 COLUMNS = ("run_id", "rank", "step", "ts_ns", "kind", "data")
 
@@ -32,12 +32,7 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, kinds: 
     db = open_store(db_path, readonly=True)
     info = get_run(db, run)
     sql, params = "SELECT run_id, rank, step, ts_ns, kind, data FROM events WHERE run_id = ?", [info.run_id]
-    if kinds:
-        sql += f" AND kind IN ({', '.join('?' * len(kinds))})"
-        params.extend(kinds)
-    if rank is not None:
-        sql += " AND rank = ?"
-        params.append(rank)
+    sql = where_kinds_rank(sql, params, kinds, rank)
     rows = db.execute(sql + " ORDER BY ts_ns, rank, rowid", params)
     if fmt == "json":
         rows = ((*row[:5], json.loads(row[5] or "{}")) for row in rows)

@@ -11,7 +11,7 @@ from ..flags import FLAG_KINDS, SEVERITIES
 from ..store import open_store
 from ..store.queries import get_run
 from .options import db_option, json_option
-from .output import csv_option, pick_format, write_rows
+from .output import csv_option, pick_format, where_kinds_rank, write_rows
 
 COLUMNS = ("run_id", "rank", "step", "ts_ns", "kind", "severity", "message", "data")
 
@@ -35,12 +35,7 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, kinds: 
     db = open_store(db_path, readonly=True)
     info = get_run(db, run)
     sql, params = f"SELECT {', '.join(COLUMNS)} FROM flags WHERE run_id = ?", [info.run_id]
-    if kinds:
-        sql += f" AND kind IN ({', '.join('?' * len(kinds))})"
-        params.extend(kinds)
-    if rank is not None:
-        sql += " AND rank = ?"
-        params.append(rank)
+    sql = where_kinds_rank(sql, params, kinds, rank)
     if severity is not None:
         allowed = SEVERITIES[SEVERITIES.index(severity):]
         sql += f" AND severity IN ({', '.join('?' * len(allowed))})"

@@ -45,3 +45,14 @@ def write_rows(columns: Sequence[str], rows: Iterable[Sequence[Any]], fmt: str, 
     if not buffered:
         out.write(empty + "\n")
     return len(buffered)
+
+
+def where_kinds_rank(sql: str, params: list[Any], kinds: Sequence[str], rank: int | None) -> str:
+    """``sql`` narrowed to the given kinds (any, when none) and rank; appends their parameters."""
+    if kinds:
+        sql += f" AND kind IN ({', '.join('?' * len(kinds))})"
+        params.extend(kinds)
+    if rank is not None:
+        sql += " AND rank = ?"
+        params.append(rank)
+    return sql

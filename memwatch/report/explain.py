@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors import STARTUP_PHASES, DetectorConfig, DetectorSet
 from memwatch.detectors.summary import RankSummary, ServingPoint, serving_point
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
 from memwatch.flags import OOM, Flag
 from memwatch.records import Event, Sample
+from memwatch.report.points import ListPoints, Points
 from memwatch.report.readings import ENDED_BADLY, RankReadings, crash_sentences
 from memwatch.report.stored import first_ooms, ledger_events, stored_readings, stored_run
 from memwatch.report.stored_points import StoredPoints
@@ -43,44 +44,6 @@ TERMS: tuple[tuple[str, str], ...] = (
     ("cache_slack_bytes", "the allocator's cache slack (reserved but unallocated)"),
     ("allocated_bytes", "PyTorch-allocated memory"),
 )
-
-
-class Points(Protocol):
-    """One rank's serving points up to its out-of-memory, searched the few ways ``explain`` needs.
-
-    Points are samples after KV sizing outside the start-up phases, in time order, up to the OOM's
-    time. :class:`ListPoints` holds them in memory (a replay); a store answers the same questions
-    with indexed queries (:mod:`memwatch.report.stored`), so a long run is never loaded whole.
-    """
-
-    def first(self) -> ServingPoint | None: ...
-    def last(self) -> ServingPoint | None: ...
-    def last_at_most(self, term: str, limit: int) -> ServingPoint | None: ...
-    def first_reaching(self, term: str, from_step: int, threshold: float) -> ServingPoint | None: ...
-    def first_from_step(self, step: int) -> ServingPoint | None: ...
-
-
-@dataclass
-class ListPoints:
-    """:class:`Points` over a list already in time order."""
-
-    points: list[ServingPoint]
-
-    def first(self) -> ServingPoint | None:
-        return self.points[0] if self.points else None
-
-    def last(self) -> ServingPoint | None:
-        return self.points[-1] if self.points else None
-
-    def last_at_most(self, term: str, limit: int) -> ServingPoint | None:
-        return next((p for p in reversed(self.points) if (v := getattr(p, term)) is not None and v <= limit), None)
-
-    def first_reaching(self, term: str, from_step: int, threshold: float) -> ServingPoint | None:
-        return next((p for p in self.points if p.step >= from_step and (v := getattr(p, term)) is not None
-                     and v >= threshold), None)
-
-    def first_from_step(self, step: int) -> ServingPoint | None:
-        return next((p for p in self.points if p.step >= step), None)
 
 
 @dataclass

@@ -32,7 +32,7 @@ _TERMS = {
 
 
 class StoredPoints:
-    """:class:`memwatch.report.explain.Points` of one stored rank, from ``first`` up to the OOM at ``until_ns``."""
+    """:class:`memwatch.report.points.Points` of one stored rank, from ``first`` up to the OOM at ``until_ns``."""
 
     def __init__(self, db: Database, run_id: str, rank: int, first: ServingPoint | None, until_ns: int,
                  ledger_events: list[Event], *, use_minutes: bool = True) -> None:
