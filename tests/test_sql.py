@@ -6,6 +6,7 @@ import csv
 import hashlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from click.testing import CliRunner
 
 from memwatch.cli import main
 from memwatch.store import open_store
+
+from stored_runs import store_scenario
 
 
 @pytest.fixture
@@ -71,3 +74,26 @@ def test_bad_query_and_missing_database(filled: Path, tmp_path: Path) -> None:
     assert code == 2 and "no such column: nope" in err
     code, _, err = _sql(tmp_path / "absent.db", "SELECT 1")
     assert code == 3 and err.startswith("error: no memwatch database")
+
+
+def test_the_readme_queries_run_on_a_stored_run(runtime_dir: Path, db_path: Path) -> None:
+    run_id = store_scenario("non_torch_leak", runtime_dir, db_path, live=True)
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Asking the database directly", 1)[1].split("\n## ", 1)[0]
+    queries = re.findall(r'^memwatch sql "(.*)"$', section, flags=re.M)
+    assert len(queries) == 5
+    answers = []
+    for query in queries:
+        code, out, err = _sql(db_path, query.replace("RUN", run_id), "--json")
+        assert code == 0, err
+        answers.append([json.loads(line) for line in out.splitlines()])
+    assert answers[0][0]["run_id"] == run_id and answers[0][0]["status"] == "oom"
+    assert {row["kind"] for row in answers[2]} >= {"non_torch_drift", "oom"}
+    oom = open_store(db_path, readonly=True).execute(
+        "SELECT ts_ns FROM events WHERE run_id = ? AND kind = 'oom'", (run_id,)).fetchone()[0]
+    window = answers[4]
+    # the rows are rank 0's samples of the minute before the OOM, counted independently
+    expected = open_store(db_path, readonly=True).execute(
+        "SELECT count(*) FROM samples WHERE run_id = ? AND rank = 0 AND ts_ns BETWEEN ? AND ?",
+        (run_id, oom - 60 * 10**9, oom)).fetchone()[0]
+    assert len(window) == expected > 0
