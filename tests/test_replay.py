@@ -28,7 +28,6 @@ GiB = 1 << 30
 
 UNMODELLED = {
     "fragmentation": "pinned allocator segments grow the cache slack; the replay follows non-PyTorch memory only",
-    "long_prefill": "eager attention's scores grow with the context; the activation fit is linear in tokens",
 }
 """Shipped scenarios whose out-of-memory comes from memory the calibrated model does not follow."""
 

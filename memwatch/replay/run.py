@@ -22,7 +22,7 @@ from typing import Any
 from memwatch.errors import MemwatchError, UsageError
 from memwatch.models import warmup_batch
 from memwatch.replay.calibrate import Calibration, EngineSettings, RankModel
-from memwatch.replay.scaling import TPScale, tp_scale
+from memwatch.replay.scaling import Forward, TPScale, eager_attention_floor, tp_scale
 from memwatch.replay.workload import RecordedWorkload
 from memwatch.sim.clock import VirtualClock
 from memwatch.sim.engine import SimulatedEngine
@@ -82,12 +82,14 @@ class CalibratedRunner(RankRunner):
     """One rank whose memory follows a calibrated :class:`RankModel`, rescaled to the new settings."""
 
     def __init__(self, rank: int, model: RankModel, recorded: EngineSettings, engine: EngineConfig,
-                 gpu: VirtualGPU, monitor: Monitor, clock: VirtualClock, tp: TPScale) -> None:
+                 gpu: VirtualGPU, monitor: Monitor, clock: VirtualClock, tp: TPScale,
+                 floor: Forward | None = None) -> None:
         super().__init__(rank, None, engine, gpu, monitor, clock)  # type: ignore[arg-type]
         self.model = model
         self.recorded = recorded
         self.scale = recorded.tensor_parallel_size / engine.tensor_parallel_size
         self.tp_scale = tp
+        self.floor = floor
         self._outside = dict(model.outside_levels)
         self._last_recorded_step = max(self._outside, default=0)
         self._level = 0
@@ -166,6 +168,8 @@ class CalibratedRunner(RankRunner):
         model = self.model
         per_token = model.activation_per_token * self.tp_scale.activation_per_token
         nbytes = round(per_token * num_tokens + model.activation_per_seq * num_seqs)
+        if self.floor is not None:
+            nbytes = max(nbytes, self.floor(num_tokens, num_seqs, prefill, max_seq_len))
         if nbytes <= 0:
             return 0
         self.gpu.free(self.gpu.malloc(nbytes))
@@ -192,6 +196,8 @@ def replay(calibration: Calibration, workload: RecordedWorkload, change: Setting
     models = {model.rank: model for model in calibration.ranks}
     config = {"replay_of": calibration.run_id, "replay_settings": change.describe(), "scenario": "replay"}
     runners: list[CalibratedRunner] = []
+    floor = eager_attention_floor(calibration.model, calibration.dtype, calibration.attention,
+                                  engine.tensor_parallel_size)
     scale = tp_scale(calibration.model, calibration.dtype, calibration.attention,
                      calibration.settings.tensor_parallel_size, engine.tensor_parallel_size,
                      warmup_batch(engine.max_num_batched_tokens, engine.max_model_len, engine.max_num_seqs))
@@ -203,7 +209,8 @@ def replay(calibration: Calibration, workload: RecordedWorkload, change: Setting
                           world_size=engine.tensor_parallel_size, run_id=run_id, probe=gpu,
                           runtime_dir=runtime_dir, config=config, spawn_sidecar=False, clock=clock.now_ns,
                           source="sim")
-        runners.append(CalibratedRunner(rank, model, calibration.settings, engine, gpu, monitor, clock, scale))
+        runners.append(CalibratedRunner(rank, model, calibration.settings, engine, gpu, monitor, clock, scale,
+                                        floor))
     cost = calibration.cost
     simulated = SimulatedEngine(engine, CostModel(prefill_tokens_per_s=cost.prefill_tokens_per_s,
                                                   decode_step_s=cost.decode_step_s,

@@ -10,6 +10,7 @@ they scale are the ones the run recorded.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from memwatch.errors import MemwatchError
@@ -57,3 +58,34 @@ def tp_scale(model: str | None, dtype: str | None, attention: str, old_tp: int, 
         )
     except (MemwatchError, OSError, ValueError, ZeroDivisionError):
         return uniform  # a model memwatch does not know, or one that does not shard this way
+
+
+Forward = Callable[[int, int, bool, int], int]
+"""``(num_tokens, num_seqs, prefill, max_seq_len)`` → activation bytes of one forward on one rank."""
+
+
+def eager_attention_floor(model: str | None, dtype: str | None, attention: str, tp: int) -> Forward | None:
+    """With eager attention, the model's own activation formula, scores included, for a known model.
+
+    Eager attention materialises scores that grow with the context attended over; the per-step peaks of
+    short requests do not show that term, so the linear fit alone would miss the out-of-memory a long
+    prompt causes. ``None`` for flash attention or a model memwatch does not know.
+    """
+    if attention != "eager" or not model:
+        return None
+    from memwatch.models import ModelSpec, forward_activation_bytes
+    from memwatch.models.spec import canonical_dtype
+
+    try:
+        spec = ModelSpec.load(model)
+        if dtype:
+            spec = dataclasses.replace(spec, dtype=canonical_dtype(dtype))
+        spec.check_tp(tp)
+    except (MemwatchError, OSError, ValueError):
+        return None
+
+    def forward(num_tokens: int, num_seqs: int, prefill: bool, max_seq_len: int) -> int:
+        return forward_activation_bytes(spec, num_tokens, num_seqs, prefill=prefill, tp=tp, attention="eager",
+                                        max_seq_len=max_seq_len)
+
+    return forward
