@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .clean import clean, clean_data, text
 from .probes.base import UNKNOWN, Probe
 from .ring import (
     DEFAULT_CAPACITY,
@@ -34,6 +35,7 @@ from .ring import (
     PHASE_CODES,
     SAMPLE_PEAK_IS_STEP,
     STEP_KIND_CODES,
+    EventTooLarge,
     RingWriter,
 )
 from .runtime import ensure_runtime_dir, ring_path
@@ -94,12 +96,12 @@ class Monitor:
                 log.warning("memwatch: %s", reason)
             device = self.probe.device_info()
             directory = ensure_runtime_dir(runtime_dir)
-            meta = {
+            meta = clean({
                 "engine": engine, "model": model, "pid": os.getpid(), "hostname": socket.gethostname(),
                 "source": source, "device_index": device.index, "gpu_name": device.name,
                 "gpu_total_bytes": device.total_bytes, "config": config or {},
                 "probe": self.probe.name, "probe_unavailable": reason,
-            }
+            })
             self.ring_path = ring_path(directory, self.run_id, self.rank)
             self._writer = RingWriter(
                 self.ring_path, run_id=self.run_id, rank=self.rank, world_size=self.world_size,
@@ -127,8 +129,13 @@ class Monitor:
 
     def _disable(self, exc: BaseException) -> None:
         if self._enabled or self._writer is None:
-            log.warning("memwatch: monitoring turned off after an internal error: %s: %s",
-                        type(exc).__name__, exc)
+            if isinstance(exc, OSError) and self._writer is None:
+                log.warning("memwatch: monitoring turned off: cannot create the ring %s: %s; the engine runs on "
+                            "unmonitored (free space in the runtime directory or set MEMWATCH_RUNTIME_DIR)",
+                            self.ring_path, exc.strerror or exc)
+            else:
+                log.warning("memwatch: monitoring turned off after an internal error: %s: %s",
+                            type(exc).__name__, exc)
         self._enabled = False
 
     # -- the hot path --------------------------------------------------------------------------------
@@ -343,9 +350,14 @@ class Monitor:
         except Exception as exc:
             self._disable(exc)
 
-    def _event(self, kind: str, data: dict[str, Any]) -> None:
+    def _event(self, kind: str, data: Any) -> None:
+        kind, data = text(kind), clean_data(data)
         with self._lock:
-            self._writer.write_event(self._step, self._clock(), kind, data)
+            try:
+                self._writer.write_event(self._step, self._clock(), kind, data)
+            except EventTooLarge as exc:
+                log.warning("memwatch: %s; stored without its data", exc)
+                self._writer.write_event(self._step, self._clock(), kind, {"dropped": "too large"})
 
     def close(self, status: str = "ok") -> None:
         """End the run for this rank: a ``run_end`` event, then the ring is marked closed."""

@@ -58,7 +58,15 @@ Byte layout (version 2, little-endian)::
 
 Publication: the writer fills the slot(s), then stores ``published``. A reader copies the slots
 between its cursor and ``published``, then reads ``published`` again: slots the writer may have
-reused meanwhile are discarded and counted as lost, so a reader never returns a torn record.
+reused meanwhile are discarded and counted as lost, so a reader never returns a torn record. The
+writer may already be filling up to ``MAX_EVENT_CHUNKS`` slots past ``published`` (an event's chunks),
+so the reader keeps that margin clear of its window; a copy torn anyway is read again, never taken
+for a corrupt ring.
+
+Disk space: the writer reserves the whole file with ``posix_fallocate`` when it creates the ring, so
+a full filesystem refuses the ring up front instead of killing the engine with SIGBUS on a later
+write. The reader never maps the file: it reads with ``pread``, so a ring truncated under it is
+refused (:class:`RingFormatError`), not fatal.
 """
 
 from __future__ import annotations
@@ -71,6 +79,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .clean import clean
 
 MAGIC = b"MEMWATCH"
 VERSION = 2
@@ -87,6 +97,9 @@ TYPE_EVENT = 2
 SAMPLE_PEAK_IS_STEP = 1
 CHUNK_MORE = 1
 CHUNK_PAYLOAD = 96
+MAX_EVENT_CHUNKS = 64
+"""An event's JSON is at most this many chunks (6 KiB); the Monitor shortens bigger ones."""
+TORN_READ_RETRIES = 4
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,16}$")
 STEP_KINDS = (None, "prefill", "decode")
@@ -116,6 +129,10 @@ assert _SAMPLE_SLOT_V1.size == RECORD_SIZE and len(SAMPLE_FIELDS) == len(_SAMPLE
 
 class RingFormatError(Exception):
     """The file is not a memwatch ring this version can read."""
+
+
+class EventTooLarge(ValueError):
+    """An event's JSON does not fit in ``MAX_EVENT_CHUNKS`` chunks."""
 
 
 def process_start_ticks(pid: int) -> int:
@@ -159,6 +176,9 @@ class RingWriter:
         fd = os.open(building, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, size)
+            # Take the disk pages now: on a full filesystem this fails here, where the Monitor can turn
+            # itself off, instead of a SIGBUS in the engine at the first write to a page with no space.
+            os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             pid = os.getpid()
             _HEADER.pack_into(
@@ -198,9 +218,12 @@ class RingWriter:
 
     def write_event(self, step: int, ts_ns: int, kind: str, data: dict[str, Any]) -> None:
         """Append one event as JSON chunks, published at once so a reader sees all of it or none."""
-        payload = json.dumps([kind, data], separators=(",", ":")).encode()
+        payload = json.dumps([kind, data], separators=(",", ":"), allow_nan=False).encode()
         seq = self._seq
         chunks = [payload[i : i + CHUNK_PAYLOAD] for i in range(0, len(payload), CHUNK_PAYLOAD)] or [b""]
+        if len(chunks) > MAX_EVENT_CHUNKS:
+            raise EventTooLarge(f"event {kind!r} is {len(payload)} bytes of JSON; at most "
+                             f"{MAX_EVENT_CHUNKS * CHUNK_PAYLOAD} fit in the ring")
         for i, chunk in enumerate(chunks):
             more = CHUNK_MORE if i + 1 < len(chunks) else 0
             _CHUNK.pack_into(
@@ -241,25 +264,44 @@ class Drained:
     """Raw sample tuples in :data:`SAMPLE_FIELDS` order (16 fields from a version 1 ring, 21 after)."""
     events: list[tuple[int, int, int, str, dict[str, Any]]]
     """(seq, step, ts_ns, kind, data) in order; ``seq`` orders events among the samples."""
+    bad: list[tuple[int, int, str, bytes]]
+    """Records that cannot be taken, set aside: (seq, ts_ns, why, raw bytes)."""
     next_cursor: int
     lost: int
     """Records the writer overwrote before this reader got to them."""
 
 
 class RingReader:
-    """The sidecar (or ``memwatch attach``) side: reads records by sequence number, never writes."""
+    """The sidecar (or ``memwatch attach``) side: reads records by sequence number, never writes.
+
+    It reads with ``pread`` rather than a mapping, so a file shrunk under it (truncated by someone,
+    a full disk) gives a short read and a :class:`RingFormatError`, never a SIGBUS.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
-            size = os.fstat(fd).st_size
-            if size < HEADER_SIZE:
-                raise RingFormatError(f"{self.path} is too small to be a memwatch ring ({size} bytes)")
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        fields = _HEADER.unpack_from(self._map, 0)
+            self.header = self._read_header()
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._capacity = self.header.capacity
+        self._mask = self._capacity - 1
+        self._size = HEADER_SIZE + self._capacity * RECORD_SIZE
+        # Records the writer may be filling beyond ``published`` (an event's chunks), kept clear of the
+        # window a lapped reader copies; at most an eighth of the ring so a small ring still reads.
+        self._margin = min(MAX_EVENT_CHUNKS, self._capacity // 8)
+        self._phase_names: dict[int, str | None] = {code: name for name, code in PHASE_CODES.items()}
+
+    def _read_header(self) -> RingHeader:
+        size = os.fstat(self._fd).st_size
+        if size < HEADER_SIZE:
+            raise RingFormatError(f"{self.path} is too small to be a memwatch ring ({size} bytes)")
+        head = os.pread(self._fd, HEADER_SIZE, 0)
+        if len(head) < HEADER_SIZE:
+            raise RingFormatError(f"{self.path} is truncated ({len(head)} bytes)")
+        fields = _HEADER.unpack_from(head, 0)
         magic, version, header_size, record_size, capacity = fields[:5]
         if magic != MAGIC:
             raise RingFormatError(f"{self.path} is not a memwatch ring (bad magic)")
@@ -270,29 +312,39 @@ class RingReader:
             )
         self.version = version
         self._slot = _SAMPLE_SLOT if version >= 2 else _SAMPLE_SLOT_V1
-        if size < HEADER_SIZE + capacity * RECORD_SIZE or capacity & (capacity - 1):
+        if capacity < 2 or capacity & (capacity - 1) or size < HEADER_SIZE + capacity * RECORD_SIZE:
             raise RingFormatError(f"{self.path} is truncated or has a bad capacity ({capacity})")
         pid, rank, world_size = fields[5:8]
         meta_len = fields[12]
         try:
-            meta = json.loads(bytes(self._map[META_OFFSET : META_OFFSET + min(meta_len, META_MAX)]) or b"{}")
-        except ValueError as exc:
+            meta = json.loads(head[META_OFFSET : META_OFFSET + min(meta_len, META_MAX)] or b"{}")
+        except (ValueError, RecursionError) as exc:
             raise RingFormatError(f"{self.path} has unreadable metadata: {exc}") from None
-        self.header = RingHeader(
+        if not isinstance(meta, dict):
+            raise RingFormatError(f"{self.path} has metadata that is not a JSON object")
+        meta = clean(meta)  # a writer older or other than the Monitor may have put in what SQLite cannot take
+        return RingHeader(
             run_id=fields[13].rstrip(b"\0").decode("ascii", "replace"), rank=rank, world_size=world_size,
             writer_pid=pid, writer_start=fields[9], capacity=capacity, created_ns=fields[10], meta=meta,
         )
-        self._capacity = capacity
-        self._mask = capacity - 1
-        self._phase_names: dict[int, str | None] = {code: name for name, code in PHASE_CODES.items()}
+
+    def _pread(self, size: int, offset: int) -> bytes:
+        data = os.pread(self._fd, size, offset)
+        if len(data) < size:
+            raise RingFormatError(f"{self.path} was truncated while being read (to less than {offset + size} bytes)")
+        return data
 
     @property
     def published(self) -> int:
-        return _PUBLISHED.unpack_from(self._map, _PUBLISHED_AT)[0]
+        return _PUBLISHED.unpack(self._pread(8, _PUBLISHED_AT))[0]
 
     @property
     def closed(self) -> bool:
-        return bool(_FLAGS.unpack_from(self._map, _FLAGS_AT)[0] & FLAG_CLOSED)
+        return bool(_FLAGS.unpack(self._pread(4, _FLAGS_AT))[0] & FLAG_CLOSED)
+
+    def intact(self) -> bool:
+        """Whether the header still carries the magic (a zeroed or overwritten header does not)."""
+        return self._pread(8, 0) == MAGIC
 
     @property
     def phase_names(self) -> dict[int, str | None]:
@@ -300,59 +352,99 @@ class RingReader:
         return self._phase_names
 
     def drain(self, cursor: int, limit: int | None = None) -> Drained:
-        """Read the records from ``cursor`` up to what is published now (at most ``limit``)."""
-        published = self.published
-        start = max(cursor, published - self._capacity)
+        """Read the records from ``cursor`` up to what is published now (at most ``limit``).
+
+        A copy the writer tore (it lapped this reader while we copied) is read again; if it stays torn
+        while the writer runs, nothing is returned and the next call tries again. Only slots that stay
+        inconsistent while nothing is written are a corrupt ring.
+        """
+        size = os.fstat(self._fd).st_size
+        if size < self._size:
+            raise RingFormatError(f"{self.path} was truncated to {size} bytes (a ring of {self._size})")
+        moved = False
+        for _ in range(TORN_READ_RETRIES):
+            published = self.published
+            if published < cursor:
+                raise RingFormatError(f"{self.path}: published count went back from {cursor} to {published}")
+            drained = self._drain_once(cursor, limit, published)
+            if drained is not None:
+                return drained
+            moved = moved or self.published != published
+        if moved:
+            return Drained([], [], [], cursor, 0)
+        raise RingFormatError(f"{self.path}: record slots do not hold the sequence numbers they should")
+
+    def _drain_once(self, cursor: int, limit: int | None, published: int) -> Drained | None:
+        window = self._capacity - self._margin
+        start = max(cursor, published - window)
         end = published if limit is None else min(published, start + limit)
         blob = self._copy(start, end)
         # Anything the writer may have started overwriting while we copied is not trusted.
-        safe_from = self.published - self._capacity
+        safe_from = self.published - window
         if safe_from > start:
             cut = min(safe_from, end)
             blob = blob[(cut - start) * RECORD_SIZE :]
             start = cut
         samples: list[tuple[Any, ...]] = []
         events: list[tuple[int, int, int, str, dict[str, Any]]] = []
+        bad: list[tuple[int, int, str, bytes]] = []
         lost = start - cursor
         records = list(self._slot.iter_unpack(blob))
         if not records:
-            return Drained(samples, events, start, lost)
+            return Drained(samples, events, bad, start, lost)
         if records[0][0] != start or records[-1][0] != start + len(records) - 1:
-            raise RingFormatError(f"{self.path}: slots hold records {records[0][0]}..{records[-1][0]}, "
-                                  f"expected {start}..{start + len(records) - 1}")
+            return None
         # The type byte of every record, gathered at C speed: most drains hold no event at all.
         types = blob[8::RECORD_SIZE]
-        event_type = bytes([TYPE_EVENT])
         next_cursor = start + len(records)
+        if types.count(TYPE_SAMPLE) == len(types):
+            return Drained(records, events, bad, next_cursor, lost)
         pending: list[bytes] = []
-        done = 0
-        at = types.find(event_type)
-        while at != -1:
-            samples.extend(records[done:at])
+        for at, record in enumerate(records):
+            kind = types[at]
+            if kind == TYPE_SAMPLE:
+                if pending:  # an event cut short by a sample: its chunks are set aside
+                    bad.append((start + at - len(pending), record[6], "event chunks without an end",
+                                blob[(at - len(pending)) * RECORD_SIZE : at * RECORD_SIZE]))
+                    pending.clear()
+                samples.append(record)
+                continue
+            if kind != TYPE_EVENT:
+                raw = blob[at * RECORD_SIZE : (at + 1) * RECORD_SIZE]
+                bad.append((start + at, 0, f"unknown record type {kind}", raw))
+                continue
             _, _, more, length, step, ts_ns, payload = _CHUNK.unpack_from(blob, at * RECORD_SIZE)
-            pending.append(payload[:length])
+            pending.append(payload[: min(length, CHUNK_PAYLOAD)])
             if not more:
-                event = self._decode_event(b"".join(pending), start + at + 1 - len(pending), step, ts_ns)
+                seq = start + at + 1 - len(pending)
+                raw = b"".join(pending)
                 pending.clear()
-                if event is not None:
+                event = self._decode_event(raw, seq, step, ts_ns)
+                if isinstance(event, str):
+                    bad.append((seq, ts_ns, event, raw))
+                else:
                     events.append(event)
-            done = at + 1
-            at = types.find(event_type, done)
-        samples.extend(records[done:])
-        if pending:  # an event cut by ``limit``: leave it for the next call
-            next_cursor = start + done - len(pending)
-        return Drained(samples, events, next_cursor, lost)
+        if pending:  # an event cut by ``limit`` or still being written: leave it for the next call
+            next_cursor = start + len(records) - len(pending)
+        return Drained(samples, events, bad, next_cursor, lost)
 
     def _decode_event(
         self, payload: bytes, seq: int, step: int, ts_ns: int
-    ) -> tuple[int, int, int, str, dict[str, Any]] | None:
+    ) -> tuple[int, int, int, str, dict[str, Any]] | str:
+        """The event, or why it cannot be taken (strict UTF-8 JSON ``[kind, {data}]``, finite numbers)."""
         try:
-            kind, data = json.loads(payload)
-        except ValueError:
-            return None
+            decoded = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            return f"undecodable event: {type(exc).__name__}: {str(exc)[:200]}"
+        if (not isinstance(decoded, list) or len(decoded) != 2 or not isinstance(decoded[0], str)
+                or not isinstance(decoded[1], dict)):
+            return "event is not [kind, {data}]"
+        kind, data = decoded
+        if _has_surrogates(payload, decoded):
+            return "event holds text that is not valid Unicode"
         if kind == "phase_start" and isinstance(data.get("code"), int):
-            self._phase_names[data["code"]] = data.get("phase")
-        return (seq, step, ts_ns, str(kind), data if isinstance(data, dict) else {"value": data})
+            self._phase_names[data["code"]] = data.get("phase") if isinstance(data.get("phase"), str) else None
+        return (seq, step, ts_ns, kind, data)
 
     def _copy(self, start: int, end: int) -> bytes:
         if end <= start:
@@ -361,11 +453,34 @@ class RingReader:
         count = end - start
         tail = self._capacity - (start & self._mask)
         if count <= tail:
-            return self._map[first : first + count * RECORD_SIZE]
-        return self._map[first:] + self._map[HEADER_SIZE : HEADER_SIZE + (count - tail) * RECORD_SIZE]
+            return self._pread(count * RECORD_SIZE, first)
+        return self._pread(tail * RECORD_SIZE, first) + self._pread((count - tail) * RECORD_SIZE, HEADER_SIZE)
 
     def close(self) -> None:
-        self._map.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except (OSError, AttributeError):
+            pass
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _has_surrogates(payload: bytes, decoded: Any) -> bool:
+    """Whether JSON escapes (``\\udcff``) smuggled lone surrogates, which SQLite cannot store, into the text."""
+    if b"\\ud" not in payload and b"\\uD" not in payload:
+        return False
+    try:
+        json.dumps(decoded, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _now_ns() -> int:

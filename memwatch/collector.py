@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sqlite3
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,17 +26,18 @@ from memwatch_engine.ring import (
     RingFormatError,
     RingHeader,
     RingReader,
-    process_start_ticks,
 )
 from memwatch_engine.runtime import RING_SUFFIX, is_private_file
 
 from .records import Event, Sample
-from .store.writer import Batch, StoreWriter, raw_sample_insert
+from .store.writer import Batch, StoreWriter, WriterStalled, raw_sample_insert
 
 log = logging.getLogger("memwatch.collector")
 
-DRAIN_LIMIT = 65536
-"""Records read from one ring per poll, so one busy ring cannot starve the others."""
+DRAIN_LIMIT = 8192
+"""Records read from one ring per poll, so one busy ring cannot starve the others (and memory stays bounded)."""
+ALIVE_CHECK_S = 1.0
+"""How often a caught-up ring's writer is checked for life (one /proc read)."""
 
 Observer = Callable[[RingHeader, list[Sample | Event]], Iterable[tuple[Any, ...]]]
 """Called with every drained record of a ring, in order; returns flag rows to store."""
@@ -56,6 +58,8 @@ class RingState:
     records: int = 0
     insert_sql: str | None = None
     known_phases: int = 0
+    caught_up: bool = False
+    next_alive_check: float = 0.0
 
     @property
     def header(self) -> RingHeader:
@@ -63,7 +67,10 @@ class RingState:
 
 
 def writer_alive(pid: int, start_ticks: int) -> bool:
-    """Whether the ring's writer still runs: the pid exists, is not a zombie, and is the same process."""
+    """Whether the ring's writer still runs: the pid exists, is not a zombie, and is the same process.
+
+    One read of ``/proc/PID/stat`` gives both the state and the start time.
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -71,10 +78,14 @@ def writer_alive(pid: int, start_ticks: int) -> bool:
         return False
     except OSError:
         return True
-    state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3]
+    try:
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        state, started = fields[0], int(fields[19])
+    except (ValueError, IndexError):
+        return True
     if state in (b"Z", b"X"):
         return False
-    return not (start_ticks and process_start_ticks(pid) not in (0, start_ticks))
+    return not (start_ticks and started != start_ticks)
 
 
 class Collector:
@@ -96,8 +107,15 @@ class Collector:
         self._read = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, check_same_thread=False)
         self.rings: dict[Path, RingState] = {}
         self._rejected: set[Path] = set()
+        self._finishing: set[Path] = set()
+        """Rings finished here whose removal waits for the commit of their last rows."""
         self.records_total = 0
         self.lost_total = 0
+        self.set_aside_total = 0
+        self.backlogged = False
+        """The last poll stopped early: the writer's queue was full."""
+        self.behind = False
+        """The last poll left records in some ring (a drain limit was hit)."""
 
     # -- discovery ------------------------------------------------------------------------------------
 
@@ -112,7 +130,7 @@ class Collector:
             if not name.endswith(RING_SUFFIX):
                 continue
             path = self.runtime_dir / name
-            if path in self.rings or path in self._rejected:
+            if path in self.rings or path in self._rejected or path in self._finishing:
                 continue
             self._open(path)
 
@@ -152,39 +170,78 @@ class Collector:
     # -- draining -------------------------------------------------------------------------------------
 
     def poll(self) -> int:
-        """Drain every open ring once; finish rings whose writer is done. Returns records read."""
+        """Drain every open ring once; finish rings whose writer is done. Returns records read.
+
+        While the writer's queue is full (a slow or full disk) nothing is drained: the rings are the
+        buffer, and the sidecar's memory stays bounded.
+        """
         total = 0
+        self.backlogged = self.behind = False
         for state in list(self.rings.values()):
+            if not self._writer.has_room():
+                self.backlogged = True
+                break
             try:
                 total += self._drain(state)
-            except (RingFormatError, ValueError, OSError) as exc:
-                log.error("ring %s is unreadable, dropping it: %s", state.path.name, exc)
-                self.rings.pop(state.path, None)
-                self._rejected.add(state.path)
+            except (RingFormatError, OSError, ValueError, TypeError, KeyError, IndexError) as exc:
+                self._give_up(state, exc)
         return total
 
     def _drain(self, state: RingState) -> int:
         reader = state.reader
+        header = state.header
         closed = reader.closed  # read before draining: records written before close are all published
-        alive = closed or self._is_alive(state.header.writer_pid, state.header.writer_start)
+        alive = True
+        now = time.monotonic()
+        if state.caught_up and not (closed and state.end_status is not None) and now >= state.next_alive_check:
+            alive = self._is_alive(header.writer_pid, header.writer_start)
+            state.next_alive_check = now + ALIVE_CHECK_S
         drained = reader.drain(state.cursor, DRAIN_LIMIT)
         count = len(drained.samples) + len(drained.events)
-        header = state.header
-        if count or drained.lost:
+        if count or drained.lost or drained.bad or drained.next_cursor != state.cursor:
             batch = self._rows(state, drained)
+            lost = state.lost + drained.lost
+            batch.statements.append((
+                "UPDATE ranks SET records = records + ?, lost_records = ? WHERE run_id = ? AND rank = ?",
+                (count, lost, header.run_id, header.rank),
+            ))
+            batch.cursors.append((state.key, header.run_id, header.rank, drained.next_cursor, lost, 0))
+            try:
+                self._writer.submit(batch)
+            except WriterStalled:
+                return 0  # the cursor stays: the same records are read again next time
             state.cursor = drained.next_cursor
-            state.lost += drained.lost
+            state.lost = lost
             state.records += count
             self.records_total += count
             self.lost_total += drained.lost
+            self.set_aside_total += len(drained.bad)
             if drained.lost:
                 log.warning("ring %s: %d records overwritten before they were read", state.path.name,
                             drained.lost)
-            batch.cursors.append((state.key, header.run_id, header.rank, state.cursor, state.lost, 0))
-            self._writer.submit(batch)
-        if state.cursor >= reader.published and (closed or not alive):
+            if drained.bad:
+                log.warning("ring %s: %d records could not be decoded; set aside in the set_aside table",
+                            state.path.name, len(drained.bad))
+        published = reader.published
+        state.caught_up = state.cursor >= published
+        self.behind = self.behind or not state.caught_up
+        if not state.caught_up:
+            state.next_alive_check = 0.0
+        # A closed flag without the run_end event before it, while the writer still runs, is not an end.
+        done = (closed and (state.end_status is not None or not alive)) or not alive
+        if state.caught_up and done:
             self._finish(state, closed)
         return count
+
+    def _give_up(self, state: RingState, exc: BaseException) -> None:
+        """A ring that became unreadable (truncated, zeroed header): end its rank as ``error``, keep the rest."""
+        header = state.header
+        log.error("ring %s became unreadable (%s); run %s rank %d ends as error with the %d records already read",
+                  state.path.name, exc, header.run_id, header.rank, state.records)
+        state.end_status = "error"
+        state.saw_oom = False
+        self._finish(state, closed=True, keep_file=True)
+        self._rejected.add(state.path)
 
     def _rows(self, state: RingState, drained: Any) -> Batch:
         header = state.header
@@ -202,6 +259,14 @@ class Collector:
                 state.end_status = str(data.get("status", "ok"))
             elif kind == "oom":
                 state.saw_oom = True
+        for seq, ts_ns, why, raw in drained.bad:
+            batch.set_aside.append((run_id, rank, seq, ts_ns or None, why, raw))
+        if drained.lost:
+            first = (drained.samples[0][6] if drained.samples else events[0][2] if events else state.last_ts_ns)
+            batch.events.append((run_id, rank, drained.samples[0][5] if drained.samples else None, first,
+                                 "samples_lost", json.dumps({
+                                     "count": drained.lost, "from_ts_ns": state.last_ts_ns or None, "to_ts_ns": first,
+                                 })))
         names = state.reader.phase_names
         if state.insert_sql is None or state.known_phases != len(names):
             state.insert_sql = raw_sample_insert(run_id, rank, names, state.reader.version)
@@ -220,7 +285,7 @@ class Collector:
                     batch.statements.extend(statements(header))
         return batch
 
-    def _finish(self, state: RingState, closed: bool) -> None:
+    def _finish(self, state: RingState, closed: bool, keep_file: bool = False) -> None:
         header = state.header
         if closed:
             status = "oom" if state.saw_oom else (state.end_status or "ok")
@@ -231,20 +296,30 @@ class Collector:
         run_id = header.run_id
         ended = state.last_ts_ns or None
         batch = Batch(statements=[
-            ("UPDATE ranks SET status = ?, ended_ns = ?, records = records + ?, lost_records = ?"
-             " WHERE run_id = ? AND rank = ?", (status, ended, state.records, state.lost, run_id, header.rank)),
+            ("UPDATE ranks SET status = ?, ended_ns = ?, lost_records = ? WHERE run_id = ? AND rank = ?",
+             (status, ended, state.lost, run_id, header.rank)),
             (_RUN_STATUS, (run_id,) * 8),
         ])
         batch.cursors.append((state.key, run_id, header.rank, state.cursor, state.lost, 1))
-        self._writer.submit(batch)
-        self._writer.flush()
+        if not keep_file:
+            # Removed only once the transaction with its last rows and cursor has committed: if the
+            # commit fails, the ring stays for the next sidecar to read again.
+            batch.after_commit.append(lambda path=state.path: self._removed(path))
+        try:
+            self._writer.submit(batch)
+        except WriterStalled:
+            return  # finished on a later poll
+        self._finishing.add(state.path)
         state.reader.close()
-        _unlink(state.path)
         del self.rings[state.path]
         for observer in self._observers:
             finished = getattr(observer, "finished", None)
             if finished is not None:
                 finished(header)
+
+    def _removed(self, path: Path) -> None:
+        _unlink(path)
+        self._finishing.discard(path)
 
     def close(self) -> None:
         for state in self.rings.values():

@@ -28,7 +28,7 @@ from .errors import PermissionDeniedError, UnavailableError
 from .live import LiveDetectors
 from .records import Event
 from .snapshot.live import SnapshotImporter
-from .store.db import default_db_path, open_store
+from .store.db import default_db_path, open_store, quick_check
 from .store.queries import events
 from .store.retention import Retention, plan_run
 from .store.writer import Batch, StoreWriter
@@ -52,6 +52,7 @@ class Sidecar:
         db_path: Path | None = None,
         *,
         poll_interval: float = 0.02,
+        give_up_after: float = 60.0,
         scan_interval: float = 0.25,
         exit_when_idle: float | None = None,
         observers: Iterable[Observer] = (),
@@ -67,6 +68,7 @@ class Sidecar:
             raise PermissionDeniedError(str(exc)) from None
         self.db_path = Path(db_path) if db_path is not None else default_db_path()
         self.poll_interval = poll_interval
+        self.give_up_after = give_up_after
         self.scan_interval = scan_interval
         self.exit_when_idle = exit_when_idle
         self._observers = list(observers)
@@ -81,8 +83,9 @@ class Sidecar:
 
     def start(self) -> None:
         self._take_lock()
-        self.db = open_store(self.db_path)
-        self.writer = StoreWriter(self.db)
+        self.db = open_store(self.db_path, busy_wait=self.give_up_after)
+        quick_check(self.db, self.db_path)
+        self.writer = StoreWriter(self.db, give_up_after=self.give_up_after)
         self.writer.start()
         observers = self._observers
         exporters = self.exporters
@@ -136,11 +139,22 @@ class Sidecar:
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT stop the loop (a bounded last drain follows); a second one exits at once."""
+
+        def handler(signum: int, frame: object) -> None:
+            if self._stop.is_set():
+                raise SystemExit(128 + signum)
+            self.stop()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
+            signal.signal(sig, handler)
 
     def run(self) -> None:
-        """Poll until stopped (or idle for ``exit_when_idle`` seconds), then drain and close."""
+        """Poll until stopped (or idle for ``exit_when_idle`` seconds), then drain and close.
+
+        Between polls it sleeps ``poll_interval``, unless a ring still holds records past the drain
+        limit (it is behind) and the writer has room: then it goes on at once.
+        """
         next_scan = 0.0
         idle_since = time.monotonic()
         next_retention = idle_since + self.retention_interval
@@ -153,19 +167,16 @@ class Sidecar:
                 if now >= next_retention:
                     self.apply_retention()
                     next_retention = now + self.retention_interval
-                read = self.collector.poll()
+                self.collector.poll()
+                self._check_writer()
                 if self.collector.rings:
                     idle_since = now
                 elif self.exit_when_idle is not None and now - idle_since >= self.exit_when_idle:
                     log.info("no engine has written for %.0f s; exiting", self.exit_when_idle)
                     break
-                if self.writer.error is not None:
-                    raise RuntimeError(f"the store writer failed: {self.writer.error}")
-                if not read:
+                if not self.collector.behind or self.collector.backlogged:
                     self._stop.wait(self.poll_interval)
-            self.collector.scan()
-            while self.collector.poll():
-                pass
+            self._last_drain()
         finally:
             self.close()
 
@@ -180,19 +191,39 @@ class Sidecar:
             statements = [step for run_id in sorted(runs) for step in plan_run(reader, run_id, self.retention)]
         finally:
             reader.conn.close()
-        if statements:
+        if statements and self.writer.has_room():  # else on a later round: the writer is busy or paused
             self.writer.submit(Batch(statements=statements))
 
+    def _check_writer(self) -> None:
+        if self.writer.error is not None or not self.writer.is_alive():
+            raise UnavailableError(f"the store writer stopped: {self.writer.error}; records stay in the rings "
+                                   "for the next sidecar to store")
+
+    def _last_drain(self, budget_s: float = 10.0) -> None:
+        """Drain what the rings hold before exiting, for at most ``budget_s``; the rest stays in the rings.
+
+        ``close`` then commits what was queued (or gives up on a database that stays locked or full).
+        """
+        deadline = time.monotonic() + budget_s
+        self.collector.scan()
+        while time.monotonic() < deadline and self.writer.paused is None:
+            self._check_writer()
+            read = self.collector.poll()
+            if not read and not self.collector.backlogged:
+                break
+            if self.collector.backlogged:
+                time.sleep(0.01)
+
     def close(self) -> None:
-        collector = getattr(self, "collector", None)
-        if collector is not None:
-            collector.close()
         snapshots = getattr(self, "snapshots", None)
         if snapshots is not None:
-            snapshots.close()
+            snapshots.close()  # its imports reach the writer before the writer closes
         writer = getattr(self, "writer", None)
         if writer is not None and writer.is_alive():
-            writer.close()
+            writer.close(timeout=10.0)
+        collector = getattr(self, "collector", None)
+        if collector is not None:
+            collector.close()  # after the writer: observers hear of the rings whose end committed
         if self.exporters is not None:
             self.exporters.close()
             self.exporters = None

@@ -37,6 +37,7 @@ class _RankView:
         self.kv: tuple[int | None, int | None] = (None, None)  # latest (used, total) blocks reported
         self.flags: list[str] = []
         self.history: list[tuple[int, int]] = []  # (ts_ns, step) for the step rate
+        self.lost = 0
 
 
 def find_rings(pids: set[int], runtime_dir: Path | None = None) -> list[Path]:
@@ -94,6 +95,7 @@ class RingSource:
             detectors = self._detectors.setdefault(run_id, DetectorSet())
             drained = view.reader.drain(view.cursor)
             view.cursor = drained.next_cursor
+            view.lost += drained.lost
             for record in typed_records(run_id, rank, drained, view.reader.phase_names):
                 if isinstance(record, Sample):
                     flags = detectors.on_sample(record)
@@ -133,6 +135,7 @@ class RingSource:
             steps_per_s=_rate(view.history), flags=tuple(view.flags),
             torch_other_bytes=None if terms is None else terms.torch_other_bytes,
             oom_margin_bytes=None if terms is None else terms.oom_margin_bytes,
+            lost_records=view.lost,
         )
 
     def _gpu(self, view: _RankView) -> GpuUsage | None:

@@ -84,6 +84,8 @@ class RankLedger:
     """Long-lived PyTorch memory besides weights and KV (buffers, CUDA-graph pools), part of the ledger."""
     oom_margin_bytes: int | None = None
     """What the next worst-case forward could still get (see :mod:`memwatch.ledger`)."""
+    lost_records: int = 0
+    """Records the ring overwrote before attach read them (attach fell behind the engine)."""
 
 
 @dataclass(frozen=True)
@@ -163,4 +165,5 @@ def _ledger_dict(rank: RankLedger) -> dict[str, Any]:
         "flags": list(rank.flags),
         "torch_other_bytes": rank.torch_other_bytes,
         "oom_margin_bytes": rank.oom_margin_bytes,
+        "lost_records": rank.lost_records,
     }

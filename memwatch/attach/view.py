@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import units
+from ..terminal import printable
 from .snapshot import GpuUsage, RankLedger, Snapshot
 
 TREND_POINTS = 12
@@ -66,7 +67,7 @@ def _header(snapshots: Sequence[Snapshot]) -> RenderableType:
     title = Text(no_wrap=True, overflow="ellipsis")
     title.append(f"pid {latest.pid}", style="bold")
     if host is not None:
-        title.append(f" · {' '.join(host.cmdline) or host.name}")
+        title.append(f" · {printable(' '.join(host.cmdline) or host.name)}")
     facts = [f"source {latest.source}"]
     if host is not None:
         cpu = _NOT_AVAILABLE if host.cpu_percent is None else f"{host.cpu_percent:.1f}%"
@@ -149,6 +150,8 @@ def _ledger_table(ranks: Sequence[RankLedger], history: Sequence[Snapshot]) -> T
         *(_NOT_AVAILABLE if r.steps_per_s is None else f"{r.steps_per_s:.1f}" for r in ranks),
     )
     table.add_row("flags", *(", ".join(rank.flags) or "none" for rank in ranks))
+    if any(rank.lost_records for rank in ranks):
+        table.add_row("samples lost", *(f"{rank.lost_records:,}" for rank in ranks), style="yellow")
     return table
 
 

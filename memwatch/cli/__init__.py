@@ -3,6 +3,8 @@
 Every command turns :class:`memwatch.errors.MemwatchError` into ``error: <one line>`` on stderr and
 its documented exit code (see :mod:`memwatch.errors`); no traceback reaches the user for a problem
 the user can fix. A usage error (an unknown option, a missing argument) is one line too, exit code 2.
+Anything else is caught at the top as well: a damaged database is exit 6, any other unexpected fault
+one line and exit 1, with the traceback only under ``-v``.
 
 A command's module is imported only when that command runs: ``memwatch --help`` and ``memwatch runs``
 do not pay for the simulator, the detectors or ``attach``. :data:`COMMANDS` lists them, in the order
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sqlite3
 import sys
+import traceback
 from typing import Any
 
 import click
@@ -91,6 +95,35 @@ class MemwatchGroup(click.Group):
             sys.exit(exc.exit_code)
         except BrokenPipeError:
             sys.exit(0)
+        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, SystemExit):
+            raise
+        except sqlite3.DatabaseError as exc:
+            _explain(ctx, exc)
+            click.echo(f"error: the database cannot be read ({_one_line(exc)}); it may be damaged: "
+                       "move it aside or pass another --db", err=True)
+            sys.exit(6)
+        except RecursionError:
+            click.echo("error: the input is nested too deeply to read; simplify it", err=True)
+            sys.exit(2)
+        except MemoryError:
+            click.echo("error: out of memory; the input is too large", err=True)
+            sys.exit(1)
+        except Exception as exc:
+            _explain(ctx, exc)
+            click.echo(f"error: unexpected {type(exc).__name__}: {_one_line(exc)}; run again with -v for the "
+                       "traceback and report it", err=True)
+            sys.exit(1)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] + ("…" if len(text) > 300 else "")
+
+
+def _explain(ctx: click.Context, exc: BaseException) -> None:
+    """The traceback, under ``-v`` only."""
+    if ctx.params.get("verbose"):
+        traceback.print_exception(exc, file=sys.stderr)
 
 
 @click.group(cls=MemwatchGroup, context_settings={"help_option_names": ["-h", "--help"]})

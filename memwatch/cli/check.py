@@ -9,7 +9,9 @@ import click
 
 from ..detectors import DetectorConfig
 from ..report import check_run, render_check
+from ..report.losses import render_losses, run_losses
 from ..store import open_store
+from ..store.queries import get_run
 from .options import db_option, json_option, thresholds_option
 
 
@@ -25,7 +27,13 @@ def command(run: str, db_path: Path | None, as_json: bool, detector_config: Dete
     truth here (the flags a live sidecar stored are not read). Exit 0 when no flag is warning or
     worse, 1 otherwise.
     """
-    report = check_run(open_store(db_path, readonly=True), run, detector_config)
-    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else render_check(report))
+    db = open_store(db_path, readonly=True)
+    report = check_run(db, run, detector_config)
+    info = get_run(db, run)
+    losses = run_losses(db, info.run_id)
+    if as_json:
+        click.echo(json.dumps({**report.to_dict(), "lost_samples": losses.to_dict()}, indent=2))
+    else:
+        click.echo("\n".join([render_check(report), *render_losses(losses, info.started_ns)]))
     if report.failed:
         raise SystemExit(1)

@@ -9,7 +9,9 @@ import click
 
 from ..detectors import DetectorConfig
 from ..report import explain_run, render_explanation
+from ..report.losses import render_losses, run_losses
 from ..store import open_store
+from ..store.queries import get_run
 from .options import db_option, json_option, thresholds_option
 
 
@@ -26,5 +28,11 @@ def command(run: str, db_path: Path | None, as_json: bool, detector_config: Dete
     each rank's tightest moment. The stored samples and events are replayed through the detectors
     (the source of truth); --json carries every number under stable keys.
     """
-    explanation = explain_run(open_store(db_path, readonly=True), run, detector_config)
-    click.echo(json.dumps(explanation.to_dict(), indent=2) if as_json else render_explanation(explanation))
+    db = open_store(db_path, readonly=True)
+    explanation = explain_run(db, run, detector_config)
+    info = get_run(db, run)
+    losses = run_losses(db, info.run_id)
+    if as_json:
+        click.echo(json.dumps({**explanation.to_dict(), "lost_samples": losses.to_dict()}, indent=2))
+    else:
+        click.echo("\n".join([render_explanation(explanation), *render_losses(losses, info.started_ns)]))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -43,3 +44,35 @@ thresholds_option = click.option(
     help="TOML file of detector thresholds (keys of memwatch.detectors.DetectorConfig, optionally under "
          "[detectors]); the rest keep their defaults.",
 )
+
+
+class Seconds(click.ParamType):
+    """A finite number of seconds in ``[low, high]`` (click's FloatRange lets ``nan`` and ``inf`` through)."""
+
+    name = "seconds"
+
+    def __init__(self, low: float, high: float = 86400.0 * 366, *, low_open: bool = False) -> None:
+        self.low, self.high, self.low_open = low, high, low_open
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        too_low = number <= self.low if self.low_open else number < self.low
+        if not math.isfinite(number) or too_low or number > self.high:
+            bound = f">{self.low:g}" if self.low_open else f">={self.low:g}"
+            self.fail(f"{value!r} must be a finite number {bound} and <={self.high:g}", param, ctx)
+        return number
+
+
+def finite_float(low: float, high: float, *, low_open: bool = False) -> Seconds:
+    """A finite float in a range, for options that are not seconds (speeds, shares)."""
+    kind = Seconds(low, high, low_open=low_open)
+    kind.name = "number"
+    return kind
+
+
+def int_range(low: int, high: int = 2**31 - 1) -> click.IntRange:
+    """An integer option with bounds SQLite and the planners can take (no 64-bit overflow)."""
+    return click.IntRange(min=low, max=high)

@@ -84,7 +84,8 @@ def _plan_run(db_path: Path | None, run: str, as_json: bool) -> None:
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES, case_sensitive=False),
               help="KV cache precision [default: the model's].")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor parallel size.")
-@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline parallel size.")
+@click.option("--pp", type=click.IntRange(min=1, max=1 << 20), default=1, show_default=True,
+              help="Pipeline parallel size.")
 @click.option("--block-size", type=int, help="Tokens per KV block [default: 256 nano-vllm, 16 vLLM, 1 SGLang].")
 @click.option("--seqs", type=int, help="Target: resident sequences (with --seq-len).")
 @click.option("--seq-len", type=int, help="Target: cached tokens per sequence.")

@@ -8,27 +8,31 @@ from pathlib import Path
 
 import click
 
+from ..report.losses import lost_per_run
 from ..store import open_store
 from ..store.queries import list_runs
+from ..terminal import printable
 from ..units import format_bytes
-from .options import db_option, json_option
+from .options import db_option, int_range, json_option
 
 
 @click.command("runs")
 @db_option
 @json_option
-@click.option("-n", "--limit", type=int, default=20, show_default=True, help="How many runs to show.")
+@click.option("-n", "--limit", type=int_range(0), default=20, show_default=True, help="How many runs to show.")
 def command(db_path: Path | None, as_json: bool, limit: int) -> None:
     """List recorded runs: id, engine, model, ranks, status, start and GPU."""
     db = open_store(db_path, readonly=True)
     runs = list_runs(db, limit)
+    lost = lost_per_run(db)
     if as_json:
-        click.echo(json.dumps([run.to_dict() for run in runs], indent=2))
+        click.echo(json.dumps([{**run.to_dict(), "lost_samples": lost.get(run.run_id, 0)} for run in runs], indent=2))
         return
     if not runs:
         click.echo("no runs recorded yet; try `memwatch demo`")
         return
-    click.echo(f"{'RUN':<13} {'STARTED':<19} {'DURATION':>9} {'STATUS':<8} {'RANKS':>5}  {'ENGINE':<10} MODEL / GPU")
+    click.echo(f"{'RUN':<13} {'STARTED':<19} {'DURATION':>9} {'STATUS':<8} {'RANKS':>5} {'LOST':>7}  {'ENGINE':<10} "
+               "MODEL / GPU")
     for run in runs:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime((run.started_ns or 0) / 1e9))
         duration = f"{(run.ended_ns - run.started_ns) / 1e9:.1f}s" if run.ended_ns and run.started_ns else "-"
@@ -36,6 +40,7 @@ def command(db_path: Path | None, as_json: bool, limit: int) -> None:
         if run.gpu_total_bytes:
             gpu = f"{run.gpu_name or '?'} {format_bytes(run.gpu_total_bytes)}"
         click.echo(
-            f"{run.run_id:<13} {started:<19} {duration:>9} {run.status or '?':<8} {run.rank_count or 1:>5}  "
-            f"{(run.engine or '-'):<10} {run.model or '-'} / {gpu}"
+            f"{run.run_id:<13} {started:<19} {duration:>9} {run.status or '?':<8} {run.rank_count or 1:>5} "
+            f"{lost.get(run.run_id, 0):>7}  {printable(run.engine or '-'):<10} {printable(run.model or '-')} / "
+            f"{printable(gpu)}"
         )

@@ -11,16 +11,19 @@ from ..daemon import Sidecar, SidecarRunning
 from ..detectors import DetectorConfig
 from ..store.moments import parse_duration_ns
 from ..store.retention import DEFAULT_EVIDENCE_NS, DEFAULT_FULL_NS, Retention
-from .options import db_option, thresholds_option
+from .options import Seconds, db_option, thresholds_option
 
 
 @click.command("serve")
 @db_option
 @click.option("--runtime-dir", type=click.Path(file_okay=False, path_type=Path), envvar="MEMWATCH_RUNTIME_DIR",
               help="Where engines put their rings (default: $MEMWATCH_RUNTIME_DIR, $XDG_RUNTIME_DIR/memwatch).")
-@click.option("--poll-interval", type=float, default=0.02, show_default=True, help="Seconds between ring drains.")
-@click.option("--exit-when-idle", type=float, default=None,
+@click.option("--poll-interval", type=Seconds(0.0, 60.0, low_open=True), default=0.02, show_default=True,
+              help="Seconds between ring drains (more than 0, at most 60).")
+@click.option("--exit-when-idle", type=Seconds(0.0), default=None,
               help="Exit after this many seconds with no engine writing (used when auto-started).")
+@click.option("--give-up-after", type=Seconds(0.0, low_open=True), default=60.0, show_default=True,
+              help="Seconds a locked database is retried before the sidecar exits (status 4).")
 @click.option("--quiet-if-running", is_flag=True, hidden=True,
               help="Exit 0 silently when a sidecar already serves the directory.")
 @click.option("--no-detect", is_flag=True, help="Store timelines only; do not run the detectors live.")
@@ -39,7 +42,7 @@ from .options import db_option, thresholds_option
 @click.option("--console", "console", is_flag=True, default=False,
               help="Print metrics and flag log records to stdout every export period (env MEMWATCH_CONSOLE=1).")
 def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float,
-            exit_when_idle: float | None, quiet_if_running: bool, no_detect: bool,
+            exit_when_idle: float | None, give_up_after: float, quiet_if_running: bool, no_detect: bool,
             detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str,
             prometheus: str | None, otlp: str | None, console: bool) -> None:
     """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).
@@ -57,8 +60,8 @@ def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float
 
         exporters = Exporters(config)
     sidecar = Sidecar(runtime_dir, db_path, poll_interval=poll_interval, exit_when_idle=exit_when_idle,
-                      detect=not no_detect, detector_config=detector_config, retention=retention,
-                      exporters=exporters)
+                      give_up_after=give_up_after, detect=not no_detect, detector_config=detector_config,
+                      retention=retention, exporters=exporters)
     sidecar.install_signal_handlers()  # before the lock: whoever sees the lock may signal us at once
     try:
         sidecar.start()
@@ -73,4 +76,5 @@ def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float
         click.echo(f"memwatch serve: exporting to {', '.join(where)}", err=True)
     sidecar.run()
     c = sidecar.collector
-    click.echo(f"memwatch serve: stopped after {c.records_total} records ({c.lost_total} lost)", err=True)
+    click.echo(f"memwatch serve: stopped after {c.records_total} records ({c.lost_total} lost, "
+               f"{c.set_aside_total} set aside)", err=True)

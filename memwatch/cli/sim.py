@@ -12,7 +12,7 @@ from ..errors import UsageError
 from ..sim import Scenario, SimulationResult, run_scenario, shipped_scenarios
 from ..sim.scorecard import render_scorecard, run_scorecard
 from ..units import format_bytes
-from .options import json_option
+from .options import finite_float, json_option
 
 
 @click.command("sim")
@@ -23,7 +23,7 @@ from .options import json_option
 @click.option("--runtime-dir", type=click.Path(file_okay=False, path_type=Path), envvar="MEMWATCH_RUNTIME_DIR",
               help="Where the rings go, for a sidecar to store (default: $MEMWATCH_RUNTIME_DIR, "
                    "$XDG_RUNTIME_DIR/memwatch).")
-@click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--speed", type=finite_float(0.0, 1e6, low_open=True), default=None,
               help="Virtual seconds per wall-clock second, to watch a run live (default: as fast as it goes).")
 @json_option
 def command(scenario: str | None, list_scenarios: bool, scorecard: bool, runtime_dir: Path | None,

@@ -16,13 +16,15 @@ from ..detectors import interleave
 from ..errors import UsageError
 from ..ledger import Ledger, LedgerTerms
 from ..records import SAMPLE_COLUMNS, Event, Sample
+from ..report.losses import Gap, run_losses, span
 from ..store import open_store
 from ..store.db import Database
 from ..store.moments import find_moment, parse_duration_ns, resolve_time
 from ..store.queries import Run, events, get_run, last_ts_ns
 from ..store.window import WindowRow, window_rows
+from ..terminal import printable
 from ..units import format_bytes
-from .options import db_option, json_option
+from .options import db_option, int_range, json_option
 
 __all__ = ["command", "parse_duration_ns"]
 
@@ -34,7 +36,7 @@ LEDGER_COLUMNS: tuple[str, ...] = LedgerTerms._fields
 @db_option
 @json_option
 @click.option("--csv", "as_csv", is_flag=True, help="CSV with a header row.")
-@click.option("--rank", type=int, default=None, help="Only this rank.")
+@click.option("--rank", type=int_range(0), default=None, help="Only this rank.")
 @click.option("--last", "last", default=None, help="Only the last part of the run, e.g. 60s or 5m.")
 @click.option("--since", default=None, help="From this time: +90s (after the start), -5m (before the end), or ISO.")
 @click.option("--until", default=None, help="Up to this time, written as for --since.")
@@ -73,7 +75,8 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: i
     elif as_csv:
         _write_csv(with_terms, ledger)
     else:
-        _write_table(info, with_terms, ledger)
+        gaps = [gap for gap in run_losses(db, info.run_id).gaps if rank is None or gap.rank == rank]
+        _write_table(info, with_terms, ledger, gaps)
 
 
 def _with_ledger(
@@ -113,9 +116,12 @@ def _write_csv(rows: Iterator[tuple[WindowRow, LedgerTerms | None]], ledger: boo
         writer.writerow((*row.sample, *terms) if terms is not None else row.sample)
 
 
-def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]], ledger: bool) -> None:
+def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]], ledger: bool,
+                 gaps: list[Gap]) -> None:
+    """The samples as a table; a line marks each gap where samples were lost, before the first sample after it."""
     start = info.started_ns or 0
-    click.echo(f"run {info.run_id}  {info.engine or '-'}  {info.model or '-'}  status {info.status}")
+    click.echo(f"run {info.run_id}  {printable(info.engine or '-')}  {printable(info.model or '-')}  "
+               f"status {info.status}")
     nvml = info.source == "nvml"  # seen from outside: the process's NVML bytes instead of the allocator's view
     if nvml:
         header = f"{'T+s':>8} {'GPU':>4} {'SAMPLE':>7} {'PROCESS':>10} {'DRV USED':>10} {'DRV FREE':>10}"
@@ -129,6 +135,9 @@ def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]]
     size = lru_cache(maxsize=8192)(format_bytes)  # a window repeats the same few values many times
     write = sys.stdout.write
     for row, terms in rows:
+        while gaps and (gaps[0].to_ts_ns or 0) <= row.sample.ts_ns:
+            gap = gaps.pop(0)
+            write(f"{'--':>8} rank {gap.rank}: {gap.count:,} samples lost here {span(gap, start)}\n")
         line = _nvml_line(row, start, size) if nvml else _engine_line(row, start, size)
         if terms is not None and not nvml:
             line += "".join(f" {size(value):>10}" for value in (

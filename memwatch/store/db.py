@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import NotFoundError, PermissionDeniedError, StoreError
+from ..errors import MemwatchError, NotFoundError, PermissionDeniedError, StoreError, UnavailableError
 from .schema import migrate
 
 
@@ -51,34 +52,108 @@ def default_db_path() -> Path:
     return Path(data_home) / "memwatch" / "memwatch.db"
 
 
-def open_store(path: str | os.PathLike[str] | None = None, *, readonly: bool = False) -> Database:
-    """Open (and for writers create and migrate) the store; errors become one-line :class:`MemwatchError`s."""
+def open_store(
+    path: str | os.PathLike[str] | None = None, *, readonly: bool = False, busy_wait: float = 0.0
+) -> Database:
+    """Open (and for writers create and migrate) the store; errors become one-line :class:`MemwatchError`s.
+
+    A database another process keeps locked is retried, with backoff, for ``busy_wait`` seconds
+    beyond SQLite's own 5 s busy timeout.
+    """
     db_path = Path(path) if path is not None else default_db_path()
+    deadline = time.monotonic() + busy_wait
+    delay = 0.1
+    while True:
+        try:
+            return _open(db_path, readonly)
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", None) not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                raise _store_error(db_path, exc) from None
+            if time.monotonic() >= deadline:
+                raise UnavailableError(f"{db_path} is locked by another process ({exc}); stop it or retry later") \
+                    from None
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
+
+
+def _open(db_path: Path, readonly: bool) -> Database:
     try:
-        if readonly:
-            if not db_path.exists():
-                raise NotFoundError(
-                    f"no memwatch database at {db_path}; run an engine with memwatch, or pass --db / MEMWATCH_DB"
-                )
-            conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, check_same_thread=False)
-        else:
-            db_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(db_path, os.O_RDWR | os.O_CREAT, 0o600)
-            os.close(fd)
-            conn = sqlite3.connect(db_path, check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
+        return _connect(db_path, readonly)
+    except PermissionError:
+        raise PermissionDeniedError(f"no permission to open {db_path}; check its owner and mode") from None
+    except OSError as exc:
+        raise PermissionDeniedError(f"cannot open {db_path}: {exc.strerror or exc}; check the path, its directory "
+                                    "and free space") from None
+    except sqlite3.OperationalError:
+        raise
+    except sqlite3.DatabaseError as exc:
+        raise _store_error(db_path, exc) from None
+
+
+def _connect(db_path: Path, readonly: bool) -> Database:
+    if readonly:
+        if not db_path.exists():
+            raise NotFoundError(
+                f"no memwatch database at {db_path}; run an engine with memwatch, or pass --db / MEMWATCH_DB"
+            )
+        conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, check_same_thread=False)
+    else:
+        db_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Never open and close the file itself once it exists: closing any descriptor of a file
+        # drops the POSIX locks SQLite holds on it in this process.
+        if not db_path.exists():
+            try:
+                os.close(os.open(db_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            except FileExistsError:
+                pass
+        _check_owner(db_path, os.stat(db_path))
+        conn = sqlite3.connect(db_path, check_same_thread=False)
+    try:
         conn.execute("PRAGMA busy_timeout=5000")
         db = Database(conn)
         if readonly:
             check_schema(db, db_path)
         else:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
             migrate(db)
         return db
-    except PermissionError:
-        raise PermissionDeniedError(f"no permission to open {db_path}; check its owner and mode") from None
+    except BaseException:
+        conn.close()
+        raise
+
+
+def _store_error(db_path: Path, exc: sqlite3.DatabaseError) -> MemwatchError:
+    if getattr(exc, "sqlite_errorcode", None) in _CANNOT_WRITE:
+        return PermissionDeniedError(
+            f"cannot write in {db_path.parent} ({exc}); the directory must be writable: "
+            "check its mode and attributes, or pass another --db"
+        )
+    return StoreError(f"{db_path} is not a usable memwatch database ({exc}); pass another --db")
+
+
+_CANNOT_WRITE = {sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_PERM, sqlite3.SQLITE_AUTH}
+
+
+def _check_owner(db_path: Path, info: os.stat_result) -> None:
+    """A database another user owns, or others may write, could feed or take this user's records."""
+    if info.st_uid != os.getuid():
+        raise PermissionDeniedError(f"{db_path} belongs to uid {info.st_uid}, not you; pass a --db of your own")
+    if info.st_mode & 0o022:
+        raise PermissionDeniedError(
+            f"{db_path} is writable by other users (mode {info.st_mode & 0o777:o}); run: chmod 600 {db_path}"
+        )
+
+
+def quick_check(db: Database, db_path: Path) -> None:
+    """Refuse to write into a damaged database (``PRAGMA quick_check``); exit 6 rather than make it worse."""
+    try:
+        result = db.execute("PRAGMA quick_check(1)").fetchone()[0]
     except sqlite3.DatabaseError as exc:
-        raise StoreError(f"{db_path} is not a usable memwatch database ({exc}); pass another --db") from None
+        result = str(exc)
+    if result != "ok":
+        detail = " ".join(str(result).split())[:200]
+        raise StoreError(f"{db_path} is damaged ({detail}); move it aside or pass another --db")
 
 
 def check_schema(db: Database, db_path: Path) -> None:

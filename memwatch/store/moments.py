@@ -25,7 +25,7 @@ def parse_duration_ns(text: str) -> int:
     match = _DURATION.match(text)
     if not match:
         raise UsageError(f"cannot read duration {text!r}; write e.g. 60s, 5m, 1h or 250ms")
-    return int(float(match.group(1)) * _SCALE[match.group(2)])
+    return int(min(float(match.group(1)) * _SCALE[match.group(2)], 2.0**62))  # longer than any run: all of it
 
 
 def resolve_time(db: Database, run: Run, text: str) -> int:

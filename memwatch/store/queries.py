@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import NotFoundError
+from ..errors import NotFoundError, UsageError
 from ..records import EVENT_COLUMNS, Event, Sample
 from .window import time_span, window_samples
 
@@ -36,6 +36,9 @@ class Run:
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+
+MAX_RUN_REF = 256
+"""Run ids are at most 16 characters in rings; a reference far longer names no run."""
 
 _RUN_COLUMNS = (
     "run_id, pid, hostname, engine, model, rank_count, started_ns, ended_ns, status, gpu_name,"
@@ -69,9 +72,14 @@ def get_run(db: Database, ref: str) -> Run:
         if row is None:
             raise NotFoundError("the database has no runs yet; start an engine with memwatch or run `memwatch demo`")
         return _run(row)
+    if not ref.strip():
+        raise UsageError("the run reference is empty; give a run id, a unique prefix of one, or `latest`")
+    if len(ref) > MAX_RUN_REF:
+        raise NotFoundError(f"no run {ref[:40]!r}… in the database (run ids are short); `memwatch runs` lists them")
+    # A prefix match by substr, not LIKE: '%' and '_' in a reference are plain characters.
     rows = db.execute(
-        f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ? OR run_id LIKE ? ORDER BY run_id = ? DESC LIMIT 3",
-        (ref, ref.replace("%", "").replace("_", "") + "%", ref),
+        f"SELECT {_RUN_COLUMNS} FROM runs WHERE substr(run_id, 1, ?) = ? ORDER BY run_id = ? DESC LIMIT 3",
+        (len(ref), ref, ref),
     ).fetchall()
     if not rows:
         raise NotFoundError(f"no run {ref!r} in the database; `memwatch runs` lists them")

@@ -25,7 +25,7 @@ from ..errors import StoreError
 if TYPE_CHECKING:
     from memwatch.store.db import Database
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 ROLLUP_COLUMNS: tuple[str, ...] = (
     "allocated_bytes", "peak_bytes", "reserved_bytes", "driver_used_bytes", "driver_free_bytes",
@@ -197,7 +197,13 @@ ENSURE_RUN = (
 """Create a bare ``runs`` row for a run id that has none (bind the run id twice)."""
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6]
+def _v7(db: Database) -> None:
+    """``set_aside``: records the sidecar could not decode or store, kept with their bytes for a bug report."""
+    db.execute("CREATE TABLE set_aside (run_id TEXT, rank INTEGER, seq INTEGER, ts_ns INTEGER, reason TEXT,"
+               " raw BLOB, stored_ns INTEGER)")
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7]
 """MIGRATIONS[i] takes a database from version i to i + 1."""
 
 
