@@ -193,7 +193,7 @@ class RingWriter:
         self._mask = capacity - 1
         self._seq = 0
         self._pack_sample = _SAMPLE.pack_into
-        self._pack_published = _PUBLISHED.pack_into
+        self._publish_at = slice(_PUBLISHED_AT, _PUBLISHED_AT + 8)
 
     @property
     def written(self) -> int:
@@ -214,7 +214,8 @@ class RingWriter:
             kv_used, kv_total, num_seqs, segments, active, inactive_split, alloc_retries, num_ooms,
         )
         self._seq = seq + 1
-        self._pack_published(self._map, _PUBLISHED_AT, seq + 1)
+        # One 8-byte copy: struct's pack_into zero-fills first, so a reader could see the count at 0.
+        self._map[self._publish_at] = (seq + 1).to_bytes(8, "little")
 
     def write_event(self, step: int, ts_ns: int, kind: str, data: dict[str, Any]) -> None:
         """Append one event as JSON chunks, published at once so a reader sees all of it or none."""
@@ -231,7 +232,7 @@ class RingWriter:
                 seq + i, TYPE_EVENT, more, len(chunk), step, ts_ns, chunk,
             )
         self._seq = seq + len(chunks)
-        self._pack_published(self._map, _PUBLISHED_AT, self._seq)
+        self._map[self._publish_at] = self._seq.to_bytes(8, "little")
 
     def close(self) -> None:
         """Mark the ring cleanly closed; the file stays for the reader to finish draining."""
@@ -362,14 +363,17 @@ class RingReader:
         if size < self._size:
             raise RingFormatError(f"{self.path} was truncated to {size} bytes (a ring of {self._size})")
         moved = False
+        published = cursor
         for _ in range(TORN_READ_RETRIES):
             published = self.published
-            if published < cursor:
-                raise RingFormatError(f"{self.path}: published count went back from {cursor} to {published}")
+            if published < cursor:  # a count caught mid-write; only one that stays low is a damaged header
+                continue
             drained = self._drain_once(cursor, limit, published)
             if drained is not None:
                 return drained
             moved = moved or self.published != published
+        if published < cursor:
+            raise RingFormatError(f"{self.path}: published count went back from {cursor} to {published}")
         if moved:
             return Drained([], [], [], cursor, 0)
         raise RingFormatError(f"{self.path}: record slots do not hold the sequence numbers they should")
@@ -380,7 +384,10 @@ class RingReader:
         end = published if limit is None else min(published, start + limit)
         blob = self._copy(start, end)
         # Anything the writer may have started overwriting while we copied is not trusted.
-        safe_from = self.published - window
+        after = self.published
+        if after < published:  # caught mid-write: read again
+            return None
+        safe_from = after - window
         if safe_from > start:
             cut = min(safe_from, end)
             blob = blob[(cut - start) * RECORD_SIZE :]

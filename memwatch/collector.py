@@ -109,6 +109,8 @@ class Collector:
         self._rejected: set[Path] = set()
         self._finishing: set[Path] = set()
         """Rings finished here whose removal waits for the commit of their last rows."""
+        self._committed: list[RingHeader] = []
+        """Finished rings whose last rows have committed (appended by the writer thread)."""
         self.records_total = 0
         self.lost_total = 0
         self.set_aside_total = 0
@@ -175,6 +177,7 @@ class Collector:
         While the writer's queue is full (a slow or full disk) nothing is drained: the rings are the
         buffer, and the sidecar's memory stays bounded.
         """
+        self._settle_finished()
         total = 0
         self.backlogged = self.behind = False
         for state in list(self.rings.values()):
@@ -301,10 +304,9 @@ class Collector:
             (_RUN_STATUS, (run_id,) * 8),
         ])
         batch.cursors.append((state.key, run_id, header.rank, state.cursor, state.lost, 1))
-        if not keep_file:
-            # Removed only once the transaction with its last rows and cursor has committed: if the
-            # commit fails, the ring stays for the next sidecar to read again.
-            batch.after_commit.append(lambda path=state.path: self._removed(path))
+        # Once the transaction with its last rows and cursor has committed (never if it fails: the ring
+        # then stays for the next sidecar), the ring is removed and the observers hear of the end.
+        batch.after_commit.append(lambda path=state.path: self._committed_end(path, header, keep_file))
         try:
             self._writer.submit(batch)
         except WriterStalled:
@@ -312,16 +314,25 @@ class Collector:
         self._finishing.add(state.path)
         state.reader.close()
         del self.rings[state.path]
-        for observer in self._observers:
-            finished = getattr(observer, "finished", None)
-            if finished is not None:
-                finished(header)
 
-    def _removed(self, path: Path) -> None:
-        _unlink(path)
+    def _committed_end(self, path: Path, header: RingHeader, keep_file: bool) -> None:
+        """In the writer thread, once a ring's end has committed: remove the file; the observers hear later."""
+        if not keep_file:
+            _unlink(path)
         self._finishing.discard(path)
+        self._committed.append(header)
+
+    def _settle_finished(self) -> None:
+        """Tell the observers (in the collector's thread) of the rings whose end has committed."""
+        while self._committed:
+            header = self._committed.pop(0)
+            for observer in self._observers:
+                finished = getattr(observer, "finished", None)
+                if finished is not None:
+                    finished(header)
 
     def close(self) -> None:
+        self._settle_finished()
         for state in self.rings.values():
             state.reader.close()
         self.rings.clear()

@@ -80,7 +80,7 @@ def test_ledger_values() -> None:
         "rank": 0, "device_index": 0, "phase": "serve", "non_torch_bytes": 1, "weights_bytes": 2,
         "activation_reserve_bytes": 3, "kv_bytes": 4, "headroom_bytes": 5, "budget_bytes": 15,
         "kv_blocks_used": 6, "kv_blocks_total": 7, "steps_per_s": 8.5, "flags": ["kv_pressure"],
-        "torch_other_bytes": None, "oom_margin_bytes": None,
+        "torch_other_bytes": None, "oom_margin_bytes": None, "lost_records": 0,
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,10 @@ def test_postmortem_benchmark_runs() -> None:
 def test_inject_benchmark_measures_every_call() -> None:
     out = _run("bench_inject.py", "--cycles", "1", "--no-torch")
     assert "(1 calls)" in out and "ratio injection/bare gdb attach" in out
+
+
+def test_reliability_benchmark_runs() -> None:
+    out = _run("bench_reliability.py", "load", "--ranks", "2", "--rate", "50", "--seconds", "2", "--json")
+    result = json.loads(out.strip().splitlines()[-1])
+    # 2 ranks x 50 steps/s x 2 s, and per rank the sample at the serve phase's start and the close sample.
+    assert result["samples"] == result["expected_samples"] == 2 * 100 + 2 * 2 and result["lost"] == 0

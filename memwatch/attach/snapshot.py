@@ -30,7 +30,7 @@ PROCESS_KEYS = ("pid", "used_bytes")
 LEDGER_KEYS = (
     "rank", "device_index", "phase", "non_torch_bytes", "weights_bytes", "activation_reserve_bytes",
     "kv_bytes", "headroom_bytes", "budget_bytes", "kv_blocks_used", "kv_blocks_total", "steps_per_s",
-    "flags", "torch_other_bytes", "oom_margin_bytes",
+    "flags", "torch_other_bytes", "oom_margin_bytes", "lost_records",
 )
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from ..detectors import DetectorConfig
+from ..losses import render_losses, run_losses
 from ..report import explain_run, render_explanation
-from ..report.losses import render_losses, run_losses
 from ..store import open_store
 from ..store.queries import get_run
 from .options import db_option, json_option, thresholds_option

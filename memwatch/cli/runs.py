@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ..report.losses import lost_per_run
+from ..losses import lost_per_run
 from ..store import open_store
 from ..store.queries import list_runs
 from ..terminal import printable

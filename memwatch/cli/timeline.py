@@ -15,8 +15,8 @@ import click
 from ..detectors import interleave
 from ..errors import UsageError
 from ..ledger import Ledger, LedgerTerms
+from ..losses import Gap, run_losses, span
 from ..records import SAMPLE_COLUMNS, Event, Sample
-from ..report.losses import Gap, run_losses, span
 from ..store import open_store
 from ..store.db import Database
 from ..store.moments import find_moment, parse_duration_ns, resolve_time

@@ -65,7 +65,7 @@ def _raw_event(writer: RingWriter, payload: bytes) -> None:
         _CHUNK.pack_into(writer._map, HEADER_SIZE + ((seq + i) & writer._mask) * RECORD_SIZE, seq + i, 2,
                          int(i + 1 < len(chunks)), len(chunk), 1, 5, chunk)
     writer._seq = seq + len(chunks)
-    writer._pack_published(writer._map, 56, writer._seq)
+    writer._map[56:64] = writer._seq.to_bytes(8, "little")
 
 
 def test_undecodable_records_are_set_aside_with_their_bytes_and_the_rest_flows(runtime_dir: Path,

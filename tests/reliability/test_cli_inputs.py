@@ -31,12 +31,12 @@ def _invoke(*args: str) -> tuple[int, str]:
 HUGE = "9" * 30
 
 BAD_INPUTS = [
-    (("runs", "-n", HUGE), 2, "Invalid value for '-n'"),
-    (("timeline", "latest", "--rank", HUGE), 2, "Invalid value for '--rank'"),
-    (("plan", "--pp", "0", "--gpu-memory", "80GB"), 2, "Invalid value for '--pp'"),
-    (("sim", "--scenario", "demo", "--speed", "nan"), 2, "Invalid value for '--speed'"),
-    (("serve", "--poll-interval", "nan"), 2, "Invalid value for '--poll-interval'"),
-    (("serve", "--poll-interval", "-1"), 2, "Invalid value for '--poll-interval'"),
+    (("runs", "-n", HUGE), 2, "error: invalid value for '-n'"),
+    (("timeline", "latest", "--rank", HUGE), 2, "error: invalid value for '--rank'"),
+    (("plan", "--pp", "0", "--gpu-memory", "80GB"), 2, "error: invalid value for '--pp'"),
+    (("sim", "--scenario", "demo", "--speed", "nan"), 2, "error: invalid value for '--speed'"),
+    (("serve", "--poll-interval", "nan"), 2, "error: invalid value for '--poll-interval'"),
+    (("serve", "--poll-interval", "-1"), 2, "error: invalid value for '--poll-interval'"),
     (("check", ""), 2, "error: the run reference is empty"),
     (("check", "%"), 3, "error: no run '%'"),
     (("check", "_"), 3, "error: no run '_'"),

@@ -12,8 +12,6 @@ import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..detectors.wording import format_count
-
 if TYPE_CHECKING:
     from memwatch.store.db import Database
 
@@ -71,10 +69,10 @@ def render_losses(losses: Losses, start_ns: int | None) -> list[str]:
     """Lines for a text report; none when nothing was lost."""
     if not losses.total:
         return []
-    lines = [f"incomplete: {format_count(losses.total)} samples were lost (the sidecar fell behind the engine "
+    lines = [f"incomplete: {losses.total:,} samples were lost (the sidecar fell behind the engine "
              "and the ring overwrote them); figures between the gaps below are missing"]
     for gap in losses.gaps:
-        lines.append(f"  rank {gap.rank}: {format_count(gap.count)} lost {span(gap, start_ns)}")
+        lines.append(f"  rank {gap.rank}: {gap.count:,} lost {span(gap, start_ns)}")
     return lines
 
 
