@@ -290,6 +290,8 @@ class RingReader:
         self._capacity = self.header.capacity
         self._mask = self._capacity - 1
         self._size = HEADER_SIZE + self._capacity * RECORD_SIZE
+        self.last_published = 0
+        """``published`` as the last successful drain read it (saves the caller a read)."""
         # Records the writer may be filling beyond ``published`` (an event's chunks), kept clear of the
         # window a lapped reader copies; at most an eighth of the ring so a small ring still reads.
         self._margin = min(MAX_EVENT_CHUNKS, self._capacity // 8)
@@ -370,6 +372,7 @@ class RingReader:
                 continue
             drained = self._drain_once(cursor, limit, published)
             if drained is not None:
+                self.last_published = published
                 return drained
             moved = moved or self.published != published
         if published < cursor:

@@ -225,8 +225,7 @@ class Collector:
             if drained.bad:
                 log.warning("ring %s: %d records could not be decoded; set aside in the set_aside table",
                             state.path.name, len(drained.bad))
-        published = reader.published
-        state.caught_up = state.cursor >= published
+        state.caught_up = state.cursor >= reader.last_published
         self.behind = self.behind or not state.caught_up
         if not state.caught_up:
             state.next_alive_check = 0.0
