@@ -224,7 +224,7 @@ def load(ranks: int, rate: int, seconds: float, *, stop_for: float = 0.0, kills:
         window = time.monotonic() - t0
         cpu = (cpu_seconds(sidecar.proc.pid) - cpu0) / window * 100 if not kills else float("nan")
         base = (cpu_seconds(reader.pid) - base0) / window * 100
-        level = wait_drained(runtime, 120)
+        level = wait_drained(runtime, 600)
         rss = peak_rss_mb(sidecar.proc.pid)
         torch = maps_torch(sidecar.proc.pid)
         reader.kill()

@@ -174,7 +174,9 @@ class Sidecar:
                 elif self.exit_when_idle is not None and now - idle_since >= self.exit_when_idle:
                     log.info("no engine has written for %.0f s; exiting", self.exit_when_idle)
                     break
-                if not self.collector.behind or self.collector.backlogged:
+                if self.collector.backlogged:  # go on as soon as the writer has room again
+                    self.writer.wait_for_room(self.poll_interval)
+                elif not self.collector.behind:
                     self._stop.wait(self.poll_interval)
             self._last_drain()
         finally:
@@ -212,7 +214,7 @@ class Sidecar:
             if not read and not self.collector.backlogged:
                 break
             if self.collector.backlogged:
-                time.sleep(0.01)
+                self.writer.wait_for_room(0.1)
 
     def close(self) -> None:
         snapshots = getattr(self, "snapshots", None)

@@ -152,6 +152,11 @@ class StoreWriter(threading.Thread):
         """Whether a new batch would be taken now (the collector drains only then)."""
         return self.error is None and self._queued_bytes < self.max_bytes
 
+    def wait_for_room(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` until a new batch would be taken (the writer committed what it held)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.error is not None or self._queued_bytes < self.max_bytes, timeout)
+
     def submit(self, batch: Batch, timeout: float = 10.0) -> None:
         """Queue a batch; waits at most ``timeout`` for room, then raises :class:`WriterStalled`."""
         size = len(batch) * ROW_BYTES
