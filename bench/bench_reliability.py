@@ -216,7 +216,7 @@ def load(ranks: int, rate: int, seconds: float, *, stop_for: float = 0.0, kills:
         for k in range(kills):
             time.sleep(max(0.05, (seconds - warm - 1) / max(kills, 1)))
             sidecar.proc.kill()
-            sidecar.proc.wait()
+            sidecar.proc.wait(timeout=30)
             sidecar.proc.stderr.close()
             sidecar = Sidecar(runtime, db)
             del k
@@ -228,7 +228,7 @@ def load(ranks: int, rate: int, seconds: float, *, stop_for: float = 0.0, kills:
         rss = peak_rss_mb(sidecar.proc.pid)
         torch = maps_torch(sidecar.proc.pid)
         reader.kill()
-        reader.wait()
+        reader.wait(timeout=30)
         sidecar.stop()
         facts = stored(db)
     expected = steps + ranks * 2  # every step, plus the sample at the serve phase's start and the close sample

@@ -108,7 +108,7 @@ def test_an_engine_killed_mid_run_is_crashed_with_every_finished_step_kept(runti
                                   text=True, env=memwatch_env(runtime_dir, db_path))
         run_id, steps = engine.stdout.readline().split()
         engine.send_signal(signal.SIGKILL)
-        engine.wait()
+        engine.wait(timeout=30)
         engine.stdout.close()
         wait_for(lambda: query(db_path, "SELECT status FROM runs WHERE run_id = ?", (run_id,)) == [("crashed",)],
                  timeout=30, what="the run marked crashed")

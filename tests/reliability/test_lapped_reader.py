@@ -54,7 +54,7 @@ def test_a_lapped_reader_never_drops_the_ring_or_returns_a_torn_record(tmp_path:
         reader.close()
     finally:
         writer.kill()
-        writer.wait()
+        writer.wait(timeout=30)
         writer.stdout.close()
     print(f"\nlapped reader: {drains} drains, {lapped} lapped, {empty} empty (torn, retried), {records} records")
     assert lapped > 500 and records > 0
