@@ -86,8 +86,10 @@ EVENT_KINDS: tuple[str, ...] = (
     "phase_end",        # {"phase": name}
     "weights_loaded",   # {"weights_bytes", "allocated_bytes", "peak_bytes", "reserved_bytes"}
     "kv_allocated",     # {"total_bytes", "gpu_memory_utilization", "used_bytes", "peak_bytes",
-                        #  "current_bytes", "block_bytes", "num_blocks"} (+ optional "kv_cache_memory_bytes")
+                        #  "current_bytes", "block_bytes", "num_blocks"} (+ optional "kv_cache_memory_bytes",
+                        #  "budget_rule": the sizing rule the adapter claims)
     "preemption",       # {"count"}
+    "rank_identity",    # {"role", "dp_rank", "dp_size", "tp_rank", "pp_rank"}: where a data-parallel rank sits
     "oom",              # {"requested_bytes", "allocated_bytes", "reserved_bytes", "driver_free_bytes", ...}
     "run_end",          # {"status"}
 )

@@ -1,16 +1,19 @@
-"""The vLLM adapter through its entry points, in a real engine process, into a real sidecar.
+"""The vLLM adapter through its entry point, in a real engine process, into a real sidecar.
 
 The engine is ``tests/mirrors/vllm``, which mirrors vLLM 0.33.0 (the PyPI wheel's Python sources):
-``vllm/plugins/__init__.py`` (``load_general_plugins``, entry-point groups ``vllm.general_plugins``
-and ``vllm.stat_logger_plugins``), ``vllm/v1/worker/worker_base.py`` (``WorkerWrapperBase.init_worker``
-loads the general plugins before it imports the worker class), ``vllm/v1/worker/gpu_worker.py``
-(``Worker.init_device``, ``load_model``, ``determine_available_memory``, ``initialize_from_config``,
-``compile_or_warm_up_model``, ``execute_model``, ``shutdown``; ``init_snapshot``, ``requested_memory``,
-``total_consumed``, ``peak_activation_memory``, ``cudagraph_memory_estimate``),
-``vllm/v1/engine/core.py`` (``EngineCore.__init__`` → ``_initialize_kv_caches`` → ``step``),
-``vllm/v1/kv_cache_interface.py`` (``KVCacheConfig``/``KVCacheTensor``), ``vllm/v1/core/sched/output.py``
-(``SchedulerOutput``) and ``vllm/v1/metrics`` (``StatLoggerBase.record``, ``SchedulerStats``,
-``IterationStats.num_preempted_reqs``). The plugins are found through real entry-point metadata;
+``vllm/plugins/__init__.py`` (``load_general_plugins``, ``load_plugins_by_group`` that logs and skips a
+plugin failing to load), ``vllm/v1/worker/worker_base.py`` (``WorkerWrapperBase.init_worker`` loads the
+general plugins before it imports the worker class), ``vllm/v1/worker/gpu_worker.py``
+(``Worker.init_device``, ``load_model``, ``determine_available_memory`` — which profiles also when
+``kv_cache_memory_bytes`` is set —, ``initialize_from_config`` allocating the one backing buffer,
+``compile_or_warm_up_model``, ``execute_model``, ``shutdown``), ``vllm/v1/engine/core.py``
+(``EngineCore.__init__`` → ``_initialize_kv_caches`` → ``step``), ``vllm/v1/kv_cache_interface.py``
+(one ``KVCacheTensor`` per cache group, each carrying the shared buffer's size),
+``vllm/v1/core/sched`` (``Scheduler.schedule`` → ``SchedulerOutput`` with new, resumed and draft
+tokens; ``kv_cache_manager.block_pool``), ``vllm/v1/engine/llm_engine.py`` and ``async_llm.py`` (stat
+loggers only with ``log_stats``; ``AsyncLLM`` adds the ``vllm.stat_logger_plugins`` factories and then
+turns ``log_stats`` on) and ``vllm/config`` (``ParallelConfig`` with data parallelism). The plugin
+is found through entry-point metadata as an installed memwatch declares it (``pyproject.toml``);
 no ``.pth`` is involved: only ``MEMWATCH=1`` and vLLM's own plugin loading.
 """
 
@@ -19,9 +22,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-from mirrors.zero_code import MIRRORS
+from mirrors.zero_code import MIRRORS, ROOT
 
 from memwatch.plan.observed import compare_run
 from memwatch.plan.runs import load_run
@@ -29,23 +33,23 @@ from memwatch.plan.runs import load_run
 from processes import SidecarProcess, memwatch_env, query, wait_for
 
 MiB = 1 << 20
-ENTRY_POINTS = """[vllm.general_plugins]
-memwatch = memwatch_engine.adapters.vllm:register
-
-[vllm.stat_logger_plugins]
-memwatch = memwatch_engine.adapters.vllm_stats:MemwatchStatLogger
-"""
 SERVE = """
 import sys
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 from vllm.v1.engine.llm_engine import LLMEngine
-from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-config = VllmConfig(ModelConfig(sys.argv[1], max_model_len=1024), CacheConfig(gpu_memory_utilization=0.5),
-                    scheduler_config=SchedulerConfig(max_num_batched_tokens=2048))
-engine = LLMEngine(config, stat_loggers=load_stat_logger_plugin_factories())
-engine.add_request("a", 752, 3)
-engine.add_request("b", 752, 3)
+settings = {settings}
+config = VllmConfig(
+    ModelConfig(sys.argv[1], max_model_len=1024, sliding_window_layers=settings.get("sliding", 0)),
+    CacheConfig(gpu_memory_utilization=0.5),
+    ParallelConfig(tensor_parallel_size=settings.get("tp", 1), data_parallel_size=settings.get("dp", 1),
+                   data_parallel_rank=int(sys.argv[2])),
+    SchedulerConfig(max_num_batched_tokens=2048),
+    SpeculativeConfig(settings.get("spec", 0)))
+engine = LLMEngine(config, executor_class=MultiprocExecutor)  # offline: log_stats off, no stat logger
+for name, prompt_len, max_tokens in settings.get("requests", [("a", 752, 3), ("b", 752, 3)]):
+    engine.add_request(name, prompt_len, max_tokens)
 while engine.has_unfinished_requests():
     engine.step()
 engine.shutdown()
@@ -57,14 +61,32 @@ MODEL_CONFIG = {
 }
 
 
-def _plugin_metadata(tmp_path: Path) -> Path:
-    """Entry-point metadata as an installed memwatch declares it, on its own path entry."""
-    site = tmp_path / "plugins"
-    dist_info = site / "memwatch_entry_points-0.dist-info"
-    dist_info.mkdir(parents=True)
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: memwatch-entry-points\nVersion: 0\n")
-    (dist_info / "entry_points.txt").write_text(ENTRY_POINTS)
-    return site
+def declared_entry_points() -> dict[str, dict[str, str]]:
+    """The entry points ``pyproject.toml`` declares, by group."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return project.get("entry-points", {})
+
+
+def _run_engines(tmp_path: Path, runtime_dir: Path, db_path: Path, engines: int = 1, **settings: object) -> None:
+    """Run ``engines`` data-parallel engine processes (ranks 0..) with ``MEMWATCH=1`` into a sidecar."""
+    model = tmp_path / "Qwen3-mini"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    script = tmp_path / "serve.py"
+    script.write_text(SERVE.format(settings=repr({**settings, "dp": engines})))
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH="1", MEMWATCH_RUN_ID="0123abcd0001", PYTHONPATH=str(MIRRORS),
+                       FAKE_CUDA_TOTAL_BYTES=str(160 * MiB), FAKE_CUDA_CONTEXT_BYTES=str(64 * MiB))
+    with SidecarProcess(runtime_dir, db_path) as sidecar:
+        sidecar.pause()  # a ring listed before its header is written is ignored for good: keep that race out
+        procs = [subprocess.Popen([sys.executable, str(script), str(model), str(dp_rank)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for dp_rank in range(engines)]
+        for proc in procs:
+            _, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 0 and stderr == "", stderr
+        sidecar.resume()
+        wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("ok",)], what="the run to be stored")
+        wait_for(lambda: not list(runtime_dir.glob("*.ring")), what="the rings to be drained")
 
 
 def _events(db_path: Path, kind: str) -> list[tuple[int, dict]]:
@@ -72,26 +94,15 @@ def _events(db_path: Path, kind: str) -> list[tuple[int, dict]]:
     return [(rank, json.loads(data)) for rank, data in rows]
 
 
-def test_worker_phases_profile_kv_sizing_and_scheduler_stats(tmp_path: Path, runtime_dir: Path,
-                                                              db_path: Path) -> None:
-    model = tmp_path / "Qwen3-mini"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
-    script = tmp_path / "serve.py"
-    script.write_text(SERVE)
-    env = memwatch_env(runtime_dir, db_path, MEMWATCH="1", PYTHONPATH=f"{MIRRORS}:{_plugin_metadata(tmp_path)}",
-                       FAKE_CUDA_TOTAL_BYTES=str(160 * MiB), FAKE_CUDA_CONTEXT_BYTES=str(64 * MiB))
-    with SidecarProcess(runtime_dir, db_path) as sidecar:
-        sidecar.pause()  # a ring listed before its header is written is ignored for good: keep that race out
-        done = subprocess.run([sys.executable, str(script), str(model)], env=env, capture_output=True, text=True,
-                              timeout=120)
-        sidecar.resume()
-        assert done.returncode == 0 and done.stderr == "", done.stderr
-        wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("ok",)], what="the run to be stored")
-        wait_for(lambda: not list(runtime_dir.glob("*.ring")), what="the rings to be drained")
+def test_worker_phases_profile_kv_sizing_and_the_offline_scheduler(tmp_path: Path, runtime_dir: Path,
+                                                                   db_path: Path) -> None:
+    _run_engines(tmp_path, runtime_dir, db_path)
 
-    assert query(db_path, "SELECT engine, model FROM runs") == [("vllm", str(model))]
+    assert query(db_path, "SELECT engine, model FROM runs") == [("vllm", str(tmp_path / "Qwen3-mini"))]
     assert query(db_path, "SELECT rank, status FROM ranks ORDER BY rank") == [(0, "ok"), (1, "ok")]
+    assert _events(db_path, "rank_identity") == [
+        (0, {"role": "worker", "dp_rank": 0, "dp_size": 1, "tp_rank": 0, "pp_rank": 0}),
+        (1, {"role": "scheduler", "dp_rank": 0, "dp_size": 1, "tp_rank": 0, "pp_rank": 0})]
     # Start: 160 MiB device, 64 MiB context → 96 MiB free; requested = ceil(160 MiB × 0.5) = 80 MiB.
     assert _events(db_path, "vllm_memory_snapshot") == [
         (0, {"stage": "init", "free_bytes": 96 * MiB, "total_bytes": 160 * MiB, "requested_bytes": 80 * MiB})]
@@ -117,17 +128,19 @@ def test_worker_phases_profile_kv_sizing_and_scheduler_stats(tmp_path: Path, run
     phases = [data["phase"] for rank, data in _events(db_path, "phase_start") if rank == 0]
     assert phases == ["load", "warmup", "kv_alloc", "cudagraph", "serve"]
     # Two 752-token prompts take 47 blocks each of the 95 usable (the null block is never handed out).
-    # At token 753 "a" takes the last free block and "b" is preempted; "a" finishes (3 tokens), then
-    # "b" re-prefills its 753 tokens and finishes.
+    # Step 2: "a" needs its 48th block, the last free one goes to it... none is left for "b", which is
+    # preempted (47 blocks back); "a" finishes at step 3 (3 tokens); step 4 re-prefills "b"'s 753 tokens.
+    expected_steps = [(1, "prefill", 2, 1504), (2, "decode", 1, 1), (3, "decode", 1, 1), (4, "prefill", 1, 753),
+                      (5, "decode", 1, 1)]
     assert query(db_path, "SELECT step, step_kind, num_seqs, num_tokens FROM samples "
-                          "WHERE rank = 0 AND step_kind IS NOT NULL ORDER BY step") == [
-        (1, "prefill", 2, 1504), (2, "decode", 1, 1), (3, "decode", 1, 1), (4, "prefill", 1, 753),
-        (5, "decode", 1, 1)]
-    # The scheduler's ring (rank = world size 1): used = usage × 95, one sample per step.
-    assert query(db_path, "SELECT step, num_seqs, kv_blocks_used, kv_blocks_total, allocated_bytes FROM samples "
-                          "WHERE rank = 1 AND kv_blocks_total IS NOT NULL ORDER BY step") == [
-        (1, 2, 94, 95, None), (2, 1, 48, 95, None), (3, 0, 0, 95, None), (4, 1, 48, 95, None),
-        (5, 0, 0, 95, None)]
+                          "WHERE rank = 0 AND step_kind IS NOT NULL ORDER BY step") == expected_steps
+    # The engine core's scheduler (rank = world size 1), offline, with no stat logger: blocks held right
+    # after each schedule() — 94 = 2 × 47; then 48 ("a" alone); then 48 ("b" alone) — of 95.
+    assert query(db_path, "SELECT step, step_kind, num_seqs, num_tokens, kv_blocks_used, kv_blocks_total, "
+                          "allocated_bytes FROM samples WHERE rank = 1 AND kv_blocks_total IS NOT NULL "
+                          "ORDER BY step") == [
+        (step, kind, seqs, tokens, used, 95, None)
+        for (step, kind, seqs, tokens), used in zip(expected_steps, [94, 48, 48, 48, 48], strict=True)]
     assert _events(db_path, "preemption") == [(1, {"count": 1})]
 
     run, events = load_run(db_path, "latest")
@@ -135,3 +148,49 @@ def test_worker_phases_profile_kv_sizing_and_scheduler_stats(tmp_path: Path, run
     kv = comparison.terms[-1]
     assert (comparison.rank, comparison.measured_block_bytes, kv.measured_blocks) == (0, block_bytes, 96)
     assert comparison.terms[0].measured_bytes == 20 * MiB
+
+
+def test_hybrid_model_one_shared_buffer_is_counted_once(tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    _run_engines(tmp_path, runtime_dir, db_path, sliding=8)
+
+    # 8 full-attention and 8 sliding-window layers: two cache groups of 8 layers share block ids, so a
+    # block is 8 pages of 16 tokens × 4 KV heads × (128 + 128) × 2 bytes = 256 KiB; 48 MiB // 256 KiB = 192
+    # blocks, in one 48 MiB buffer that both KVCacheTensor entries name.
+    page = 16 * 4 * (128 + 128) * 2
+    [(rank, sizing)] = _events(db_path, "kv_allocated")
+    assert (rank, sizing["num_blocks"], sizing["block_bytes"], sizing["kv_cache_bytes"]) == (
+        0, 192, 8 * page, 48 * MiB)
+    assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
+
+
+def test_speculative_decoding_steps_are_decode(tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    _run_engines(tmp_path, runtime_dir, db_path, spec=2, requests=[("a", 100, 9)])
+
+    # 100 prompt tokens, then each decode step runs the 1 new token + 2 draft tokens (all accepted here):
+    # 1 + 3 + 3 + 3 output tokens reach max_tokens 9 after three decode steps.
+    steps = [(1, "prefill", 1, 100), (2, "decode", 1, 3), (3, "decode", 1, 3), (4, "decode", 1, 3)]
+    for rank in (0, 1):
+        assert query(db_path, "SELECT step, step_kind, num_seqs, num_tokens FROM samples "
+                              "WHERE rank = ? AND step_kind IS NOT NULL ORDER BY step", (rank,)) == steps
+
+
+def test_dp2_tp2_four_gpu_ranks_and_each_engines_own_kv_total(tmp_path: Path, runtime_dir: Path,
+                                                                db_path: Path) -> None:
+    _run_engines(tmp_path, runtime_dir, db_path, engines=2, tp=2, requests=[("a", 100, 2)])
+
+    # Each engine numbers its workers 0, 1; memwatch's rank = dp rank × 2 + worker rank, in a run of 4 GPU
+    # ranks; engine i's scheduler is rank 4 + i.
+    identities = {rank: (data["role"], data["dp_rank"], data["tp_rank"])
+                  for rank, data in _events(db_path, "rank_identity")}
+    assert identities == {0: ("worker", 0, 0), 1: ("worker", 0, 1), 2: ("worker", 1, 0), 3: ("worker", 1, 1),
+                          4: ("scheduler", 0, 0), 5: ("scheduler", 1, 0)}
+    assert query(db_path, "SELECT rank_count FROM runs") == [(4,)]
+    assert query(db_path, "SELECT rank, status FROM ranks ORDER BY rank") == [(rank, "ok") for rank in range(6)]
+    # TP 2 halves the KV heads per rank: a block is 16 layers × 16 × 2 heads × 256 × 2 bytes = 256 KiB, and
+    # each engine sizes 48 MiB // 256 KiB = 192 blocks on its own; its scheduler has 191 usable, not the sum.
+    assert [(rank, data["num_blocks"]) for rank, data in _events(db_path, "kv_allocated")] == [
+        (0, 192), (1, 192), (2, 192), (3, 192)]
+    # 100 tokens take 7 blocks of 16; the decode token stays in the 7th block.
+    for rank in (4, 5):
+        assert query(db_path, "SELECT kv_blocks_used, kv_blocks_total FROM samples WHERE rank = ? "
+                              "AND kv_blocks_total IS NOT NULL ORDER BY step", (rank,)) == [(7, 191), (7, 191)]

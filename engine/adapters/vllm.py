@@ -4,26 +4,31 @@ vLLM loads general plugins in all of its processes (front end, engine core, work
 than once, so :func:`register` is idempotent and cheap: when ``MEMWATCH`` is on it exports a run id
 (the front end does so before the engine core and the workers start, so every rank inherits it) and
 patches ``vllm.v1.worker.gpu_worker.Worker`` when that module is imported — only worker processes
-import it. Per rank (``Worker.rank``, world size ``parallel_config.world_size``, the worker's device):
+import it — and the engine core's scheduler (:mod:`.vllm_scheduler`). Per rank (numbered across
+data-parallel engines, see :mod:`.vllm_reading`; the worker's device):
 
-* after ``init_device``: the monitor starts and ``vllm_memory_snapshot`` records vLLM's baseline
-  (free and total memory, the requested budget ``ceil(total × gpu_memory_utilization)``);
+* after ``init_device``: the monitor starts, ``rank_identity`` says which (dp, tp, pp) rank it is and
+  ``vllm_memory_snapshot`` records vLLM's baseline (free and total memory, the requested budget
+  ``ceil(total × gpu_memory_utilization)``);
 * ``load`` around ``load_model``, then ``weights_loaded`` with vLLM's own ``model_memory_usage``;
 * ``warmup`` around ``determine_available_memory`` (the profiling run), then ``vllm_memory_profile``
   with vLLM's result: available KV memory, the CUDA-graph estimate, peak activation memory (which
   includes the estimate when vLLM applied it) and the total consumed, so that
   ``available = requested − total consumed − peak activation``;
 * ``kv_alloc`` around ``initialize_from_config``, then ``kv_allocated`` with the block count and
-  bytes per block of the ``KVCacheConfig`` and the readings vLLM sized on (taken as profiling
-  ended). vLLM's budget is not nano-vllm's utilization rule but ``requested − non-KV − graph
-  estimate``, so the event carries it as ``kv_cache_memory_bytes`` (an explicit KV size, for the
-  ledger); when vLLM cuts a rank to the smallest count of all ranks, ``block_count_mismatch`` says so;
+  bytes per block of the ``KVCacheConfig`` (its one backing buffer, counted once however many cache
+  groups share it) and the readings vLLM sized on (taken as profiling ended). vLLM's budget is
+  not nano-vllm's utilization rule but ``requested − non-KV − graph estimate``, so the event carries
+  it as ``kv_cache_memory_bytes`` (an explicit KV size, for the ledger); when vLLM cuts a rank to
+  the smallest count of all ranks, ``block_count_mismatch`` says so;
 * ``cudagraph`` around ``compile_or_warm_up_model``; ``serve`` from the first ``execute_model``;
-* one sample per ``execute_model``: scheduled requests and tokens, ``decode`` when every request
-  got exactly one token, else ``prefill`` (the step holds prefill work); ``shutdown`` closes the rank.
+* one sample per ``execute_model``: scheduled requests and tokens, and the step's kind from what the
+  scheduler scheduled (speculative-decoding steps are decode); ``shutdown`` closes the rank.
 
-KV usage and preemptions come from the scheduler through a stat logger
-(:mod:`.vllm_stats`). Upstream interface followed: vLLM 0.33.0.
+KV usage and preemptions come from the scheduler in the engine core, which offline ``LLM`` and
+served engines both run (:mod:`.vllm_scheduler`). memwatch registers no stat logger and no other
+entry point than this one, so vLLM's stat loggers and ``log_stats`` are the same with memwatch
+installed, on or off. Upstream interface followed: vLLM 0.33.0.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from ..probes.base import UNKNOWN
 from ..probes.cuda import CudaProbe
 from .hooks import Guard, patch_on_import, require_methods, wrap_method
 from .oom import capture_oom
+from .vllm_reading import kv_cache_bytes, step_kind, worker_identity
 
 log = logging.getLogger("memwatch")
 
@@ -62,8 +68,11 @@ def register() -> None:
 
 
 def install() -> None:
-    """Patch vLLM's GPU worker when its module is imported (now, if it already is)."""
+    """Patch vLLM's GPU worker and the engine core's scheduler when their modules are imported."""
+    from . import vllm_scheduler
+
     patch_on_import(WORKER_MODULE, _patch_worker)
+    vllm_scheduler.install()
 
 
 class _Rank:
@@ -121,10 +130,12 @@ def _start_rank(worker: Any) -> None:
         "max_model_len": int(model_config.max_model_len),
         "enforce_eager": bool(model_config.enforce_eager),
     }
-    monitor = Monitor(engine="vllm", model=str(model_config.model), rank=int(worker.rank),
-                      world_size=int(parallel_config.world_size), probe=CudaProbe(worker.device.index),
-                      config=record)
+    identity = worker_identity(parallel_config, int(worker.rank))
+    record["data_parallel_size"] = identity.dp_size
+    monitor = Monitor(engine="vllm", model=str(model_config.model), rank=identity.rank,
+                      world_size=identity.world_size, probe=CudaProbe(worker.device.index), config=record)
     worker.__dict__[RANK_ATTRIBUTE] = _Rank(monitor)
+    monitor.event("rank_identity", identity.event("worker"))
     snapshot = worker.init_snapshot
     monitor.event("vllm_memory_snapshot", {
         "stage": "init", "free_bytes": int(snapshot.free_memory), "total_bytes": int(snapshot.total_memory),
@@ -217,8 +228,7 @@ def _record_kv_sizing(worker: Any, kv_cache_config: Any) -> None:
     if state is None:
         return
     num_blocks = int(kv_cache_config.num_blocks)
-    kv_bytes = sum(int(tensor.size) for tensor in kv_cache_config.kv_cache_tensors
-                   if not getattr(tensor, "host_resident", False))
+    kv_bytes = kv_cache_bytes(kv_cache_config)
     block_bytes = kv_bytes // num_blocks if num_blocks > 0 else 0
     readings = state.sized_on or (UNKNOWN,) * 5
     current, peak, reserved, used, free = readings
@@ -256,8 +266,7 @@ def _begin_serving(state: _Rank) -> None:
 def _record_step(state: _Rank, scheduler_output: Any) -> None:
     num_seqs = len(scheduler_output.num_scheduled_tokens)
     num_tokens = int(scheduler_output.total_num_scheduled_tokens)
-    kind = None if num_tokens == 0 else "decode" if num_tokens == num_seqs else "prefill"
-    state.monitor.step(kind, num_seqs=num_seqs, num_tokens=num_tokens)
+    state.monitor.step(step_kind(scheduler_output), num_seqs=num_seqs, num_tokens=num_tokens)
 
 
 def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,8 +1,10 @@
 """KV block counts that disagree: between the ranks of one run, or with the engine's own rule.
 
-Every rank of a tensor-parallel run must size the same number of KV blocks (the scheduler hands
-out block ids once for all of them); and the count a rank reports must be what the engine's sizing
-rule gives on the readings it reports, or the ledger's accounting of that rank does not hold.
+Every rank of one tensor-parallel engine must size the same number of KV blocks (the scheduler
+hands out block ids once for all of them); data-parallel engines have a scheduler each, so ranks are
+compared within their engine (a ``rank_identity`` event's ``dp_rank``; engine 0 without one). And
+the count a rank reports must be what the engine's sizing rule gives on the readings it reports, or
+the ledger's accounting of that rank does not hold (checked for the rules memwatch knows).
 ``block_count_mismatch`` is raised once per distinct disagreement: again only when a rank re-sizes
 and the counts differ in a new way.
 """
@@ -19,11 +21,19 @@ from memwatch.records import Event
 class BlockCountCheck:
     """``block_count_mismatch`` for one run, fed every rank's KV sizing."""
 
-    __slots__ = ("_blocks_by_rank", "_reported")
+    __slots__ = ("_blocks_by_rank", "_engine_by_rank", "_reported")
 
     def __init__(self) -> None:
         self._blocks_by_rank: dict[int, int] = {}
+        self._engine_by_rank: dict[int, int] = {}
         self._reported: set[tuple[tuple[int, int], ...]] = set()
+
+    def on_identity(self, event: Event) -> None:
+        """A ``rank_identity`` event: which data-parallel engine the rank belongs to."""
+        data = event.data if isinstance(event.data, dict) else {}
+        dp_rank = data.get("dp_rank")
+        if isinstance(dp_rank, int) and not isinstance(dp_rank, bool):
+            self._engine_by_rank[event.rank] = dp_rank
 
     def on_sizing(self, event: Event, sizing: Sizing) -> list[Flag]:
         """Flags for the sizing a ``kv_allocated`` event of one rank announced."""
@@ -57,7 +67,9 @@ class BlockCountCheck:
         )
 
     def _check_ranks(self, event: Event, sizing: Sizing) -> Flag | None:
-        counts = self._blocks_by_rank
+        engine = self._engine_by_rank.get(event.rank, 0)
+        counts = {rank: blocks for rank, blocks in self._blocks_by_rank.items()
+                  if self._engine_by_rank.get(rank, 0) == engine}
         if len(set(counts.values())) < 2:
             return None
         signature = tuple(sorted(counts.items()))

@@ -100,6 +100,8 @@ class DetectorSet:
             return tuple(self._block_counts.on_sizing(event, sizing))
         if event.kind == "oom":
             return (oom_flag(event, state.last_terms),)
+        if event.kind == "rank_identity":
+            self._block_counts.on_identity(event)
         return _NO_FLAGS
 
     def _build_detectors(self, block_bytes: int | None) -> tuple[Detector, ...]:

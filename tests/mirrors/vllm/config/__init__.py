@@ -14,6 +14,8 @@ class ModelConfig:
     num_hidden_layers: int = 16
     num_key_value_heads: int = 4
     head_dim: int = 128
+    sliding_window_layers: int = 0
+    """Layers (of ``num_hidden_layers``) with sliding-window attention: a second KV cache group."""
 
 
 @dataclass
@@ -27,13 +29,21 @@ class CacheConfig:
 
 @dataclass
 class ParallelConfig:
+    """``world_size`` is one engine's (TP × PP); data-parallel engines each have their own."""
+
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     worker_cls: str = "vllm.v1.worker.gpu_worker.Worker"
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def world_size_across_dp(self) -> int:
+        return self.world_size * self.data_parallel_size
 
 
 @dataclass
@@ -43,8 +53,14 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    num_speculative_tokens: int = 0
+
+
+@dataclass
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative_config: SpeculativeConfig | None = None

@@ -1,4 +1,8 @@
-"""Mirror of ``vllm/v1/kv_cache_interface.py``: ``KVCacheTensor`` and ``KVCacheConfig``."""
+"""Mirror of ``vllm/v1/kv_cache_interface.py``: ``KVCacheTensor``, ``KVCacheGroupSpec``, ``KVCacheConfig``.
+
+As in 0.33.0, every ``KVCacheTensor`` places its layers in one backing allocation of ``size`` bytes,
+and each entry carries that whole size.
+"""
 
 from dataclasses import dataclass, field
 
@@ -14,7 +18,13 @@ class KVCacheTensor:
 
 
 @dataclass
+class KVCacheGroupSpec:
+    layer_names: list[str]
+    kv_cache_spec: str = "full_attention"
+
+
+@dataclass
 class KVCacheConfig:
     num_blocks: int
     kv_cache_tensors: list[KVCacheTensor]
-    kv_cache_groups: list = field(default_factory=list)
+    kv_cache_groups: list[KVCacheGroupSpec] = field(default_factory=list)

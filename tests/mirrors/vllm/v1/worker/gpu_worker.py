@@ -3,7 +3,10 @@
 ``init_device`` snapshots free/total memory and requests ``ceil(total × gpu_memory_utilization)``;
 ``determine_available_memory`` profiles one forward of ``max_num_batched_tokens`` between an
 ``empty_cache`` and a peak reset, then returns ``requested − (total consumed + transient peak) −
-CUDA-graph estimate``. Weights are ``WEIGHT_BYTES``; a forward takes ``tokens × 4 KiB`` of
+CUDA-graph estimate``; with ``kv_cache_memory_bytes`` set it still runs the profiling forward (it
+compiles for the batch size upstream) and returns that size. ``initialize_from_config`` allocates
+the one backing buffer all ``KVCacheTensor`` entries share (``vllm/v1/worker/utils.py``,
+``allocate_kv_cache``). Weights are ``WEIGHT_BYTES``; a forward takes ``tokens × 4 KiB`` of
 activations; graphs ``CUDAGRAPH_BYTES`` (estimated exactly).
 """
 
@@ -58,6 +61,7 @@ class Worker:
 
     def determine_available_memory(self) -> int:
         if kv_cache_memory_bytes := self.cache_config.kv_cache_memory_bytes:
+            self.model_runner.forward(self.vllm_config.scheduler_config.max_num_batched_tokens)
             return kv_cache_memory_bytes
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -73,15 +77,22 @@ class Worker:
         self.available_kv_cache_memory_bytes = self.requested_memory - non_kv_cache_memory - cudagraph_memory_estimate
         return int(self.available_kv_cache_memory_bytes)
 
-    def get_kv_cache_spec(self) -> int:
-        """Bytes of one block over all layers: layers × block_size × KV heads × (K + V head size) × dtype size."""
+    def get_kv_cache_spec(self) -> tuple[dict[str, str], int]:
+        """Each layer's attention kind (the last ``sliding_window_layers`` slide), and one page's bytes:
+        block_size × KV heads per rank × (K + V head size) × dtype size."""
         model = self.model_config
-        return (model.num_hidden_layers * self.cache_config.block_size * model.num_key_value_heads
-                * 2 * model.head_dim * model.dtype.itemsize)
+        layers = model.num_hidden_layers
+        kinds = {f"model.layers.{i}.self_attn.attn":
+                 "sliding_window" if i >= layers - model.sliding_window_layers else "full_attention"
+                 for i in range(layers)}
+        heads = model.num_key_value_heads // self.parallel_config.tensor_parallel_size
+        return kinds, self.cache_config.block_size * heads * 2 * model.head_dim * model.dtype.itemsize
 
     def initialize_from_config(self, kv_cache_config) -> None:
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-        self.kv_caches = [fake_cuda.empty(tensor.size) for tensor in kv_cache_config.kv_cache_tensors]
+        sizes = {tensor.size for tensor in kv_cache_config.kv_cache_tensors}
+        assert len(sizes) == 1, "KV cache tensors must share one backing allocation."
+        self.kv_cache = fake_cuda.empty(sizes.pop())
 
     def compile_or_warm_up_model(self):
         if not self.model_config.enforce_eager:

@@ -1,0 +1,91 @@
+"""How memwatch reads vLLM 0.33's own objects: a rank's identity, a step's kind, a KV cache's bytes.
+
+Pure functions over the objects vLLM hands the adapter, shared by the worker hooks
+(:mod:`.vllm`) and the engine-core scheduler hooks (:mod:`.vllm_scheduler`).
+
+* **Rank identity.** Every data-parallel engine numbers its workers from 0 (``Worker.rank`` is the
+  rank inside one engine: ``tp_rank + tp × (pcp_rank + pcp × pp_rank)``, as vLLM lays out its
+  groups in ``initialize_model_parallel``). memwatch numbers a GPU rank as vLLM's distributed
+  setup does across engines, ``dp_rank × world_size + rank``, in a run of ``world_size × dp_size``
+  GPU ranks; engine ``dp_rank``'s scheduler writes rank ``world_size × dp_size + dp_rank``. So no two
+  rings of a run share a name, and the ``rank_identity`` event of each says which (dp, tp, pp) it is.
+* **Step kind.** A request's scheduled tokens are decode work when the request is not new, not
+  resumed after a preemption, has produced output already, and got exactly one token plus the
+  draft tokens scheduled for it (speculative decoding); a step is ``decode`` when all of its
+  requests are, ``prefill`` when any holds prompt work, and has no kind when nothing ran.
+* **KV bytes.** vLLM 0.33 allocates one backing buffer for all cache groups; every
+  ``KVCacheTensor`` entry carries that buffer's whole ``size`` (``kv_cache_planning.py``,
+  ``get_kv_cache_config_from_groups``; ``vllm/v1/worker/utils.py``, ``allocate_kv_cache`` asserts
+  one size). The device KV bytes are that size, counted once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class RankIdentity(NamedTuple):
+    """Where one vLLM worker sits: its memwatch rank and vLLM's own coordinates."""
+
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+
+    def event(self, role: str) -> dict[str, Any]:
+        """The ``rank_identity`` event data."""
+        return {"role": role, "dp_rank": self.dp_rank, "dp_size": self.dp_size, "tp_rank": self.tp_rank,
+                "pp_rank": self.pp_rank}
+
+
+def _engine_coordinates(parallel_config: Any) -> tuple[int, int, int]:
+    """``(engine world size, dp rank, dp size)`` of a ``ParallelConfig``."""
+    world_size = int(parallel_config.world_size)
+    dp_size = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
+    dp_rank = int(getattr(parallel_config, "data_parallel_rank", 0) or 0)
+    return world_size, dp_rank, dp_size
+
+
+def worker_identity(parallel_config: Any, worker_rank: int) -> RankIdentity:
+    """The memwatch rank of the worker ``worker_rank`` (``Worker.rank``) of one engine."""
+    world_size, dp_rank, dp_size = _engine_coordinates(parallel_config)
+    tp = int(parallel_config.tensor_parallel_size)
+    pcp = int(getattr(parallel_config, "prefill_context_parallel_size", 1) or 1)
+    return RankIdentity(
+        rank=dp_rank * world_size + worker_rank, world_size=world_size * dp_size, dp_rank=dp_rank,
+        dp_size=dp_size, tp_rank=worker_rank % tp, pp_rank=worker_rank // (tp * pcp),
+    )
+
+
+def scheduler_identity(parallel_config: Any) -> RankIdentity:
+    """The memwatch rank of one engine's scheduler: one past the GPU ranks of every engine."""
+    world_size, dp_rank, dp_size = _engine_coordinates(parallel_config)
+    return RankIdentity(rank=world_size * dp_size + dp_rank, world_size=world_size * dp_size, dp_rank=dp_rank,
+                        dp_size=dp_size, tp_rank=0, pp_rank=0)
+
+
+def step_kind(scheduler_output: Any) -> str | None:
+    """``"prefill"``, ``"decode"`` or None (nothing scheduled) for one ``SchedulerOutput``."""
+    scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
+    if not scheduled or not scheduler_output.total_num_scheduled_tokens:
+        return None
+    new = {request.req_id for request in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    outputs = dict(zip(cached.req_ids, cached.num_output_tokens, strict=False))
+    drafts = scheduler_output.scheduled_spec_decode_tokens or {}
+    for req_id, tokens in scheduled.items():
+        if req_id in new or req_id in resumed or not outputs.get(req_id):
+            return "prefill"
+        if tokens != 1 + len(drafts.get(req_id, ())):
+            return "prefill"
+    return "decode"
+
+
+def kv_cache_bytes(kv_cache_config: Any) -> int:
+    """Device bytes of a ``KVCacheConfig``: its one backing buffer, however many entries share it."""
+    sizes = [int(tensor.size) for tensor in kv_cache_config.kv_cache_tensors
+             if not getattr(tensor, "host_resident", False)]
+    return max(sizes, default=0)
