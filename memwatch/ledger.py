@@ -98,6 +98,10 @@ class LedgerTerms(NamedTuple):
     """Cache slack in partly used segments (``inactive_split_bytes``): fragments nothing can release."""
 
 
+KNOWN_BUDGET_RULES = (None, "nano-vllm")
+"""Rules whose block count :attr:`Sizing.formula_blocks` re-derives from the recorded readings."""
+
+
 class Sizing(NamedTuple):
     """What the engine measured and decided when it sized the KV cache (one ``kv_allocated`` event)."""
 
@@ -114,14 +118,22 @@ class Sizing(NamedTuple):
     """The allocator's reserve at sizing, when the engine recorded it."""
     explicit_kv_bytes: int | None
     """``kv_cache_memory_bytes`` when the engine was given the KV size instead of a utilization."""
+    budget_rule: str | None = None
+    """The sizing rule the adapter claims the engine used; ``None`` (older records) is nano-vllm's."""
 
     @property
     def formula_blocks(self) -> int | None:
-        """The block count the engine's own rule gives on its own readings, ``None`` if unknowable."""
+        """The block count the engine's own rule gives on its own readings, ``None`` if unknowable.
+
+        Only for a rule memwatch knows and the adapter claimed: an explicit KV size, or nano-vllm's
+        ``total × utilization − used − peak + current``. Any other rule (a fork's) has no check here.
+        """
         if self.block_bytes is None or self.block_bytes <= 0:
             return None
         if self.explicit_kv_bytes is not None:
             return self.explicit_kv_bytes // self.block_bytes
+        if self.budget_rule not in KNOWN_BUDGET_RULES:
+            return None
         readings = (self.total_bytes, self.gpu_memory_utilization, self.used_bytes, self.peak_bytes,
                     self.current_bytes)
         if any(value is None for value in readings):
@@ -201,6 +213,7 @@ class Ledger:
             current_bytes=_integer(data, "current_bytes"), block_bytes=_integer(data, "block_bytes"),
             num_blocks=_integer(data, "num_blocks"), reserved_bytes=_integer(data, "reserved_bytes"),
             explicit_kv_bytes=_integer(data, "kv_cache_memory_bytes"),
+            budget_rule=data.get("budget_rule") if isinstance(data.get("budget_rule"), str) else None,
         )
         self._declared_after_sizing = 0
         self._set_sizing_terms(self.sizing)

@@ -115,7 +115,7 @@ def test_tp2_every_rank_records_and_the_sidecar_drains_both_rings(tmp_path: Path
             "current_bytes": weights, "block_bytes": block_bytes, "num_blocks": blocks, "block_size": 256,
             "reserved_bytes": weights,  # warmup's segments were emptied: only the weights' 42 MiB stay reserved
             "num_hidden_layers": 16, "num_kv_heads": 2, "head_dim": 128, "dtype_bytes": 2,
-            "tensor_parallel_size": 2,
+            "tensor_parallel_size": 2, "free_bytes": total - used, "budget_rule": "nano-vllm",
         }, rank
     mismatch = query(db_path, "SELECT data FROM flags WHERE kind = 'block_count_mismatch'")
     assert any(json.loads(data).get("num_blocks_by_rank") == {"0": 7, "1": 5} for (data,) in mismatch), mismatch
@@ -123,12 +123,14 @@ def test_tp2_every_rank_records_and_the_sidecar_drains_both_rings(tmp_path: Path
     # Steps (worked by hand from the scheduler): one prefill of the three 500-token prompts (6 of 7 blocks),
     # 12 decode steps to length 512, then at 513 each sequence needs a third block: A takes the last one,
     # B preempts C (the newest). A and B decode 7 more to length 520 (20 tokens) and finish; C re-prefills
-    # its 513 tokens (3 blocks) and decodes 6 more. 1 + 19 + 1 + 6 = 27 steps on every rank.
+    # its 513 tokens (3 blocks) less its first block, still in the prefix cache (a freed block keeps its
+    # hash; the second was not complete when C was preempted): 257 tokens; then it decodes 6 more.
+    # 1 + 19 + 1 + 6 = 27 steps on every rank.
     for rank in (0, 1):
         steps = query(db_path, "SELECT step, step_kind, num_seqs, num_tokens FROM samples "
                                "WHERE rank = ? AND step_kind IS NOT NULL ORDER BY step", (rank,))
         assert len(steps) == 27
-        assert [row for row in steps if row[1] == "prefill"] == [(1, "prefill", 3, 1500), (21, "prefill", 1, 513)]
+        assert [row for row in steps if row[1] == "prefill"] == [(1, "prefill", 3, 1500), (21, "prefill", 1, 257)]
         assert {row[2] for row in steps[1:13]} == {3} and {row[2] for row in steps[13:20]} == {2}
     kv = query(db_path, "SELECT step, kv_blocks_used, kv_blocks_total FROM samples "
                         "WHERE rank = 0 AND step_kind IS NOT NULL ORDER BY step")
@@ -163,3 +165,40 @@ def test_install_after_nanovllm_was_imported_patches_it_in_place(tmp_path: Path,
     assert [event.kind for event in events if event.kind == "phase_start" or event.kind == "run_end"] == [
         "phase_start"] * 5 + ["run_end"]
     assert events[-1].data == {"status": "ok"}
+
+
+CHUNKED = """
+import sys
+from nanovllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=1, max_num_batched_tokens=512, max_model_len=1024, max_num_seqs=16)
+    prompt = list(range(1, 1001))
+    print([len(o["token_ids"]) for o in llm.generate([prompt], SamplingParams(max_tokens=2))])
+    print([len(o["token_ids"]) for o in llm.generate([prompt + [7] * 100, [5] * 600], SamplingParams(max_tokens=2))])
+"""
+
+
+def test_chunked_prefill_and_prefix_cache_hits_record_the_tokens_computed(tmp_path: Path, runtime_dir: Path,
+                                                                           db_path: Path) -> None:
+    env = zero_code_env(memwatch_env(runtime_dir, db_path), tmp_path, NANOVLLM_MIRROR_PORT=str(_free_port()),
+                        **{**DEVICE, "FAKE_CUDA_TOTAL_BYTES": str(256 * MiB)})
+    script = tmp_path / "serve.py"
+    script.write_text(CHUNKED)
+    with SidecarProcess(runtime_dir, db_path) as sidecar:
+        sidecar.pause()
+        done = subprocess.run([sys.executable, str(script), str(_model_dir(tmp_path))], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0 and "memwatch:" not in done.stderr, done.stderr
+        assert done.stdout.split() == ["[2]", "[2,", "2]"]
+        sidecar.resume()
+        wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("ok",)], what="the run to be stored")
+
+    # By hand (block 256, 512 tokens per step; only a step's first sequence may be cut): the 1000-token
+    # prompt is computed as 512 + 488, then decodes its second token. Next, "prompt + 100" finds its 3
+    # full leading blocks cached (768 tokens; a freed block keeps its hash) and computes 332; the
+    # 600-token prompt does not fit the 180 left, so it goes next, cut into 512 + 88; then both decode.
+    steps = query(db_path, "SELECT step_kind, num_seqs, num_tokens FROM samples "
+                           "WHERE rank = 0 AND step_kind IS NOT NULL ORDER BY step")
+    assert steps == [("prefill", 1, 512), ("prefill", 1, 488), ("decode", 1, 1), ("prefill", 1, 332),
+                     ("prefill", 1, 512), ("prefill", 1, 88), ("decode", 2, 2)]

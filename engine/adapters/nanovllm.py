@@ -9,17 +9,23 @@ What is recorded, per rank (``ModelRunner(config, rank, event)``; world size
   constructed) until ``load_model`` has copied the checkpoint in, then ``weights_loaded``;
 * ``warmup`` around ``warmup_model`` (its forward is not counted as a step);
 * ``kv_alloc`` around ``allocate_kv_cache``, then ``kv_allocated`` with the readings the engine's
-  formula used (taken on entry; nothing allocates between them and the engine's own reads), its other
-  inputs (layers, block size, KV heads per rank, head dim, dtype size, utilization) and the block
-  count it chose. Every rank sizes on its own and only rank 0's count reaches the scheduler, so the
-  per-rank events are what ``block_count_mismatch`` compares;
+  formula used (taken on entry; nothing allocates between them and the engine's own reads: free,
+  total, used, peak, current), its other inputs (layers, block size, KV heads per rank, head dim,
+  dtype size, utilization), the block count it chose, and the rule it sized by (``budget_rule``):
+  upstream's ``total × util − used − peak + current``, or, for the PyPI package ``nano-vllm-fork``,
+  ``min(free × 0.9, total × util − current)`` — a rule memwatch records but does not re-derive, so
+  ``block_count_mismatch`` compares that fork's ranks with each other only. Every rank sizes on its
+  own and only rank 0's count reaches the scheduler, so the per-rank events are what
+  ``block_count_mismatch`` compares;
 * ``cudagraph`` around ``capture_cudagraph``; ``serve`` from the first step until ``exit``;
 * one sample per ``ModelRunner.run`` on every rank: step kind, sequences, tokens; rank 0 adds the
   block manager's used/total blocks and the preemptions the scheduler made for this step.
 
 ``LLMEngine.__init__`` gives each engine instance in a process its own run id in ``MEMWATCH_RUN_ID``
 before it spawns workers, so all ranks of one instance share one run and a second instance gets a new
-one. Upstream interface followed: GeeeekExplorer/nano-vllm ``bb823b3``.
+one. Upstream interface followed: GeeeekExplorer/nano-vllm ``bb823b3`` (chunked prefill: a prefill
+step's tokens are each sequence's ``num_scheduled_tokens``), and ``nano-vllm-fork`` 20260210 from PyPI
+(no chunking: a prefill runs each sequence's tokens past its cached prefix).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from importlib import metadata
 from types import ModuleType
 from typing import Any
 
@@ -326,6 +333,7 @@ def _record_kv_sizing(runner: Any, state: _Rank, readings: tuple[int, int, int, 
         peak_bytes=peak if known else None, current_bytes=current if known else None,
         reserved_bytes=reserved if known and reserved != UNKNOWN else None,
         gpu_memory_utilization=float(config.gpu_memory_utilization), **layout,
+        free_bytes=free if known else None, budget_rule=_budget_rule(),
     )
 
 
@@ -334,7 +342,7 @@ def kv_layout(runner: Any) -> dict[str, int]:
     hf_config = runner.config.hf_config
     num_kv_heads = hf_config.num_key_value_heads // runner.world_size
     head_dim = getattr(hf_config, "head_dim", hf_config.hidden_size // hf_config.num_attention_heads)
-    dtype_bytes = hf_config.dtype.itemsize
+    dtype_bytes = (getattr(runner, "dtype", None) or hf_config.dtype).itemsize  # the fork keeps its own
     block_size = int(runner.block_size)
     return {
         "block_bytes": 2 * hf_config.num_hidden_layers * block_size * num_kv_heads * head_dim * dtype_bytes,
@@ -342,6 +350,15 @@ def kv_layout(runner: Any) -> dict[str, int]:
         "num_kv_heads": int(num_kv_heads), "head_dim": int(head_dim), "dtype_bytes": int(dtype_bytes),
         "tensor_parallel_size": int(runner.world_size),
     }
+
+
+def _budget_rule() -> str:
+    """Which nano-vllm sized the cache: the installed distribution that provides ``nanovllm``."""
+    try:
+        distributions = metadata.packages_distributions().get("nanovllm", [])
+    except Exception:
+        distributions = []
+    return "nano-vllm-fork" if "nano-vllm-fork" in distributions else "nano-vllm"
 
 
 def _wrap_run(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -367,7 +384,7 @@ def _record_step(state: _Rank, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     seqs = args[0] if args else kwargs["seqs"]
     is_prefill = bool(args[1] if len(args) > 1 else kwargs["is_prefill"])
     num_seqs = len(seqs)
-    num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else num_seqs
+    num_tokens = sum(_prefill_tokens(seq) for seq in seqs) if is_prefill else num_seqs
     used = total = None
     monitor = state.monitor
     if state.rank == 0 and _process.scheduler is not None:
@@ -378,6 +395,12 @@ def _record_step(state: _Rank, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
             _process.preemptions = 0
     monitor.step("prefill" if is_prefill else "decode", num_seqs=num_seqs, num_tokens=num_tokens,
                  kv_blocks_used=used, kv_blocks_total=total)
+
+
+def _prefill_tokens(seq: Any) -> int:
+    """Tokens a prefill computes for ``seq``: its chunk (upstream), or all past its cached prefix (fork)."""
+    scheduled = getattr(seq, "num_scheduled_tokens", None)
+    return int(scheduled) if scheduled is not None else len(seq) - int(seq.num_cached_tokens)
 
 
 def _wrap_exit(original: Callable[..., Any]) -> Callable[..., Any]:

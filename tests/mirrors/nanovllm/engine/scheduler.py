@@ -1,4 +1,11 @@
-"""Mirror of ``nanovllm/engine/scheduler.py``: prefill first; decode preempts the newest running sequence."""
+"""Mirror of ``nanovllm/engine/scheduler.py``: chunked prefill first; decode preempts the newest running sequence.
+
+Prefill takes waiting sequences in order while the token budget lasts: a sequence's cached prefix
+(``can_allocate``) is not computed again; only the first sequence of a step may get a partial chunk,
+and it stays at the head of ``waiting`` (its blocks already allocated) until its whole prompt was
+scheduled. Decode runs only in steps without prefill. ``postprocess`` registers the blocks a step
+completed, advances ``num_cached_tokens``, and appends a token only to sequences whose prompt is done.
+"""
 
 from collections import deque
 
@@ -27,14 +34,26 @@ class Scheduler:
         while self.waiting and len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
             remaining = self.max_num_batched_tokens - batched
-            if remaining < seq.num_tokens or self.block_manager.can_allocate(seq) == -1:
+            if remaining == 0:
                 break
-            self.block_manager.allocate(seq, 0)
-            seq.num_scheduled_tokens = seq.num_tokens
-            batched += seq.num_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            self.running.append(seq)
+            num_cached_blocks = 0
+            if not seq.block_table:
+                num_cached_blocks = self.block_manager.can_allocate(seq)
+                if num_cached_blocks == -1:
+                    break
+                num_tokens = seq.num_tokens - num_cached_blocks * self.block_manager.block_size
+            else:
+                num_tokens = seq.num_tokens - seq.num_cached_tokens
+            if remaining < num_tokens and scheduled:
+                break
+            if not seq.block_table:
+                self.block_manager.allocate(seq, num_cached_blocks)
+            seq.num_scheduled_tokens = min(num_tokens, remaining)
+            batched += seq.num_scheduled_tokens
+            if seq.num_scheduled_tokens == num_tokens:
+                seq.status = SequenceStatus.RUNNING
+                self.waiting.popleft()
+                self.running.append(seq)
             scheduled.append(seq)
         if scheduled:
             return scheduled, True
@@ -66,6 +85,8 @@ class Scheduler:
             self.block_manager.hash_blocks(seq)
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
+            if is_prefill and seq.num_cached_tokens < seq.num_tokens:
+                continue  # a partial chunk: no token yet
             seq.append_token(token_id)
             if (not seq.ignore_eos and token_id == self.eos) or seq.num_completion_tokens == seq.max_tokens:
                 seq.status = SequenceStatus.FINISHED

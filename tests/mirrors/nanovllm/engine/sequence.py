@@ -51,6 +51,9 @@ class Sequence:
     def num_blocks(self):
         return (self.num_tokens + self.block_size - 1) // self.block_size
 
+    def block(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)
         self.last_token = token_id
