@@ -4,7 +4,9 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test test-deps lint bench clean
+ENGINES := .engines
+
+.PHONY: demo test test-deps engines lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/memwatch demo
 	@echo "Report: $$($(BIN)/memwatch report latest -o memwatch-demo-report.html)"
 
-test: $(STAMP) test-deps
+test: $(STAMP) test-deps engines
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -44,6 +46,16 @@ test-deps:
 	    apt-get install -y -qq --no-install-recommends gdb >/dev/null; \
 	  else echo "no gdb: install it (the attach --inject tests inject through gdb)"; exit 1; fi; }
 
+# The released engines the adapters are tested against, each in a folder of its own that only the tests
+# put on a child process's path (the mirrors in tests/mirrors use the same module names). --no-deps:
+# CPU torch stays the one in .venv; pip keeps the downloaded wheels in its cache between runs.
+engines: $(ENGINES)/vllm/.installed $(ENGINES)/nanovllm/.installed
+
+$(ENGINES)/%/.installed: tests/released/requirements-%.txt | $(STAMP)
+	rm -rf $(ENGINES)/$*
+	$(BIN)/pip install -q --no-deps --target $(ENGINES)/$* -r $<
+	touch $@
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
@@ -51,4 +63,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/run.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(ENGINES) build *.egg-info

@@ -1,0 +1,211 @@
+"""Drive the released vLLM 0.33.0 (installed by ``make engines``) through memwatch's plugin, on CPU.
+
+Run as ``python vllm_driver.py off|on MODEL_DIR``; prints one JSON line of what it saw. vLLM's own
+code runs throughout: its plugin loader, ``VllmConfig``/``ParallelConfig``, the KV-cache planner
+(``kv_cache_planning``), the ``Worker`` class (``__init__``, ``initialize_from_config``,
+``shutdown``), ``allocate_kv_cache`` (on CPU tensors) and the engine core's ``Scheduler`` with real
+``Request``/``SchedulerOutput``/``ModelRunnerOutput`` objects. Two seams stand where the GPU is
+missing: ``torch.cuda``'s memory API answers from ``fake_cuda``, and ``Worker.init_device`` (device
+bring-up, NCCL, the model runner) is replaced before memwatch patches the class by one that sets what
+vLLM's sets: ``device``, ``init_snapshot``, ``requested_memory`` (vLLM's ``request_memory``) and a
+model runner whose ``initialize_kv_cache`` calls vLLM's ``allocate_kv_cache``.
+
+"on" runs data parallelism 2 × tensor parallelism 2 of a hybrid model (full and sliding-window
+attention layers, two KV cache groups): engine 0 gets 4 MiB of KV memory per worker, engine 1 gets
+1.5 MiB; engine 1 serves three prompts that cannot all keep their blocks (preemptions) and speculative
+decoding steps (two draft tokens each).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+FAKE_CUDA = Path(__file__).resolve().parent.parent / "mirrors" / "fake_cuda.py"
+MiB = 1 << 20
+WRAPPED = "__memwatch_wrapped__"
+
+
+def _load_fake_cuda() -> None:
+    spec = importlib.util.spec_from_file_location("fake_cuda", FAKE_CUDA)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fake_cuda"] = module
+    spec.loader.exec_module(module)
+
+
+def _wrapped(cls: type) -> list[str]:
+    return sorted(name for name, value in vars(cls).items() if getattr(value, WRAPPED, False))
+
+
+class _CpuModelRunner:
+    """The model runner's KV allocation, as ``GPUModelRunner.initialize_kv_cache`` does it, on CPU."""
+
+    model_memory_usage = 0
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        self.allocated_bytes = 0
+
+    def initialize_kv_cache(self, kv_cache_config: Any, kv_cache_allocation_context: Any = None) -> None:
+        import torch
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
+        caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+        buffers = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in caches.values()}
+        self.allocated_bytes = sum(buffers.values())
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _cpu_init_device(self: Any) -> None:
+    import torch
+    from vllm.v1.worker.utils import request_memory
+
+    self.device = torch.device("cuda", self.local_rank)
+    torch.cuda.set_device(self.local_rank)
+    free, total = torch.cuda.mem_get_info(self.local_rank)
+    self.init_snapshot = SimpleNamespace(free_memory=free, total_memory=total)
+    self.requested_memory = request_memory(self.init_snapshot, self.cache_config, 0)
+    self.model_runner = _CpuModelRunner(self.vllm_config)
+
+
+def _config(model: str, dp_rank: int, spec_tokens: int = 0) -> Any:
+    from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+
+    speculative = None
+    if spec_tokens:
+        speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=spec_tokens,
+                                        prompt_lookup_max=2, prompt_lookup_min=1)
+    return VllmConfig(
+        model_config=ModelConfig(model=model, skip_tokenizer_init=True, max_model_len=512, dtype="bfloat16"),
+        cache_config=CacheConfig(block_size=16, gpu_memory_utilization=0.5),
+        parallel_config=ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, data_parallel_rank=dp_rank),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=512,
+                                         is_encoder_decoder=False),
+        speculative_config=speculative,
+    )
+
+
+def _hybrid_specs(tp: int) -> dict[str, Any]:
+    """Four layers, full and sliding-window attention in turn; 4 KV heads split over ``tp`` ranks."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    heads = 4 // tp
+    return {f"model.layers.{i}.self_attn.attn":
+            FullAttentionSpec(16, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16) if i % 2 == 0 else
+            SlidingWindowSpec(16, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16, sliding_window=64)
+            for i in range(4)}
+
+
+def _plan(config: Any, available: list[int]) -> list[Any]:
+    """What ``EngineCore._initialize_kv_caches`` does with the workers' specs and memory."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+    specs = [_hybrid_specs(config.parallel_config.tensor_parallel_size) for _ in available]
+    resolve_kv_cache_layout(config, [["LBNHC"]] * len(available), [s for spec in specs for s in spec.values()])
+    groups = get_global_kv_cache_groups(config, specs)
+    kv_cache_configs = get_kv_cache_configs(config, specs, available, groups)
+    config.cache_config.num_gpu_blocks = kv_cache_configs[0].num_blocks
+    return kv_cache_configs
+
+
+def _serve(scheduler: Any, prompts: dict[str, int], max_tokens: int, drafts: int) -> list[dict[str, Any]]:
+    """The engine core's loop: schedule, a model output of one token per request (plus accepted drafts).
+
+    Returns, per step, what vLLM itself says of it: requests and tokens scheduled, draft tokens
+    scheduled, requests preempted, and ``kv_cache_manager.usage`` right after ``schedule()``.
+    """
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    for name, length in prompts.items():
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        scheduler.add_request(Request(name, list(range(1, length + 1)), params, None))
+    steps = []
+    while scheduler.has_requests():
+        output = scheduler.schedule()
+        steps.append({"num_seqs": len(output.num_scheduled_tokens), "num_tokens": output.total_num_scheduled_tokens,
+                      "drafts": sum(map(len, output.scheduled_spec_decode_tokens.values())),
+                      "new": len(output.scheduled_new_reqs), "preempted": len(output.preempted_req_ids or ()),
+                      "usage": scheduler.kv_cache_manager.usage})
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = [[7] * (1 + len(output.scheduled_spec_decode_tokens.get(req_id, ()))) for req_id in req_ids]
+        scheduler.update_from_output(output, ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled))
+        if drafts:
+            running = [request.request_id for request in scheduler.running]
+            scheduler.update_draft_token_ids(DraftTokenIds(running, [[7] * drafts for _ in running]))
+    return steps
+
+
+def main() -> None:
+    mode, model = sys.argv[1], sys.argv[2]
+    _load_fake_cuda()
+    facts: dict[str, Any] = {}
+    from vllm.v1.worker import gpu_worker
+
+    gpu_worker.Worker.init_device = _cpu_init_device
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_general_plugins, load_plugins_by_group
+    from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
+
+    if mode == "on":  # turned on here, after the seam above: the .pth line stays out, only vLLM's loader acts
+        os.environ["MEMWATCH"] = "1"
+    environment = dict(os.environ)
+    facts["general_plugins"] = sorted(load_plugins_by_group(DEFAULT_PLUGINS_GROUP))
+    load_general_plugins()
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    factories = load_stat_logger_plugin_factories()
+    facts["stat_logger_factories"] = [repr(factory) for factory in factories]
+    facts["async_llm_log_stats"] = False or bool(factories)  # AsyncLLM(log_stats=False)'s own rule
+    facts["environment_changed"] = sorted(name for name in set(os.environ) | set(environment)
+                                          if os.environ.get(name) != environment.get(name))
+    facts["meta_path"] = [type(finder).__module__ for finder in sys.meta_path]
+    facts["worker_wrapped"] = _wrapped(gpu_worker.Worker)
+    facts["scheduler_wrapped"] = _wrapped(Scheduler)
+    if mode == "on":
+        facts["engines"] = [_engine(model, dp_rank) for dp_rank in (0, 1)]
+    print(json.dumps(facts))
+
+
+def _engine(model: str, dp_rank: int) -> dict[str, Any]:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.worker.gpu_worker import Worker
+
+    config = _config(model, dp_rank, spec_tokens=2 if dp_rank == 1 else 0)
+    workers = [Worker(vllm_config=config, local_rank=tp, rank=tp, distributed_init_method="tcp://127.0.0.1:1",
+                      is_driver_worker=tp == 0) for tp in range(2)]
+    for worker in workers:
+        worker.init_device()
+    kv_cache_configs = _plan(config, [(4 * MiB if dp_rank == 0 else 3 * MiB // 2)] * len(workers))
+    for worker, kv_cache_config in zip(workers, kv_cache_configs, strict=True):
+        worker.initialize_from_config(kv_cache_config)
+    scheduler = Scheduler(config, kv_cache_configs[0], StructuredOutputManager(config), block_size=16,
+                          log_stats=False)
+    if dp_rank == 0:
+        steps = _serve(scheduler, {"a": 100}, max_tokens=3, drafts=0)
+    else:
+        steps = _serve(scheduler, {name: 300 for name in "abc"}, max_tokens=180, drafts=2)
+    facts = {"num_blocks": kv_cache_configs[0].num_blocks, "steps": steps,
+             "kv_cache_tensors": [tensor.size for tensor in kv_cache_configs[0].kv_cache_tensors],
+             "allocated_bytes": [worker.model_runner.allocated_bytes for worker in workers]}
+    for worker in workers:
+        worker.shutdown()
+    scheduler.shutdown()
+    return facts
+
+
+if __name__ == "__main__":
+    main()

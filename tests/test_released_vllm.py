@@ -1,0 +1,133 @@
+"""The vLLM adapter against the released vLLM 0.33.0 (PyPI wheel, installed by ``make engines``), on CPU.
+
+``released/vllm_driver.py`` runs vLLM's own plugin loader, configs, KV-cache planner, ``Worker``
+class, KV allocation and engine-core ``Scheduler`` in a child process (what stands in for the GPU is
+described there). Expected numbers come from vLLM's objects or are derived by hand below; the
+memwatch side is read back from a real sidecar's database.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mirrors.zero_code import ROOT
+
+from processes import SidecarProcess, memwatch_env, query, wait_for
+
+ENGINE = ROOT / ".engines" / "vllm"
+DRIVER = Path(__file__).resolve().parent / "released" / "vllm_driver.py"
+MiB = 1 << 20
+QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 512,
+    "vocab_size": 1024, "max_position_embeddings": 2048, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "tie_word_embeddings": False,
+}
+VLLM_OWN_GENERAL_PLUGINS = ["lora_filesystem_resolver", "lora_hf_hub_resolver"]
+
+
+def _drive(mode: str, tmp_path: Path, env: dict[str, str]) -> dict[str, Any]:
+    if not (ENGINE / ".installed").exists():
+        pytest.fail(f"the released vLLM is not installed in {ENGINE}: run `make engines`")
+    model = tmp_path / "qwen3-tiny"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(QWEN3))
+    env = {**env, "PYTHONPATH": str(ENGINE), "VLLM_TARGET_DEVICE": "cpu", "FAKE_CUDA_TOTAL_BYTES": str(160 * MiB),
+           "FAKE_CUDA_CONTEXT_BYTES": str(64 * MiB)}
+    env.pop("MEMWATCH", None)
+    done = subprocess.run([sys.executable, str(DRIVER), mode, str(model)], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "memwatch:" not in done.stderr, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_memwatch_off_leaves_plugins_stat_loggers_and_log_stats_as_vllm_has_them(tmp_path: Path,
+                                                                                 runtime_dir: Path) -> None:
+    facts = _drive("off", tmp_path, memwatch_env(runtime_dir, tmp_path / "unused.db"))
+
+    # vLLM's loader finds memwatch's general plugin (installed) and calls it; it does nothing while off.
+    assert facts["general_plugins"] == [*VLLM_OWN_GENERAL_PLUGINS, "memwatch"]
+    # No stat logger plugin: AsyncLLM(log_stats=False) keeps log_stats off (it turns it on for any plugin).
+    assert facts["stat_logger_factories"] == []
+    assert facts["async_llm_log_stats"] is False
+    assert facts["environment_changed"] == []
+    assert "memwatch_engine.adapters.hooks" not in facts["meta_path"]
+    assert facts["worker_wrapped"] == [] and facts["scheduler_wrapped"] == []
+    assert not list(runtime_dir.glob("*.ring"))
+
+
+def _events(db_path: Path, kind: str) -> list[tuple[int, dict]]:
+    rows = query(db_path, "SELECT rank, data FROM events WHERE kind = ? ORDER BY rank, rowid", (kind,))
+    return [(rank, json.loads(data)) for rank, data in rows]
+
+
+def _expected_kind(step: dict[str, Any]) -> str | None:
+    """By hand from what vLLM scheduled: decode = every request got its one token and its drafts."""
+    if not step["num_tokens"]:
+        return None
+    decode = not step["new"] and step["num_tokens"] == step["num_seqs"] + step["drafts"]
+    return "decode" if decode else "prefill"
+
+
+def test_dp2_tp2_hybrid_model_offline_scheduler_and_speculative_steps(tmp_path: Path, runtime_dir: Path,
+                                                                      db_path: Path) -> None:
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0002")
+    with SidecarProcess(runtime_dir, db_path) as sidecar:
+        sidecar.pause()  # a ring listed before its header is written is ignored for good: keep that race out
+        facts = _drive("on", tmp_path, env)
+        sidecar.resume()
+        wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("ok",)], timeout=60, what="the run")
+        wait_for(lambda: not list(runtime_dir.glob("*.ring")), timeout=60, what="the rings to be drained")
+
+    # On: the real Worker and Scheduler classes are patched; still no stat logger, log_stats untouched.
+    assert facts["worker_wrapped"] == ["compile_or_warm_up_model", "determine_available_memory", "execute_model",
+                                       "init_device", "initialize_from_config", "load_model", "shutdown"]
+    assert facts["scheduler_wrapped"] == ["__init__", "schedule", "shutdown"]
+    assert facts["stat_logger_factories"] == [] and facts["async_llm_log_stats"] is False
+    assert facts["environment_changed"] == []  # the run id this environment gives is kept, not replaced
+
+    # Ranks from vLLM's ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, data_parallel_rank=i):
+    # each engine's workers are rank 0 and 1 inside it; memwatch numbers them dp × 2 + tp.
+    identities = {rank: (data["role"], data["dp_rank"], data["tp_rank"], data["pp_rank"])
+                  for rank, data in _events(db_path, "rank_identity")}
+    assert identities == {0: ("worker", 0, 0, 0), 1: ("worker", 0, 1, 0), 2: ("worker", 1, 0, 0),
+                          3: ("worker", 1, 1, 0), 4: ("scheduler", 0, 0, 0), 5: ("scheduler", 1, 0, 0)}
+    assert query(db_path, "SELECT rank_count FROM runs") == [(4,)]
+
+    # Hybrid model, TP 2: 2 KV heads per rank; a page is 16 tokens × 2 heads × (64 + 64) × 2 bytes = 8 KiB;
+    # full and sliding-window layers form two groups of 2 layers sharing block ids, so a block is 2 pages.
+    # Engine 0: 4 MiB // 16 KiB = 256 blocks; engine 1: 1.5 MiB // 16 KiB = 96. Each engine's planner names
+    # its one buffer twice (one KVCacheTensor per group): the KV bytes are that buffer, counted once.
+    engine_0, engine_1 = facts["engines"]
+    assert (engine_0["num_blocks"], engine_1["num_blocks"]) == (256, 96)
+    assert engine_0["kv_cache_tensors"] == [4 * MiB, 4 * MiB] and engine_0["allocated_bytes"] == [4 * MiB] * 2
+    sizings = {rank: (data["num_blocks"], data["block_bytes"], data["kv_cache_bytes"])
+               for rank, data in _events(db_path, "kv_allocated")}
+    assert sizings == {0: (256, 16384, 4 * MiB), 1: (256, 16384, 4 * MiB), 2: (96, 16384, 3 * MiB // 2),
+                       3: (96, 16384, 3 * MiB // 2)}
+    assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
+
+    # Offline (log_stats off, no stat logger): each engine's scheduler ring has one sample per schedule(),
+    # its own total (blocks − the null block: 255 and 95, not the front end's sum) and vLLM's own usage.
+    for rank, engine in ((4, engine_0), (5, engine_1)):
+        total = engine["num_blocks"] - 1
+        rows = query(db_path, "SELECT step_kind, num_seqs, num_tokens, kv_blocks_used, kv_blocks_total FROM samples "
+                              "WHERE rank = ? AND kv_blocks_total IS NOT NULL ORDER BY step", (rank,))
+        assert rows == [(_expected_kind(step), step["num_seqs"], step["num_tokens"], round(step["usage"] * total),
+                         total) for step in engine["steps"]]
+    preempted = sum(step["preempted"] for step in engine_1["steps"])
+    assert preempted >= 1
+    assert [(rank, data["count"]) for rank, data in _events(db_path, "preemption")] == [
+        (5, step["preempted"]) for step in engine_1["steps"] if step["preempted"]]
+    # Speculative decoding: a step of decoding requests runs 1 + 2 draft tokens each, and is decode.
+    speculative = [step for step in engine_1["steps"] if step["drafts"] and _expected_kind(step) == "decode"]
+    assert speculative and all(step["num_tokens"] == 3 * step["num_seqs"] for step in speculative)
+    kinds = query(db_path, "SELECT step_kind, count(*) FROM samples WHERE rank = 5 AND num_tokens > 0 "
+                           "AND num_tokens = 3 * num_seqs GROUP BY step_kind")
+    assert kinds == [("decode", len(speculative))]
