@@ -17,7 +17,6 @@ token ids. Sampling draws from torch's generator, seeded, so two runs give the s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -25,16 +24,9 @@ import types
 from pathlib import Path
 from typing import Any
 
+from fake_device import load_fake_cuda
+
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-
-FAKE_CUDA = Path(__file__).resolve().parent.parent / "mirrors" / "fake_cuda.py"
-
-
-def _load_fake_cuda() -> None:
-    spec = importlib.util.spec_from_file_location("fake_cuda", FAKE_CUDA)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fake_cuda"] = module
-    spec.loader.exec_module(module)
 
 
 def _cpu_torch() -> None:
@@ -169,7 +161,7 @@ class _Tokenizer:
 def main() -> None:
     model = sys.argv[1]
     _write_checkpoint(model)
-    _load_fake_cuda()
+    load_fake_cuda()
     # torch and transformers first, so that they still see no Triton once the stand-in is in place
     import torch._dynamo
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401

@@ -18,24 +18,16 @@ decoding steps (two draft tokens each).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-FAKE_CUDA = Path(__file__).resolve().parent.parent / "mirrors" / "fake_cuda.py"
+from fake_device import load_fake_cuda
+
 MiB = 1 << 20
 WRAPPED = "__memwatch_wrapped__"
-
-
-def _load_fake_cuda() -> None:
-    spec = importlib.util.spec_from_file_location("fake_cuda", FAKE_CUDA)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fake_cuda"] = module
-    spec.loader.exec_module(module)
 
 
 def _wrapped(cls: type) -> list[str]:
@@ -151,7 +143,7 @@ def _serve(scheduler: Any, prompts: dict[str, int], max_tokens: int, drafts: int
 
 def main() -> None:
     mode, model = sys.argv[1], sys.argv[2]
-    _load_fake_cuda()
+    load_fake_cuda()
     facts: dict[str, Any] = {}
     from vllm.v1.worker import gpu_worker
 
