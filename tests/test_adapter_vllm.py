@@ -194,3 +194,40 @@ def test_dp2_tp2_four_gpu_ranks_and_each_engines_own_kv_total(tmp_path: Path, ru
     for rank in (4, 5):
         assert query(db_path, "SELECT kv_blocks_used, kv_blocks_total FROM samples WHERE rank = ? "
                               "AND kv_blocks_total IS NOT NULL ORDER BY step", (rank,)) == [(7, 191), (7, 191)]
+
+
+OFF = """
+import sys
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.worker.gpu_worker import Worker
+
+config = VllmConfig(ModelConfig(sys.argv[1], max_model_len=1024), CacheConfig(gpu_memory_utilization=0.5),
+                    scheduler_config=SchedulerConfig(max_num_batched_tokens=2048))
+engine = AsyncLLM(config, log_stats=False)
+engine.add_request("a", 100, 2)
+while engine.has_unfinished_requests():
+    engine.step()
+engine.shutdown()
+wrapped = [name for name, value in vars(Worker).items() if getattr(value, "__memwatch_wrapped__", False)]
+print(engine.log_stats, len(engine.stat_loggers), wrapped)
+"""
+
+
+def test_memwatch_installed_but_off_changes_nothing_in_a_served_engine(tmp_path: Path, runtime_dir: Path,
+                                                                      db_path: Path) -> None:
+    model = tmp_path / "Qwen3-mini"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    script = tmp_path / "serve.py"
+    script.write_text(OFF)
+    env = memwatch_env(runtime_dir, db_path, PYTHONPATH=str(MIRRORS))
+    env.pop("MEMWATCH", None)
+    done = subprocess.run([sys.executable, str(script), str(model)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    # AsyncLLM(log_stats=False) turns log_stats on for any stat logger plugin: memwatch declares none.
+    assert done.stdout.split("\n")[0] == "False 0 []"
+    assert "vllm.stat_logger_plugins" not in declared_entry_points()
+    assert declared_entry_points()["vllm.general_plugins"] == {"memwatch": "memwatch_engine.adapters.vllm:register"}
+    assert not list(runtime_dir.glob("*.ring"))
