@@ -15,6 +15,7 @@ from memwatch.report import check_records, check_run, render_check
 from memwatch.sim import run_scenario
 from memwatch.sim.scorecard import ring_records
 from memwatch.store import open_store
+from memwatch.store.queries import samples
 
 from stored_runs import START_NS, store_scenario
 
@@ -33,19 +34,28 @@ def leak_run(runtime_dir: Path, db_path: Path) -> str:
 
 
 def test_a_leaking_run_fails_with_every_flag_and_the_ledger_at_its_end(leak_run: str, db_path: Path) -> None:
-    report = check_run(open_store(db_path, readonly=True), "latest")
+    db = open_store(db_path, readonly=True)
+    report = check_run(db, "latest")
     assert report.run_id == leak_run and report.failed
-    assert [(flag.kind, flag.severity, flag.step) for flag in report.flags] == [
-        ("oom_risk", "warning", 230), ("non_torch_drift", "warning", 302), ("oom_risk", "critical", 1284),
-        ("oom", "critical", 1385)]
+    # The leak kills the process outside PyTorch's allocator: a crashed run, no oom event.
+    assert db.execute("SELECT status FROM runs").fetchall() == [("crashed",)]
     (rank,) = report.ranks
-    assert (rank.rank, rank.num_blocks, rank.last_step) == (0, 113, 1385)
+    last = rank.last_step
+    assert [(flag.kind, flag.severity) for flag in report.flags] == [
+        ("oom_risk", "warning"), ("non_torch_drift", "warning"), ("oom_risk", "critical")]
+    warning, drift, _critical = report.flags
+    assert 200 <= warning.step <= last - 50  # forecast after the leak began, at least 50 steps ahead
+    assert drift.step == 200 + -(-256 * 2**20 // LEAK_BYTES) - 1 == 302  # growth reaches 256 MiB
+    assert (rank.rank, rank.num_blocks) == (0, 113)
     terms = rank.last_terms
-    # The leak ran on steps 200 to 1,385: the residual is exactly the leaked bytes, since the sizing
+    # The leak ran on steps 200 to the last: the residual is exactly the leaked bytes, since the sizing
     # event records the allocator's reserve and the cache slack at sizing is not counted as non-PyTorch.
-    assert terms.residual_bytes == -(1385 - 200 + 1) * LEAK_BYTES == -3_109_027_840
+    assert terms.residual_bytes == -(last - 200 + 1) * LEAK_BYTES
     assert terms.budget_bytes == int(8 * 2**30 * 0.6)
-    assert (rank.min_oom_margin_step, rank.min_oom_margin_bytes) == (1385, terms.oom_margin_bytes)
+    assert (rank.min_oom_margin_step, rank.min_oom_margin_bytes) == (last, terms.oom_margin_bytes)
+    # It died when the next step's leak no longer fitted on the device.
+    final = list(samples(db, leak_run))[-1]
+    assert final.step == last and final.driver_free_bytes < LEAK_BYTES
 
 
 def test_stored_run_and_ring_records_give_the_same_report(tmp_path: Path) -> None:
@@ -64,17 +74,20 @@ def test_cli_exit_1_on_a_warning_with_text_and_json(leak_run: str, db_path: Path
     assert text.exit_code == 1
     lines = text.output.splitlines()
     assert lines[0] == f"run {leak_run}"
-    # The residual is the leak: 1,186 steps × 2.5 MiB = 2.90 GiB, printed with its exact bytes.
+    last = check_run(open_store(db_path, readonly=True), leak_run).ranks[0].last_step
+    assert last is not None
+    # The residual is the leak: 2.5 MiB for every step from 200 to the last, printed with its exact bytes.
+    leaked = (last - 200 + 1) * LEAK_BYTES
     residual = next(line for line in lines if line.strip().startswith("residual"))
-    assert residual.split()[1:4] == ["-2.90", "GiB", "-3,109,027,840"]
-    assert lines[-1] == "check failed: 4 flags of warning or worse"
+    assert residual.split()[1:4] == [f"-{leaked / 2**30:.2f}", "GiB", f"-{leaked:,}"]
+    assert lines[-1] == "check failed: the run crashed; 3 flags of warning or worse"
     assert "warning  non_torch_drift          rank 0 step 302: non-PyTorch memory grew by 257.5 MiB" in text.output
     as_json = CliRunner().invoke(cli(), ["check", "latest", "--db", str(db_path), "--json"])
     assert as_json.exit_code == 1
     data = json.loads(as_json.output)
     assert data["failed"] is True and data["run_id"] == leak_run
-    assert data["ranks"][0]["last_terms"]["residual_bytes"] == -3_109_027_840
-    assert [flag["kind"] for flag in data["flags"]] == ["oom_risk", "non_torch_drift", "oom_risk", "oom"]
+    assert data["ranks"][0]["last_terms"]["residual_bytes"] == -leaked
+    assert [flag["kind"] for flag in data["flags"]] == ["oom_risk", "non_torch_drift", "oom_risk"]
 
 
 def test_cli_exit_0_on_a_clean_run(runtime_dir: Path, db_path: Path) -> None:

@@ -11,8 +11,10 @@ from click.testing import CliRunner
 
 from memwatch.cli import MemwatchGroup
 from memwatch.cli import explain as explain_cli
+from memwatch.records import Sample
 from memwatch.report import Explanation, explain_records, explain_run
-from memwatch.sim import run_scenario
+from memwatch.sim import Scenario, run_scenario
+from memwatch.sim.forward import forward_ops
 from memwatch.sim.scorecard import ring_records
 from memwatch.store import open_store
 
@@ -36,31 +38,36 @@ def cli() -> click.Group:
 def test_a_leak_is_named_with_its_size_duration_and_onset(runtime_dir: Path, db_path: Path) -> None:
     run_id = store_scenario("non_torch_leak", runtime_dir, db_path)
     explanation = explain_run(open_store(db_path, readonly=True), run_id)
-    assert explanation.outcome == "oom"
-    (oom,) = explanation.ooms
-    assert (oom.rank, oom.step, oom.requested_bytes, oom.driver_free_bytes) == (0, 1385, LEAK_BYTES, MiB)
-    growth = oom.growth
+    # The leaking library's cudaMalloc fails outside PyTorch: a crash at the rank's last sample, no oom event.
+    assert explanation.outcome == "crashed"
+    (end,) = explanation.ooms
+    last = end.step
+    assert end.crashed and (end.rank, end.requested_bytes) == (0, None)
+    assert end.driver_free_bytes is not None and end.driver_free_bytes < LEAK_BYTES  # the next step's leak did not fit
+    growth = end.growth
     assert growth is not None
-    # The last sample at the serving baseline is step 199; the leak's steps 200..1,385 add 1,186 x 2.5 MiB.
-    assert (growth.term, growth.since_step, growth.steps, growth.jump) == ("non_torch_bytes", 199, 1186, False)
-    assert growth.growth_bytes == 1186 * LEAK_BYTES == 3_109_027_840
-    assert growth.seconds == pytest.approx(1186 * DECODE_STEP_S)
-    assert explanation.sentences[1] == "Non-PyTorch memory grew by 2.9 GiB over 1,186 steps (31 s), since step 199."
-    assert oom.over_reserve_bytes is None
-    assert [(flag.kind, flag.steps_before) for flag in oom.flags] == [
-        ("oom_risk", 1385 - 230), ("non_torch_drift", 1385 - 302), ("oom_risk", 1385 - 1284)]
-    assert explanation.sentences[3] == (
-        "Flags before it: oom_risk (warning) at step 230, 1,155 steps (30 s) before; non_torch_drift (warning) "
-        "at step 302, 1,083 steps (28 s) before; oom_risk (critical) at step 1,284, 101 steps (3 s) before.")
+    # The last sample at the serving baseline is step 199; the leak's steps 200..last add 2.5 MiB each.
+    assert (growth.term, growth.since_step, growth.steps, growth.jump) == ("non_torch_bytes", 199, last - 199, False)
+    assert growth.growth_bytes == (last - 199) * LEAK_BYTES
+    assert growth.seconds == pytest.approx((last - 199) * DECODE_STEP_S)
+    assert end.sentences[0].startswith(f"rank 0 crashed after step {last:,} with ")
+    # The text leads with what is said of any crash, then what grew before it, as for an out-of-memory.
+    assert explanation.sentences[0].startswith("the run crashed")
+    assert end.sentences[1] in explanation.sentences and end.sentences[0] not in explanation.sentences
+    assert end.over_reserve_bytes is None
+    assert [flag.kind for flag in end.flags] == ["oom_risk", "non_torch_drift", "oom_risk"]
+    assert all(flag.steps_before == last - flag.step for flag in end.flags)
+    assert end.flags[0].steps_before >= 50 and end.flags[1].step == 302
 
 
 def test_the_last_window_shows_free_memory_draining_into_the_leak(tmp_path: Path) -> None:
-    (oom,) = explained("non_torch_leak", tmp_path).ooms
-    window = oom.window
-    assert window is not None and (window.from_step, window.to_step) == (1285, 1385)
-    # 100 leaked steps (1,286..1,385) move 250 MiB from free to non-PyTorch; nothing else moves.
+    result = run_scenario("non_torch_leak", runtime_dir=tmp_path, start_ns=START_NS)
+    (end,) = explain_records(ring_records(result), status="crashed").ooms
+    window = end.window
+    assert window is not None and (window.from_step, window.to_step) == (end.step - 100, end.step)
+    # 100 leaked steps move 250 MiB from free to non-PyTorch; nothing else moves.
     assert window.start["non_torch_bytes"] + 100 * LEAK_BYTES == window.end["non_torch_bytes"]
-    assert window.start["driver_free_bytes"] - 100 * LEAK_BYTES == window.end["driver_free_bytes"] == MiB
+    assert window.start["driver_free_bytes"] - 100 * LEAK_BYTES == window.end["driver_free_bytes"]
     assert window.start["cache_slack_bytes"] == window.end["cache_slack_bytes"]
 
 
@@ -68,32 +75,43 @@ def test_each_oom_scenario_names_its_cause(tmp_path: Path) -> None:
     causes = {}
     for name in ("non_torch_leak_tp2", "fragmentation", "other_process_oom", "warmup_decode", "warmup_short",
                  "long_prefill"):
-        (oom,) = explained(name, tmp_path / name).ooms
+        result = run_scenario(name, runtime_dir=tmp_path / name, start_ns=START_NS)
+        (oom,) = explain_records(ring_records(result), status=result.status).ooms
         causes[name] = (oom.rank, None if oom.growth is None else (oom.growth.term, oom.growth.jump),
                         oom.over_reserve_bytes is not None)
     assert causes == {
         "non_torch_leak_tp2": (1, ("non_torch_bytes", False), False),
-        "fragmentation": (0, ("cache_slack_bytes", False), False),
+        "fragmentation": (0, ("cache_slack_bytes", False), False),  # pinned, one segment at a time
         "other_process_oom": (0, ("non_torch_bytes", True), False),
-        "warmup_decode": (0, None, True),
-        "warmup_short": (0, None, True),
+        "warmup_decode": (0, ("allocated_bytes", True), True),  # the failing forward's own tensors
+        "warmup_short": (0, ("allocated_bytes", True), True),
         "long_prefill": (0, None, True),
     }
 
 
 def test_another_process_reads_as_a_jump_and_a_short_warmup_as_an_understated_reserve(tmp_path: Path) -> None:
-    other = explained("other_process_oom", tmp_path / "other")
-    assert other.sentences[1] == ("Non-PyTorch memory jumped by 602.0 MiB after step 99 and stayed up, 212 steps "
-                                  "(5 s) before the out-of-memory.")
-    decode = explained("warmup_decode", tmp_path / "decode")
+    result = run_scenario("other_process_oom", runtime_dir=tmp_path / "other", start_ns=START_NS)
+    records = ring_records(result)
+    other = explain_records(records)
+    # At step 100 the other process takes everything free (it asks for 8 GiB): what step 99 had free.
+    free_before = next(r.driver_free_bytes for r in records if isinstance(r, Sample) and r.step == 99)
+    growth = other.ooms[0].growth
+    assert growth is not None and (growth.term, growth.jump, growth.since_step) == ("non_torch_bytes", True, 99)
+    assert growth.growth_bytes == free_before
+    assert other.sentences[1].startswith(f"Non-PyTorch memory jumped by {free_before / MiB:.1f} MiB after step 99 "
+                                         "and stayed up")
+    scenario = Scenario.load("warmup_decode")
+    decode = explain_records(ring_records(run_scenario(scenario, runtime_dir=tmp_path / "decode")))
     (oom,) = decode.ooms
-    # The 16,384-token wave's prefill: 16,384 x 24,576 activation bytes + 16 rows of fp32 logits, rounded to 512;
-    # the reserve is a 4-token decode: 4 x 24,576 + 4 rows of logits.
-    assert oom.requested_bytes == 16384 * 24576 + 16 * 151936 * 4 == 412_377_088
+    # The failing request is one tensor of the 16,384-token wave's prefill over 16 sequences; the reserve
+    # is a 4-token decode: 4 x 24,576 activation bytes + 4 fp32 rows of logits.
+    wave = {op.nbytes for op in forward_ops(scenario.model_spec(), 16_384, 16, prefill=True) if op.nbytes}
+    assert oom.requested_bytes in wave
     assert oom.activation_reserve_bytes == 4 * 24576 + 4 * 151936 * 4 == 2_529_280
-    assert oom.over_reserve_bytes == 412_377_088 - 2_529_280 == 409_847_808
-    assert decode.sentences[1] == ("The failing allocation was 390.9 MiB larger than the activation reserve warmup "
-                                   "measured (2.4 MiB): warmup ran a smaller batch than serving needs.")
+    assert oom.over_reserve_bytes == oom.requested_bytes - 2_529_280
+    assert decode.sentences[2].startswith("The failing allocation was ")
+    assert decode.sentences[2].endswith(" larger than the activation reserve warmup measured (2.4 MiB): warmup ran a "
+                                        "smaller batch than serving needs.")
 
 
 def test_a_healthy_run_gets_its_tightest_moment(tmp_path: Path) -> None:
@@ -112,18 +130,19 @@ def test_a_healthy_run_gets_its_tightest_moment(tmp_path: Path) -> None:
 
 def test_cli_prints_the_post_mortem_and_json_keeps_the_numbers(runtime_dir: Path, db_path: Path) -> None:
     run_id = store_scenario("non_torch_leak", runtime_dir, db_path)
+    last = explain_run(open_store(db_path, readonly=True), run_id).ooms[0].step
     text = CliRunner().invoke(cli(), ["explain", "latest", "--db", str(db_path)])
     assert text.exit_code == 0
-    assert text.output.splitlines()[:3] == [
-        f"run {run_id}: oom",
-        "rank 0 ran out of memory at step 1,385: a request for 2.5 MiB failed with 1.0 MiB free.",
-        "Non-PyTorch memory grew by 2.9 GiB over 1,186 steps (31 s), since step 199."]
+    lines = text.output.splitlines()
+    assert lines[0] == f"run {run_id}: crashed"
+    assert lines[1].startswith("the run crashed")
+    assert any(line.startswith(f"Non-PyTorch memory grew by 2.9 GiB over {last - 199:,} steps") for line in lines)
     data = json.loads(CliRunner().invoke(cli(), ["explain", run_id, "--db", str(db_path), "--json"]).output)
-    assert data["outcome"] == "oom" and data["run_id"] == run_id
+    assert data["outcome"] == "crashed" and data["run_id"] == run_id
     growth = data["ooms"][0]["growth"]
     assert {key: growth[key] for key in ("term", "growth_bytes", "since_step", "steps")} == {
-        "term": "non_torch_bytes", "growth_bytes": 3_109_027_840, "since_step": 199, "steps": 1186}
-    assert data["ooms"][0]["flags"][0]["steps_before"] == 1155
+        "term": "non_torch_bytes", "growth_bytes": (last - 199) * LEAK_BYTES, "since_step": 199, "steps": last - 199}
+    assert data["ooms"][0]["flags"][0]["steps_before"] >= 50
 
 
 def test_cli_unknown_run_exits_3(db_path: Path, runtime_dir: Path) -> None:

@@ -61,7 +61,8 @@ def test_every_documented_kind_is_registered_and_external_process_is_an_alias() 
     ({"kind": "non_torch_leak"}, "needs bytes_per_step > 0"),
     ({"kind": "non_torch_leak", "bytes_per_step": MiB, "from_step": 0}, "from_step must be at least 1"),
     ({"kind": "non_torch_leak", "bytes_per_step": MiB, "from_step": 5, "until_step": 5}, "until_step must come after"),
-    ({"kind": "fragmentation", "temporary_bytes": MiB}, "temporary_bytes >= 2097152"),
+    ({"kind": "fragmentation", "temporary_bytes": 0}, "temporary_bytes > 0"),
+    ({"kind": "fragmentation", "growth_bytes": -1}, "growth_bytes >= 0"),
     ({"kind": "fragmentation", "every_steps": 0}, "every_steps >= 1"),
     ({"kind": "skip_peak_reset", "staging_bytes": 0}, "staging_bytes must be positive"),
     ({"kind": "warmup_short"}, "needs tokens >= 1"),
@@ -97,28 +98,45 @@ def test_non_torch_leak_adds_its_bytes_outside_the_allocator_each_step_of_its_wi
     assert outside[result.steps] == outside[19]                   # nothing after until_step
 
 
-def test_non_torch_leak_that_outgrows_the_device_is_an_oom_of_the_leaking_allocation(tmp_path: Path) -> None:
+def test_non_torch_leak_that_outgrows_the_device_crashes_without_an_oom_event(tmp_path: Path) -> None:
     leak = {"kind": "non_torch_leak", "bytes_per_step": 512 * MiB, "from_step": 2}
     result = run_scenario(scenario(leak), runtime_dir=tmp_path, start_ns=START_NS)
-    assert result.status == "oom" and result.ranks[0].oom_details["requested_bytes"] == 512 * MiB
-    events = [r for r in read_ring(Path(result.ranks[0].ring_path)) if not isinstance(r, Sample)]
-    assert [e.kind for e in events][-3:] == ["oom", "phase_end", "run_end"]
+    assert result.status == "crashed" and result.ranks[0].status == "crashed"
+    assert result.ranks[0].oom_details is None and "could not cudaMalloc 512.00 MiB outside PyTorch" in result.error
+    records = read_ring(Path(result.ranks[0].ring_path))
+    kinds = [r.kind for r in records if not isinstance(r, Sample)]
+    assert "oom" not in kinds and "run_end" not in kinds  # the process died: no OOM event, the ring never closed
+    last = [r for r in records if isinstance(r, Sample)][-1]
+    assert last.num_ooms == 0 and result.ranks[0].crash_details["step"] == last.step
+
+
+def test_a_rank_handed_a_block_id_it_does_not_have_crashes(tmp_path: Path) -> None:
+    # Rank 1 sizes 1 GiB (73) fewer blocks; free block ids are handed out in order before any is reused,
+    # so 80 requests of 7 blocks each (1,624 tokens) reach ids rank 1 does not have.
+    imbalanced = dataclasses.replace(Scenario.load("rank_imbalance"), workload=Scenario.from_dict({
+        **BASE, "workload": {"requests": [{"count": 80, "prompt_tokens": 1024, "output_tokens": 600}]}}).workload)
+    result = run_scenario(imbalanced, runtime_dir=tmp_path)
+    rank0, rank1 = result.ranks
+    assert rank0.num_blocks - rank1.num_blocks in (73, 74)  # 1 GiB / 14,680,064 bytes per block = 73.1
+    assert result.status == "crashed" and (rank0.status, rank1.status) == ("error", "crashed")
+    assert "an illegal memory access" in result.error and f"sized {rank1.num_blocks:,} blocks" in result.error
 
 
 def test_fragmentation_pins_one_segment_per_event_that_empty_cache_cannot_release() -> None:
     gpu = VirtualGPU(8 * GiB, context_bytes=0)
     runner = SimpleNamespace(gpu=gpu)
-    fault = Fragmentation(temporary_bytes=64 * MiB, from_step=3, every_steps=2, until_step=8)
+    fault = Fragmentation(temporary_bytes=64 * MiB + 512, from_step=3, every_steps=2, until_step=8)
     for step in range(1, 10):
         fault.before_step(runner, step)  # type: ignore[arg-type]
-    # Events at steps 3, 5 and 7. Event 1: a 64 MiB + 512 temporary gets a 66 MiB segment, the pin
-    # (2 MiB - 512) takes the tail. Each next temporary is the smallest 2 MiB multiple above the largest
-    # hole (64 MiB + 512, then 66 MiB + 512): 66 MiB and 68 MiB, in segments of 68 MiB and 70 MiB.
+    # Events at steps 3, 5 and 7, temporaries of exactly 64, 66 and 68 MiB + 512 (2 MiB growth). Each is
+    # larger than every hole, so it gets a new segment (66, 68, 70 MiB) with a 2 MiB - 512 tail; the
+    # long-lived 1 MiB + 512 tensor best-fits that tail and takes all of it (1 MiB - 1024 left is not split).
+    assert [fault.temporary_at(k) for k in range(3)] == [64 * MiB + 512, 66 * MiB + 512, 68 * MiB + 512]
     pin = 2 * MiB - 512
-    assert gpu.reserved_bytes == (66 + 68 + 70) * MiB
+    assert gpu.reserved_bytes == (66 + 68 + 70) * MiB and gpu.segments == 3
     assert gpu.allocated_bytes == 3 * pin
     gpu.empty_cache()
-    assert gpu.reserved_bytes - gpu.allocated_bytes == (64 + 66 + 68) * MiB + 3 * 512
+    assert gpu.reserved_bytes - gpu.allocated_bytes == (64 + 66 + 68) * MiB + 3 * 512 == gpu.inactive_split_bytes
 
 
 def test_skip_peak_reset_keeps_the_staging_copy_as_the_reserve(tmp_path: Path) -> None:

@@ -79,10 +79,12 @@ def test_flags_are_stored_and_logged_live(runtime_dir: Path, db_path: Path) -> N
         sim = subprocess.run([sys.executable, "-m", "memwatch", "sim", "--scenario", "non_torch_leak", "--json"],
                              env=memwatch_env(runtime_dir, db_path), capture_output=True, text=True, timeout=60)
         run_id = json.loads(sim.stdout)["run_id"]
-        wait_for(lambda: query(db_path, "SELECT status FROM runs WHERE run_id = ?", (run_id,)) == [("oom",)],
-                 what="the simulated OOM run to be stored")
+        # The leak kills the simulated engine outside PyTorch: its ring is never closed, and the sidecar
+        # marks the run crashed once the writer process is gone.
+        wait_for(lambda: query(db_path, "SELECT status FROM runs WHERE run_id = ?", (run_id,)) == [("crashed",)],
+                 what="the simulated crashed run to be stored")
         output = sidecar.stop()
     stored = query(db_path, "SELECT kind, severity, step FROM flags WHERE run_id = ? ORDER BY ts_ns", (run_id,))
-    assert [kind for kind, _, _ in stored] == ["oom_risk", "non_torch_drift", "oom_risk", "oom"]
+    assert [kind for kind, _, _ in stored] == ["oom_risk", "non_torch_drift", "oom_risk"]
     for kind, _, step in stored:
         assert f"run {run_id} rank 0 step {step}: " in output and f"[{kind}]" in output

@@ -71,6 +71,7 @@ def render_result(result: SimulationResult) -> str:
     """What ``memwatch sim --scenario`` prints: the run id, the outcome, and each rank's KV sizing."""
     outcome = {"ok": "served every request",
                "oom": "ran out of memory (simulated: nothing real failed)",
+               "crashed": "crashed outside PyTorch's allocator (simulated: nothing real failed)",
                "error": "stopped with an error (simulated)"}[result.status]
     lines = [f"run {result.run_id}: scenario {result.scenario}, {result.model}: the simulated engine {outcome}",
              f"  {result.finished_requests:,} of {result.requests:,} requests finished in {result.steps:,} steps "

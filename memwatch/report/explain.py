@@ -23,7 +23,7 @@ from memwatch.detectors.wording import format_bytes, format_count, format_durati
 from memwatch.flags import OOM, Flag
 from memwatch.records import Event, Sample
 from memwatch.report.points import ListPoints, Points
-from memwatch.report.readings import ENDED_BADLY, RankReadings, crash_sentences
+from memwatch.report.readings import CRASHED, ENDED_BADLY, RankReadings, crash_sentences
 from memwatch.report.stored import first_ooms, ledger_events, stored_readings, stored_run
 from memwatch.report.stored_points import StoredPoints
 
@@ -34,6 +34,8 @@ MiB = 1 << 20
 WINDOW_STEPS = 100
 """How far back the "last window before the OOM" reaches."""
 MIN_GROWTH_BYTES = 64 * MiB
+CRASH = "crash"
+"""The end of a rank that died without an OOM event (its ring never closed), explained like an OOM."""
 ONSET_TOLERANCE_BYTES = 1 * MiB
 JUMP_FRACTION = 0.9
 """A growth that reached this share of its total within :data:`JUMP_STEPS` steps is a jump, not a slope."""
@@ -101,6 +103,8 @@ class OomReport:
     growth: TermGrowth | None
     flags: tuple[FlagBefore, ...]
     sentences: tuple[str, ...]
+    crashed: bool = False
+    """The rank died outside PyTorch's allocator: no OOM event, ``step`` is its last sample."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,7 @@ class Explanation:
 
     @property
     def sentences(self) -> list[str]:
-        if self.ooms:
+        if self.ooms and self.outcome not in ENDED_BADLY:
             return [sentence for oom in self.ooms for sentence in oom.sentences]
         if self.outcome == "empty":
             return ["no samples were recorded: nothing to explain"]
@@ -144,6 +148,8 @@ class Explanation:
         if self.outcome in ENDED_BADLY:
             lead = crash_sentences(self.outcome, list(self.readings), self.started_ns)
             lead.append(f"No rank recorded an out-of-memory; {flags}.")
+            # What grew before a rank died, as for an out-of-memory (its first sentence repeats the crash).
+            lead += [sentence for end in self.ooms for sentence in end.sentences[1:]]
         else:
             lead = ["no rank ran out of memory; " + flags + "."]
         unsized = [sentence for readings in self.readings if readings.rank in self.unsized_ranks
@@ -165,11 +171,14 @@ def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | 
     histories: dict[int, _RankHistory] = {}
     summaries: dict[int, RankSummary] = {}
     readings: dict[int, RankReadings] = {}
+    ended: set[int] = set()
     run_id = None
     for record in records:
         run_id = record.run_id
         history = histories.setdefault(record.rank, _RankHistory())
         if isinstance(record, Event):
+            if record.kind == "run_end":
+                ended.add(record.rank)
             flags.extend(detectors.on_event(record))
             if record.kind == OOM and history.oom is None:
                 history.oom = record
@@ -187,6 +196,8 @@ def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | 
     for rank, summary in summaries.items():
         summary.sizing = detectors.ledger(rank).sizing
     ooms = {rank: history.oom for rank, history in histories.items() if history.oom is not None}
+    if status == CRASHED and not ooms:
+        ooms = crash_ends(readings, set(readings) - ended)
     points: dict[int, Points] = {rank: ListPoints([p for p in histories[rank].points if p.ts_ns <= oom.ts_ns])
                                  for rank, oom in ooms.items()}
     return explain_from(run_id, summaries, ooms, points, flags, detectors.config, status, readings, started_ns)
@@ -207,7 +218,7 @@ def explain_from(
     tightest = tuple(filter(None, (_tightest(rank, summary.tightest_serving)
                                    for rank, summary in sorted(summaries.items()))))
     unsized = tuple(rank for rank in sorted(readings) if rank in summaries and summaries[rank].sizing is None)
-    if reports:
+    if reports and not reports[0].crashed:
         outcome = "oom"
     elif not readings:
         outcome = "empty"
@@ -226,6 +237,11 @@ def explain_run(db: Database, ref: str, config: DetectorConfig | None = None) ->
     state = stored_run(db, ref, config)
     run = state.run
     ooms = first_ooms(db, run.run_id)
+    readings = stored_readings(db, run.run_id, state.summaries)
+    if run.status == CRASHED and not ooms:
+        dead = {rank for (rank,) in db.execute("SELECT rank FROM ranks WHERE run_id = ? AND status = ?",
+                                               (run.run_id, CRASHED))}
+        ooms = crash_ends(readings, dead)
     points: dict[int, Points] = {}
     for rank, oom in ooms.items():
         summary = state.summaries.get(rank)
@@ -233,7 +249,7 @@ def explain_run(db: Database, ref: str, config: DetectorConfig | None = None) ->
                                     oom.ts_ns, ledger_events(db, run.run_id, rank, oom.ts_ns),
                                     use_minutes=state.from_summaries)
     return explain_from(run.run_id, state.summaries, ooms, points, state.flags, config or DetectorConfig(),
-                        run.status, stored_readings(db, run.run_id, state.summaries), run.started_ns)
+                        run.status, readings, run.started_ns)
 
 
 def render_explanation(explanation: Explanation) -> str:
@@ -242,6 +258,18 @@ def render_explanation(explanation: Explanation) -> str:
 
 
 # -- out of memory --------------------------------------------------------------------------------
+
+
+def crash_ends(readings: dict[int, RankReadings], dead: set[int]) -> dict[int, Event]:
+    """A crashed run without an OOM event: each rank that died ended at its last sample, which is explained
+    like an out-of-memory (a library's failed ``cudaMalloc`` outside PyTorch's allocator is the usual cause)."""
+    ends = {}
+    for rank in sorted(dead & set(readings)):
+        last = readings[rank].last
+        if last is not None:
+            ends[rank] = Event(last.run_id, rank, last.step, last.ts_ns, CRASH,
+                               {"driver_free_bytes": last.driver_free_bytes})
+    return ends
 
 
 def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int, flags: list[Flag],
@@ -263,7 +291,11 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     where = f" while {phase}" if phase and phase != "serve" else ""
     asked = "" if requested is None else f": a request for {format_bytes(requested)} failed"
     left = "" if free is None else f" with {format_bytes(free)} free"
-    sentences = [f"rank {rank} ran out of memory at step {format_count(oom.step)}{where}{asked}{left}."]
+    if oom.kind == CRASH:
+        sentences = [f"rank {rank} crashed after step {format_count(oom.step)}{left} and no out-of-memory was "
+                     "recorded: something outside PyTorch's allocator failed (a library's cudaMalloc, a kernel)."]
+    else:
+        sentences = [f"rank {rank} ran out of memory at step {format_count(oom.step)}{where}{asked}{left}."]
     if growth is not None:
         sentences.append(_growth_sentence(growth))
     if over is not None:
@@ -281,7 +313,7 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     else:
         sentences.append("No flag was raised before it.")
     return OomReport(rank, oom.step, oom.ts_ns, phase, requested, free, reserve, over, window, growth, before,
-                     tuple(sentences))
+                     tuple(sentences), oom.kind == CRASH)
 
 
 def _growth(points: Points, largest_activation: int, oom: Event) -> TermGrowth | None:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from memwatch.sim.blocks import BlockManager
 from memwatch.sim.clock import VirtualClock
+from memwatch.sim.config import CostModel, EngineConfig
 from memwatch.sim.faults import ExtraRequest
 from memwatch.sim.runner import RankRunner
-from memwatch.sim.scenario import CostModel, EngineConfig
 from memwatch.sim.scheduler import Scheduler
 from memwatch.sim.sequence import Sequence
 from memwatch.sim.workload import Request
@@ -139,8 +139,10 @@ class SimulatedEngine:
             stats.decode_steps += 1
             num_tokens = len(seqs)
         max_seq_len = max(seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs)
+        highest_block = max((max(seq.block_table, default=-1) for seq in seqs), default=-1)
         for runner in self.runners:
             runner.before_step(stats.steps)
+            runner.check_block_ids(highest_block)
             runner.forward(num_tokens, len(seqs), prefill=is_prefill, max_seq_len=max_seq_len)
         self.clock.advance(self._step_seconds(num_tokens, len(seqs), is_prefill))
         blocks_used = manager.num_used

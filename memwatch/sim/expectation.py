@@ -13,7 +13,7 @@ from typing import Any
 from memwatch.errors import UsageError
 from memwatch.flags import FLAG_KINDS
 
-RUN_STATUSES = ("ok", "oom", "error")
+RUN_STATUSES = ("ok", "oom", "crashed", "error")
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,9 @@ class Expectation:
             raise UsageError("[expect] flags: list each kind once")
         if self.status not in RUN_STATUSES:
             raise UsageError(f"[expect] status must be one of {', '.join(RUN_STATUSES)}, got {self.status!r}")
-        if self.gradual and self.status != "oom":
-            raise UsageError("[expect] gradual = true describes an out-of-memory; set status = \"oom\"")
+        if self.gradual and self.status not in ("oom", "crashed"):
+            raise UsageError("[expect] gradual = true describes running out of memory; set status = \"oom\" "
+                             "or \"crashed\"")
 
     @property
     def clean(self) -> bool:

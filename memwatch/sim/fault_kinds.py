@@ -17,15 +17,12 @@ this module, so every kind below is accepted in scenario files by its ``kind``:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from memwatch.errors import UsageError
-from memwatch.sim.faults import FAULT_KINDS, ExtraRequest, Fault, OtherProcess, register_fault
-from memwatch.sim.gpu import LARGE_SEGMENT_ROUNDING, ROUNDING, MiB
-
-if TYPE_CHECKING:
-    from memwatch.sim.runner import RankRunner
-    from memwatch.sim.scenario import Scenario
+from memwatch.sim.config import EngineConfig
+from memwatch.sim.faults import FAULT_KINDS, ExtraRequest, Fault, FaultTarget, OtherProcess, register_fault
+from memwatch.sim.gpu import ROUNDING, SMALL_REQUEST_LIMIT, MiB
 
 __all__ = [
     "FAULT_KINDS",
@@ -78,38 +75,39 @@ class NonTorchLeak(Fault):
     def start_step(self) -> int:
         return self.from_step
 
-    def before_step(self, runner: RankRunner, step: int) -> None:
+    def before_step(self, runner: FaultTarget, step: int) -> None:
         if _in_window(step, self.from_step, self.until_step):
             runner.gpu.take_non_pytorch(self.name, self.bytes_per_step)
-
-
-FRAGMENT_PIN_BYTES = LARGE_SEGMENT_ROUNDING - ROUNDING
-"""The long-lived tensor that pins each fragment: exactly the free tail its temporary's segment leaves."""
 
 
 @register_fault
 @dataclass(frozen=True)
 class Fragmentation(Fault):
-    """Every ``every_steps`` steps in ``[from_step, until_step)`` the allocator keeps a segment it cannot give back.
+    """Every ``every_steps`` steps in ``[from_step, until_step)``: a temporary, and a long-lived tensor born beside it.
 
-    The classic pattern of a caching allocator: a large temporary gets a fresh segment, a small
-    long-lived tensor is allocated while it is alive and lands in the segment's free tail (best fit),
-    then the temporary is freed. The segment is now pinned: it stays reserved, cannot be released by
-    ``empty_cache`` and serves only requests that fit its hole. Each temporary is 2 MiB larger than
-    anything cached (growing batches), so no hole is reused and cache slack grows by about the
-    temporary's size per event while allocated memory grows by only the pin (2 MiB). Keep
-    ``temporary_bytes`` under the warmup's activation reserve, as a real temporary would be.
+    The classic way a caching allocator fragments under a growing batch. Event ``k`` (from 0)
+    allocates a temporary of exactly ``temporary_bytes + k * growth_bytes``; while it is alive, a
+    small long-lived tensor of ``pin_bytes`` (a per-request buffer that is never freed) is allocated;
+    then the temporary is freed. Where each lands is the allocator's own best-fit choice, as in
+    PyTorch: a temporary larger than every cached hole gets a new segment, and a long-lived tensor
+    that lands in a segment's free tail keeps the whole segment from being released. The freed
+    temporary is then a hole the next, larger one does not fit. ``pin_bytes`` defaults to the
+    smallest request of the large pool (1 MiB + 512), the pool that holds activations; a temporary
+    of ``n`` MiB + 512 bytes (``n`` even) leaves its segment a tail of 2 MiB - 512 bytes, which such
+    a tensor fills.
     """
 
     kind: ClassVar[str] = "fragmentation"
     temporary_bytes: int = 64 * MiB
+    growth_bytes: int = 2 * MiB
+    pin_bytes: int = SMALL_REQUEST_LIMIT + ROUNDING
     from_step: int = 1
     every_steps: int = 1
     until_step: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temporary_bytes < LARGE_SEGMENT_ROUNDING or self.every_steps < 1:
-            raise UsageError(f"fault {self.kind} needs temporary_bytes >= {LARGE_SEGMENT_ROUNDING} "
+        if self.temporary_bytes <= 0 or self.pin_bytes <= 0 or self.growth_bytes < 0 or self.every_steps < 1:
+            raise UsageError(f"fault {self.kind} needs temporary_bytes > 0, pin_bytes > 0, growth_bytes >= 0 "
                              "and every_steps >= 1")
         _check_window(self.kind, self.from_step, self.until_step)
 
@@ -117,21 +115,17 @@ class Fragmentation(Fault):
     def start_step(self) -> int:
         return self.from_step
 
-    def before_step(self, runner: RankRunner, step: int) -> None:
+    def temporary_at(self, event: int) -> int:
+        """The size of event ``event``'s temporary (events count from 0)."""
+        return self.temporary_bytes + event * self.growth_bytes
+
+    def before_step(self, runner: FaultTarget, step: int) -> None:
         if not _in_window(step, self.from_step, self.until_step, self.every_steps):
             return
         gpu = runner.gpu
-        # The smallest segment-aligned size that no cached block can serve: each event 2 MiB more.
-        larger_than_cached = gpu.state().largest_cached_block_bytes + ROUNDING
-        size = _round_up(max(self.temporary_bytes, larger_than_cached), LARGE_SEGMENT_ROUNDING)
-        # One rounding unit past a segment boundary: the new segment keeps a free tail of 2 MiB - 512.
-        temporary = gpu.malloc(size + ROUNDING)
-        gpu.malloc(FRAGMENT_PIN_BYTES)
+        temporary = gpu.malloc(self.temporary_at((step - self.from_step) // self.every_steps))
+        gpu.malloc(self.pin_bytes)
         gpu.free(temporary)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 @register_fault
@@ -150,7 +144,7 @@ class SkipPeakReset(Fault):
         if self.staging_bytes is not None and self.staging_bytes <= 0:
             raise UsageError(f"fault {self.kind}: staging_bytes must be positive (or left out)")
 
-    def setup(self, runner: RankRunner) -> None:
+    def setup(self, runner: FaultTarget) -> None:
         runner.behaviour.reset_peak_before_warmup = False
         if self.staging_bytes is not None:
             runner.behaviour.load_staging_bytes = self.staging_bytes
@@ -163,7 +157,7 @@ class WarmupDecode(Fault):
 
     kind: ClassVar[str] = "warmup_decode"
 
-    def setup(self, runner: RankRunner) -> None:
+    def setup(self, runner: FaultTarget) -> None:
         runner.behaviour.warmup_prefill = False
 
 
@@ -179,14 +173,13 @@ class WarmupShort(Fault):
         if self.tokens < 1:
             raise UsageError(f"fault {self.kind} needs tokens >= 1")
 
-    def check(self, scenario: Scenario) -> None:
-        engine = scenario.engine
+    def check(self, engine: EngineConfig, scenario: str) -> None:
         if self.tokens > min(engine.max_num_batched_tokens, engine.max_model_len):
-            raise UsageError(f"scenario {scenario.name}: fault {self.kind} warms up {self.tokens} tokens, more than "
+            raise UsageError(f"scenario {scenario}: fault {self.kind} warms up {self.tokens} tokens, more than "
                              f"the engine's own warmup; use at most "
                              f"{min(engine.max_num_batched_tokens, engine.max_model_len)}")
 
-    def setup(self, runner: RankRunner) -> None:
+    def setup(self, runner: FaultTarget) -> None:
         runner.behaviour.warmup_num_seqs = 1
         runner.behaviour.warmup_seq_len = self.tokens
 
@@ -211,11 +204,11 @@ class LongPrefill(Fault):
         if self.rank is not None:
             raise UsageError(f"fault {self.kind} adds a request to the whole engine; leave out rank")
 
-    def check(self, scenario: Scenario) -> None:
+    def check(self, engine: EngineConfig, scenario: str) -> None:
         length = self.prompt_tokens + self.output_tokens
-        if length > scenario.engine.max_model_len:
-            raise UsageError(f"scenario {scenario.name}: fault {self.kind} adds a request of {length} tokens but "
-                             f"max_model_len is {scenario.engine.max_model_len}; raise max_model_len")
+        if length > engine.max_model_len:
+            raise UsageError(f"scenario {scenario}: fault {self.kind} adds a request of {length} tokens but "
+                             f"max_model_len is {engine.max_model_len}; raise max_model_len")
 
     @property
     def start_step(self) -> int:
@@ -245,13 +238,13 @@ class RankImbalance(Fault):
         if self.release_at_step is not None and self.release_at_step < 1:
             raise UsageError(f"fault {self.kind}: release_at_step must be a serving step (>= 1)")
 
-    def check(self, scenario: Scenario) -> None:
-        if scenario.engine.tensor_parallel_size < 2:
-            raise UsageError(f"scenario {scenario.name}: fault {self.kind} needs tensor_parallel_size >= 2")
+    def check(self, engine: EngineConfig, scenario: str) -> None:
+        if engine.tensor_parallel_size < 2:
+            raise UsageError(f"scenario {scenario}: fault {self.kind} needs tensor_parallel_size >= 2")
 
-    def setup(self, runner: RankRunner) -> None:
+    def setup(self, runner: FaultTarget) -> None:
         runner.gpu.take_other_process(self.name, min(self.size_bytes, runner.gpu.driver_free_bytes))
 
-    def before_step(self, runner: RankRunner, step: int) -> None:
+    def before_step(self, runner: FaultTarget, step: int) -> None:
         if step == self.release_at_step:
             runner.gpu.release_other_process(self.name)

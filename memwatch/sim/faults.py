@@ -1,10 +1,12 @@
 """Faults a scenario can inject, and the registry that maps a scenario's ``kind`` to its class.
 
-A fault is a frozen dataclass whose fields are its scenario parameters. It acts on one rank's runner
-(:class:`memwatch.sim.runner.RankRunner`) through two hooks: :meth:`Fault.setup` once before startup
-(it may change ``runner.behaviour``, the startup knobs, or the device) and :meth:`Fault.before_step`
-before every serving step. A fault may also add requests to the workload (:meth:`Fault.extra_requests`)
-and check itself against the whole scenario (:meth:`Fault.check`). New kinds subclass :class:`Fault`
+A fault is a frozen dataclass whose fields are its scenario parameters. It acts on one rank through
+the narrow :class:`FaultTarget` interface (a rank's device and startup knobs; the simulator's
+``RankRunner`` provides it) with two hooks: :meth:`Fault.setup` once before startup (it may change
+``target.behaviour`` or the device) and :meth:`Fault.before_step` before every serving step. A fault
+may also add requests to the workload (:meth:`Fault.extra_requests`) and check itself against the
+engine's settings (:meth:`Fault.check`). This module knows nothing of scenarios or runners, so the
+imports run one way: ``faults`` <- ``fault_kinds`` <- ``scenario`` and ``runner``. New kinds subclass :class:`Fault`
 and decorate themselves with :func:`register_fault`; the scenario loader then accepts them by name.
 
 This module holds the base, the registry and ``other_process`` (the first kind, kept here so that
@@ -16,13 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 from memwatch.errors import UsageError
+from memwatch.sim.config import EngineConfig, StartupBehaviour
+from memwatch.sim.gpu import VirtualGPU
 
-if TYPE_CHECKING:
-    from memwatch.sim.runner import RankRunner
-    from memwatch.sim.scenario import Scenario
+
+class FaultTarget(Protocol):
+    """What a fault may touch on one rank: its index, its device and its startup knobs."""
+
+    rank: int
+    gpu: VirtualGPU
+    behaviour: StartupBehaviour
 
 FAULT_KINDS: dict[str, type[Fault]] = {}
 """Every accepted ``kind``, documented names and aliases alike, to its class."""
@@ -63,13 +71,13 @@ class Fault:
     def applies_to(self, rank: int) -> bool:
         return self.rank is None or self.rank == rank
 
-    def check(self, scenario: Scenario) -> None:
-        """Raise :class:`UsageError` when this fault cannot apply to ``scenario`` (called on load)."""
+    def check(self, engine: EngineConfig, scenario: str) -> None:
+        """Raise :class:`UsageError` when this fault cannot apply to scenario ``scenario``'s engine (on load)."""
 
-    def setup(self, runner: RankRunner) -> None:
+    def setup(self, runner: FaultTarget) -> None:
         """Called once on each rank it applies to, before the engine starts."""
 
-    def before_step(self, runner: RankRunner, step: int) -> None:
+    def before_step(self, runner: FaultTarget, step: int) -> None:
         """Called on each rank it applies to before serving step ``step`` (1-based) runs its forward."""
 
     def extra_requests(self) -> tuple[ExtraRequest, ...]:
@@ -112,17 +120,17 @@ class OtherProcess(Fault):
     def start_step(self) -> int:
         return self.at_step
 
-    def setup(self, runner: RankRunner) -> None:
+    def setup(self, runner: FaultTarget) -> None:
         if self.at_step == 0:
             self._take(runner)
 
-    def before_step(self, runner: RankRunner, step: int) -> None:
+    def before_step(self, runner: FaultTarget, step: int) -> None:
         if step == self.at_step:
             self._take(runner)
         elif step == self.release_at_step:
             runner.gpu.release_other_process(self.name)
 
-    def _take(self, runner: RankRunner) -> None:
+    def _take(self, runner: FaultTarget) -> None:
         runner.gpu.take_other_process(self.name, min(self.size_bytes, runner.gpu.driver_free_bytes))
 
 

@@ -96,6 +96,15 @@ class SimulatedOutOfMemory(MemwatchError):
         )
 
 
+class SimulatedCrash(MemwatchError):
+    """The simulated engine process died outside PyTorch's allocator: a library's ``cudaMalloc`` failed,
+    or a kernel touched memory that is not there. PyTorch's OOM handling never sees it."""
+
+    def __init__(self, message: str, device_index: int = 0) -> None:
+        self.device_index = device_index
+        super().__init__(message)
+
+
 class _Segment:
     __slots__ = ("size", "small")
 
@@ -326,7 +335,17 @@ class VirtualGPU(Probe):
     # -- memory outside the allocator ----------------------------------------------------------------
 
     def take_non_pytorch(self, owner: str, nbytes: int) -> None:
-        """This process takes ``nbytes`` outside the allocator (NCCL buffers, workspaces, a leak)."""
+        """This process takes ``nbytes`` outside the allocator (NCCL buffers, workspaces, a leak).
+
+        When the driver has no room, the library's own ``cudaMalloc`` fails: a :class:`SimulatedCrash`
+        (a CUDA error the engine does not survive), not an allocator OOM, and PyTorch's cache is not
+        released for it.
+        """
+        if nbytes >= 0 and nbytes > self.driver_free_bytes:
+            raise SimulatedCrash(
+                f"CUDA error: out of memory: {owner} could not cudaMalloc {nbytes / MiB:.2f} MiB outside PyTorch's "
+                f"allocator ({self.driver_free_bytes / MiB:.2f} MiB free on {self.device_name}); the process died",
+                self.index)
         self._take(self._non_pytorch, owner, nbytes)
 
     def release_non_pytorch(self, owner: str) -> None:

@@ -26,7 +26,8 @@ class RankSummary:
     rank: int
     run_id: str
     status: str
-    """``ok``, ``oom`` (this rank ran out of memory) or ``error`` (the run died)."""
+    """``ok``, ``oom`` (this rank ran out of memory), ``crashed`` (this rank's process died outside
+    PyTorch's allocator) or ``error`` (the run died)."""
     phases: tuple[PhaseSummary, ...]
     weights_bytes: int | None
     activation_reserve_bytes: int | None
@@ -44,6 +45,8 @@ class RankSummary:
     kv_sizing: dict[str, Any] | None = None
     """The readings the formula used: total, used, peak, current, utilization, block bytes, blocks."""
     oom_details: dict[str, Any] | None = None
+    crash_details: dict[str, Any] | None = None
+    """``phase``, ``step`` (the last step this rank recorded) and ``error`` of a crash."""
 
     @property
     def kv_bytes(self) -> int | None:
@@ -56,7 +59,8 @@ class SimulationResult:
     scenario: str
     model: str
     status: str
-    """``ok``, ``oom`` when a rank ran out of memory, ``error`` when the engine died of something else."""
+    """``ok``, ``oom`` when a rank ran out of memory, ``crashed`` when a rank's process died outside
+    PyTorch's allocator, ``error`` when the engine died of something else."""
     ranks: tuple[RankSummary, ...]
     requests: int
     finished_requests: int

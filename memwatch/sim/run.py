@@ -2,7 +2,8 @@
 
 ``run_scenario`` is what ``memwatch demo`` and the tests call. It never raises for what the simulated
 engine dies of (an OOM, a KV cache with no room, a request that can never fit): those end the run the
-way they would end a real one — an ``oom`` event and closed rings — and come back in the result's
+way they would end a real one — an ``oom`` event and closed rings, or for a crash outside PyTorch's
+allocator a ring its writer never closed — and come back in the result's
 ``status`` and ``error``. Bad scenarios and an unusable runtime directory do raise, as
 :class:`memwatch.errors.MemwatchError` subclasses with one-line messages.
 """
@@ -16,7 +17,7 @@ import time
 from memwatch.errors import MemwatchError, UnavailableError
 from memwatch.sim.clock import VirtualClock
 from memwatch.sim.engine import SimulatedEngine
-from memwatch.sim.gpu import SimulatedOutOfMemory, VirtualGPU
+from memwatch.sim.gpu import SimulatedCrash, SimulatedOutOfMemory, VirtualGPU
 from memwatch.sim.result import PhaseSummary, RankSummary, SimulationResult
 from memwatch.sim.runner import RankRunner
 from memwatch.sim.scenario import Scenario
@@ -74,12 +75,15 @@ def run_scenario(
         status = "ok"
     except SimulatedOutOfMemory as exc:
         status, error = "oom", str(exc)
+    except SimulatedCrash as exc:
+        status, error = "crashed", str(exc)
     except MemwatchError as exc:
         status, error = "error", str(exc)
     for runner in runners:
         if runner.status == "running":
             runner.status = "ok" if status == "ok" else "error"
-        runner.monitor.close(runner.status)
+        if runner.status != "crashed":  # a crashed process never closes its ring: the sidecar sees it die
+            runner.monitor.close(runner.status)
 
     stats = engine.stats
     return SimulationResult(
@@ -115,4 +119,5 @@ def _rank_summary(runner: RankRunner, engine: SimulatedEngine) -> RankSummary:
         ring_path=None if runner.monitor.ring_path is None else str(runner.monitor.ring_path),
         kv_sizing=None if sizing is None else dataclasses.asdict(sizing),
         oom_details=runner.oom_details,
+        crash_details=runner.crash_details,
     )

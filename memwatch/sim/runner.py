@@ -13,8 +13,9 @@ Startup follows ``ModelRunner.__init__`` step by step, each step inside its Moni
 4. ``cudagraph`` (unless ``enforce_eager``): the static decode buffers and one shared graph pool
    holding the largest captured decode batch's activations, allocated after the KV budget was set.
 
-A forward allocates its activation peak (``memwatch.models.forward_activation_bytes``) and frees it.
-Decode batches that fit a captured graph replay it from the graph pool and allocate nothing new.
+A forward allocates and frees its tensors one by one (:mod:`memwatch.sim.forward`), so the segments
+it leaves cached (whole, or split around something long-lived) come from the workload itself. Decode
+batches that fit a captured graph replay it from the graph pool and allocate nothing new.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from memwatch.errors import MemwatchError
 from memwatch.models import ModelSpec, forward_activation_bytes, warmup_batch
 from memwatch.models.spec import dtype_itemsize
 from memwatch.sim.clock import VirtualClock
+from memwatch.sim.config import EngineConfig, StartupBehaviour
 from memwatch.sim.faults import Fault
-from memwatch.sim.gpu import SimulatedOutOfMemory, VirtualGPU
-from memwatch.sim.scenario import EngineConfig
+from memwatch.sim.forward import forward_ops
+from memwatch.sim.gpu import SimulatedCrash, SimulatedOutOfMemory, VirtualGPU
 from memwatch_engine import Monitor
 
 MAX_GRAPH_BATCH = 512
@@ -40,19 +42,6 @@ MAX_GRAPH_BATCH = 512
 
 class KVCacheSizingError(MemwatchError):
     """The KV formula left no room for a single block (nano-vllm asserts ``num_kvcache_blocks > 0``)."""
-
-
-@dataclass
-class StartupBehaviour:
-    """The startup choices faults may change; the defaults are nano-vllm's."""
-
-    load_staging_bytes: int | None = None
-    """The transient copy made while loading; ``None``: one decoder layer's weights."""
-    reset_peak_before_warmup: bool = True
-    warmup_prefill: bool = True
-    warmup_num_seqs: int | None = None
-    """``None``: the worst case from ``warmup_batch``."""
-    warmup_seq_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -102,13 +91,15 @@ class RankRunner:
         self.kv_sizing: KVSizing | None = None
         self.graph_batch_limit = 0
         self.oom_details: dict[str, Any] | None = None
+        self.crash_details: dict[str, Any] | None = None
         self._persistent: list[int] = []
 
     # -- phases --------------------------------------------------------------------------------------
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """A Monitor phase that also times itself and records an OOM inside it before it ends."""
+        """A Monitor phase that also times itself and records an OOM inside it before it ends (a crash
+        records nothing: the process is gone)."""
         wall, virtual = time.perf_counter_ns(), self.clock.now_ns()
         with self.monitor.phase(name):
             try:
@@ -116,6 +107,11 @@ class RankRunner:
             except SimulatedOutOfMemory as exc:
                 if exc.device_index == self.gpu.index:  # in lockstep, another rank's OOM passes through here
                     self._record_oom(name, exc)
+                raise
+            except SimulatedCrash as exc:
+                if exc.device_index == self.gpu.index:  # no oom event: the process just dies
+                    self.status = "crashed"
+                    self.crash_details = {"phase": name, "step": self.monitor.step_count, "error": str(exc)}
                 raise
             finally:
                 self.phases.append(PhaseTiming(name, time.perf_counter_ns() - wall, self.clock.now_ns() - virtual))
@@ -232,14 +228,29 @@ class RankRunner:
         for fault in self.faults:
             fault.before_step(self, step)
 
+    def check_block_ids(self, highest_block: int) -> None:
+        """Rank 0 schedules with its own block count; a rank that sized fewer blocks gets block ids its
+        KV tensor does not have, and its attention kernel reads and writes past the end: the process dies."""
+        sizing = self.kv_sizing
+        if sizing is not None and highest_block >= sizing.num_blocks:
+            raise SimulatedCrash(
+                f"rank {self.rank}: CUDA error: an illegal memory access was encountered (the block table holds "
+                f"KV block {highest_block:,}, but this rank sized {sizing.num_blocks:,} blocks)", self.gpu.index)
+
     def forward(self, num_tokens: int, num_seqs: int, *, prefill: bool, max_seq_len: int) -> int:
-        """Run one forward: allocate its activation peak and free it. Returns the bytes allocated."""
+        """Run one forward, tensor by tensor (:func:`memwatch.sim.forward.forward_ops`). Returns its peak
+        activation in bytes (0 for a decode batch a captured graph replays)."""
         if not prefill and num_seqs <= self.graph_batch_limit:
             return 0
-        nbytes = forward_activation_bytes(self.spec, num_tokens, num_seqs, prefill=prefill, tp=self.tp,
-                                          attention=self.engine.attention, max_seq_len=max_seq_len)
-        self.gpu.free(self.gpu.malloc(nbytes))
-        return nbytes
+        gpu, live = self.gpu, {}
+        for op in forward_ops(self.spec, num_tokens, num_seqs, prefill=prefill, tp=self.tp,
+                              attention=self.engine.attention, max_seq_len=max_seq_len):
+            if op.nbytes:
+                live[op.name] = gpu.malloc(op.nbytes)
+            else:
+                gpu.free(live.pop(op.name))
+        return forward_activation_bytes(self.spec, num_tokens, num_seqs, prefill=prefill, tp=self.tp,
+                                        attention=self.engine.attention, max_seq_len=max_seq_len)
 
 
 def _split_evenly(total: int, parts: int) -> list[int]:

@@ -21,77 +21,11 @@ from typing import Any
 from memwatch.errors import UsageError
 from memwatch.models import ModelSpec
 from memwatch.models.spec import canonical_dtype
+from memwatch.sim.config import CostModel, EngineConfig, GPUConfig
 from memwatch.sim.expectation import Expectation
 from memwatch.sim.fault_kinds import FAULT_KINDS  # importing it registers every shipped kind
 from memwatch.sim.faults import Fault
-from memwatch.sim.gpu import DEFAULT_CONTEXT_BYTES, MiB
 from memwatch.sim.workload import RandomRequests, RequestGroup, Workload
-
-ATTENTION_IMPLEMENTATIONS = ("flash", "eager")
-
-
-@dataclass(frozen=True)
-class GPUConfig:
-    total_bytes: int
-    context_bytes: int = DEFAULT_CONTEXT_BYTES
-    name: str = "Virtual GPU"
-
-    def __post_init__(self) -> None:
-        if self.total_bytes <= 0 or not 0 <= self.context_bytes < self.total_bytes:
-            raise UsageError("[gpu] needs total_bytes > 0 and 0 <= context_bytes < total_bytes")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """nano-vllm's ``Config`` fields that shape memory, with its defaults."""
-
-    gpu_memory_utilization: float = 0.9
-    block_size: int = 256
-    max_num_batched_tokens: int = 16384
-    max_num_seqs: int = 512
-    max_model_len: int = 4096
-    tensor_parallel_size: int = 1
-    dtype: str | None = None
-    """Model precision; ``None`` keeps the config's ``torch_dtype``."""
-    enforce_eager: bool = False
-    """``False`` captures CUDA graphs for decode after the KV cache is allocated."""
-    attention: str = "flash"
-    nccl_bytes: int = 128 * MiB
-    """NCCL buffers each rank takes outside the allocator on its first all-reduce (only when TP > 1)."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise UsageError(f"[engine] gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.block_size < 256 or self.block_size % 256:
-            raise UsageError(f"[engine] block_size must be a multiple of 256 (nano-vllm asserts it), "
-                             f"got {self.block_size}")
-        if min(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len) < 1:
-            raise UsageError("[engine] max_num_batched_tokens, max_num_seqs and max_model_len must be >= 1")
-        if not 1 <= self.tensor_parallel_size <= 8:
-            raise UsageError(f"[engine] tensor_parallel_size must be between 1 and 8, got {self.tensor_parallel_size}")
-        if self.attention not in ATTENTION_IMPLEMENTATIONS:
-            raise UsageError(f"[engine] attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, "
-                             f"got {self.attention!r}")
-        if self.nccl_bytes < 0:
-            raise UsageError("[engine] nccl_bytes cannot be negative")
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """How much virtual time each part of a run takes; runs themselves take wall-clock seconds."""
-
-    prefill_tokens_per_s: float = 8000.0
-    decode_step_s: float = 0.025
-    decode_per_seq_s: float = 0.0001
-    load_bytes_per_s: float = 2.0e9
-    graph_capture_s: float = 0.01
-    """Per captured batch size."""
-
-    def __post_init__(self) -> None:
-        if min(self.prefill_tokens_per_s, self.load_bytes_per_s) <= 0:
-            raise UsageError("[cost] prefill_tokens_per_s and load_bytes_per_s must be positive")
-        if min(self.decode_step_s, self.decode_per_seq_s, self.graph_capture_s) < 0:
-            raise UsageError("[cost] decode_step_s, decode_per_seq_s and graph_capture_s cannot be negative")
 
 
 @dataclass(frozen=True)
@@ -117,7 +51,7 @@ class Scenario:
             if fault.rank is not None and not 0 <= fault.rank < self.engine.tensor_parallel_size:
                 raise UsageError(f"scenario {self.name}: fault {fault.kind} targets rank {fault.rank}, "
                                  f"but there are {self.engine.tensor_parallel_size} ranks")
-            fault.check(self)
+            fault.check(self.engine, self.name)
 
     def model_spec(self) -> ModelSpec:
         """The model at the engine's precision, checked to shard over the engine's TP size like nano-vllm."""

@@ -47,6 +47,7 @@ class ScorecardRow:
     status: str
     gradual: bool
     oom_step: int | None
+    """The step the run ran out of memory: its ``oom`` flag, or the last step a crashed rank recorded."""
     first_risk_step: int | None
     """The first ``oom_risk`` on the rank that ran out, before the OOM."""
     problems: tuple[str, ...]
@@ -82,8 +83,8 @@ def score(scenario: Scenario, result: SimulationResult, replayed: ReplayResult) 
     """Compare one simulated run and its replay with the scenario's ``[expect]`` (none: a clean run)."""
     expect = scenario.expect or Expectation()
     raised = tuple(dict.fromkeys(flag.kind for flag in replayed.flags))
-    oom = next((flag for flag in replayed.flags if flag.kind == OOM), None)
-    first_risk = None if oom is None else _first_risk(replayed.flags, oom)
+    end = _end(result, replayed.flags)
+    first_risk = None if end is None else _first_risk(replayed.flags, *end)
     problems = []
     missing = [kind for kind in expect.flags if kind not in raised]
     unexpected = [kind for kind in raised if kind not in expect.flags]
@@ -95,7 +96,7 @@ def score(scenario: Scenario, result: SimulationResult, replayed: ReplayResult) 
         problems.append(f"ended {result.status}, expected {expect.status}")
     fault_step = min((fault.start_step for fault in scenario.faults), default=0)
     row = ScorecardRow(scenario.name, expect.flags, raised, expect.status, result.status, expect.gradual,
-                       None if oom is None else oom.step, first_risk, (), fault_step)
+                       None if end is None else end[1], first_risk, (), fault_step)
     if expect.gradual and (row.lead_steps is None or row.lead_steps < MIN_LEAD_STEPS):
         lead = "no oom_risk before it" if row.lead_steps is None else f"oom_risk only {row.lead_steps} steps before it"
         problems.append(f"gradual OOM with {lead} (at least {MIN_LEAD_STEPS} needed)")
@@ -104,9 +105,18 @@ def score(scenario: Scenario, result: SimulationResult, replayed: ReplayResult) 
     return ScorecardRow(**{**row.__dict__, "problems": tuple(problems)})
 
 
-def _first_risk(flags: list[Flag], oom: Flag) -> int | None:
-    steps = [flag.step for flag in flags
-             if flag.kind == OOM_RISK and flag.rank == oom.rank and flag.ts_ns <= oom.ts_ns]
+def _end(result: SimulationResult, flags: list[Flag]) -> tuple[int, int] | None:
+    """``(rank, step)`` where the run ran out of memory: its ``oom`` flag, or the last step a crashed rank
+    recorded (a crash outside PyTorch's allocator leaves no ``oom`` event)."""
+    oom = next((flag for flag in flags if flag.kind == OOM), None)
+    if oom is not None:
+        return oom.rank, oom.step
+    crashed = next((rank for rank in result.ranks if rank.crash_details is not None), None)
+    return None if crashed is None else (crashed.rank, crashed.crash_details["step"])  # type: ignore[index]
+
+
+def _first_risk(flags: list[Flag], rank: int, step: int) -> int | None:
+    steps = [flag.step for flag in flags if flag.kind == OOM_RISK and flag.rank == rank and flag.step <= step]
     return min(steps, default=None)
 
 
