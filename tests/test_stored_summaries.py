@@ -37,7 +37,8 @@ def test_stored_summaries_give_the_replays_answers(scenario: str, runtime_dir: P
     _same_check(check_run(db, run_id).to_dict(), check_records(records, None, run.status, run.started_ns).to_dict())
     fast, slow = explain_run(db, run_id).to_dict(), explain_records(records, None, run.status, run.started_ns).to_dict()
     assert fast == slow
-    assert fast["outcome"] == ("ok" if scenario.startswith("clean") else "oom")
+    # A leak outside PyTorch crashes its rank; another process's memory makes PyTorch's allocator fail.
+    assert fast["outcome"] == {"clean_tp2": "ok", "non_torch_leak_tp2": "crashed", "other_process_oom": "oom"}[scenario]
 
 
 def test_other_thresholds_or_a_partial_summary_replay(runtime_dir: Path, db_path: Path) -> None:
@@ -63,5 +64,5 @@ def test_a_rolled_up_run_still_checks_and_explains(runtime_dir: Path, db_path: P
     assert rolled > 0.5 * before_check["ranks"][0]["samples"]  # most of the run is now one row per second
     after_check, after = check_run(db, run_id).to_dict(), explain_run(db, run_id).to_dict()
     assert after_check == before_check  # from the stored summaries and flags: nothing was lost
-    assert after["outcome"] == "oom" and after["ooms"][0]["growth"]["term"] == before["ooms"][0]["growth"]["term"]
+    assert after["outcome"] == "crashed" and after["ooms"][0]["growth"]["term"] == before["ooms"][0]["growth"]["term"]
     assert after["ooms"][0]["window"] == before["ooms"][0]["window"]  # the last window is kept whole

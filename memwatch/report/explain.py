@@ -23,7 +23,7 @@ from memwatch.detectors.wording import format_bytes, format_count, format_durati
 from memwatch.flags import OOM, Flag
 from memwatch.records import Event, Sample
 from memwatch.report.points import ListPoints, Points
-from memwatch.report.readings import CRASHED, ENDED_BADLY, RankReadings, crash_sentences
+from memwatch.report.readings import CRASH, CRASHED, ENDED_BADLY, RankReadings, crash_ends, crash_sentences
 from memwatch.report.stored import first_ooms, ledger_events, stored_readings, stored_run
 from memwatch.report.stored_points import StoredPoints
 
@@ -34,8 +34,6 @@ MiB = 1 << 20
 WINDOW_STEPS = 100
 """How far back the "last window before the OOM" reaches."""
 MIN_GROWTH_BYTES = 64 * MiB
-CRASH = "crash"
-"""The end of a rank that died without an OOM event (its ring never closed), explained like an OOM."""
 ONSET_TOLERANCE_BYTES = 1 * MiB
 JUMP_FRACTION = 0.9
 """A growth that reached this share of its total within :data:`JUMP_STEPS` steps is a jump, not a slope."""
@@ -258,18 +256,6 @@ def render_explanation(explanation: Explanation) -> str:
 
 
 # -- out of memory --------------------------------------------------------------------------------
-
-
-def crash_ends(readings: dict[int, RankReadings], dead: set[int]) -> dict[int, Event]:
-    """A crashed run without an OOM event: each rank that died ended at its last sample, which is explained
-    like an out-of-memory (a library's failed ``cudaMalloc`` outside PyTorch's allocator is the usual cause)."""
-    ends = {}
-    for rank in sorted(dead & set(readings)):
-        last = readings[rank].last
-        if last is not None:
-            ends[rank] = Event(last.run_id, rank, last.step, last.ts_ns, CRASH,
-                               {"driver_free_bytes": last.driver_free_bytes})
-    return ends
 
 
 def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int, flags: list[Flag],

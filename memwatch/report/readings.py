@@ -16,13 +16,15 @@ from typing import Any
 
 from memwatch.detectors.detector_set import STARTUP_PHASES
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
-from memwatch.records import Sample
+from memwatch.records import Event, Sample
 
 WINDOW_STEPS = 100
 """The last window before a crash: this many samples."""
 
 CRASHED = "crashed"
 ENDED_BADLY = {CRASHED: "crashed", "error": "stopped with an error"}
+CRASH = "crash"
+"""The end of a rank that died without an OOM event (its ring never closed), explained like an OOM."""
 """Run statuses a post-mortem must lead with, and how they are said."""
 
 UNSIZED_SENTENCE = ("no KV sizing was recorded (no kv_allocated event), so the budget, headroom, residual and "
@@ -194,3 +196,15 @@ def _max(current: int | None, value: int | None) -> int | None:
 
 def _size(value: int | None) -> str:
     return "unknown" if value is None else format_bytes(value)
+
+
+def crash_ends(readings: dict[int, RankReadings], dead: set[int]) -> dict[int, Event]:
+    """A crashed run without an OOM event: each rank that died ended at its last sample, which is explained
+    like an out-of-memory (a library's failed ``cudaMalloc`` outside PyTorch's allocator is the usual cause)."""
+    ends = {}
+    for rank in sorted(dead & set(readings)):
+        last = readings[rank].last
+        if last is not None:
+            ends[rank] = Event(last.run_id, rank, last.step, last.ts_ns, CRASH,
+                               {"driver_free_bytes": last.driver_free_bytes})
+    return ends
