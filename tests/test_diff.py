@@ -18,7 +18,7 @@ from processes import query
 from stored_runs import store_scenario
 
 MiB = 1 << 20
-LEAK_BYTES = 2_621_440  # non_torch_leak: 2.5 MiB a step from step 200 until out of memory
+LEAK_BYTES = 2_621_440  # non_torch_leak: 2.5 MiB a step from step 200 until the leaking cudaMalloc fails
 
 
 @pytest.fixture
@@ -45,24 +45,23 @@ def test_what_changed_between_a_healthy_run_and_its_oom(twins: tuple[str, str], 
         assert not terms[term]["changed"] and terms[term]["a"] == terms[term]["b"] is not None, term
     assert terms["num_blocks"]["a"] == 113
     assert terms["budget_bytes"]["a"] == int(8 * 2**30 * 0.6)
-    [(oom_step, oom_data)] = query(db_path, "SELECT step, data FROM events WHERE kind = 'oom' AND run_id = ?", (b,))
-    assert json.loads(oom_data)["requested_bytes"] == LEAK_BYTES
-    assert terms["ended"] == {"a": "ok", "b": f"oom: out of memory at step {oom_step:,}, 2.50 MiB requested",
-                              "change": None, "changed": True}
-    assert terms["flags"]["a"] == {} and set(terms["flags"]["b"]) == {"oom_risk", "non_torch_drift", "oom"}
+    # The leak kills the process outside PyTorch's allocator: no oom event, the run crashed.
+    assert query(db_path, "SELECT count(*) FROM events WHERE kind = 'oom' AND run_id = ?", (b,)) == [(0,)]
+    assert terms["ended"] == {"a": "ok", "b": "crashed", "change": None, "changed": True}
+    assert terms["flags"]["a"] == {} and set(terms["flags"]["b"]) == {"oom_risk", "non_torch_drift"}
     # Least squares of a hinge: y = b·max(0, x − k) on steps evenly spread over [s0, s1] has slope
     # b·(1 − 3t² + 2t³) with t = (k − s0)/(s1 − s0); the healthy twin's slope is nil.
     [(s0, s1)] = query(db_path, "SELECT min(step), max(step) FROM samples WHERE run_id = ? AND phase = 'serve'", (b,))
     t = (200 - s0) / (s1 - s0)
     assert terms["drift_bytes_per_step"]["b"] == pytest.approx(LEAK_BYTES * (1 - 3 * t**2 + 2 * t**3), rel=0.02)
     assert abs(terms["drift_bytes_per_step"]["a"]) < 0.01 * MiB and terms["drift_bytes_per_step"]["changed"]
-    assert terms["min_free_bytes"]["b"] < LEAK_BYTES < terms["min_free_bytes"]["a"]  # the failed request did not fit
+    assert terms["min_free_bytes"]["b"] < LEAK_BYTES < terms["min_free_bytes"]["a"]  # the next leak did not fit
     assert diff["config"] == {"scenario": {"a": "healthy", "b": "non_torch_leak"}}
 
     text = CliRunner().invoke(main, ["diff", a, b, "--db", str(db_path)]).stdout
     changes = text[text.index("what changed:"):].splitlines()[1:]
     assert "  rank 0: KV blocks" not in text[text.index("what changed:"):]
-    assert f"  rank 0: how it ended ok → oom: out of memory at step {oom_step:,}, 2.50 MiB requested" in changes
+    assert "  rank 0: how it ended ok → crashed" in changes
     assert any(line.startswith("  rank 0: non-PyTorch drift while serving ") for line in changes)
 
 

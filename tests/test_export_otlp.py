@@ -33,7 +33,8 @@ def _simulate(runtime_dir: Path, db_path: Path, scenario: str) -> str:
                          env=memwatch_env(runtime_dir, db_path), capture_output=True, text=True, timeout=120)
     assert sim.returncode == 0, sim.stderr
     run_id = json.loads(sim.stdout)["run_id"]
-    wait_for(lambda: query(db_path, "SELECT status FROM runs WHERE run_id = ?", (run_id,)) in ([("oom",)], [("ok",)]),
+    wait_for(lambda: query(db_path, "SELECT status FROM runs WHERE run_id = ?", (run_id,))
+             in ([("oom",)], [("ok",)], [("crashed",)]),
              timeout=60, what="the simulated run to be stored")
     return run_id
 
@@ -106,11 +107,12 @@ def test_otlp_metrics_and_flag_logs_match_the_store(runtime_dir: Path, db_path: 
                           if a["rank"] == rank and v}
         assert exported_flags == stored_flags
         assert (rank == 0) == bool(kv)
-    assert ooms >= 1 and samples > 100  # the scenario runs out of memory after serving a while
+    # The scenario's leak kills rank 1 outside PyTorch after serving a while: no oom event, only the risk.
+    assert ooms == 0 and samples > 100
 
     stored = query(db_path, "SELECT rank, step, kind, severity, message, data FROM flags WHERE run_id = ?"
                    " ORDER BY ts_ns, rank", (run_id,))
-    assert {kind for _, _, kind, _, _, _ in stored} >= {"non_torch_drift", "oom_risk", "oom"}
+    assert {kind for _, _, kind, _, _, _ in stored} >= {"non_torch_drift", "oom_risk"}
     records = receiver.log_records()
     exported = sorted((attrs["rank"], attrs["step"], attrs["kind"], attrs["severity"], r.body.string_value,
                        attrs["memwatch.flag.data"])

@@ -71,9 +71,9 @@ def test_prometheus_scrapes_the_sidecar_and_every_dashboard_and_rule_expression_
                 sim.kill()
                 sim.wait(timeout=10)
         assert sim.returncode == 0, err
-        assert json.loads(out)["status"] == "oom"
-        # The run's last values linger for a while: the OOM and the vanished margin reach the alerts too.
-        for name in ("MemwatchOom", "MemwatchOomRisk", "MemwatchOomMarginLow"):
+        assert json.loads(out)["status"] == "crashed"  # the leaking cudaMalloc fails outside PyTorch: no oom event
+        # The run's last values linger for a while: the risk and the vanished margin reach the alerts too.
+        for name in ("MemwatchOomRisk", "MemwatchOomMarginLow"):
             wait_for(lambda name=name: _active(prometheus, name), timeout=LINGER_SECONDS + 10, what=f"{name}")
 
         empty = [expr for expr in dashboard_expressions() if not prometheus.query(expr, at=moment)]

@@ -39,8 +39,8 @@ PLOT_STATE = """(() => {
 
 @pytest.fixture
 def oom_run(runtime_dir: Path, db_path: Path) -> str:
-    """Two ranks; rank 1 leaks outside PyTorch from step 200 until out of memory (the sidecar's flags stored)."""
-    return store_scenario("non_torch_leak_tp2", runtime_dir, db_path, live=True)
+    """Two ranks; another process takes rank 1's free memory, which later runs out (the sidecar's flags stored)."""
+    return store_scenario("other_process_oom_tp2", runtime_dir, db_path, live=True)
 
 
 def _report(db_path: Path, run: str, out: Path) -> Path:

@@ -44,6 +44,7 @@ TABLE = {
     "non_torch_leak_tp2": (("oom_risk", "non_torch_drift"), "crashed"),
     "other_process": (("external_process",), "ok"),
     "other_process_oom": (("oom_risk", "external_process", "oom"), "oom"),
+    "other_process_oom_tp2": (("oom_risk", "external_process", "oom"), "oom"),
     "rank_imbalance": (("block_count_mismatch",), "ok"),
     "skip_peak_reset": (("reserve_overstated",), "ok"),
     "warmup_decode": (("activation_over_reserve", "oom_risk", "oom"), "oom"),

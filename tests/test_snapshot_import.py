@@ -64,8 +64,8 @@ def snapshot(oom_us: int, grow_us: int) -> dict[str, Any]:
 
 
 @pytest.fixture
-def leak_run(runtime_dir: Path, db_path: Path) -> str:
-    return store_scenario("non_torch_leak", runtime_dir, db_path)
+def oom_run(runtime_dir: Path, db_path: Path) -> str:
+    return store_scenario("fragmentation", runtime_dir, db_path)  # ends in a PyTorch out-of-memory
 
 
 def _invoke(db_path: Path, *args: str) -> Any:
@@ -77,14 +77,14 @@ def _events(db_path: Path, kind: str) -> list[tuple[int, int, dict[str, Any]]]:
     return [(step, ts, json.loads(data)) for step, ts, data in rows]
 
 
-def test_a_snapshot_becomes_events_at_its_moments(leak_run: str, db_path: Path, tmp_path: Path) -> None:
+def test_a_snapshot_becomes_events_at_its_moments(oom_run: str, db_path: Path, tmp_path: Path) -> None:
     [(oom_step, oom_ns)] = query(db_path, "SELECT step, ts_ns FROM events WHERE kind = 'oom'")
-    [(grow_ns,)] = query(db_path, "SELECT ts_ns FROM samples WHERE step = 1000")
+    [(grow_ns,)] = query(db_path, "SELECT ts_ns FROM samples WHERE step = 400")
     path = tmp_path / "oom.pickle"
     path.write_bytes(pickle.dumps(snapshot(oom_ns // 1000, -(-grow_ns // 1000))))
-    result = _invoke(db_path, "import-snapshot", str(path), "--run", leak_run[:6])
+    result = _invoke(db_path, "import-snapshot", str(path), "--run", oom_run[:6])
     assert result.exit_code == 0, result.output
-    assert result.stdout.splitlines()[0] == f"imported {path} into run {leak_run} rank 0: 6 events"
+    assert result.stdout.splitlines()[0] == f"imported {path} into run {oom_run} rank 0: 6 events"
 
     [(_, _, imported)] = _events(db_path, "snapshot_imported")
     assert (imported["segments"], imported["reserved_bytes"], imported["allocated_bytes"]) == (
@@ -106,13 +106,13 @@ def test_a_snapshot_becomes_events_at_its_moments(leak_run: str, db_path: Path, 
     assert (oom["requested_bytes"], oom["device_free_bytes"], oom["frames"][0]["name"]) == (512 * MiB, 100 * MiB,
                                                                                            "forward")
 
-    again = _invoke(db_path, "import-snapshot", str(path), "--run", leak_run)
+    again = _invoke(db_path, "import-snapshot", str(path), "--run", oom_run)
     assert again.exit_code == 0 and "already imported" in again.stdout
     assert len(_events(db_path, "snapshot_allocation")) == 3
 
 
-def test_trace_entries_land_on_the_step_of_their_time(leak_run: str, db_path: Path, tmp_path: Path) -> None:
-    [(grow_ns,)] = query(db_path, "SELECT ts_ns FROM samples WHERE step = 1000")
+def test_trace_entries_land_on_the_step_of_their_time(oom_run: str, db_path: Path, tmp_path: Path) -> None:
+    [(grow_ns,)] = query(db_path, "SELECT ts_ns FROM samples WHERE step = 400")
     data = snapshot(0, -(-grow_ns // 1000))
     data["device_traces"][0].pop()  # no oom entry: the snapshot's moment is the run's oom event
     path = tmp_path / "no-oom.pickle"
@@ -147,13 +147,13 @@ def _bad_files(tmp_path: Path) -> dict[str, tuple[bytes, str]]:
 
 
 def test_truncated_foreign_and_hostile_pickles_get_one_line_and_change_nothing(
-    leak_run: str, db_path: Path, tmp_path: Path
+    oom_run: str, db_path: Path, tmp_path: Path
 ) -> None:
     before = query(db_path, "SELECT count(*) FROM events")
     for name, (content, reason) in _bad_files(tmp_path).items():
         path = tmp_path / f"{name.replace(' ', '-')}.pickle"
         path.write_bytes(content)
-        result = _invoke(db_path, "import-snapshot", str(path), "--run", leak_run)
+        result = _invoke(db_path, "import-snapshot", str(path), "--run", oom_run)
         assert result.exit_code == 2, (name, result.output)
         lines = result.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {path} is not"), (name, lines)
@@ -165,10 +165,10 @@ def test_truncated_foreign_and_hostile_pickles_get_one_line_and_change_nothing(
     assert (tmp_path / "executed").exists()
 
 
-def test_missing_file_run_and_rank(leak_run: str, db_path: Path, tmp_path: Path) -> None:
+def test_missing_file_run_and_rank(oom_run: str, db_path: Path, tmp_path: Path) -> None:
     path = tmp_path / "s.pickle"
     path.write_bytes(pickle.dumps(snapshot(1, 1)))
-    assert _invoke(db_path, "import-snapshot", str(tmp_path / "none.pickle"), "--run", leak_run).exit_code == 3
+    assert _invoke(db_path, "import-snapshot", str(tmp_path / "none.pickle"), "--run", oom_run).exit_code == 3
     assert _invoke(db_path, "import-snapshot", str(path), "--run", "nosuchrun").exit_code == 3
-    wrong_rank = _invoke(db_path, "import-snapshot", str(path), "--run", leak_run, "--rank", "3")
+    wrong_rank = _invoke(db_path, "import-snapshot", str(path), "--run", oom_run, "--rank", "3")
     assert wrong_rank.exit_code == 2 and "has no rank 3" in wrong_rank.stderr
