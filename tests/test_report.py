@@ -154,6 +154,7 @@ def test_plotting_libraries_load_only_when_a_report_is_written() -> None:
 def test_a_run_stored_without_live_detectors_still_shows_its_flags(runtime_dir: Path, db_path: Path) -> None:
     run_id = store_scenario("non_torch_leak", runtime_dir, db_path)  # no flags table rows: replayed as check does
     [rank] = load_run_data(open_store(db_path, readonly=True), run_id).ranks
+    # The leak ends in a crash outside PyTorch's allocator: its risk flags, and no oom event.
     assert [(f.kind, f.severity) for f in rank.flags] == [
-        ("oom_risk", "warning"), ("non_torch_drift", "warning"), ("oom_risk", "critical"), ("oom", "critical")]
-    assert [e.step for e in rank.ooms] == [rank.flags[-1].step]
+        ("oom_risk", "warning"), ("non_torch_drift", "warning"), ("oom_risk", "critical")]
+    assert list(rank.ooms) == []
