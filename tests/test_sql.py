@@ -77,7 +77,7 @@ def test_bad_query_and_missing_database(filled: Path, tmp_path: Path) -> None:
 
 
 def test_the_readme_queries_run_on_a_stored_run(runtime_dir: Path, db_path: Path) -> None:
-    run_id = store_scenario("non_torch_leak", runtime_dir, db_path, live=True)
+    run_id = store_scenario("fragmentation", runtime_dir, db_path, live=True)  # a run that ends in an OOM event
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme.split("## Asking the database directly", 1)[1].split("\n## ", 1)[0]
     queries = re.findall(r'^memwatch sql "(.*)"$', section, flags=re.M)
@@ -88,7 +88,7 @@ def test_the_readme_queries_run_on_a_stored_run(runtime_dir: Path, db_path: Path
         assert code == 0, err
         answers.append([json.loads(line) for line in out.splitlines()])
     assert answers[0][0]["run_id"] == run_id and answers[0][0]["status"] == "oom"
-    assert {row["kind"] for row in answers[2]} >= {"non_torch_drift", "oom"}
+    assert {row["kind"] for row in answers[2]} >= {"fragmentation", "oom"}
     oom = open_store(db_path, readonly=True).execute(
         "SELECT ts_ns FROM events WHERE run_id = ? AND kind = 'oom'", (run_id,)).fetchone()[0]
     window = answers[4]
