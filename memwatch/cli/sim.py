@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import click
+
+from memwatch_engine.runtime import LOCK_NAME, PID_NAME, default_runtime_dir
+from memwatch_engine.spawn import IDLE_EXIT_SECONDS, sidecar_running
 
 from ..errors import UsageError
 from ..sim import Scenario, SimulationResult, run_scenario, shipped_scenarios
 from ..sim.scorecard import render_scorecard, run_scorecard
 from ..units import format_bytes
-from .options import finite_float, json_option
+from .options import db_option, finite_float, json_option
+
+STORE_WAIT_SECONDS = 15.0
+"""How long ``sim`` waits for a sidecar to store the run it simulated before it says it has not yet."""
 
 
 @click.command("sim")
@@ -25,9 +32,10 @@ from .options import finite_float, json_option
                    "$XDG_RUNTIME_DIR/memwatch).")
 @click.option("--speed", type=finite_float(0.0, 1e6, low_open=True), default=None,
               help="Virtual seconds per wall-clock second, to watch a run live (default: as fast as it goes).")
+@db_option
 @json_option
 def command(scenario: str | None, list_scenarios: bool, scorecard: bool, runtime_dir: Path | None,
-            speed: float | None, as_json: bool) -> None:
+            speed: float | None, db_path: Path | None, as_json: bool) -> None:
     """Simulate an engine on a virtual GPU, with the real Monitor writing real rings.
 
     \b
@@ -36,8 +44,9 @@ def command(scenario: str | None, list_scenarios: bool, scorecard: bool, runtime
     memwatch sim --scorecard
 
     A scenario's rings go to the runtime directory, where a sidecar stores them (one is started
-    unless MEMWATCH_SPAWN=0). A simulated out-of-memory is reported, not failed on: exit 0.
-    --scorecard exits 1 when any scenario does not raise what it expects.
+    unless MEMWATCH_SPAWN=0, into --db); the command waits until the run is stored. A simulated
+    out-of-memory is reported, not failed on: exit 0. --scorecard exits 1 when any scenario does not
+    raise what it expects.
     """
     if sum((scenario is not None, list_scenarios, scorecard)) != 1:
         raise UsageError("give exactly one of --scenario NAME|FILE, --list and --scorecard")
@@ -50,9 +59,60 @@ def command(scenario: str | None, list_scenarios: bool, scorecard: bool, runtime
             raise SystemExit(1)
     else:
         assert scenario is not None
-        spawn = os.environ.get("MEMWATCH_SPAWN", "1") != "0"
-        result = run_scenario(scenario, runtime_dir=runtime_dir, spawn_sidecar=spawn, speed=speed)
-        click.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_result(result))
+        given = click.get_current_context().get_parameter_source("db_path") == click.core.ParameterSource.COMMANDLINE
+        _simulate(scenario, runtime_dir or default_runtime_dir(), speed, db_path if given else None, as_json)
+
+
+def _simulate(scenario: str, runtime: Path, speed: float | None, db_path: Path | None, as_json: bool) -> None:
+    """Run one scenario; ``db_path``: a --db given on the command line, for the sidecar this run starts."""
+    spawn = os.environ.get("MEMWATCH_SPAWN", "1") != "0"
+    running = _sidecar_running(runtime)
+    if db_path is not None:
+        if running:
+            raise UsageError(f"a sidecar already runs for {runtime} and stores into its own database, so --db "
+                             "cannot apply; drop --db or stop that sidecar first")
+        os.environ["MEMWATCH_DB"] = str(db_path)  # the sidecar this run starts stores there
+    result = run_scenario(scenario, runtime_dir=runtime, spawn_sidecar=spawn, speed=speed)
+    if not as_json:
+        click.echo(render_result(result))
+    stored, note = _stored(result, runtime, started=spawn and not running)
+    if as_json:
+        click.echo(json.dumps({**result.to_dict(), "stored": stored, "store_note": note}, indent=2))
+    else:
+        click.echo(note)
+
+
+def _stored(result: SimulationResult, runtime: Path, started: bool) -> tuple[bool, str]:
+    """Wait until a sidecar has stored the run (its rings drained and removed); whether it did, and a note."""
+    rings = [Path(rank.ring_path) for rank in result.ranks if rank.ring_path]
+    if not _sidecar_running(runtime) and not started:
+        return False, (f"not stored: no sidecar runs for {runtime} and MEMWATCH_SPAWN=0 kept one from starting; "
+                f"`memwatch serve` stores the rings left there, then: memwatch check {result.run_id}")
+    deadline = time.monotonic() + STORE_WAIT_SECONDS
+    while any(ring.exists() for ring in rings) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if any(ring.exists() for ring in rings):
+        return False, (f"not stored yet: the sidecar has not drained {runtime} within {STORE_WAIT_SECONDS:.0f} s; "
+                f"see {runtime / 'sidecar.log'}")
+    pid = _sidecar_pid(runtime)
+    who = f"the sidecar (pid {pid})" if pid else "the sidecar"
+    lines = [f"stored by {who}; next: memwatch check {result.run_id} / memwatch explain {result.run_id}"]
+    if started:
+        lines.append(f"that sidecar was started for this run and exits after {IDLE_EXIT_SECONDS} s with nothing "
+                     f"to store{f' (kill {pid} stops it now)' if pid else ''}")
+    return True, "\n".join(lines)
+
+
+def _sidecar_running(runtime: Path) -> bool:
+    """Whether a sidecar holds the runtime directory's lock (without creating the lock file to ask)."""
+    return (runtime / LOCK_NAME).exists() and sidecar_running(runtime)
+
+
+def _sidecar_pid(runtime: Path) -> int | None:
+    try:
+        return int((runtime / PID_NAME).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _list(as_json: bool) -> None:
@@ -83,5 +143,4 @@ def render_result(result: SimulationResult) -> str:
         lines.append(f"  rank {rank.rank}: {rank.status}, weights {format_bytes(rank.weights_bytes)}, activation "
                      f"reserve {format_bytes(rank.activation_reserve_bytes)}, {blocks} KV blocks "
                      f"({format_bytes(rank.kv_bytes)})")
-    lines.append(f"next: memwatch check {result.run_id} / memwatch explain {result.run_id}")
     return "\n".join(lines)
