@@ -72,6 +72,13 @@ class HostWatcher:
             raise _permission_error(pid, _user_name(self._process))
         self._cpu_window_ends: float | None = time.monotonic() + MIN_CPU_WINDOW_S
 
+    def create_time_s(self) -> float:
+        """When the process started (Unix seconds); 0 when it cannot be read."""
+        try:
+            return float(self._process.create_time())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return 0.0
+
     def children(self) -> tuple[int, ...]:
         """Every descendant pid, recursively (cheaper than a sample; leaves the CPU measurement alone)."""
         try:

@@ -13,6 +13,7 @@ Library use::
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from ..hostinfo import HostWatcher
@@ -22,11 +23,22 @@ from .nvml_source import NvmlSource
 from .ring_source import RingSource, find_rings
 from .snapshot import GpuUsage, ProcessUsage, RankLedger, Snapshot, Source
 
+YOUNG_PROCESS_SECONDS = 3.0
+"""A process younger than this may not have created its ring yet (``memwatch sim ... & memwatch attach $!``)."""
+
 
 def open_source(pid: int, runtime_dir: Path | None = None) -> Source:
-    """The source for ``pid``: its rings when it runs the memwatch plugin, else NVML and psutil."""
+    """The source for ``pid``: its rings when it runs the memwatch plugin, else NVML and psutil.
+
+    A process that started less than :data:`YOUNG_PROCESS_SECONDS` ago gets until that age to create a ring.
+    """
     host = HostWatcher(pid)
-    if find_rings({pid, *host.children()}, runtime_dir):
+    found = find_rings({pid, *host.children()}, runtime_dir)
+    deadline = host.create_time_s() + YOUNG_PROCESS_SECONDS
+    while not found and time.time() < deadline:
+        time.sleep(0.05)
+        found = find_rings({pid, *host.children()}, runtime_dir)
+    if found:
         return RingSource(pid, runtime_dir=runtime_dir, host=host)
     try:
         return NvmlSource(pid, host=host)

@@ -141,11 +141,19 @@ def _recorded(samples: Iterator[Snapshot], recorder: RunRecorder) -> Iterator[Sn
 
 
 def _show_live(samples: Iterator[Snapshot]) -> None:
-    """Redraw the view in place on each sample; the last frame stays on screen."""
+    """Redraw the view in place on each sample; the last frame stays on screen. Piped, every frame is printed."""
+    from rich.console import Console
     from rich.live import Live
 
     history: deque[Snapshot] = deque(maxlen=TREND_POINTS)
-    with Live(auto_refresh=False) as live:
+    console = Console()
+    if not console.is_terminal:
+        for snapshot in samples:
+            history.append(snapshot)
+            console.print(render(list(history)))
+            console.print()
+        return
+    with Live(auto_refresh=False, console=console) as live:
         for snapshot in samples:
             history.append(snapshot)
             live.update(render(list(history)), refresh=True)
