@@ -1,27 +1,42 @@
-# Two entry points: `make demo` and `make test`. Both build .venv from scratch when it is missing.
+# Entry points: `make demo`, `make test`, `make bench`. Each builds .venv from scratch when it is missing.
+# The demo, the sidecar and the CLI run without PyTorch, so `make demo` installs memwatch alone;
+# `make test` adds the test tools and the CPU PyTorch wheel to the same .venv.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
-STAMP   := $(VENV)/.installed
+BASE    := $(VENV)/.installed-base
+TESTENV := $(VENV)/.installed-test
 
 ENGINES := .engines
 
 .PHONY: demo test test-deps engines lint bench clean
 
 $(BIN)/python:
+	@echo "== creating $(VENV) with $(PY)"
 	$(PY) -m venv $(VENV)
 
-# The CPU torch wheel goes in first, so nothing later pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q torch==2.13.0 numpy
-	$(BIN)/pip install -q -e '.[test,report]'
-	touch $(STAMP)
+# memwatch, its runtime dependencies and plotly for the HTML report: all the demo uses. No byte-compiling
+# of every installed file up front (plotly has thousands): Python compiles what it imports.
+$(BASE): pyproject.toml | $(BIN)/python
+	@echo "== installing memwatch, its runtime dependencies and plotly into $(VENV) (no PyTorch)"
+	$(BIN)/pip install --progress-bar on --no-compile -e '.[html]'
+	touch $(BASE)
 
-demo: $(STAMP)
+# The CPU torch wheel goes in first, so nothing later pulls a multi-GB CUDA build.
+$(TESTENV): pyproject.toml $(BASE)
+	@echo "== installing CPU PyTorch 2.13.0 (about 200 MB) and the test tools into $(VENV)"
+	$(BIN)/pip install --progress-bar on torch==2.13.0 numpy
+	$(BIN)/pip install --progress-bar on -e '.[test,report]'
+	touch $(TESTENV)
+
+demo: $(BASE)
 	$(BIN)/memwatch demo
 	@echo "Report: $$($(BIN)/memwatch report latest -o memwatch-demo-report.html)"
+	@echo
+	@echo "memwatch is installed in $(VENV), not on your PATH: run 'source $(BIN)/activate' to type"
+	@echo "'memwatch ...' as the README does, or call $(BIN)/memwatch directly."
 
-test: $(STAMP) test-deps engines
+test: $(TESTENV) test-deps engines
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -51,15 +66,15 @@ test-deps:
 # CPU torch stays the one in .venv; pip keeps the downloaded wheels in its cache between runs.
 engines: $(ENGINES)/vllm/.installed $(ENGINES)/nanovllm/.installed
 
-$(ENGINES)/%/.installed: tests/released/requirements-%.txt | $(STAMP)
+$(ENGINES)/%/.installed: tests/released/requirements-%.txt | $(TESTENV)
 	rm -rf $(ENGINES)/$*
 	$(BIN)/pip install -q --no-deps --target $(ENGINES)/$* -r $<
 	touch $@
 
-lint: $(STAMP)
+lint: $(TESTENV)
 	$(BIN)/ruff check .
 
-bench: $(STAMP)
+bench: $(TESTENV)
 	$(BIN)/python bench/run.py
 
 clean:
