@@ -79,6 +79,13 @@ class HostWatcher:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return 0.0
 
+    def is_python(self) -> bool:
+        """Whether the process is a Python interpreter (only those can load the memwatch plugin)."""
+        try:
+            return "python" in self._process.name().lower()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False
+
     def children(self) -> tuple[int, ...]:
         """Every descendant pid, recursively (cheaper than a sample; leaves the CPU measurement alone)."""
         try:

@@ -30,11 +30,12 @@ YOUNG_PROCESS_SECONDS = 3.0
 def open_source(pid: int, runtime_dir: Path | None = None) -> Source:
     """The source for ``pid``: its rings when it runs the memwatch plugin, else NVML and psutil.
 
-    A process that started less than :data:`YOUNG_PROCESS_SECONDS` ago gets until that age to create a ring.
+    A Python process that started less than :data:`YOUNG_PROCESS_SECONDS` ago gets until that age to
+    create a ring.
     """
     host = HostWatcher(pid)
     found = find_rings({pid, *host.children()}, runtime_dir)
-    deadline = host.create_time_s() + YOUNG_PROCESS_SECONDS
+    deadline = host.create_time_s() + YOUNG_PROCESS_SECONDS if host.is_python() else 0.0
     while not found and time.time() < deadline:
         time.sleep(0.05)
         found = find_rings({pid, *host.children()}, runtime_dir)
