@@ -33,7 +33,8 @@ from memwatch.live import LiveDetectors
 from memwatch.records import Event, Sample
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
-from memwatch_engine.ring import RingHeader, RingWriter
+from memwatch_engine.ring import RingWriter
+from memwatch_engine.ring_reader import RingHeader
 
 TARGET = 0.9
 RANKS = 8

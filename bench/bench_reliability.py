@@ -66,7 +66,7 @@ print(json.dumps({{"steps": written * ranks}}), flush=True)
 
 READER = """
 import os, sys, time
-from memwatch_engine.ring import RingReader
+from memwatch_engine.ring_reader import RingReader
 runtime, interval = sys.argv[1], float(sys.argv[2])
 readers, cursors = {{}}, {{}}
 while True:

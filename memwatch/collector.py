@@ -20,13 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memwatch_engine.ring import (
-    RUN_ID_PATTERN,
-    STEP_KINDS,
-    RingFormatError,
-    RingHeader,
-    RingReader,
-)
+from memwatch_engine.ring import RUN_ID_PATTERN, STEP_KINDS, RingFormatError
+from memwatch_engine.ring_reader import RingHeader, RingReader
 from memwatch_engine.runtime import RING_SUFFIX, is_private_file
 
 from .records import Event, Sample

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from memwatch_engine.ring import RingHeader
+from memwatch_engine.ring_reader import RingHeader
 
 from .detectors import DetectorConfig, DetectorSet, RankSummary
 from .flags import EXTERNAL_PROCESS, Flag

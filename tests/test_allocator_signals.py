@@ -14,7 +14,8 @@ from memwatch.store import Database, open_store
 from memwatch.store.schema import ALLOCATOR_COLUMNS, MIGRATIONS
 from memwatch_engine import Monitor
 from memwatch_engine.probes.cuda import CudaProbe
-from memwatch_engine.ring import HEADER_SIZE, RECORD_SIZE, RingReader
+from memwatch_engine.ring import HEADER_SIZE, RECORD_SIZE
+from memwatch_engine.ring_reader import RingReader
 
 from probes import ScriptedProbe
 from stored_runs import store_rings

@@ -25,7 +25,7 @@ from memwatch.flags import FLAG_KINDS, SEVERITIES, Flag
 from memwatch.live import LiveDetectors
 from memwatch.sim import run_scenario
 from memwatch.store import open_store
-from memwatch_engine.ring import RingHeader
+from memwatch_engine.ring_reader import RingHeader
 
 from processes import SidecarProcess, memwatch_env, query, wait_for
 from prometheus_server import free_port

@@ -9,7 +9,7 @@ import json
 import os
 
 from memwatch.live import LiveDetectors
-from memwatch_engine.ring import RingHeader
+from memwatch_engine.ring_reader import RingHeader
 
 from fake_nvml import FakeNvmlScript
 from synthetic import GiB, SyntheticRun

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from memwatch_engine import Monitor
-from memwatch_engine.ring import RingReader
+from memwatch_engine.ring_reader import RingReader
 
 from probes import ScriptedProbe
 

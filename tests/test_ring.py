@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from memwatch_engine.ring import HEADER_SIZE, RECORD_SIZE, RingFormatError, RingReader, RingWriter
+from memwatch_engine.ring import HEADER_SIZE, RECORD_SIZE, RingFormatError, RingWriter
+from memwatch_engine.ring_reader import RingReader
 
 
 def _writer(path: Path, capacity: int = 64, **meta: object) -> RingWriter:

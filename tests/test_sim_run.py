@@ -12,7 +12,8 @@ from memwatch.sim.faults import ExternalProcess, Fault
 from memwatch.sim.forward import forward_ops
 from memwatch.sim.gpu import MiB
 from memwatch.sim.runner import RankRunner
-from memwatch_engine.ring import PHASE_CODES, SAMPLE_PEAK_IS_STEP, RingReader
+from memwatch_engine.ring import PHASE_CODES, SAMPLE_PEAK_IS_STEP
+from memwatch_engine.ring_reader import RingReader
 
 GiB = 2**30
 START_NS = 1_700_000_000_000_000_000

@@ -29,7 +29,8 @@ from typing import Any
 
 import memwatch_engine
 from memwatch_engine.monitor import new_run_id
-from memwatch_engine.ring import RingFormatError, RingReader
+from memwatch_engine.ring import RingFormatError
+from memwatch_engine.ring_reader import RingReader
 from memwatch_engine.runtime import ensure_runtime_dir
 
 from ..errors import MemwatchError, NotFoundError, UnavailableError, UsageError

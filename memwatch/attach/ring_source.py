@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from memwatch_engine.ring import RingFormatError, RingReader
+from memwatch_engine.ring import RingFormatError
+from memwatch_engine.ring_reader import RingReader
 from memwatch_engine.runtime import RING_SUFFIX, default_runtime_dir, is_private_file
 
 from ..collector import typed_records

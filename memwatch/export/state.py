@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from memwatch_engine.ring import RingHeader
+from memwatch_engine.ring_reader import RingHeader
 
 from ..flags import FLAG_KINDS, SEVERITIES, Flag
 from ..ledger import Ledger, LedgerTerms

@@ -22,7 +22,7 @@ from memwatch.records import Event, Sample
 from memwatch.snapshot.importer import snapshot_events
 from memwatch.snapshot.reader import read_snapshot
 from memwatch.store.writer import Batch, StoreWriter
-from memwatch_engine.ring import RingHeader
+from memwatch_engine.ring_reader import RingHeader
 
 log = logging.getLogger("memwatch.snapshot")
 

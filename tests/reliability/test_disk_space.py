@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from memwatch_engine.ring import HEADER_SIZE, RECORD_SIZE, RingFormatError, RingReader, RingWriter
+from memwatch_engine.ring import HEADER_SIZE, RECORD_SIZE, RingFormatError, RingWriter
+from memwatch_engine.ring_reader import RingReader
 
 from small_fs import TESTS, run_in_small_fs
 
@@ -54,7 +55,8 @@ def test_ring_truncated_under_the_reader_is_refused_not_fatal(tmp_path: Path) ->
     # In a child: reading a mapped page past the end of a truncated file is a SIGBUS that kills the reader.
     script = f"""
 import os, sys
-from memwatch_engine.ring import RingFormatError, RingReader
+from memwatch_engine.ring import RingFormatError
+from memwatch_engine.ring_reader import RingReader
 reader = RingReader({str(path)!r})
 first = reader.drain(0)
 os.truncate({str(path)!r}, 4096)

@@ -15,7 +15,8 @@ from memwatch.detectors import DetectorConfig
 from memwatch.errors import MemwatchError
 from memwatch.models.spec import ModelSpec
 from memwatch.sim.scenario import Scenario
-from memwatch_engine.ring import HEADER_SIZE, RECORD_SIZE, RingFormatError, RingReader, RingWriter
+from memwatch_engine.ring import HEADER_SIZE, RECORD_SIZE, RingFormatError, RingWriter
+from memwatch_engine.ring_reader import RingReader
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

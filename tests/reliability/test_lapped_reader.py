@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from memwatch_engine.ring import RingReader
+from memwatch_engine.ring_reader import RingReader
 
 CAPACITY = 256
 WRITER = """
