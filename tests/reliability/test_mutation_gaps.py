@@ -26,7 +26,7 @@ def test_a_zombie_writer_is_not_alive() -> None:
     try:
         assert writer_alive(child.pid, 0) is False
     finally:
-        child.wait()
+        child.wait(timeout=10)
 
 
 def test_a_reused_pid_is_not_the_writer() -> None:
@@ -40,7 +40,7 @@ def test_a_reused_pid_is_not_the_writer() -> None:
 
 def test_a_gone_pid_is_not_alive() -> None:
     child = subprocess.Popen(["true"])
-    child.wait()
+    child.wait(timeout=10)
     assert writer_alive(child.pid, 0) is False
 
 
