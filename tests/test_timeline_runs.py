@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,33 @@ def test_timeline_table_and_errors(stored: str, db_path: Path) -> None:
     assert _invoke(db_path, "timeline", stored, "--json", "--csv")[0] == 2
     code, out = _invoke(db_path, "timeline", "nosuchrun")
     assert code == 3 and out.strip() == "error: no run 'nosuchrun' in the database; `memwatch runs` lists them"
+
+
+def test_timeline_rank_the_run_never_had_is_not_found(stored: str, db_path: Path) -> None:
+    code, out = _invoke(db_path, "timeline", "latest", "--rank", "2")
+    assert code == 3
+    assert out.strip() == f"error: run {stored} has no rank 2 (it has ranks 0, 1); drop --rank or pick one of those"
+
+
+def test_timeline_shows_a_phase_boundary_once(stored: str, db_path: Path) -> None:
+    code, out = _invoke(db_path, "timeline", "latest", "--rank", "0")
+    rows = [line.split() for line in out.splitlines()[2:]]
+    readings = [(row[0], *row[4:]) for row in rows]  # time and every reading, without the phase
+    assert code == 0 and len(readings) == len(set(readings))
+    phases = [row[3] for row in rows]
+    assert {"load", "warmup", "kv_alloc", "cudagraph", "serve"} <= set(phases)  # every phase still has a row
+    code, out = _invoke(db_path, "timeline", "latest", "--rank", "0", "--csv")
+    assert len(out.splitlines()) - 1 > len(rows)  # the data keeps every record; only the table drops repeats
+
+
+def test_runs_gpu_column_says_the_size_once_and_no_empty_gpu(stored: str, db_path: Path) -> None:
+    with sqlite3.connect(db_path) as conn:  # as the demo scenario names its GPU
+        conn.execute("UPDATE runs SET gpu_name = 'Virtual GPU 24GiB', gpu_total_bytes = ?", (24 << 30,))
+    code, out = _invoke(db_path, "runs")
+    assert code == 0 and out.splitlines()[1].endswith("Qwen3-0.6B / Virtual GPU 24GiB")
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("UPDATE runs SET gpu_name = 'NVIDIA A10G', gpu_total_bytes = ?", (24 << 30,))
+    assert _invoke(db_path, "runs")[1].splitlines()[1].endswith("Qwen3-0.6B / NVIDIA A10G 24.00 GiB")
+    with sqlite3.connect(db_path) as conn:  # a plain PyTorch loop seen without a device name
+        conn.execute("UPDATE runs SET gpu_name = NULL, gpu_total_bytes = NULL")
+    assert _invoke(db_path, "runs")[1].splitlines()[1].endswith("Qwen3-0.6B")

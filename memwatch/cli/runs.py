@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -36,11 +37,19 @@ def command(db_path: Path | None, as_json: bool, limit: int) -> None:
     for run in runs:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime((run.started_ns or 0) / 1e9))
         duration = f"{(run.ended_ns - run.started_ns) / 1e9:.1f}s" if run.ended_ns and run.started_ns else "-"
-        gpu = run.gpu_name or ""
-        if run.gpu_total_bytes:
-            gpu = f"{run.gpu_name or '?'} {format_bytes(run.gpu_total_bytes)}"
+        gpu = _gpu(run.gpu_name, run.gpu_total_bytes)
         click.echo(
             f"{run.run_id:<13} {started:<19} {duration:>9} {run.status or '?':<8} {run.rank_count or 1:>5} "
-            f"{lost.get(run.run_id, 0):>7}  {printable(run.engine or '-'):<10} {printable(run.model or '-')} / "
-            f"{printable(gpu)}"
+            f"{lost.get(run.run_id, 0):>7}  {printable(run.engine or '-'):<10} {printable(run.model or '-')}"
+            + (f" / {printable(gpu)}" if gpu else "")
         )
+
+
+_SIZE_IN_NAME = re.compile(r"\d+(\.\d+)?\s*(GiB|GB|TiB|TB)\b", re.IGNORECASE)
+
+
+def _gpu(name: str | None, total_bytes: int | None) -> str:
+    """The GPU's name with its memory, unless the name already says it (``NVIDIA H100 80GB HBM3``)."""
+    if not total_bytes or (name and _SIZE_IN_NAME.search(name)):
+        return name or ""
+    return f"{name or '?'} {format_bytes(total_bytes)}"

@@ -13,14 +13,14 @@ from pathlib import Path
 import click
 
 from ..detectors import interleave
-from ..errors import UsageError
+from ..errors import NotFoundError, UsageError
 from ..ledger import Ledger, LedgerTerms
 from ..losses import Gap, run_losses, span
 from ..records import SAMPLE_COLUMNS, Event, Sample
 from ..store import open_store
 from ..store.db import Database
 from ..store.moments import find_moment, parse_duration_ns, resolve_time
-from ..store.queries import Run, events, get_run, last_ts_ns
+from ..store.queries import Run, events, get_run, last_ts_ns, run_ranks
 from ..store.window import WindowRow, window_rows
 from ..terminal import printable
 from ..units import format_bytes
@@ -57,6 +57,8 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: i
         raise UsageError("--around sets the window itself; drop --since, --until and --last")
     db = open_store(db_path, readonly=True)
     info = get_run(db, run)
+    if rank is not None:
+        _require_rank(db, info, rank)
     since_ns = until_ns = None
     if last is not None:
         end = last_ts_ns(db, info.run_id)
@@ -77,6 +79,14 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: i
     else:
         gaps = [gap for gap in run_losses(db, info.run_id).gaps if rank is None or gap.rank == rank]
         _write_table(info, with_terms, ledger, gaps)
+
+
+def _require_rank(db: Database, info: Run, rank: int) -> None:
+    """A rank the run never had is not found, rather than an empty window."""
+    ranks = sorted(row["rank"] for row in run_ranks(db, info.run_id))
+    if ranks and rank not in ranks:
+        have = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        raise NotFoundError(f"run {info.run_id} has no rank {rank} (it has {have}); drop --rank or pick one of those")
 
 
 def _with_ledger(
@@ -134,10 +144,15 @@ def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]]
     count = 0
     size = lru_cache(maxsize=8192)(format_bytes)  # a window repeats the same few values many times
     write = sys.stdout.write
+    previous: tuple[object, ...] | None = None
     for row, terms in rows:
         while gaps and (gaps[0].to_ts_ns or 0) <= row.sample.ts_ns:
             gap = gaps.pop(0)
             write(f"{'--':>8} rank {gap.rank}: {gap.count:,} samples lost here {span(gap, start)}\n")
+        key = (_readings(row.sample), terms)
+        if row.rollup is None and key == previous:
+            continue  # a phase boundary: the readings that ended one phase, recorded again to open the next
+        previous = key
         line = _nvml_line(row, start, size) if nvml else _engine_line(row, start, size)
         if terms is not None and not nvml:
             line += "".join(f" {size(value):>10}" for value in (
@@ -148,6 +163,11 @@ def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]]
         count += 1
     if count == 0:
         click.echo("(no samples in that window)")
+
+
+def _readings(sample: Sample) -> tuple[object, ...]:
+    """A sample without its phase labels: two rows with the same readings differ only in what they are called."""
+    return tuple(value for name, value in sample._asdict().items() if name not in ("phase", "step_kind"))
 
 
 def _engine_line(row: WindowRow, start: int, size: Callable[[int | None], str]) -> str:
