@@ -7,6 +7,8 @@ serving while ``memwatch attach PID --once --json`` (a real subprocess) reads it
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +74,30 @@ def test_not_instrumented_and_no_driver_says_both(runtime_dir: Path, db_path: Pa
     assert result.stderr.startswith("error: NVML is not available: no NVIDIA driver on this machine")
     assert result.stderr.endswith(f"process {sleeper.pid} is not instrumented either (no memwatch ring), so there "
                                   "is nothing to read: start it with MEMWATCH=1\n")
+
+
+def test_a_parent_process_says_whose_ring_and_record_keeps_the_engine_and_model(
+        runtime_dir: Path, db_path: Path, tmp_path: Path) -> None:
+    env = memwatch_env(runtime_dir, db_path)
+    env["LD_LIBRARY_PATH"] = str(tmp_path)
+    # a shell that is not the engine: its child writes the ring (`; true` keeps bash from exec'ing it)
+    parent = subprocess.Popen(["bash", "-c", f'"{sys.executable}" -c \'{ENGINE.strip()}\'; true'], env=env,
+                              start_new_session=True)
+    try:
+        wait_for(lambda: _attach(parent.pid, env).returncode == 0, timeout=60, what="the child's ring")
+        result = subprocess.run(
+            [sys.executable, "-m", "memwatch", "attach", str(parent.pid), "--once", "--json", "--record",
+             "--db", str(db_path)], env=env, capture_output=True, text=True, timeout=30)
+        [child] = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True,
+                                                       text=True).stdout.split()]
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+    assert result.returncode == 0, result.stderr
+    assert (f"process {parent.pid} has no memwatch ring of its own; showing the ring of its descendant process "
+            f"{child} (nano-vllm, Qwen2.5-7B-Instruct)") in result.stderr
+    run_id = result.stderr.split("recorded run ")[1].split()[0]
+    runs = subprocess.run([sys.executable, "-m", "memwatch", "runs", "--json", "--db", str(db_path)], env=env,
+                          capture_output=True, text=True, timeout=30)
+    [run] = [run for run in json.loads(runs.stdout) if run["run_id"] == run_id]
+    assert (run["engine"], run["model"]) == ("nano-vllm", "Qwen2.5-7B-Instruct")

@@ -88,9 +88,10 @@ class RunRecorder:
         self._db.conn.execute(
             "INSERT INTO runs (run_id, pid, hostname, engine, model, rank_count, started_ns, ended_ns,"
             " status, gpu_name, gpu_total_bytes, config, source)"
-            " VALUES (?, ?, ?, NULL, NULL, 0, ?, ?, 'running', ?, ?, ?, ?)",
+            " VALUES (?, ?, ?, ?, ?, 0, ?, ?, 'running', ?, ?, ?, ?)",
             (
-                self.run_id, snapshot.pid, socket.gethostname(), snapshot.ts_ns, snapshot.ts_ns,
+                self.run_id, snapshot.pid, socket.gethostname(), snapshot.engine, snapshot.model,
+                snapshot.ts_ns, snapshot.ts_ns,
                 None if first_gpu is None else first_gpu.name,
                 None if first_gpu is None else first_gpu.total_bytes,
                 json.dumps({"command": command}),

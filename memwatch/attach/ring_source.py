@@ -87,6 +87,14 @@ class RingSource:
         for path in paths:
             reader = RingReader(path)
             self._ranks[(reader.header.run_id, reader.header.rank)] = _RankView(reader)
+        first = self._ranks[min(self._ranks)].reader.header.meta
+        self.engine: str | None = first.get("engine")
+        self.model: str | None = first.get("model")
+
+    @property
+    def writer_pids(self) -> list[int]:
+        """The processes whose rings are shown: ``pid`` itself, or its descendants (tensor-parallel workers)."""
+        return sorted({view.reader.header.writer_pid for view in self._ranks.values()})
 
     def poll(self) -> Snapshot:
         """Read what the rings gained since the last poll; raises ProcessExited once the process is gone."""
@@ -112,7 +120,7 @@ class RingSource:
             if gpu is not None and all(g.index != gpu.index for g in gpus):
                 gpus.append(gpu)
         return Snapshot(ts_ns=self._clock(), pid=self.pid, source=self.kind, host=host, gpus=tuple(gpus),
-                        ranks=tuple(ledgers))
+                        ranks=tuple(ledgers), engine=self.engine, model=self.model)
 
     def close(self) -> None:
         for view in self._ranks.values():

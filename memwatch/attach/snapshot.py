@@ -99,6 +99,9 @@ class Snapshot:
     host: HostProcess | None
     gpus: tuple[GpuUsage, ...]
     ranks: tuple[RankLedger, ...] = ()
+    engine: str | None = None
+    """The engine and model an instrumented process declared in its ring (``None`` seen from outside)."""
+    model: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The stable JSON shape (see the module docstring)."""

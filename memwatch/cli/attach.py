@@ -19,6 +19,7 @@ from ..attach.snapshot import Snapshot, Source
 from ..attach.view import TREND_POINTS, render
 from ..errors import UsageError
 from ..hostinfo import ProcessExited
+from ..terminal import printable
 from .options import db_option, json_option
 
 
@@ -70,6 +71,7 @@ def attach(
     if not record and click.get_current_context().get_parameter_source("db_path") is ParameterSource.COMMANDLINE:
         raise UsageError("--db only says where --record stores samples; add --record or drop --db")
     with closing(open_source(pid)) as source:
+        _whose_ring(pid, source)
         recorder = RunRecorder(db_path) if record else None
         status = _run(source, recorder, once=once, as_json=as_json, interval=interval, duration=duration)
         if recorder is not None:
@@ -98,6 +100,18 @@ def _inject(pid: int, interval: float, timeout_s: float) -> None:
         how = "a sampler thread" if done.engine == "python" else f"the {done.engine} adapter"
         click.echo(f"memwatch runs inside process {', '.join(map(str, done.pids))} ({how}, run {done.run_id}); "
                    f"undo with: memwatch attach --detach {pid}", err=True)
+
+
+def _whose_ring(pid: int, source: Source) -> None:
+    """Rings found under a descendant of PID, not PID itself: say whose they are."""
+    writers = getattr(source, "writer_pids", [pid])
+    if pid in writers:
+        return
+    what = ", ".join(part for part in (getattr(source, "engine", None), getattr(source, "model", None)) if part)
+    plural = "es" if len(writers) > 1 else ""
+    click.echo(f"process {pid} has no memwatch ring of its own; showing the ring{'s' if writers[1:] else ''} of its "
+               f"descendant process{plural} {', '.join(map(str, writers))}" + (f" ({printable(what)})" if what else ""),
+               err=True)
 
 
 def _hint(pid: int) -> None:
