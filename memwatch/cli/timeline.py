@@ -144,15 +144,14 @@ def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]]
     count = 0
     size = lru_cache(maxsize=8192)(format_bytes)  # a window repeats the same few values many times
     write = sys.stdout.write
-    previous: tuple[object, ...] | None = None
+    previous: tuple[Sample, LedgerTerms | None] | None = None
     for row, terms in rows:
         while gaps and (gaps[0].to_ts_ns or 0) <= row.sample.ts_ns:
             gap = gaps.pop(0)
             write(f"{'--':>8} rank {gap.rank}: {gap.count:,} samples lost here {span(gap, start)}\n")
-        key = (_readings(row.sample), terms)
-        if row.rollup is None and key == previous:
-            continue  # a phase boundary: the readings that ended one phase, recorded again to open the next
-        previous = key
+        if row.rollup is None and previous is not None and _repeats(previous, row.sample, terms):
+            continue  # a phase boundary: the readings that ended one phase, recorded again to open or close one
+        previous = (row.sample, terms)
         line = _nvml_line(row, start, size) if nvml else _engine_line(row, start, size)
         if terms is not None and not nvml:
             line += "".join(f" {size(value):>10}" for value in (
@@ -165,9 +164,16 @@ def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]]
         click.echo("(no samples in that window)")
 
 
-def _readings(sample: Sample) -> tuple[object, ...]:
-    """A sample without its phase labels: two rows with the same readings differ only in what they are called."""
-    return tuple(value for name, value in sample._asdict().items() if name not in ("phase", "step_kind"))
+_LABELS = frozenset({"phase", "step_kind", "peak_is_step"})  # what a row is called, not what it read
+
+
+def _repeats(previous: tuple[Sample, LedgerTerms | None], sample: Sample, terms: LedgerTerms | None) -> bool:
+    """Whether ``sample`` says nothing new: the same moment and readings, give or take its labels and blanks."""
+    before, before_terms = previous
+    if terms != before_terms:
+        return False
+    return all(value is None or value == old or name in _LABELS
+               for name, value, old in zip(sample._fields, sample, before, strict=True))
 
 
 def _engine_line(row: WindowRow, start: int, size: Callable[[int | None], str]) -> str:
