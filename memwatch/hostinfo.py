@@ -82,8 +82,11 @@ class HostWatcher:
     def is_python(self) -> bool:
         """Whether the process is a Python interpreter (only those can load the memwatch plugin)."""
         try:
-            return "python" in self._process.name().lower()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            if "python" in self._process.name().lower():
+                return True
+            # a console script (`memwatch sim`) is named after the script; its executable is still Python
+            return "python" in os.path.basename(self._process.exe()).lower()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
             return False
 
     def children(self) -> tuple[int, ...]:

@@ -25,6 +25,8 @@ from .snapshot import GpuUsage, ProcessUsage, RankLedger, Snapshot, Source
 
 YOUNG_PROCESS_SECONDS = 3.0
 """A process younger than this may not have created its ring yet (``memwatch sim ... & memwatch attach $!``)."""
+EXEC_SECONDS = 0.5
+"""A process younger than this may still be the shell's fork, before it executes Python."""
 
 
 def open_source(pid: int, runtime_dir: Path | None = None) -> Source:
@@ -35,8 +37,11 @@ def open_source(pid: int, runtime_dir: Path | None = None) -> Source:
     """
     host = HostWatcher(pid)
     found = find_rings({pid, *host.children()}, runtime_dir)
-    deadline = host.create_time_s() + YOUNG_PROCESS_SECONDS if host.is_python() else 0.0
-    while not found and time.time() < deadline:
+    born = host.create_time_s()
+    while not found and time.time() < born + YOUNG_PROCESS_SECONDS:
+        # a shell's `cmd &` is a fork that becomes Python a moment later: judge it once it had time to exec
+        if time.time() > born + EXEC_SECONDS and not host.is_python():
+            break
         time.sleep(0.05)
         found = find_rings({pid, *host.children()}, runtime_dir)
     if found:
