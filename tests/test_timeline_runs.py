@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import sqlite3
 from pathlib import Path
@@ -85,9 +86,10 @@ def test_timeline_shows_a_phase_boundary_once(stored: str, db_path: Path) -> Non
         return [line[start + 11 * i:start + 11 * (i + 1)].strip() for i in range(5)] + [line[start + 55:].strip()]
 
     assert code == 0
-    for before, after in zip(lines, lines[1:]):
+    for before, after in itertools.pairwise(lines):
         if after.split()[:3] == before.split()[:3]:  # the same time, rank and step: must read something new
-            assert any(new not in ("-", old) for new, old in zip(readings(after), readings(before))), (before, after)
+            pairs = zip(readings(after), readings(before), strict=True)
+            assert any(new not in ("-", old) for new, old in pairs), (before, after)
     phases = [line.split()[3] for line in lines]
     assert {"load", "warmup", "kv_alloc", "cudagraph", "serve"} <= set(phases)  # every phase still has a row
     code, out = _invoke(db_path, "timeline", "latest", "--rank", "0", "--csv")

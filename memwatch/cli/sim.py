@@ -9,12 +9,14 @@ from pathlib import Path
 
 import click
 
+from memwatch_engine.ring import RingFormatError, RingReader
 from memwatch_engine.runtime import LOCK_NAME, PID_NAME, default_runtime_dir
 from memwatch_engine.spawn import IDLE_EXIT_SECONDS, sidecar_running
 
-from ..errors import UsageError
+from ..errors import MemwatchError, UsageError
 from ..sim import Scenario, SimulationResult, run_scenario, shipped_scenarios
 from ..sim.scorecard import render_scorecard, run_scorecard
+from ..store import open_store
 from ..units import format_bytes
 from .options import db_option, finite_float, json_option
 
@@ -89,9 +91,9 @@ def _stored(result: SimulationResult, runtime: Path, started: bool) -> tuple[boo
         return False, (f"not stored: no sidecar runs for {runtime} and MEMWATCH_SPAWN=0 kept one from starting; "
                 f"`memwatch serve` stores the rings left there, then: memwatch check {result.run_id}")
     deadline = time.monotonic() + STORE_WAIT_SECONDS
-    while any(ring.exists() for ring in rings) and time.monotonic() < deadline:
+    while any(not _drained(ring) for ring in rings) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if any(ring.exists() for ring in rings):
+    if any(not _drained(ring) for ring in rings):
         return False, (f"not stored yet: the sidecar has not drained {runtime} within {STORE_WAIT_SECONDS:.0f} s; "
                 f"see {runtime / 'sidecar.log'}")
     pid = _sidecar_pid(runtime)
@@ -101,6 +103,31 @@ def _stored(result: SimulationResult, runtime: Path, started: bool) -> tuple[boo
         lines.append(f"that sidecar was started for this run and exits after {IDLE_EXIT_SECONDS} s with nothing "
                      f"to store{f' (kill {pid} stops it now)' if pid else ''}")
     return True, "\n".join(lines)
+
+
+def _drained(ring: Path) -> bool:
+    """Whether the sidecar stored all of a ring: removed it, or (a simulated crash leaves it open while this
+    process lives, as a dead engine's would be) recorded a cursor at its last record."""
+    try:
+        reader = RingReader(ring)
+    except (RingFormatError, OSError):
+        return not ring.exists()
+    try:
+        if reader.closed:
+            return False  # a closed ring is removed once stored
+        header, published = reader.header, reader.published
+    finally:
+        reader.close()
+    try:
+        db = open_store(None, readonly=True)
+    except MemwatchError:
+        return False
+    try:
+        row = db.execute("SELECT next_seq FROM ring_cursors WHERE ring = ?",
+                         (f"{header.run_id}/{header.rank}/{header.created_ns}",)).fetchone()
+    finally:
+        db.conn.close()
+    return row is not None and row[0] >= published
 
 
 def _sidecar_running(runtime: Path) -> bool:
