@@ -9,7 +9,8 @@ from pathlib import Path
 
 import click
 
-from memwatch_engine.ring import RingFormatError, RingReader
+from memwatch_engine.ring import RingFormatError
+from memwatch_engine.ring_reader import RingReader
 from memwatch_engine.runtime import LOCK_NAME, PID_NAME, default_runtime_dir
 from memwatch_engine.spawn import IDLE_EXIT_SECONDS, sidecar_running
 
