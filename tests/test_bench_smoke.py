@@ -20,12 +20,15 @@ def _run(*args: str) -> str:
 
 
 def test_ingest_benchmark_stores_every_row() -> None:
-    assert "ratio memwatch/baseline" in _run("bench_ingest.py", "5000")
+    out = _run("bench_ingest.py", "5000", "1")
+    assert "ratio memwatch/baseline" in out and "live detectors" in out and "--no-detect" in out
+    assert "min / median / max" in out
 
 
 def test_detector_benchmark_runs() -> None:
-    out = _run("bench_detectors.py", "--samples", "5000")
+    out = _run("bench_detectors.py", "--samples", "5000", "--repeats", "2")
     assert "samples:           5,000 over 2 ranks (0 flagged)" in out
+    assert "(min / median / max)" in out and "x the baseline's time per sample (medians" in out
 
 
 def test_startup_benchmark_runs() -> None:
