@@ -3,13 +3,16 @@
 The engine is this process: ``Monitor.step`` with a fixed probe, in a tight loop, writing its ring.
 Phases alternate: alone, with a real ``memwatch attach PID --json --interval 0.1`` process reading
 the ring, and alone again (so drift of the machine shows). Attach only reads shared memory, so the
-medians should agree within noise.
+medians should agree within noise. It also prints the snapshot rate attach delivered against the
+rate it was asked for (``--interval 0.1``: 10 per second), from the snapshots' own timestamps.
 
-Run: .venv/bin/python bench/bench_attach.py
+Run: .venv/bin/python bench/bench_attach.py [--seconds S]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -26,6 +29,7 @@ from memwatch_engine import Monitor
 PHASE_SECONDS = 3.0
 BATCH = 200
 TOLERANCE = 1.10
+INTERVAL_S = 0.1
 
 
 def measure(step, seconds: float) -> list[float]:
@@ -41,33 +45,45 @@ def measure(step, seconds: float) -> list[float]:
     return out
 
 
-def main() -> int:
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=PHASE_SECONDS, help="length of each phase (default 3)")
+    seconds = parser.parse_args(argv).seconds
     with tempfile.TemporaryDirectory() as tmp:
         runtime = Path(tmp) / "run"
         runtime.mkdir(mode=0o700)
         os.environ["MEMWATCH_RUNTIME_DIR"] = str(runtime)
         monitor = Monitor(engine="bench", probe=FixedProbe(), spawn_sidecar=False, per_step_peak=False)
-        alone_before = measure(monitor.step, PHASE_SECONDS)
+        alone_before = measure(monitor.step, seconds)
         attach = subprocess.Popen(
-            [sys.executable, "-m", "memwatch", "attach", str(os.getpid()), "--json", "--interval", "0.1"],
+            [sys.executable, "-m", "memwatch", "attach", str(os.getpid()), "--json", "--interval", str(INTERVAL_S)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         time.sleep(1.0)  # let it start and read the ring once
-        watched = measure(monitor.step, PHASE_SECONDS)
+        watched = measure(monitor.step, seconds)
         attach.terminate()
         out, err = attach.communicate(timeout=30)
-        alone_after = measure(monitor.step, PHASE_SECONDS)
+        alone_after = measure(monitor.step, seconds)
         monitor.close()
-    snapshots = out.count("\n")
+    stamps = [json.loads(line)["ts_ns"] for line in out.splitlines() if line.strip()]
+    snapshots = len(stamps)
     if snapshots == 0:
         print(f"attach produced no snapshot: {err.strip()}")
         return 1
     alone = statistics.median(alone_before + alone_after)
     with_attach = statistics.median(watched)
     ratio = with_attach / alone
-    print(f"engine step, alone:                 median {alone:.3f} us "
-          f"(before {statistics.median(alone_before):.3f}, after {statistics.median(alone_after):.3f})")
-    print(f"engine step, attach reading ring:   median {with_attach:.3f} us  ({snapshots} snapshots taken)")
+    print(f"engine step, alone:                 min / median / max {_spread(alone_before + alone_after)} us "
+          f"(median before {statistics.median(alone_before):.3f}, after {statistics.median(alone_after):.3f})")
+    print(f"engine step, attach reading ring:   min / median / max {_spread(watched)} us  ({snapshots} snapshots)")
+    asked = 1 / INTERVAL_S
+    if snapshots > 1:
+        delivered = (snapshots - 1) * 1e9 / (stamps[-1] - stamps[0])
+        print(f"snapshots delivered: {delivered:.1f}/s of {asked:.0f}/s asked (ratio {delivered / asked:.2f})")
     verdict = "PASS" if ratio <= TOLERANCE else "FAIL"
     print(f"ratio watched/alone: {ratio:.2f}   target: <= {TOLERANCE:.2f} -> {verdict}")
     return 0 if ratio <= TOLERANCE else 1

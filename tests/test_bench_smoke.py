@@ -64,3 +64,8 @@ def test_reliability_benchmark_runs() -> None:
     result = json.loads(out.strip().splitlines()[-1])
     # 2 ranks x 50 steps/s x 2 s, and per rank the sample at the serve phase's start and the close sample.
     assert result["samples"] == result["expected_samples"] == 2 * 100 + 2 * 2 and result["lost"] == 0
+
+
+def test_attach_benchmark_says_the_snapshot_rate_it_delivered() -> None:
+    out = _run("bench_attach.py", "--seconds", "1.5")
+    assert "of 10/s asked (ratio" in out and "ratio watched/alone" in out and "min / median / max" in out
