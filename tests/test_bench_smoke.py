@@ -69,3 +69,9 @@ def test_reliability_benchmark_runs() -> None:
 def test_attach_benchmark_says_the_snapshot_rate_it_delivered() -> None:
     out = _run("bench_attach.py", "--seconds", "1.5")
     assert "of 10/s asked (ratio" in out and "ratio watched/alone" in out and "min / median / max" in out
+
+
+def test_plugin_benchmark_measures_the_step_as_served() -> None:
+    out = _run("bench_plugin.py", "--batches", "20")
+    assert "plugin as served (CUDA probe + peak reset -> ring)" in out and "ratio plugin/baseline" in out
+    assert "min / median / max over 20 batches" in out
