@@ -35,6 +35,9 @@ from memwatch.store.summaries import UPSERT_SUMMARY, config_key, summary_params
 from memwatch.store.writer import INSERT_FLAG
 
 TARGET_S = 5.0
+"""The wall time aimed at on an idle machine: printed for reference, not judged (it scales with the load)."""
+TARGET_RATIO = 0.5
+"""report.html's median over reading every sample into Python, in the same run: the judged target."""
 RANKS = 8
 GiB, MiB = 1 << 30, 1 << 20
 TOTAL, UTILIZATION, WEIGHTS, RESERVE, NON_TORCH = 80 * GiB, 0.9, 14 * GiB, 4 * GiB, 1 * GiB
@@ -166,8 +169,11 @@ def main() -> int:
               f"report.html / read every sample: {median / statistics.median(read_all):.2f}")
         load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
         print(f"machine: {os.cpu_count()} CPUs, load average {load} (the absolute times scale with it)")
-        print(f"target: report.html ≤ {TARGET_S:.0f} s -> {'met' if median <= TARGET_S else 'MISSED'}")
-        return 0 if median <= TARGET_S else 1
+        ratio = median / statistics.median(read_all)
+        print(f"(on an idle machine report.html aims at ≤ {TARGET_S:.0f} s: {median:.1f} s here)")
+        print(f"target: report.html / read every sample ≤ {TARGET_RATIO} -> {ratio:.2f}, "
+              f"{'met' if ratio <= TARGET_RATIO else 'MISSED'}")
+        return 0 if ratio <= TARGET_RATIO else 1
 
 
 if __name__ == "__main__":
