@@ -92,7 +92,7 @@ def test_a_parent_process_says_whose_ring_and_record_keeps_the_engine_and_model(
                                                        text=True).stdout.split()]
     finally:
         os.killpg(parent.pid, signal.SIGKILL)
-        parent.wait()
+        parent.wait(timeout=10)
     assert result.returncode == 0, result.stderr
     assert (f"process {parent.pid} has no memwatch ring of its own; showing the ring of its descendant process "
             f"{child} (nano-vllm, Qwen2.5-7B-Instruct)") in result.stderr

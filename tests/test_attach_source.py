@@ -36,7 +36,7 @@ def tree() -> Iterator[tuple[int, int]]:
     with contextlib.suppress(psutil.NoSuchProcess):
         child.kill()
     parent.kill()
-    parent.wait()
+    parent.wait(timeout=10)
 
 
 def _machine(script: FakeNvmlScript, parent: int, child: int) -> None:
