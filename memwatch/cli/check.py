@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from ..detectors import DetectorConfig
-from ..losses import render_losses, run_losses
 from ..report import check_run, render_check
 from ..store import open_store
 from ..store.queries import get_run
 from .options import db_option, json_option, thresholds_option
+from .output import echo_report
 
 
 @click.command("check")
@@ -30,10 +29,6 @@ def command(run: str, db_path: Path | None, as_json: bool, detector_config: Dete
     db = open_store(db_path, readonly=True)
     report = check_run(db, run, detector_config)
     info = get_run(db, run)
-    losses = run_losses(db, info.run_id)
-    if as_json:
-        click.echo(json.dumps({**report.to_dict(), "lost_samples": losses.to_dict()}, indent=2))
-    else:
-        click.echo("\n".join([render_check(report), *render_losses(losses, info.started_ns)]))
+    echo_report(db, info.run_id, info.started_ns, report.to_dict(), render_check(report), as_json)
     if report.failed:
         raise SystemExit(1)

@@ -11,6 +11,9 @@ from typing import Any
 import click
 
 from ..errors import UsageError
+from ..losses import render_losses, run_losses
+from ..store import Database
+from ..terminal import printable
 
 csv_option = click.option("--csv", "as_csv", is_flag=True, help="CSV with a header row.")
 
@@ -56,3 +59,18 @@ def where_kinds_rank(sql: str, params: list[Any], kinds: Sequence[str], rank: in
         sql += " AND rank = ?"
         params.append(rank)
     return sql
+
+
+def echo_report(db: Database, run_id: str, started_ns: int | None, data: dict[str, Any], text: str,
+                as_json: bool) -> None:
+    """A post-mortem report with the run's lost samples: JSON, or text with control characters escaped.
+
+    The text carries names and messages that came from engines and processes, so every line goes
+    through :func:`printable`; JSON needs no escaping.
+    """
+    losses = run_losses(db, run_id)
+    if as_json:
+        click.echo(json.dumps({**data, "lost_samples": losses.to_dict()}, indent=2))
+        return
+    lines = [*text.split("\n"), *render_losses(losses, started_ns)]
+    click.echo("\n".join(printable(line) for line in lines))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -130,3 +131,23 @@ def test_names_with_terminal_escapes_are_printed_escaped(runtime_dir: Path, db_p
         output = CliRunner().invoke(main, [*args, "--db", str(db_path)]).output
         assert "\x1b" not in output and "\u202e" not in output
         assert "\\x1b]0;owned\\x07\\x1b[2Jqwen\\u202e" in output and "e\\x1b[31m" in output
+
+
+def test_check_and_explain_text_is_escaped_but_json_is_not(runtime_dir: Path, db_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from memwatch.cli.output import echo_report
+
+    monitor = Monitor(engine="e", model="m", probe=ScriptedProbe(), runtime_dir=runtime_dir, spawn_sidecar=False,
+                      run_id="esc2")
+    monitor.step("decode")
+    monitor.close()
+    collector, writer = _collector(runtime_dir, db_path, [False])
+    _drain(collector, writer)
+    db = open_store(db_path, readonly=True)
+    hostile = "flag from process \x1b]0;owned\x07\x1b[2J\u202e"
+    echo_report(db, "esc2", None, {"message": hostile}, f"line one\n{hostile}", as_json=False)
+    text = capsys.readouterr().out
+    assert "\x1b" not in text and "\u202e" not in text
+    assert text.splitlines()[:2] == ["line one", "flag from process \\x1b]0;owned\\x07\\x1b[2J\\u202e"]
+    echo_report(db, "esc2", None, {"message": hostile}, hostile, as_json=True)
+    assert json.loads(capsys.readouterr().out)["message"] == hostile
