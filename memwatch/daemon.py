@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,9 @@ if TYPE_CHECKING:  # the exporters (OpenTelemetry) are imported only by a sideca
     from .export import Exporters
 
 log = logging.getLogger("memwatch.serve")
+
+HANDOVER_WAIT_S = 30.0
+"""How long ``memwatch serve`` waits for an auto-started sidecar to stop: its last drain and commit."""
 
 
 class SidecarRunning(UnavailableError):
@@ -80,6 +84,8 @@ class Sidecar:
         self.exporters = exporters
         self._stop = threading.Event()
         self._lock_fd: int | None = None
+        self.took_over_from: int | None = None
+        """The pid of the auto-started sidecar this one asked to stop, to take its place."""
 
     def start(self) -> None:
         self._take_lock()
@@ -118,22 +124,53 @@ class Sidecar:
             reader.conn.close()
 
     def _take_lock(self) -> None:
+        """Take the directory's lock; a sidecar started by hand takes over from an auto-started one.
+
+        An auto-started sidecar (``exit_when_idle``) only stands in until someone runs ``memwatch serve``:
+        it is asked to stop (SIGTERM: its last drain and commit), and its lock is taken once it has gone.
+        The rings keep what it did not store, and their cursors say where to resume.
+        """
         fd = os.open(self.runtime_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            if not self._lock_or_take_over(fd):
+                holder = read_pid_file(self.runtime_dir / PID_NAME)
+                raise SidecarRunning(
+                    f"a sidecar is already running for {self.runtime_dir}"
+                    + (f" (pid {holder.pid})" if holder else "") + "; stop it first or pass another --runtime-dir"
+                )
+        except BaseException:
             os.close(fd)
-            pid = _read_pid(self.runtime_dir / PID_NAME)
-            raise SidecarRunning(
-                f"a sidecar is already running for {self.runtime_dir}" + (f" (pid {pid})" if pid else "")
-                + "; stop it first or pass another --runtime-dir"
-            ) from None
+            raise
         self._lock_fd = fd
         pid_path = self.runtime_dir / PID_NAME
         tmp = pid_path.with_suffix(".tmp")
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write(f"{os.getpid()}\n")
+            f.write(f"{os.getpid()}{' auto' if self.exit_when_idle is not None else ''}\n")
         os.replace(tmp, pid_path)
+
+    def _lock_or_take_over(self, fd: int) -> bool:
+        """Whether the lock was taken: at once, or after the auto-started holder stopped (bounded wait)."""
+        if _try_lock(fd):
+            return True
+        if self.exit_when_idle is not None:
+            return False  # an auto-started sidecar never displaces another
+        deadline = time.monotonic() + HANDOVER_WAIT_S
+        asked: int | None = None
+        while time.monotonic() < deadline:
+            holder = read_pid_file(self.runtime_dir / PID_NAME)
+            if holder is not None and not holder.auto:
+                return False
+            if holder is not None and holder.pid != asked:
+                try:
+                    os.kill(holder.pid, signal.SIGTERM)
+                except OSError:
+                    pass  # gone already, or not ours to signal: the lock decides
+                asked = holder.pid
+            time.sleep(0.05)  # the holder may not have written its pid file yet
+            if _try_lock(fd):
+                self.took_over_from = asked
+                return True
+        return False
 
     def stop(self) -> None:
         self._stop.set()
@@ -238,8 +275,25 @@ class Sidecar:
             self._lock_fd = None
 
 
-def _read_pid(path: Path) -> int | None:
+@dataclass(frozen=True)
+class PidFile:
+    """What ``sidecar.pid`` says: the holder's pid, and whether it was auto-started (``PID auto``)."""
+
+    pid: int
+    auto: bool
+
+
+def read_pid_file(path: Path) -> PidFile | None:
     try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
+        fields = path.read_text().split()
+        return PidFile(int(fields[0]), fields[1:2] == ["auto"])
+    except (OSError, ValueError, IndexError):
         return None
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True

@@ -46,6 +46,35 @@ def test_second_sidecar_is_refused_with_one_line(runtime_dir: Path, db_path: Pat
         sidecar.stop()
 
 
+def test_a_sidecar_started_by_hand_takes_over_from_an_auto_started_one(runtime_dir: Path, db_path: Path) -> None:
+    with SidecarProcess(runtime_dir, db_path, "--exit-when-idle", "600", "--quiet-if-running") as auto:
+        assert (runtime_dir / PID_NAME).read_text().split() == [str(auto.proc.pid), "auto"]
+        auto.pause()  # the engine writes while the stand-in cannot read: the records wait in the ring
+        run_id = _engine(runtime_dir, db_path, 5000, spawn=False)
+        auto.resume()
+        with SidecarProcess(runtime_dir, db_path) as by_hand:
+            assert auto.proc.wait(timeout=60) == 0  # asked to stop, it drained and exited cleanly
+            wait_for(lambda: (runtime_dir / PID_NAME).exists()
+                     and (runtime_dir / PID_NAME).read_text().split() == [str(by_hand.proc.pid)],
+                     what="the hand-started sidecar's pid file")
+            wait_for(lambda: query(db_path, "SELECT status FROM runs WHERE run_id = ?", (run_id,)) == [("ok",)],
+                     what="the run stored")
+            output = by_hand.stop()
+    assert by_hand.proc.returncode == 0, output
+    assert f"took over from the auto-started sidecar (pid {auto.proc.pid})" in output
+    assert query(db_path, "SELECT count(*) FROM samples WHERE run_id = ?", (run_id,)) == [(5003,)]  # none twice
+
+
+def test_an_auto_started_sidecar_never_displaces_one_started_by_hand(runtime_dir: Path, db_path: Path) -> None:
+    with SidecarProcess(runtime_dir, db_path) as by_hand:
+        auto = subprocess.run([sys.executable, "-m", "memwatch", "serve", "--exit-when-idle", "60",
+                               "--quiet-if-running"], env=memwatch_env(runtime_dir, db_path),
+                              capture_output=True, text=True, timeout=30)
+        assert auto.returncode == 0 and by_hand.proc.poll() is None
+        assert (runtime_dir / PID_NAME).read_text().split() == [str(by_hand.proc.pid)]
+        by_hand.stop()
+
+
 def test_stop_drains_what_the_engine_wrote(runtime_dir: Path, db_path: Path) -> None:
     with SidecarProcess(runtime_dir, db_path) as sidecar:
         sidecar.pause()  # the engine writes while the sidecar cannot read
@@ -68,8 +97,8 @@ def test_plugin_starts_a_sidecar_when_none_runs(runtime_dir: Path, db_path: Path
         log = (runtime_dir / "sidecar.log").read_text()
         assert "Traceback" not in log
     finally:
-        pid = int(wait_for(lambda: (runtime_dir / PID_NAME).exists() and (runtime_dir / PID_NAME).read_text(),
-                           what="the sidecar pid file"))
+        pid_file = runtime_dir / PID_NAME
+        pid = int(wait_for(lambda: pid_file.exists() and pid_file.read_text().split()[0], what="the sidecar pid file"))
         os.kill(pid, signal.SIGTERM)
         wait_for(lambda: not sidecar_running(runtime_dir), what="the sidecar to stop")
 

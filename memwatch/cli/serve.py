@@ -70,6 +70,9 @@ def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float
             return
         raise
     logging.getLogger("memwatch").setLevel(min(logging.getLogger().level, logging.INFO))
+    if sidecar.took_over_from is not None:
+        click.echo(f"memwatch serve: took over from the auto-started sidecar (pid {sidecar.took_over_from})",
+                   err=True)
     click.echo(f"memwatch serve: rings in {sidecar.runtime_dir}, database {sidecar.db_path}", err=True)
     if exporters is not None:
         where = exporters.describe()
