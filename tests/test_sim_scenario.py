@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,35 @@ def test_a_burst_of_random_requests_all_arrive_at_zero() -> None:
     assert workload.generate(0) == [Request(i, 5, 2, 0) for i in range(3)]
 
 
+def test_without_bursts_each_arrival_draws_its_gap_then_its_lengths() -> None:
+    spec = RandomRequests(count=50, prompt_tokens_min=10, prompt_tokens_max=900, output_tokens_min=1,
+                          output_tokens_max=300, rate_per_s=4.0)
+    rng, clock, expected = random.Random(5), 0.0, []
+    for i in range(50):
+        clock += rng.expovariate(4.0)
+        prompt, output = rng.randint(10, 900), rng.randint(1, 300)
+        expected.append(Request(i, prompt, output, round(clock * 1e9)))
+    assert Workload(random=spec).generate(5) == expected
+
+
+def test_bursty_requests_arrive_together_in_bursts_of_1_to_burst_max() -> None:
+    workload = Workload(random=RandomRequests(count=2000, prompt_tokens_min=10, prompt_tokens_max=20,
+                                              output_tokens_min=1, output_tokens_max=2, rate_per_s=2.0,
+                                              burst_max=5))
+    requests = workload.generate(3)
+    assert requests == workload.generate(3) and requests != workload.generate(4)
+    bursts = [len(list(group)) for _, group in itertools.groupby(r.arrival_ns for r in requests)]
+    assert sum(bursts) == 2000 and min(bursts) == 1 and max(bursts) == 5
+    # Uniform sizes 1..5 average 3 (standard deviation 1.41, so about 0.05 over ~667 bursts); the bursts
+    # themselves are a Poisson stream at 2 a second, gaps averaging 0.5 s (about 0.02 s over ~667 gaps).
+    assert abs(sum(bursts) / len(bursts) - 3) < 0.3
+    mean_gap_s = requests[-1].arrival_ns / 1e9 / len(bursts)
+    assert abs(mean_gap_s - 0.5) < 0.1
+
+
 @pytest.mark.parametrize(("change", "message"), [
+    ({"workload": {"random": {"count": 2, "prompt_tokens_min": 1, "prompt_tokens_max": 2, "output_tokens_min": 1,
+                              "output_tokens_max": 1, "burst_max": 0}}}, r"burst_max must be at least 1"),
     ({"gpu": {"total_bytes": 8 * GiB, "size": 1}}, r"\[gpu\]: unknown key 'size'; known keys: context_bytes, name"),
     ({"gpu": {"total_bytes": "8GiB"}}, r"\[gpu\]: total_bytes must be int, got '8GiB'"),
     ({"engine": {"enforce_eager": 1}}, r"enforce_eager must be bool, got 1"),

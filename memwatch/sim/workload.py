@@ -41,7 +41,13 @@ class RequestGroup:
 
 @dataclass(frozen=True)
 class RandomRequests:
-    """``count`` requests with uniformly drawn lengths and Poisson arrivals (all at 0 without a rate)."""
+    """``count`` requests with uniformly drawn lengths and Poisson arrivals (all at 0 without a rate).
+
+    With ``burst_max`` above 1 the traffic is bursty (a compound Poisson stream): each arrival of the
+    stream brings a burst of 1 to ``burst_max`` requests (uniformly drawn) at the same moment, as when
+    a client retries together or a batch job submits at once. The mean load is ``rate_per_s`` times the
+    mean burst, ``(1 + burst_max) / 2``.
+    """
 
     count: int
     prompt_tokens_min: int
@@ -49,6 +55,7 @@ class RandomRequests:
     output_tokens_min: int
     output_tokens_max: int
     rate_per_s: float | None = None
+    burst_max: int = 1
 
     def __post_init__(self) -> None:
         if self.count < 1 or not 1 <= self.prompt_tokens_min <= self.prompt_tokens_max:
@@ -57,6 +64,8 @@ class RandomRequests:
             raise UsageError("random requests need 1 <= output_tokens_min <= output_tokens_max")
         if self.rate_per_s is not None and self.rate_per_s <= 0:
             raise UsageError("random requests: rate_per_s must be positive (or left out for one burst)")
+        if self.burst_max < 1:
+            raise UsageError("random requests: burst_max must be at least 1 (1: no bursts)")
 
     @property
     def max_tokens(self) -> int:
@@ -93,12 +102,17 @@ class Workload:
         return [Request(i, prompt, output, arrival) for i, (arrival, prompt, output) in enumerate(drafts)]
 
 
-
 def _random_drafts(spec: RandomRequests, rng: random.Random) -> list[tuple[int, int, int]]:
-    drafts, clock_s = [], 0.0
+    """Draws in a fixed order (gap, then the burst's size when bursty, then each request's lengths), so a
+    scenario without bursts draws exactly what it drew before bursts existed."""
+    drafts: list[tuple[int, int, int]] = []
+    clock_s, left_in_burst = 0.0, 0
     for _ in range(spec.count):
-        if spec.rate_per_s is not None:
-            clock_s += rng.expovariate(spec.rate_per_s)
+        if left_in_burst == 0:
+            if spec.rate_per_s is not None:
+                clock_s += rng.expovariate(spec.rate_per_s)
+            left_in_burst = rng.randint(1, spec.burst_max) if spec.burst_max > 1 else 1
+        left_in_burst -= 1
         prompt = rng.randint(spec.prompt_tokens_min, spec.prompt_tokens_max)
         output = rng.randint(spec.output_tokens_min, spec.output_tokens_max)
         drafts.append((round(clock_s * NS_PER_S), prompt, output))
