@@ -28,6 +28,7 @@ GiB = 1 << 30
 
 UNMODELLED = {
     "fragmentation": "pinned allocator segments grow the cache slack; the replay follows non-PyTorch memory only",
+    "fragmentation_80g": "pinned allocator segments grow the cache slack; the replay follows non-PyTorch memory only",
     "other_process_oom_tp2": "another process fills one rank of two; the replay does not reproduce that rank's "
                              "out-of-memory",
 }

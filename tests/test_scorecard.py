@@ -29,14 +29,19 @@ from memwatch.sim.scorecard import (
 # scenario: (the kinds its [expect] table lists, in the order first raised; how the run ends). Lead
 # times are not pinned: the scorecard holds them to bounds (see test_gradual_ooms_...).
 TABLE = {
+    "chunked_prompt": (("activation_over_reserve",), "ok"),
+    "clean_bursty": ((), "ok"),
+    "clean_cache_full": ((), "ok"),
     "clean_chat": ((), "ok"),
     "clean_eager": ((), "ok"),
+    "clean_h200": ((), "ok"),
     "clean_llama_80g": ((), "ok"),
     "clean_ramp": ((), "ok"),
     "clean_long_context": ((), "ok"),
     "clean_tp2": ((), "ok"),
     "demo": ((), "ok"),
     "fragmentation": (("oom_risk", "fragmentation", "alloc_retries", "oom"), "oom"),
+    "fragmentation_80g": (("oom_risk", "fragmentation", "alloc_retries", "oom"), "oom"),
     "kv_pressure": (("kv_pressure",), "ok"),
     "long_prefill": (("activation_over_reserve", "oom_risk", "alloc_retries", "oom"), "oom"),
     "non_torch_leak": (("oom_risk", "non_torch_drift"), "crashed"),
@@ -50,7 +55,7 @@ TABLE = {
     "warmup_decode": (("activation_over_reserve", "oom_risk", "oom"), "oom"),
     "warmup_short": (("activation_over_reserve", "oom_risk", "oom"), "oom"),
 }
-GRADUAL = {"fragmentation", "non_torch_leak", "non_torch_leak_tp2"}
+GRADUAL = {"fragmentation", "fragmentation_80g", "non_torch_leak", "non_torch_leak_tp2"}
 
 
 @pytest.fixture(scope="module")
