@@ -23,7 +23,8 @@ What is recorded, per rank (``ModelRunner(config, rank, event)``; world size
 
 ``LLMEngine.__init__`` gives each engine instance in a process its own run id in ``MEMWATCH_RUN_ID``
 before it spawns workers, so all ranks of one instance share one run and a second instance gets a new
-one. Upstream interface followed: GeeeekExplorer/nano-vllm ``bb823b3`` (chunked prefill: a prefill
+one (:mod:`.nanovllm_scheduler`, with the scheduler's block manager, preemptions and requests).
+Upstream interface followed: GeeeekExplorer/nano-vllm ``bb823b3`` (chunked prefill: a prefill
 step's tokens are each sequence's ``num_scheduled_tokens``), and ``nano-vllm-fork`` 20260210 from PyPI
 (no chunking: a prefill runs each sequence's tokens past its cached prefix).
 """
@@ -37,18 +38,15 @@ from importlib import metadata
 from types import ModuleType
 from typing import Any
 
-from ..monitor import Monitor, new_run_id
+from ..monitor import Monitor
 from ..probes.base import UNKNOWN
 from ..probes.cuda import CudaProbe
-from .hooks import Guard, patch_now, patch_on_import, require_methods, unwrap_all, wrap_function, wrap_method
+from .hooks import patch_now, patch_on_import, require_methods, unwrap_all, wrap_function, wrap_method
+from .nanovllm_scheduler import LLM_ENGINE, SCHEDULER, _guard, _patch_llm_engine, _patch_scheduler, _process
 from .oom import capture_oom
 
 MODEL_RUNNER = "nanovllm.engine.model_runner"
-SCHEDULER = "nanovllm.engine.scheduler"
-LLM_ENGINE = "nanovllm.engine.llm_engine"
 RANK_ATTRIBUTE = "_memwatch_rank"
-
-_guard = Guard("nano-vllm")
 
 
 class _Rank:
@@ -63,18 +61,6 @@ class _Rank:
         self.serving = False
 
 
-class _Process:
-    """What rank 0's steps need from this process's scheduler, and the run ids used here."""
-
-    def __init__(self) -> None:
-        self.scheduler: Any = None
-        self.preemptions = 0
-        self.run_ids: set[str] = set()
-        self.lead: _Rank | None = None
-        """Rank 0 of this process, which records the requests the scheduler sees."""
-
-
-_process = _Process()
 _loading: list[_Rank] = []
 """The rank whose ``__init__`` is loading weights in this process (``load_model`` gets no runner)."""
 
@@ -104,92 +90,6 @@ def uninstall() -> None:
         if owner is not None:
             unwrap_all(owner)
     _process.scheduler = _process.lead = None
-
-
-# -- LLMEngine: one run id per engine instance ------------------------------------------------------
-
-
-def _patch_llm_engine(module: ModuleType) -> None:
-    wrap_method(module.LLMEngine, "__init__", _wrap_engine_init)
-
-
-def _wrap_engine_init(original: Callable[..., Any]) -> Callable[..., Any]:
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        _guard.call(_assign_run_id)
-        original(self, *args, **kwargs)
-
-    return __init__
-
-
-def _assign_run_id() -> None:
-    """Export a run id no earlier engine of this process used, before the workers are spawned."""
-    run_id = os.environ.get("MEMWATCH_RUN_ID")
-    if not run_id or run_id in _process.run_ids:
-        run_id = new_run_id()
-        os.environ["MEMWATCH_RUN_ID"] = run_id
-    _process.run_ids.add(run_id)
-
-
-# -- Scheduler: where rank 0 finds the block manager and counts preemptions -------------------------
-
-
-def _patch_scheduler(module: ModuleType) -> None:
-    require_methods(module.Scheduler, ("__init__", "preempt"))
-    wrap_method(module.Scheduler, "__init__", _wrap_scheduler_init)
-    wrap_method(module.Scheduler, "preempt", _wrap_preempt)
-    if hasattr(module.Scheduler, "add") and hasattr(module.Scheduler, "postprocess"):
-        wrap_method(module.Scheduler, "add", _wrap_add)
-        wrap_method(module.Scheduler, "postprocess", _wrap_postprocess)
-
-
-def _wrap_scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        _process.scheduler = self
-        _process.preemptions = 0
-
-    return __init__
-
-
-def _wrap_preempt(original: Callable[..., Any]) -> Callable[..., Any]:
-    def preempt(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _process.preemptions += 1
-        return original(self, *args, **kwargs)
-
-    return preempt
-
-
-def _wrap_add(original: Callable[..., Any]) -> Callable[..., Any]:
-    def add(self: Any, seq: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, seq, *args, **kwargs)
-        _guard.call(_request_arrived, seq)
-        return result
-
-    return add
-
-
-def _wrap_postprocess(original: Callable[..., Any]) -> Callable[..., Any]:
-    def postprocess(self: Any, seqs: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, seqs, *args, **kwargs)
-        _guard.call(_requests_finished, seqs)
-        return result
-
-    return postprocess
-
-
-def _request_arrived(seq: Any) -> None:
-    """One event per request as it reaches the scheduler: the workload ``memwatch replay`` reads."""
-    lead = _process.lead
-    if lead is not None:
-        lead.monitor.request_arrived(seq.seq_id, seq.num_prompt_tokens, getattr(seq, "max_tokens", None))
-
-
-def _requests_finished(seqs: Any) -> None:
-    lead = _process.lead
-    if lead is not None:
-        for seq in seqs:
-            if seq.is_finished:
-                lead.monitor.request_finished(seq.seq_id, seq.num_completion_tokens)
 
 
 # -- ModelRunner: phases, KV sizing, steps ----------------------------------------------------------
