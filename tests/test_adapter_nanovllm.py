@@ -146,8 +146,8 @@ def test_tp2_every_rank_records_and_the_sidecar_drains_both_rings(tmp_path: Path
 
 def test_install_after_nanovllm_was_imported_patches_it_in_place(tmp_path: Path, runtime_dir: Path,
                                                                    db_path: Path) -> None:
-    from memwatch.collector import read_ring
     from memwatch.records import Event
+    from memwatch.ring_records import read_ring
 
     device = {**DEVICE, "FAKE_CUDA_TOTAL_BYTES": str(256 * MiB)}
     env = zero_code_env(memwatch_env(runtime_dir, db_path), tmp_path, NANOVLLM_MIRROR_PORT=str(_free_port()),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from test_cuda_probe import FakeTorch
 
-from memwatch.collector import read_ring
+from memwatch.ring_records import read_ring
 from memwatch.store import Database, open_store
 from memwatch.store.schema import ALLOCATOR_COLUMNS, MIGRATIONS
 from memwatch_engine import Monitor

@@ -16,8 +16,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from memwatch.cli import main
-from memwatch.collector import read_ring
 from memwatch.records import Sample
+from memwatch.ring_records import read_ring
 
 from processes import memwatch_env, wait_for
 from stored_runs import store_rings

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from memwatch.collector import read_ring
 from memwatch.records import SAMPLE_COLUMNS, Sample
+from memwatch.ring_records import read_ring
 from memwatch.sim.run import run_scenario
 
 from processes import SidecarProcess, memwatch_env, query, wait_for

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from memwatch.collector import read_ring
 from memwatch.errors import UsageError
 from memwatch.records import Sample
+from memwatch.ring_records import read_ring
 from memwatch.sim import Scenario, VirtualGPU, run_scenario
 from memwatch.sim.fault_kinds import (
     Fragmentation,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from memwatch.collector import read_ring
+from memwatch.ring_records import read_ring
 from memwatch.sim import VirtualGPU
 from memwatch_engine import Monitor
 

@@ -17,11 +17,11 @@ from memwatch_engine.ring import RingFormatError
 from memwatch_engine.ring_reader import RingReader
 from memwatch_engine.runtime import RING_SUFFIX, default_runtime_dir, is_private_file
 
-from ..collector import typed_records
 from ..detectors import DetectorSet
 from ..errors import NotFoundError
 from ..hostinfo import HostWatcher
 from ..records import Sample
+from ..ring_records import typed_records
 from .snapshot import GpuUsage, RankLedger, Snapshot
 
 RATE_WINDOW_NS = 5_000_000_000

@@ -1,7 +1,7 @@
 """The scorecard: run every shipped scenario, replay its rings through the detectors, compare with ``[expect]``.
 
 Each scenario runs into a private runtime directory with no sidecar; the rings are read back with
-:func:`memwatch.collector.read_ring` and replayed with :func:`memwatch.detectors.replay`, the same
+:func:`memwatch.ring_records.read_ring` and replayed with :func:`memwatch.detectors.replay`, the same
 code the sidecar runs live. A row passes when the distinct flag kinds raised are exactly the ones the
 scenario expects, the run ends as expected, and, for a gradual out-of-memory, ``oom_risk`` warned at
 least :data:`MIN_LEAD_STEPS` steps before it on the rank that ran out and not before the fault started
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memwatch.collector import read_ring
 from memwatch.detectors import ReplayResult, replay
 from memwatch.flags import OOM, OOM_RISK, Flag
 from memwatch.records import Event, Sample
+from memwatch.ring_records import read_ring
 from memwatch.sim.expectation import Expectation
 from memwatch.sim.result import SimulationResult
 from memwatch.sim.run import run_scenario
