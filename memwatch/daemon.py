@@ -55,7 +55,7 @@ class Sidecar:
         runtime_dir: Path | None = None,
         db_path: Path | None = None,
         *,
-        poll_interval: float = 0.1,
+        poll_interval: float = 0.25,
         give_up_after: float = 60.0,
         scan_interval: float = 0.25,
         exit_when_idle: float | None = None,

@@ -18,7 +18,7 @@ from .options import Seconds, db_option, thresholds_option
 @db_option
 @click.option("--runtime-dir", type=click.Path(file_okay=False, path_type=Path), envvar="MEMWATCH_RUNTIME_DIR",
               help="Where engines put their rings (default: $MEMWATCH_RUNTIME_DIR, $XDG_RUNTIME_DIR/memwatch).")
-@click.option("--poll-interval", type=Seconds(0.0, 60.0, low_open=True), default=0.1, show_default=True,
+@click.option("--poll-interval", type=Seconds(0.0, 60.0, low_open=True), default=0.25, show_default=True,
               help="Seconds between ring drains (more than 0, at most 60).")
 @click.option("--exit-when-idle", type=Seconds(0.0), default=None,
               help="Exit after this many seconds with no engine writing (used when auto-started).")
