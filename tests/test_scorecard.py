@@ -45,6 +45,7 @@ TABLE = {
     "kv_pressure": (("kv_pressure",), "ok"),
     "long_prefill": (("activation_over_reserve", "oom_risk", "alloc_retries", "oom"), "oom"),
     "non_torch_leak": (("oom_risk", "non_torch_drift"), "crashed"),
+    "non_torch_leak_bursty": (("oom_risk", "non_torch_drift"), "crashed"),
     "non_torch_leak_h200": (("oom_risk", "non_torch_drift"), "crashed"),
     "non_torch_leak_slow": (("non_torch_drift",), "ok"),
     "non_torch_leak_tp2": (("oom_risk", "non_torch_drift"), "crashed"),
@@ -56,7 +57,8 @@ TABLE = {
     "warmup_decode": (("activation_over_reserve", "oom_risk", "oom"), "oom"),
     "warmup_short": (("activation_over_reserve", "oom_risk", "oom"), "oom"),
 }
-GRADUAL = {"fragmentation", "fragmentation_80g", "non_torch_leak", "non_torch_leak_h200", "non_torch_leak_tp2"}
+GRADUAL = {"fragmentation", "fragmentation_80g", "non_torch_leak", "non_torch_leak_bursty",
+           "non_torch_leak_h200", "non_torch_leak_tp2"}
 
 
 @pytest.fixture(scope="module")
