@@ -4,11 +4,15 @@ Per rank, from the ``kv_allocated`` event: the device size, the long-lived PyTor
 (weights and the rest), the memory outside PyTorch (``used − reserved``), the activation reserve
 (``peak − current``) and the KV bytes per block. From the first serving sample: what stayed allocated
 after the KV cache (CUDA graphs and their buffers). From the serving steps' own peaks: activation
-bytes per token and per sequence of a forward, fitted by least squares. From ``used − reserved`` per
-step: the non-PyTorch level the replay follows step by step, and the growth per step it continues
-with past the end of the recording (a leak keeps leaking). From rank 0's step timestamps: the
-seconds a prefill token and a decode step take. The engine's settings come from ``config`` events.
-"""
+bytes per token and per sequence of a forward, the lower envelope of the forwards' rises (the
+allocator only ever adds to a forward's bytes). From ``used − reserved`` per step: the non-PyTorch
+level the replay follows step by step, the growth per step it continues with past the end of the
+recording (a leak keeps leaking), and the rises that left the device full (another process that takes
+whatever is free). From the steps whose forward allocates nothing, and ``allocated`` and the inactive
+split memory per step: temporaries and the long-lived tensors born beside them, which fragment the
+cache (:mod:`memwatch.replay.transients`). Ranks other than 0 take each step's batch from rank 0's
+samples, which alone report it. From rank 0's step timestamps: the seconds a prefill token and a
+decode step take. The engine's settings come from ``config`` events."""
 
 from __future__ import annotations
 
@@ -18,9 +22,17 @@ from typing import Any
 
 from memwatch.errors import NotFoundError
 from memwatch.records import Event, Sample
+from memwatch.replay.transients import NO_TRANSIENTS, TransientSeries, transients
 
 GROWTH_WINDOW = 20
 """Serving steps at the end of the recording whose mean non-PyTorch growth continues in the replay."""
+
+GREEDY_MIN_JUMP = 64 << 20
+"""A rise of memory outside PyTorch at least this large in one step is a one-off taker, not a leak."""
+GREEDY_FREE_LEFT = 2 << 20
+"""A taker that left the device less free than one small segment took whatever was free: a greedy process."""
+MAX_GRAPH_BATCH = 512
+"""The largest decode batch nano-vllm captures in a CUDA graph."""
 
 SETTING_DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": 0.9, "block_size": 256, "max_num_batched_tokens": 16384, "max_num_seqs": 512,
@@ -72,6 +84,10 @@ class RankModel:
     outside_levels: tuple[tuple[int, int], ...]
     """``(step, bytes)``: non-PyTorch memory (``used − reserved``) above its level when serving began."""
     outside_growth_per_step: float
+    greedy_steps: tuple[int, ...]
+    """Steps at which another process took every byte the device had free (it would take all at any setting)."""
+    transients: TransientSeries
+    """Temporaries and long-lived tensors allocated beside the forwards (:mod:`memwatch.replay.transients`)."""
     fitted_forwards: int
     fit_max_error_bytes: int
     fit_mean_error_bytes: int
@@ -109,7 +125,8 @@ def calibrate(run_id: str, model: str | None, gpu_name: str | None, config: dict
         raise NotFoundError(f"run {run_id} never sized a KV cache (no kv_allocated event on rank 0), so there is "
                             "no memory model to replay; replay a run that got to serving")
     settings = _settings(config, events, sizing[0])
-    ranks = tuple(_rank_model(rank, sizing[rank], settings, events, samples_by_rank.get(rank, []))
+    shapes = {s.step: s for s in _serving(samples_by_rank.get(0, []))}
+    ranks = tuple(_rank_model(rank, sizing[rank], settings, events, _with_shapes(samples_by_rank.get(rank, []), shapes))
                   for rank in sorted(sizing))
     cost = _cost([e for e in events if e.rank == 0], samples_by_rank.get(0, []))
     described = dict(config)
@@ -138,6 +155,25 @@ def _cast(kind: Any, value: Any) -> Any:
     return {"float": float, "int": int, "bool": bool}[name](value)
 
 
+def _with_shapes(samples: list[Sample], shapes: dict[int, Sample]) -> list[Sample]:
+    """A rank's samples with each step's batch filled in from rank 0's, which alone reports it."""
+    filled = []
+    for sample in samples:
+        lead = shapes.get(sample.step)
+        if sample.phase == "serve" and sample.num_tokens is None and lead is not None:
+            sample = sample._replace(num_tokens=lead.num_tokens, num_seqs=lead.num_seqs, step_kind=lead.step_kind)
+        filled.append(sample)
+    return filled
+
+
+def graph_limit(settings: EngineSettings, events: list[Event]) -> int:
+    """The largest decode batch a captured CUDA graph replays (0: eager, every decode allocates)."""
+    if settings.enforce_eager:
+        return 0
+    captured = next((e.data.get("max_batch_size") for e in events if e.kind == "cudagraph_captured"), None)
+    return int(captured) if captured is not None else min(settings.max_num_seqs, MAX_GRAPH_BATCH)
+
+
 def _serving(samples: list[Sample]) -> list[Sample]:
     """The last sample of each serving step (phase ``serve``), in step order."""
     by_step: dict[int, Sample] = {}
@@ -159,24 +195,29 @@ def _rank_model(rank: int, data: dict[str, Any], settings: EngineSettings, event
     graph = 0
     if serving and serving[0].allocated_bytes is not None:
         graph = max(0, serving[0].allocated_bytes - current - num_blocks * block_bytes)
-    per_token, per_seq, errors = _fit_activation(serving, peak - current, settings)
-    levels, growth = _outside(serving)
+    limit = graph_limit(settings, [e for e in events if e.rank == rank])
+    per_token, per_seq, errors = _fit_activation(serving, peak - current, settings, limit)
+    levels, growth, greedy = _outside(serving, total)
+    series = transients(serving, limit) if serving else NO_TRANSIENTS
     return RankModel(
         rank=rank, total_bytes=total, num_blocks=num_blocks, block_bytes=block_bytes, used_bytes=used,
         reserved_bytes=reserved, current_bytes=current, weights_bytes=weights,
         activation_reserve_bytes=peak - current, graph_bytes=graph,
         activation_per_token=per_token, activation_per_seq=per_seq, outside_levels=levels,
-        outside_growth_per_step=growth, fitted_forwards=len(errors),
+        outside_growth_per_step=growth, greedy_steps=greedy, transients=series, fitted_forwards=len(errors),
         fit_max_error_bytes=max(errors, default=0),
         fit_mean_error_bytes=round(sum(errors) / len(errors)) if errors else 0,
     )
 
 
-def _forwards(serving: list[Sample]) -> list[tuple[int, int, int]]:
-    """``(tokens, seqs, activation bytes)`` of every step whose own peak shows a forward's allocation."""
+def _forwards(serving: list[Sample], graph_batch: int) -> list[tuple[int, int, int]]:
+    """``(tokens, seqs, activation bytes)`` of every step whose own peak shows a forward's allocation
+    (not a decode batch a captured graph replays: its forward allocates nothing)."""
     points = []
     for sample in serving:
         if not sample.peak_is_step or sample.num_tokens is None or sample.num_seqs is None:
+            continue
+        if sample.step_kind == "decode" and sample.num_seqs <= graph_batch:
             continue
         if sample.peak_bytes is None or sample.allocated_bytes is None:
             continue
@@ -186,57 +227,91 @@ def _forwards(serving: list[Sample]) -> list[tuple[int, int, int]]:
     return points
 
 
-def _fit_activation(serving: list[Sample], reserve: int, settings: EngineSettings) -> tuple[float, float, list[int]]:
-    """Least squares of ``activation = a·tokens + b·seqs``, refitted without outliers; errors in bytes."""
-    points = _forwards(serving)
+def _fit_activation(serving: list[Sample], reserve: int, settings: EngineSettings,
+                    graph_batch: int) -> tuple[float, float, list[int]]:
+    """The lower envelope ``activation = a·tokens + b·seqs`` of the recorded forwards; errors in bytes.
+
+    A forward's recorded rise is its tensors as the allocator counts them: each rounded up, and a block
+    not split when less than its pool's split threshold would remain, so the rise is the forward's own
+    bytes plus a non-negative remainder; anything else allocated and freed in the step (a temporary
+    beside the forward) only adds too. The tightest line under every point is the forward's own size,
+    so the fit is the linear programme: the largest ``a·Σtokens + b·Σseqs`` with ``a·t + b·s ≤ y`` for
+    every point and ``a, b ≥ 0``. Least squares would spread the remainders over both terms, and with
+    prompts of one length (tokens a multiple of seqs) they pull the per-sequence term far off.
+    """
+    points = _forwards(serving, graph_batch)
     if not points:  # no forward allocated while serving: the warmup's reserve is the only evidence
         from memwatch.models import warmup_batch
 
         num_seqs, seq_len = warmup_batch(settings.max_num_batched_tokens, settings.max_model_len,
                                          settings.max_num_seqs)
         return reserve / (num_seqs * seq_len), 0.0, []
-    a, b = _least_squares(points)
-    residuals = sorted(abs(a * t + b * s - y) for t, s, y in points)
-    limit = 3 * residuals[len(residuals) // 2] + (1 << 20)
-    kept = [p for p in points if abs(a * p[0] + b * p[1] - p[2]) <= limit]
-    if kept and len(kept) < len(points):
-        a, b = _least_squares(kept)
+    a, b = lower_envelope(points)
     errors = [abs(round(a * t + b * s) - y) for t, s, y in points]
     return a, b, errors
 
 
-def _least_squares(points: list[tuple[int, int, int]]) -> tuple[float, float]:
-    stt = sum(t * t for t, _, _ in points)
-    sss = sum(s * s for _, s, _ in points)
-    sts = sum(t * s for t, s, _ in points)
-    sty = sum(t * y for t, _, y in points)
-    ssy = sum(s * y for _, s, y in points)
-    det = stt * sss - sts * sts
-    if abs(det) <= 1e-9 * max(stt * sss, 1):  # every forward the same shape ratio: per token only
-        return sty / stt, 0.0
-    a, b = (sty * sss - ssy * sts) / det, (ssy * stt - sty * sts) / det
-    if b < 0 or a < 0:
-        return sty / stt, 0.0
-    return a, b
+ENVELOPE_ITERATIONS = 200
+"""Ternary-search steps over the per-token term; each shrinks the interval to two thirds."""
 
 
-def _outside(serving: list[Sample]) -> tuple[tuple[tuple[int, int], ...], float]:
-    """Non-PyTorch memory per serving step above its first level, and its recent growth per step."""
-    readings = [(s.step, s.driver_used_bytes - s.reserved_bytes) for s in serving
+def lower_envelope(points: list[tuple[int, int, int]]) -> tuple[float, float]:
+    """``(a, b) ≥ 0`` maximising ``Σ(a·t + b·s)`` subject to ``a·t + b·s ≤ y`` for every ``(t, s, y)``.
+
+    For a given ``a`` the best ``b`` is ``min((y − a·t) / s)``, so the objective is a concave, piecewise
+    linear function of ``a`` alone: a ternary search finds its maximum. When every point has the same
+    ratio of tokens to sequences the objective is flat and the data cannot tell the terms apart; the
+    largest per-token term is taken then (the sequence term 0).
+    """
+    unique = sorted(set(points))
+    total_t = sum(t for t, _, _ in points)
+    total_s = sum(s for _, s, _ in points)
+    top = min(y / t for t, _, y in unique if t > 0)
+
+    def best_b(a: float) -> float:
+        return min((y - a * t) / s for t, s, y in unique)
+
+    def objective(a: float) -> float:
+        return a * total_t + best_b(a) * total_s
+
+    low, high = 0.0, top
+    for _ in range(ENVELOPE_ITERATIONS):
+        m1, m2 = low + (high - low) / 3, high - (high - low) / 3
+        if objective(m1) < objective(m2):
+            low = m1
+        else:
+            high = m2
+    a = (low + high) / 2
+    level = objective(a) * (1 - 1e-12)
+    low, high = a, top  # the objective is flat on an interval when the terms cannot be told apart
+    for _ in range(ENVELOPE_ITERATIONS // 2):
+        middle = (low + high) / 2
+        low, high = (middle, high) if objective(middle) >= level else (low, middle)
+    a = low
+    return a, max(0.0, best_b(a))
+
+
+def _outside(serving: list[Sample], total: int) -> tuple[tuple[tuple[int, int], ...], float, tuple[int, ...]]:
+    """Non-PyTorch memory per serving step above its first level, its recent growth per step, and the
+    steps where a one-off rise left the device no free segment (another process took all it could)."""
+    readings = [(s.step, s.driver_used_bytes - s.reserved_bytes, s.driver_used_bytes) for s in serving
                 if s.driver_used_bytes is not None and s.reserved_bytes is not None]
     if not readings:
-        return (), 0.0
+        return (), 0.0, ()
     base = readings[0][1]
-    levels, last = [], 0
-    for step, value in readings:
+    levels, greedy, last = [], [], 0
+    for step, value, used in readings:
         if value - base != last:
+            if value - base - last >= GREEDY_MIN_JUMP and total - used < GREEDY_FREE_LEFT:
+                greedy.append(step)
             last = value - base
             levels.append((step, last))
-    tail = [r for r in readings if r[0] > 0][-GROWTH_WINDOW - 1:]
+    after = max(greedy, default=0)
+    tail = [(step, value) for step, value, _ in readings if step > after][-GROWTH_WINDOW - 1:]
     growth = 0.0
     if len(tail) >= 2 and tail[-1][0] > tail[0][0]:
         growth = max(0.0, (tail[-1][1] - tail[0][1]) / (tail[-1][0] - tail[0][0]))
-    return tuple(levels), growth
+    return tuple(levels), growth, tuple(greedy)
 
 
 def _cost(events: list[Event], samples: list[Sample]) -> StepCost:

@@ -35,6 +35,9 @@ from memwatch_engine.monitor import new_run_id
 NCCL_BYTES = 128 << 20
 """NCCL buffers a rank takes outside PyTorch once there is more than one rank (the simulator's figure)."""
 
+OTHER_PROCESS = "other-process"
+"""The owner of memory another process took on a replayed device."""
+
 ARRIVAL_SLACK_NS = 1000
 """Arrivals move this much earlier, so that a fitted step time a nanosecond off never slips one by a step."""
 
@@ -92,7 +95,11 @@ class CalibratedRunner(RankRunner):
         self.floor = floor
         self._outside = dict(model.outside_levels)
         self._last_recorded_step = max(self._outside, default=0)
+        self._greedy_steps = set(model.greedy_steps)
         self._level = 0
+        """The recorded level followed so far: ``_greedy`` of it another process's, ``_own`` this one's."""
+        self._greedy = 0
+        self._own = 0
         self._start_outside = 0
 
     def _outside_at_start(self) -> int:
@@ -147,20 +154,44 @@ class CalibratedRunner(RankRunner):
         return [new]
 
     def before_step(self, step: int) -> None:
-        """Follow the recorded non-PyTorch level; past the recording, keep its last growth rate."""
+        """Follow the recorded memory outside PyTorch, then the allocations the recording shows beside the
+        forwards (:mod:`memwatch.replay.transients`)."""
+        self._follow_outside(step)
+        event = self.model.transients.at(step)
+        if event is None:
+            return
+        if event.kept_bytes and not event.pinned:
+            self._persistent.append(self.gpu.malloc(event.kept_bytes))
+        temporary = self.gpu.malloc(event.temporary_bytes) if event.temporary_bytes else None
+        if event.kept_bytes and event.pinned:
+            self._persistent.append(self.gpu.malloc(event.kept_bytes))
+        if temporary is not None:
+            self.gpu.free(temporary)
+
+    def _follow_outside(self, step: int) -> None:
+        """The recorded non-PyTorch level; past the recording, its last growth rate. A rise that left the
+        recorded device full was another process taking all that was free: it takes all that is free here."""
         if step in self._outside:
             level = self._outside[step]
         elif step > self._last_recorded_step and self.model.outside_growth_per_step:
             level = self._level + round(self.model.outside_growth_per_step)
         else:
             return
-        if level > self._level:
-            self.gpu.take_non_pytorch("outside", level - self._level)  # raises when the driver has no room
-        elif level < self._level:
-            held = self._start_outside + level
+        if step in self._greedy_steps and level > self._level:
+            self._greedy += level - self._level
+            self._level = level
+            self.gpu.take_other_process(OTHER_PROCESS, self.gpu.driver_free_bytes)
+            return
+        if level < self._level and self._greedy:
+            self.gpu.release_other_process(OTHER_PROCESS)  # the other process exited
+            self._greedy = 0
+        own, held = level - self._greedy, self._own
+        self._level, self._own = level, own
+        if own > held:
+            self.gpu.take_non_pytorch("outside", own - held)  # raises when the driver has no room
+        elif own < held:
             self.gpu.release_non_pytorch("outside")
-            self.gpu.take_non_pytorch("outside", max(0, held))
-        self._level = level
+            self.gpu.take_non_pytorch("outside", max(0, self._start_outside + own))
 
     def forward(self, num_tokens: int, num_seqs: int, *, prefill: bool, max_seq_len: int) -> int:
         if not prefill and num_seqs <= self.graph_batch_limit:

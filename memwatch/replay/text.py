@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memwatch.replay.calibrate import Calibration
+from memwatch.replay.calibrate import Calibration, RankModel
 from memwatch.replay.compare import Comparison, Recording, SweepPoint
 from memwatch.replay.outcome import RankOutcome
 from memwatch.replay.run import Settings
@@ -31,7 +31,27 @@ def render_calibration(calibration: Calibration) -> str:
             f"/token + {format_bytes(round(rank.activation_per_seq))}/sequence; fit over {rank.fitted_forwards} "
             f"recorded forwards: error max {format_bytes(rank.fit_max_error_bytes)}, mean "
             f"{format_bytes(rank.fit_mean_error_bytes)}")
+        lines += _beside(rank)
     return "\n".join(lines)
+
+
+def _beside(rank: RankModel) -> list[str]:
+    """What the rank's memory did besides the forwards: a greedy process, temporaries that fragment the cache."""
+    lines = []
+    if rank.greedy_steps:
+        steps = ", ".join(f"{step:,}" for step in rank.greedy_steps)
+        lines.append(f"          another process took all the free memory at step {steps} (replayed: it takes "
+                     "all that is free)")
+    series = rank.transients
+    temporaries = [event for event in series.recorded if event.temporary_bytes]
+    if temporaries:
+        largest = max(event.temporary_bytes for event in temporaries)
+        lines.append(f"          {len(temporaries)} temporaries beside the forwards (largest "
+                     f"{format_bytes(largest)}), {series.pinned_events} pinning a cached segment")
+    if series.period and series.last is not None:
+        lines.append(f"          continued past the recording: every {series.period} steps, "
+                     f"+{format_bytes(series.growth_bytes)} each, keeping {format_bytes(series.last.kept_bytes)}")
+    return lines
 
 
 def _changes(change: Settings) -> str:
