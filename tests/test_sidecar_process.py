@@ -48,15 +48,18 @@ def test_second_sidecar_is_refused_with_one_line(runtime_dir: Path, db_path: Pat
 
 def test_a_sidecar_started_by_hand_takes_over_from_an_auto_started_one(runtime_dir: Path, db_path: Path) -> None:
     with SidecarProcess(runtime_dir, db_path, "--exit-when-idle", "600", "--quiet-if-running") as auto:
-        assert (runtime_dir / PID_NAME).read_text().split() == [str(auto.proc.pid), "auto"]
+        pid_file = runtime_dir / PID_NAME  # written just after the lock is taken
+        wait_for(lambda: pid_file.exists() and pid_file.read_text().split() == [str(auto.proc.pid), "auto"],
+                 what="the auto-started sidecar's pid file")
         auto.pause()  # the engine writes while the stand-in cannot read: the records wait in the ring
         run_id = _engine(runtime_dir, db_path, 5000, spawn=False)
         auto.resume()
         with SidecarProcess(runtime_dir, db_path) as by_hand:
-            assert auto.proc.wait(timeout=60) == 0  # asked to stop, it drained and exited cleanly
-            wait_for(lambda: (runtime_dir / PID_NAME).exists()
-                     and (runtime_dir / PID_NAME).read_text().split() == [str(by_hand.proc.pid)],
-                     what="the hand-started sidecar's pid file")
+            assert auto.proc.wait(timeout=60) == 0, auto.stop()  # asked to stop, it drained and exited cleanly
+            wait_for(lambda: by_hand.proc.poll() is not None or (
+                pid_file.exists() and pid_file.read_text().split() == [str(by_hand.proc.pid)]),
+                timeout=60, what="the hand-started sidecar's pid file")
+            assert by_hand.proc.poll() is None, by_hand.stop()
             wait_for(lambda: query(db_path, "SELECT status FROM runs WHERE run_id = ?", (run_id,)) == [("ok",)],
                      what="the run stored")
             output = by_hand.stop()
@@ -67,11 +70,14 @@ def test_a_sidecar_started_by_hand_takes_over_from_an_auto_started_one(runtime_d
 
 def test_an_auto_started_sidecar_never_displaces_one_started_by_hand(runtime_dir: Path, db_path: Path) -> None:
     with SidecarProcess(runtime_dir, db_path) as by_hand:
+        pid_file = runtime_dir / PID_NAME
+        wait_for(lambda: pid_file.exists() and pid_file.read_text().split() == [str(by_hand.proc.pid)],
+                 what="the hand-started sidecar's pid file")
         auto = subprocess.run([sys.executable, "-m", "memwatch", "serve", "--exit-when-idle", "60",
                                "--quiet-if-running"], env=memwatch_env(runtime_dir, db_path),
                               capture_output=True, text=True, timeout=30)
         assert auto.returncode == 0 and by_hand.proc.poll() is None
-        assert (runtime_dir / PID_NAME).read_text().split() == [str(by_hand.proc.pid)]
+        assert pid_file.read_text().split() == [str(by_hand.proc.pid)]
         by_hand.stop()
 
 
