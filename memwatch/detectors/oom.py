@@ -2,15 +2,21 @@
 
 The ledger's ``oom_margin_bytes`` is what the driver would still have after the next worst-case
 forward, counting wholly free cached segments as free (the allocator releases them and retries
-before it fails). ``oom_risk`` is raised in two ways:
+before it fails). That holds for PyTorch's own requests only: a ``cudaMalloc`` outside PyTorch
+(NCCL, cuBLAS, an extension) gets the driver's free memory and nothing of the cache. So when memory
+outside PyTorch is what grows (over the trend window ``non_torch_bytes`` rose by at least half the
+margin's fall) the rule judges the *driver margin* instead, where it is the lower:
+``min(free, oom_margin_bytes)``, the driver's free memory less what the next forward needs beyond
+the cache. ``oom_risk`` is raised in two ways:
 
-* critical: the margin is under ``oom_margin_min_bytes`` (re-armed at twice that);
+* critical: the margin judged is under ``oom_margin_min_bytes`` (re-armed at twice that);
 * warning: a forecast. Over the last ``oom_forecast_window_steps`` samples (at least
   ``oom_forecast_min_samples``) the margin fell, each half of the window carrying at least a
   quarter of the fall; at that rate it
   reaches zero within ``oom_forecast_horizon_steps``; and this has held for ``oom_sustain_steps``
   consecutive samples. The flag carries the lead time in steps and, from the samples' clock, in
-  nanoseconds. Re-armed once the forecast is beyond twice the horizon.
+  nanoseconds. Re-armed once the forecast is beyond twice the horizon. The lead time is the margin
+  judged divided by the fall of ``oom_margin_bytes``; the flag says which margin it judged.
 
 The trend is the margin now against the margin a window ago: two subtractions per sample, which a
 gradual leak cannot hide from. Asking both halves to share the fall tells a trend from a step
@@ -29,12 +35,17 @@ from memwatch.flags import CRITICAL, OOM, OOM_RISK, WARNING, Flag
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
 
+FREE_AND_RECLAIMABLE = "free_and_reclaimable"
+"""``margin`` of a flag judged on ``oom_margin_bytes``: free memory plus wholly free cached segments."""
+DRIVER_FREE = "driver_free"
+"""``margin`` of a flag judged on the driver's free memory alone (memory outside PyTorch is growing)."""
+
 
 class OomRiskDetector(Detector):
     """``oom_risk`` for one rank."""
 
     __slots__ = ("_filled", "_forecast", "_horizon", "_index", "_level", "_margins", "_min_margin",
-                 "_min_samples", "_run", "_steps", "_sustain", "_times")
+                 "_min_samples", "_non_torch", "_run", "_steps", "_sustain", "_times")
 
     def __init__(self, config: DetectorConfig) -> None:
         window = config.oom_forecast_window_steps
@@ -47,6 +58,7 @@ class OomRiskDetector(Detector):
         self._margins = [0] * window
         self._steps = [0] * window
         self._times = [0] * window
+        self._non_torch: list[int | None] = [None] * window
         self._index = 0
         self._filled = 0
         self._run = 0
@@ -55,6 +67,9 @@ class OomRiskDetector(Detector):
         margin = terms.oom_margin_bytes
         if margin is None:
             return None
+        free = sample.driver_free_bytes
+        driver_margin = margin if free is None or free >= margin else free
+        non_torch = terms.non_torch_bytes
         margins = self._margins
         window = len(margins)
         index = self._index
@@ -68,16 +83,23 @@ class OomRiskDetector(Detector):
             if middle >= window:
                 middle -= window
         old_margin, old_step, old_ts = margins[oldest], self._steps[oldest], self._times[oldest]
+        old_non_torch = self._non_torch[oldest]
         middle_margin = margins[middle]
         margins[index], self._steps[index], self._times[index] = margin, sample.step, sample.ts_ns
+        self._non_torch[index] = non_torch
         self._index = index + 1 if index + 1 < window else 0
 
-        if margin < self._min_margin:
-            self._run = 0
-            return self._level_flag(sample, terms, margin) if self._level.fire() else None
-        self._level.settle(margin >= 2 * self._min_margin)
-
         drop = old_margin - margin
+        # Memory outside PyTorch carries the fall and the cache is what keeps the margin above free: the cache
+        # is not released for a cudaMalloc outside PyTorch, so only free counts.
+        outside = (driver_margin < margin and drop > 0 and non_torch is not None and old_non_torch is not None
+                   and 2 * (non_torch - old_non_torch) >= drop)
+        judged = driver_margin if outside else margin
+        if judged < self._min_margin:
+            self._run = 0
+            return self._level_flag(sample, terms, judged, outside) if self._level.fire() else None
+        self._level.settle(judged >= 2 * self._min_margin)
+
         steps = sample.step - old_step
         share = drop >> 2
         if (self._filled < self._min_samples or steps <= 0 or drop <= 0
@@ -85,7 +107,7 @@ class OomRiskDetector(Detector):
             self._run = 0
             self._forecast.settle(True)
             return None
-        steps_to_zero = margin * steps // drop
+        steps_to_zero = judged * steps // drop
         if steps_to_zero > self._horizon:
             self._run = 0
             self._forecast.settle(steps_to_zero > 2 * self._horizon)
@@ -97,30 +119,41 @@ class OomRiskDetector(Detector):
         if not self._forecast.fire():
             return None
         elapsed_ns = sample.ts_ns - old_ts
-        ns_to_zero = margin * elapsed_ns // drop if elapsed_ns > 0 else None
+        ns_to_zero = judged * elapsed_ns // drop if elapsed_ns > 0 else None
         slope = drop // steps
         when = "" if ns_to_zero is None else f" ({format_duration_ns(ns_to_zero)})"
+        if outside:
+            words = (f"memory outside PyTorch is growing, and PyTorch's cache is not released for it: the driver's "
+                     f"free memory ({format_bytes(judged)} after the next worst-case forward) is falling by "
+                     f"{format_bytes(slope)}/step and will run out in about {format_count(steps_to_zero)} steps{when}")
+        else:
+            words = (f"the OOM margin of {format_bytes(judged)} is falling by {format_bytes(slope)}/step: the next "
+                     f"worst-case forward will not fit in about {format_count(steps_to_zero)} steps{when}")
         return make_flag(
-            sample, OOM_RISK, WARNING,
-            f"the OOM margin of {format_bytes(margin)} is falling by {format_bytes(slope)}/step: the next "
-            f"worst-case forward will not fit in about {format_count(steps_to_zero)} steps{when}",
-            {**_margin_data(sample, terms), "slope_bytes_per_step": slope, "steps_to_zero": steps_to_zero,
-             "ns_to_zero": ns_to_zero, "trend_steps": steps},
+            sample, OOM_RISK, WARNING, words,
+            {**_margin_data(sample, terms, judged, outside), "slope_bytes_per_step": slope,
+             "steps_to_zero": steps_to_zero, "ns_to_zero": ns_to_zero, "trend_steps": steps},
         )
 
-    def _level_flag(self, sample: Sample, terms: LedgerTerms, margin: int) -> Flag:
-        if margin < 0:
+    def _level_flag(self, sample: Sample, terms: LedgerTerms, margin: int, outside: bool) -> Flag:
+        if outside:
+            words = (f"memory outside PyTorch is growing, and PyTorch's cache is not released for it: only "
+                     f"{format_bytes(max(margin, 0))} of the driver's free memory would be left after the next "
+                     f"worst-case forward (threshold {format_bytes(self._min_margin)}): out of memory is close")
+        elif margin < 0:
             words = (f"the next worst-case forward needs {format_bytes(-margin)} more than the GPU has "
                      f"left: it will run out of memory")
         else:
             words = (f"only {format_bytes(margin)} would be left after the next worst-case forward "
                      f"(threshold {format_bytes(self._min_margin)}): out of memory is close")
         return make_flag(sample, OOM_RISK, CRITICAL, words,
-                         {**_margin_data(sample, terms), "threshold_bytes": self._min_margin})
+                         {**_margin_data(sample, terms, margin, outside), "threshold_bytes": self._min_margin})
 
 
-def _margin_data(sample: Sample, terms: LedgerTerms) -> dict[str, Any]:
-    return {"oom_margin_bytes": terms.oom_margin_bytes, "driver_free_bytes": sample.driver_free_bytes,
+def _margin_data(sample: Sample, terms: LedgerTerms, judged: int, outside: bool) -> dict[str, Any]:
+    return {"oom_margin_bytes": terms.oom_margin_bytes, "judged_margin_bytes": judged,
+            "margin": DRIVER_FREE if outside else FREE_AND_RECLAIMABLE,
+            "driver_free_bytes": sample.driver_free_bytes, "non_torch_bytes": terms.non_torch_bytes,
             "cache_slack_bytes": terms.cache_slack_bytes, "reclaimable_cache_bytes": terms.reclaimable_cache_bytes,
             "pinned_cache_bytes": terms.pinned_cache_bytes,
             "activation_reserve_bytes": terms.activation_reserve_bytes}
