@@ -2,10 +2,11 @@
 
 Fidelity: every shipped scenario, recorded and replayed at its own settings, must come back with the
 same KV block count on every rank, preemptions within ±10 %, the same OOM outcome and an OOM step
-within 5 %. Prediction: record at one setting, replay at another, and compare with a direct
-simulation of the scenario at the new setting (which the replay never reads): same OOM outcome, KV
-blocks within one block, preemptions within ±15 %. Simulations run on a virtual clock; each scenario
-takes well under a second here, and is recorded once for the whole module.
+within 5 %, and its last step (the drain, or a crash outside PyTorch's allocator) within 5 %.
+Prediction: record at one setting, replay at another, and compare with a direct simulation of the
+scenario at the new setting (which the replay never reads): same OOM outcome, KV blocks within one
+block, preemptions within ±15 %. Simulations run on a virtual clock; each scenario takes well under a
+second here, and is recorded once for the whole module.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _close(replayed: int, recorded: int, fraction: float) -> bool:
 
 
 def _assert_matches(replayed: list[RankOutcome], recorded: list[RankOutcome], *, blocks: int, preemptions: float,
-                    oom_step: float) -> None:
+                    oom_step: float, steps: float | None = None) -> None:
     assert len(replayed) == len(recorded)
     for mine, theirs in zip(replayed, recorded, strict=True):
         assert theirs.kv_blocks is not None and mine.kv_blocks is not None
@@ -67,6 +68,8 @@ def _assert_matches(replayed: list[RankOutcome], recorded: list[RankOutcome], *,
         if theirs.oom:
             assert mine.oom_step is not None and theirs.oom_step is not None
             assert _close(mine.oom_step, theirs.oom_step, oom_step), (mine, theirs)
+        if steps is not None:  # the last step: the drain, or a crash outside PyTorch's allocator (no OOM event)
+            assert _close(mine.steps, theirs.steps, steps), (mine, theirs)
 
 
 def test_every_shipped_scenario_is_checked_or_named_as_unmodelled() -> None:
@@ -81,8 +84,8 @@ def test_replay_at_the_recorded_settings_reproduces_the_run(name: str, recorded:
     for theirs, mine in zip(recorded, comparison.outcome, strict=False):  # -s shows the fidelity table
         print(f"\n{name:<24} rank {theirs.rank}  KV blocks {theirs.kv_blocks}/{mine.kv_blocks}  preemptions "
               f"{theirs.preemptions}/{mine.preemptions}  OOM step {theirs.oom_step or '-'}/{mine.oom_step or '-'}"
-              "  (recorded/replayed)", end="")
-    _assert_matches(comparison.outcome, recorded, blocks=0, preemptions=0.10, oom_step=0.05)
+              f"  steps {theirs.steps}/{mine.steps}  (recorded/replayed)", end="")
+    _assert_matches(comparison.outcome, recorded, blocks=0, preemptions=0.10, oom_step=0.05, steps=0.05)
     db = open_store(db_path, readonly=True)
     replayed = get_run(db, comparison.result.run_id)
     assert replayed.config["replay_of"] == run_id and replayed.source == "sim"
@@ -126,6 +129,10 @@ PREDICTIONS = [
     ("other_process_oom", Settings(gpu_memory_bytes=16 * GiB), _gpu(16 * GiB)),
     ("other_process_oom_tp2", Settings(gpu_memory_bytes=12 * GiB), _gpu(12 * GiB)),
     ("other_process_oom_tp2", Settings(utilization=0.8), _engine(gpu_memory_utilization=0.8)),
+    ("fragmentation_80g", Settings(gpu_memory_bytes=90_000_000_000), _gpu(90_000_000_000)),
+    ("non_torch_leak_h200", Settings(utilization=0.9), _engine(gpu_memory_utilization=0.9)),
+    ("clean_bursty", Settings(load=2.0), _rate(2.0)),
+    ("chunked_prompt", Settings(utilization=0.5), _engine(gpu_memory_utilization=0.5)),
 ]
 
 
@@ -137,16 +144,18 @@ def test_replay_under_a_change_predicts_a_direct_simulation(recorded: Recorded, 
         direct_id = store_scenario(direct(Scenario.load(name)), tmp_path / f"direct{index}", db_path)
         simulated = run_outcome(open_store(db_path, readonly=True), direct_id)
         rows.append((name, change, replayed, simulated))
-    print(f"\n{'scenario':<22} {'change (replay/direct)':<28} {'KV blocks':>15} {'preemptions':>13} {'OOM step':>13}")
+    print(f"\n{'scenario':<22} {'change (replay/direct)':<28} {'KV blocks':>15} {'preemptions':>13} {'OOM step':>13} "
+          f"{'steps':>13}")
     for name, change, replayed, simulated in rows:
         what = ", ".join(f"{k}={v}" for k, v in change.describe().items() if not (k == "load" and v == 1.0))
         mine, theirs = replayed[0], simulated[0]
         steps = [next((str(r.oom_step) for r in ranks if r.oom), "-") for ranks in (replayed, simulated)]
         print(f"{name:<22} {what:<28} {mine.kv_blocks:>7}/{theirs.kv_blocks:<7} "
-              f"{mine.preemptions:>6}/{theirs.preemptions:<6} {steps[0]:>6}/{steps[1]:<6}")
+              f"{mine.preemptions:>6}/{theirs.preemptions:<6} {steps[0]:>6}/{steps[1]:<6} "
+              f"{mine.steps:>6}/{theirs.steps:<6}")
     assert len({row[0] for row in rows}) >= 6 and len(rows) == len(PREDICTIONS)
     for _, _, replayed, simulated in rows:
-        _assert_matches(replayed, simulated, blocks=1, preemptions=0.15, oom_step=0.05)
+        _assert_matches(replayed, simulated, blocks=1, preemptions=0.15, oom_step=0.05, steps=0.05)
 
 
 def test_the_calibration_fits_the_recorded_samples(recorded: Recorded) -> None:

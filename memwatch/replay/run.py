@@ -22,10 +22,11 @@ from typing import Any
 from memwatch.errors import MemwatchError, UsageError
 from memwatch.models import warmup_batch
 from memwatch.replay.calibrate import Calibration, EngineSettings, RankModel
-from memwatch.replay.scaling import Forward, TPScale, eager_attention_floor, tp_scale
+from memwatch.replay.scaling import Forward, Tensors, TPScale, eager_attention_floor, forward_tensors, tp_scale
 from memwatch.replay.workload import RecordedWorkload
 from memwatch.sim.clock import VirtualClock
 from memwatch.sim.engine import SimulatedEngine
+from memwatch.sim.forward import TensorOp
 from memwatch.sim.gpu import LARGE_SEGMENT_ROUNDING, ROUNDING, SimulatedOutOfMemory, VirtualGPU
 from memwatch.sim.runner import MAX_GRAPH_BATCH, RankRunner
 from memwatch.sim.scenario import CostModel, EngineConfig
@@ -86,13 +87,14 @@ class CalibratedRunner(RankRunner):
 
     def __init__(self, rank: int, model: RankModel, recorded: EngineSettings, engine: EngineConfig,
                  gpu: VirtualGPU, monitor: Monitor, clock: VirtualClock, tp: TPScale,
-                 floor: Forward | None = None) -> None:
+                 floor: Forward | None = None, tensors: Tensors | None = None) -> None:
         super().__init__(rank, None, engine, gpu, monitor, clock)  # type: ignore[arg-type]
         self.model = model
         self.recorded = recorded
         self.scale = recorded.tensor_parallel_size / engine.tensor_parallel_size
         self.tp_scale = tp
         self.floor = floor
+        self.tensors = tensors
         self._outside = dict(model.outside_levels)
         self._last_recorded_step = max(self._outside, default=0)
         self._greedy_steps = set(model.greedy_steps)
@@ -203,8 +205,32 @@ class CalibratedRunner(RankRunner):
             nbytes = max(nbytes, self.floor(num_tokens, num_seqs, prefill, max_seq_len))
         if nbytes <= 0:
             return 0
-        self.gpu.free(self.gpu.malloc(nbytes))
+        if self.tensors is None:
+            self.gpu.free(self.gpu.malloc(nbytes))
+            return nbytes
+        ops = self.tensors(num_tokens, num_seqs, prefill, max_seq_len)
+        factor = nbytes / max(_peak(ops), 1)
+        live: dict[str, int] = {}
+        for op in ops:  # the model's tensors, in its order, scaled to the calibrated bytes
+            if op.nbytes:
+                live[op.name] = self.gpu.malloc(max(1, round(op.nbytes * factor)))
+            else:
+                self.gpu.free(live.pop(op.name))
         return nbytes
+
+
+def _peak(ops: list[TensorOp]) -> int:
+    """The most bytes a forward's requests hold at once."""
+    sizes: dict[str, int] = {}
+    held = peak = 0
+    for op in ops:
+        if op.nbytes:
+            sizes[op.name] = op.nbytes
+            held += op.nbytes
+            peak = max(peak, held)
+        else:
+            held -= sizes.pop(op.name)
+    return peak
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -229,6 +255,8 @@ def replay(calibration: Calibration, workload: RecordedWorkload, change: Setting
     runners: list[CalibratedRunner] = []
     floor = eager_attention_floor(calibration.model, calibration.dtype, calibration.attention,
                                   engine.tensor_parallel_size)
+    tensors = forward_tensors(calibration.model, calibration.dtype, calibration.attention,
+                              engine.tensor_parallel_size)
     scale = tp_scale(calibration.model, calibration.dtype, calibration.attention,
                      calibration.settings.tensor_parallel_size, engine.tensor_parallel_size,
                      warmup_batch(engine.max_num_batched_tokens, engine.max_model_len, engine.max_num_seqs))
@@ -241,7 +269,7 @@ def replay(calibration: Calibration, workload: RecordedWorkload, change: Setting
                           runtime_dir=runtime_dir, config=config, spawn_sidecar=False, clock=clock.now_ns,
                           source="sim")
         runners.append(CalibratedRunner(rank, model, calibration.settings, engine, gpu, monitor, clock, scale,
-                                        floor))
+                                        floor, tensors))
     cost = calibration.cost
     simulated = SimulatedEngine(engine, CostModel(prefill_tokens_per_s=cost.prefill_tokens_per_s,
                                                   decode_step_s=cost.decode_step_s,

@@ -12,8 +12,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from memwatch.errors import MemwatchError
+
+if TYPE_CHECKING:
+    from memwatch.models import ModelSpec
+    from memwatch.sim.forward import TensorOp
 
 PROBE_TOKENS = 8192
 """Prefill tokens of the forward whose per-token activation sets the activation ratio."""
@@ -64,16 +69,11 @@ Forward = Callable[[int, int, bool, int], int]
 """``(num_tokens, num_seqs, prefill, max_seq_len)`` → activation bytes of one forward on one rank."""
 
 
-def eager_attention_floor(model: str | None, dtype: str | None, attention: str, tp: int) -> Forward | None:
-    """With eager attention, the model's own activation formula, scores included, for a known model.
-
-    Eager attention materialises scores that grow with the context attended over; the per-step peaks of
-    short requests do not show that term, so the linear fit alone would miss the out-of-memory a long
-    prompt causes. ``None`` for flash attention or a model memwatch does not know.
-    """
-    if attention != "eager" or not model:
+def _known_spec(model: str | None, dtype: str | None, tp: int) -> ModelSpec | None:
+    """The run's model as memwatch knows it, in the recorded dtype, if it shards over ``tp`` ranks."""
+    if not model:
         return None
-    from memwatch.models import ModelSpec, forward_activation_bytes
+    from memwatch.models import ModelSpec
     from memwatch.models.spec import canonical_dtype
 
     try:
@@ -83,9 +83,47 @@ def eager_attention_floor(model: str | None, dtype: str | None, attention: str, 
         spec.check_tp(tp)
     except (MemwatchError, OSError, ValueError):
         return None
+    return spec
+
+
+def eager_attention_floor(model: str | None, dtype: str | None, attention: str, tp: int) -> Forward | None:
+    """With eager attention, the model's own activation formula, scores included, for a known model.
+
+    Eager attention materialises scores that grow with the context attended over; the per-step peaks of
+    short requests do not show that term, so the linear fit alone would miss the out-of-memory a long
+    prompt causes. ``None`` for flash attention or a model memwatch does not know.
+    """
+    spec = _known_spec(model, dtype, tp) if attention == "eager" else None
+    if spec is None:
+        return None
+    from memwatch.models import forward_activation_bytes
 
     def forward(num_tokens: int, num_seqs: int, prefill: bool, max_seq_len: int) -> int:
         return forward_activation_bytes(spec, num_tokens, num_seqs, prefill=prefill, tp=tp, attention="eager",
                                         max_seq_len=max_seq_len)
 
     return forward
+
+
+Tensors = Callable[[int, int, bool, int], "list[TensorOp]"]
+"""``(num_tokens, num_seqs, prefill, max_seq_len)`` → the allocator requests of one forward on one rank."""
+
+
+def forward_tensors(model: str | None, dtype: str | None, attention: str, tp: int) -> Tensors | None:
+    """For a known model, the order and relative sizes of a forward's tensors (:mod:`memwatch.sim.forward`).
+
+    The replay scales them to the calibrated activation, so the bytes stay the recorded ones while the
+    segments they take and leave cached (several, of the sizes a forward's phases need, not one block
+    of its peak) are the forward's own: what a later temporary finds free, and what a leak outside
+    PyTorch cannot get back. ``None`` for a model memwatch does not know.
+    """
+    spec = _known_spec(model, dtype, tp)
+    if spec is None:
+        return None
+    from memwatch.sim.forward import forward_ops
+
+    def tensors(num_tokens: int, num_seqs: int, prefill: bool, max_seq_len: int) -> list[TensorOp]:
+        return forward_ops(spec, num_tokens, num_seqs, prefill=prefill, tp=tp, attention=attention,
+                           max_seq_len=max_seq_len)
+
+    return tensors
