@@ -2,9 +2,12 @@
 
 Each rank is a :class:`memwatch.sim.runner.RankRunner` whose startup and forwards come from the
 calibration instead of a model config: the long-lived PyTorch memory as one allocation, the warmup's
-activation reserve, nano-vllm's KV formula on the virtual GPU's readings, the CUDA-graph memory, and
-per step the activation fit and the recorded non-PyTorch level. The scheduler, block manager, caching
-allocator, clock and Monitor are the simulator's own, so the replay is recorded like any simulated run.
+activation reserve, nano-vllm's KV formula on the virtual GPU's readings, the CUDA-graph memory; per
+step, the recorded non-PyTorch level (a rise that filled the recorded device is another process taking
+whatever is free here too), the temporaries and long-lived tensors recorded beside the forwards, and
+the forward itself: the activation fit, allocated as a known model's tensors scaled to it (else as one
+block). The scheduler, block manager, caching allocator, clock and Monitor are the simulator's own, so
+the replay is recorded like any simulated run.
 
 Changing a setting scales what it shapes: ``--tp`` divides the weights, KV block, activations and graph
 memory per rank by the new size over the old (and adds NCCL buffers going from one rank to several);
