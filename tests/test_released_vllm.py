@@ -18,6 +18,7 @@ import pytest
 from mirrors.zero_code import ROOT
 
 from processes import SidecarProcess, memwatch_env, query, wait_for
+from stored_runs import store_rings
 
 ENGINE = ROOT / ".engines" / "vllm"
 DRIVER = Path(__file__).resolve().parent / "released" / "vllm_driver.py"
@@ -31,7 +32,7 @@ QWEN3 = {
 VLLM_OWN_GENERAL_PLUGINS = ["lora_filesystem_resolver", "lora_hf_hub_resolver"]
 
 
-def _drive(mode: str, tmp_path: Path, env: dict[str, str]) -> dict[str, Any]:
+def _drive(mode: str, tmp_path: Path, env: dict[str, str], *args: str) -> dict[str, Any]:
     if not (ENGINE / ".installed").exists():
         pytest.fail(f"the released vLLM is not installed in {ENGINE}: run `make engines`")
     model = tmp_path / "qwen3-tiny"
@@ -40,8 +41,8 @@ def _drive(mode: str, tmp_path: Path, env: dict[str, str]) -> dict[str, Any]:
     env = {**env, "PYTHONPATH": str(ENGINE), "VLLM_TARGET_DEVICE": "cpu", "FAKE_CUDA_TOTAL_BYTES": str(160 * MiB),
            "FAKE_CUDA_CONTEXT_BYTES": str(64 * MiB)}
     env.pop("MEMWATCH", None)
-    done = subprocess.run([sys.executable, str(DRIVER), mode, str(model)], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+    done = subprocess.run([sys.executable, str(DRIVER), mode, str(model), *args], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "memwatch:" not in done.stderr, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -88,7 +89,7 @@ def test_dp2_tp2_hybrid_model_offline_scheduler_and_speculative_steps(tmp_path: 
     # On: the real Worker and Scheduler classes are patched; still no stat logger, log_stats untouched.
     assert facts["worker_wrapped"] == ["compile_or_warm_up_model", "determine_available_memory", "execute_model",
                                        "init_device", "initialize_from_config", "load_model", "shutdown"]
-    assert facts["scheduler_wrapped"] == ["__init__", "schedule", "shutdown"]
+    assert facts["scheduler_wrapped"] == ["__init__", "_free_request", "add_request", "schedule", "shutdown"]
     assert facts["stat_logger_factories"] == [] and facts["async_llm_log_stats"] is False
     assert facts["environment_changed"] == []  # the run id this environment gives is kept, not replaced
 
@@ -131,3 +132,45 @@ def test_dp2_tp2_hybrid_model_offline_scheduler_and_speculative_steps(tmp_path: 
     kinds = query(db_path, "SELECT step_kind, count(*) FROM samples WHERE rank = 5 AND num_tokens > 0 "
                            "AND num_tokens = 3 * num_seqs GROUP BY step_kind")
     assert kinds == [("decode", len(speculative))]
+
+    # The workload comes from data-parallel engine 0's scheduler, into rank 0's ring (its worker runs in the
+    # same process): request "a", 100 prompt tokens, max_tokens 3, finished after its 3 tokens. Engine 1's
+    # requests are its own scheduler's and are not recorded; one event per arrival and finish, none per token.
+    requests = query(db_path, "SELECT rank, kind, data FROM events WHERE kind LIKE 'request_%' ORDER BY rowid")
+    assert [(rank, kind, json.loads(data)) for rank, kind, data in requests] == [
+        (0, "request_arrived", {"request_id": "a", "prompt_tokens": 100, "max_tokens": 3}),
+        (0, "request_finished", {"request_id": "a", "output_tokens": 3})]
+
+
+def test_one_gpu_engine_records_its_workload_and_the_run_replays(tmp_path: Path, runtime_dir: Path,
+                                                                 db_path: Path) -> None:
+    """TP 1: vLLM runs the worker in the engine core, next to the scheduler. Block size 256, which the replay's
+    simulated engine accepts (it refuses what nano-vllm would: a block size that is not a multiple of 256)."""
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0003")
+    facts = _drive("workload", tmp_path, env, "256")
+    store_rings(runtime_dir, db_path)
+
+    rows = query(db_path, "SELECT rank, kind, data FROM events WHERE kind LIKE 'request_%' ORDER BY rowid")
+    arrived = [json.loads(data) for rank, kind, data in rows if kind == "request_arrived" and rank == 0]
+    finished = [json.loads(data) for rank, kind, data in rows if kind == "request_finished" and rank == 0]
+    assert [(a["request_id"], a["prompt_tokens"], a["max_tokens"]) for a in arrived] == [
+        (name, length, 20) for name, length in facts["prompts"].items()]
+    assert sorted((f["request_id"], f["output_tokens"]) for f in finished) == [(name, 20) for name in facts["prompts"]]
+    assert len(rows) == 2 * len(facts["prompts"])  # none on the scheduler's own ring, none per token
+
+    # 4 layers × 4 KV heads × (64 + 64) × 2 bytes × 256 tokens = 1 MiB a block; the planner got 8 MiB: 8 blocks.
+    assert facts["num_blocks"] == 8
+    done = subprocess.run([sys.executable, "-m", "memwatch", "replay", "0123abcd0003", "--json"],
+                          env=memwatch_env(runtime_dir, db_path), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    compared = json.loads(done.stdout)
+    assert compared["original"]["kv_blocks"] == 8 and compared["original"]["drain_s"] is not None
+    replayed = compared["replay"]["run_id"]
+    assert compared["replay"]["oom"] is False and 1 <= compared["replay"]["max_concurrent_seqs"] <= 8
+    # The replay served the recorded requests, each to its recorded length, under the engine's own settings.
+    served = query(db_path, "SELECT kind, count(*) FROM events WHERE run_id = ? AND kind LIKE 'request_%' "
+                            "GROUP BY kind ORDER BY kind", (replayed,))
+    assert served == [("request_arrived", 8), ("request_finished", 8)]
+    [(config,)] = query(db_path, "SELECT config FROM runs WHERE run_id = ?", (replayed,))
+    assert {key: json.loads(config)[key] for key in ("block_size", "max_num_seqs", "gpu_memory_utilization")} == {
+        "block_size": 256, "max_num_seqs": 8, "gpu_memory_utilization": 0.5}

@@ -42,9 +42,10 @@ from typing import Any
 from ..monitor import Monitor
 from ..probes.base import UNKNOWN
 from ..probes.cuda import CudaProbe
-from .hooks import Guard, patch_on_import, require_methods, wrap_method
+from . import vllm_scheduler
+from .hooks import Guard, patch_now, patch_on_import, require_methods, unwrap_all, wrap_method
 from .oom import capture_oom
-from .vllm_reading import kv_cache_bytes, step_kind, worker_identity
+from .vllm_reading import engine_settings, kv_cache_bytes, step_kind, worker_identity
 
 log = logging.getLogger("memwatch")
 
@@ -69,10 +70,24 @@ def register() -> None:
 
 def install() -> None:
     """Patch vLLM's GPU worker and the engine core's scheduler when their modules are imported."""
-    from . import vllm_scheduler
-
     patch_on_import(WORKER_MODULE, _patch_worker)
     vllm_scheduler.install()
+
+
+def install_live() -> None:
+    """Patch the worker and scheduler modules this process already runs (an injected memwatch)."""
+    patch_now(WORKER_MODULE, _patch_worker)
+    patch_now(vllm_scheduler.SCHEDULER_MODULE, vllm_scheduler._patch_scheduler)
+
+
+def uninstall() -> None:
+    """Put vLLM's original methods back (an injected memwatch detaching)."""
+    import sys
+
+    module = sys.modules.get(WORKER_MODULE)
+    if module is not None:
+        unwrap_all(module.Worker)
+    vllm_scheduler.uninstall()
 
 
 class _Rank:
@@ -114,27 +129,13 @@ def _wrap_init_device(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _start_rank(worker: Any) -> None:
     config = worker.vllm_config
-    model_config, cache_config = config.model_config, config.cache_config
-    parallel_config, scheduler_config = config.parallel_config, config.scheduler_config
-    record = {
-        "model_config": str(model_config.model),
-        "dtype": str(model_config.dtype).removeprefix("torch."),
-        "kv_cache_dtype": str(cache_config.cache_dtype),
-        "tensor_parallel_size": int(parallel_config.tensor_parallel_size),
-        "pipeline_parallel_size": int(parallel_config.pipeline_parallel_size),
-        "gpu_memory_utilization": float(cache_config.gpu_memory_utilization),
-        "kv_cache_memory_bytes": cache_config.kv_cache_memory_bytes,
-        "block_size": int(cache_config.block_size),
-        "max_num_batched_tokens": int(scheduler_config.max_num_batched_tokens),
-        "max_num_seqs": int(scheduler_config.max_num_seqs),
-        "max_model_len": int(model_config.max_model_len),
-        "enforce_eager": bool(model_config.enforce_eager),
-    }
-    identity = worker_identity(parallel_config, int(worker.rank))
-    record["data_parallel_size"] = identity.dp_size
-    monitor = Monitor(engine="vllm", model=str(model_config.model), rank=identity.rank,
+    identity = worker_identity(config.parallel_config, int(worker.rank))
+    record = {**engine_settings(config), "data_parallel_size": identity.dp_size}
+    monitor = Monitor(engine="vllm", model=str(config.model_config.model), rank=identity.rank,
                       world_size=identity.world_size, probe=CudaProbe(worker.device.index), config=record)
     worker.__dict__[RANK_ATTRIBUTE] = _Rank(monitor)
+    if identity.rank == 0:
+        vllm_scheduler.set_lead(monitor)  # the workload's ring, when the scheduler runs in this process
     monitor.event("rank_identity", identity.event("worker"))
     snapshot = worker.init_snapshot
     monitor.event("vllm_memory_snapshot", {
@@ -282,5 +283,7 @@ def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
 def _finish_rank(worker: Any) -> None:
     state = worker.__dict__.pop(RANK_ATTRIBUTE, None)
     if state is not None:
+        if vllm_scheduler._workload.lead is state.monitor:
+            vllm_scheduler.set_lead(None)
         state.phases.close()
         state.monitor.close("ok")

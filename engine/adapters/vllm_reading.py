@@ -1,7 +1,8 @@
 """How memwatch reads vLLM 0.33's own objects: a rank's identity, a step's kind, a KV cache's bytes.
 
-Pure functions over the objects vLLM hands the adapter, shared by the worker hooks
-(:mod:`.vllm`) and the engine-core scheduler hooks (:mod:`.vllm_scheduler`).
+Pure functions over the objects vLLM hands the adapter, shared by the worker hooks (:mod:`.vllm`) and
+the engine-core scheduler hooks (:mod:`.vllm_scheduler`); both record the engine's settings
+(:func:`engine_settings`).
 
 * **Rank identity.** Every data-parallel engine numbers its workers from 0 (``Worker.rank`` is the
   rank inside one engine: ``tp_rank + tp × (pcp_rank + pcp × pp_rank)``, as vLLM lays out its
@@ -82,6 +83,26 @@ def step_kind(scheduler_output: Any) -> str | None:
         if tokens != 1 + len(drafts.get(req_id, ())):
             return "prefill"
     return "decode"
+
+
+def engine_settings(vllm_config: Any) -> dict[str, Any]:
+    """The engine's settings as a run's config records them, from a ``VllmConfig``."""
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    parallel_config, scheduler_config = vllm_config.parallel_config, vllm_config.scheduler_config
+    return {
+        "model_config": str(model_config.model),
+        "dtype": str(model_config.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(cache_config.cache_dtype),
+        "tensor_parallel_size": int(parallel_config.tensor_parallel_size),
+        "pipeline_parallel_size": int(parallel_config.pipeline_parallel_size),
+        "gpu_memory_utilization": float(cache_config.gpu_memory_utilization),
+        "kv_cache_memory_bytes": cache_config.kv_cache_memory_bytes,
+        "block_size": int(cache_config.block_size),
+        "max_num_batched_tokens": int(scheduler_config.max_num_batched_tokens),
+        "max_num_seqs": int(scheduler_config.max_num_seqs),
+        "max_model_len": int(model_config.max_model_len),
+        "enforce_eager": bool(model_config.enforce_eager),
+    }
 
 
 def kv_cache_bytes(kv_cache_config: Any) -> int:

@@ -12,8 +12,16 @@ scheduled, the step's kind, and ``kv_blocks_used``/``kv_blocks_total`` read from
 blocks this step holds, which is what ``SchedulerStats.kv_cache_usage`` reports as a fraction);
 the requests preempted since the previous step (``SchedulerOutput.preempted_req_ids``) become a
 ``preemption`` event. The samples carry no memory readings: the scheduler has no GPU.
+
+The workload ``memwatch replay`` reads, from data-parallel engine 0's scheduler only: one
+``request_arrived`` per request that ``add_request`` takes in (a new id; a streaming session's later
+chunk is the same request), with its prompt tokens and ``max_tokens``, and one ``request_finished``
+per request ``_free_request`` lets go of (stopped, or aborted through ``finish_requests``), with the
+output tokens it generated. They go to rank 0's ring, as every adapter's workload does, when the
+rank-0 worker runs in this process (one GPU: vLLM's ``UniProcExecutor`` runs it in the engine core);
+otherwise (workers in processes of their own) to this scheduler's ring, so none is lost.
 Upstream interface followed: vLLM 0.33.0 (``vllm/v1/core/sched/scheduler.py``,
-``vllm/v1/core/block_pool.py``).
+``vllm/v1/core/block_pool.py``, ``vllm/v1/request.py``).
 """
 
 from __future__ import annotations
@@ -26,12 +34,29 @@ from typing import Any
 from ..monitor import Monitor
 from ..probes.base import Probe
 from .hooks import Guard, patch_on_import, require_methods, wrap_method
-from .vllm_reading import scheduler_identity, step_kind
+from .vllm_reading import engine_settings, scheduler_identity, step_kind
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 MONITOR_ATTRIBUTE = "_memwatch_monitor"
+REQUESTS_ATTRIBUTE = "_memwatch_records_requests"
+REQUEST_METHODS = ("add_request", "_free_request")
 
 _guard = Guard("vLLM scheduler")
+
+
+class _Workload:
+    """Where the request events go: the monitor of the rank-0 worker in this process, if there is one."""
+
+    def __init__(self) -> None:
+        self.lead: Monitor | None = None
+
+
+_workload = _Workload()
+
+
+def set_lead(monitor: Monitor | None) -> None:
+    """The rank-0 worker of this process started (its monitor) or stopped (None)."""
+    _workload.lead = monitor
 
 
 def install() -> None:
@@ -45,6 +70,21 @@ def _patch_scheduler(module: ModuleType) -> None:
     wrap_method(scheduler, "__init__", _wrap_init)
     wrap_method(scheduler, "schedule", _wrap_schedule)
     wrap_method(scheduler, "shutdown", _wrap_shutdown)
+    if all(name in scheduler.__dict__ for name in REQUEST_METHODS):
+        wrap_method(scheduler, "add_request", _wrap_add_request)
+        wrap_method(scheduler, "_free_request", _wrap_free_request)
+
+
+def uninstall() -> None:
+    """Put the scheduler's original methods back (an injected memwatch detaching)."""
+    import sys
+
+    from .hooks import unwrap_all
+
+    module = sys.modules.get(SCHEDULER_MODULE)
+    if module is not None:
+        unwrap_all(module.Scheduler)
+    _workload.lead = None
 
 
 def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -56,16 +96,26 @@ def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _start(scheduler: Any) -> None:
+    monitor = start_monitor(scheduler)
+    atexit.register(monitor.close)  # an engine core killed by its front end never reaches shutdown()
+
+
+def start_monitor(scheduler: Any, **monitor_options: Any) -> Monitor:
+    """The scheduler's own ring (``monitor_options``: what an injected memwatch gives ``Monitor``)."""
     config = scheduler.vllm_config
     identity = scheduler_identity(config.parallel_config)
     model = str(config.model_config.model)
     pool = scheduler.kv_cache_manager.block_pool
+    options = {"config": {"model_config": model}, **monitor_options}
     monitor = Monitor(engine="vllm", model=model, rank=identity.rank, world_size=identity.world_size,
-                      probe=Probe(), config={"model_config": model})
+                      probe=Probe(), **options)
     monitor.event("rank_identity", identity.event("scheduler"))
-    monitor.set_config(num_gpu_blocks=int(pool.num_gpu_blocks), data_parallel_size=identity.dp_size)
+    # The engine's settings too: the run's config is whole whichever of its rings the sidecar reads first.
+    monitor.set_config(num_gpu_blocks=int(pool.num_gpu_blocks), data_parallel_size=identity.dp_size,
+                       **engine_settings(config))
     scheduler.__dict__[MONITOR_ATTRIBUTE] = monitor
-    atexit.register(monitor.close)  # an engine core killed by its front end never reaches shutdown()
+    scheduler.__dict__[REQUESTS_ATTRIBUTE] = identity.dp_rank == 0
+    return monitor
 
 
 def _monitor(scheduler: Any) -> Monitor | None:
@@ -92,6 +142,50 @@ def _record(scheduler: Any, monitor: Monitor, output: Any) -> None:
     used = total - int(pool.get_num_free_blocks())
     monitor.step(step_kind(output), num_seqs=len(output.num_scheduled_tokens),
                  num_tokens=int(output.total_num_scheduled_tokens), kv_blocks_used=used, kv_blocks_total=total)
+
+
+def _request_monitor(scheduler: Any) -> Monitor | None:
+    """The ring that takes this scheduler's request events; None when another engine's records them."""
+    own = _monitor(scheduler)
+    if own is None or not scheduler.__dict__.get(REQUESTS_ATTRIBUTE):
+        return None
+    lead = _workload.lead
+    return lead if lead is not None and lead.enabled else own
+
+
+def _wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        monitor = _request_monitor(self)
+        new = monitor is not None and _guard.call(_is_new, self, request)
+        result = original(self, request, *args, **kwargs)
+        if new:
+            _guard.call(_arrived, monitor, request)
+        return result
+
+    return add_request
+
+
+def _is_new(scheduler: Any, request: Any) -> bool:
+    return request.request_id not in scheduler.requests
+
+
+def _arrived(monitor: Monitor, request: Any) -> None:
+    monitor.request_arrived(request.request_id, request.num_prompt_tokens, request.max_tokens)
+
+
+def _wrap_free_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, request, *args, **kwargs)
+        monitor = _request_monitor(self)
+        if monitor is not None:
+            _guard.call(_finished, monitor, request)
+        return result
+
+    return _free_request
+
+
+def _finished(monitor: Monitor, request: Any) -> None:
+    monitor.request_finished(request.request_id, request.num_output_tokens)
 
 
 def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:

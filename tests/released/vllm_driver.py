@@ -68,7 +68,7 @@ def _cpu_init_device(self: Any) -> None:
     self.model_runner = _CpuModelRunner(self.vllm_config)
 
 
-def _config(model: str, dp_rank: int, spec_tokens: int = 0) -> Any:
+def _config(model: str, dp_rank: int, spec_tokens: int = 0, *, dp: int = 2, tp: int = 2, block_size: int = 16) -> Any:
     from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 
     speculative = None
@@ -77,32 +77,35 @@ def _config(model: str, dp_rank: int, spec_tokens: int = 0) -> Any:
                                         prompt_lookup_max=2, prompt_lookup_min=1)
     return VllmConfig(
         model_config=ModelConfig(model=model, skip_tokenizer_init=True, max_model_len=512, dtype="bfloat16"),
-        cache_config=CacheConfig(block_size=16, gpu_memory_utilization=0.5),
-        parallel_config=ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, data_parallel_rank=dp_rank),
+        cache_config=CacheConfig(block_size=block_size, gpu_memory_utilization=0.5),
+        parallel_config=ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp, data_parallel_rank=dp_rank),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=512,
                                          is_encoder_decoder=False),
         speculative_config=speculative,
     )
 
 
-def _hybrid_specs(tp: int) -> dict[str, Any]:
-    """Four layers, full and sliding-window attention in turn; 4 KV heads split over ``tp`` ranks."""
+def _layer_specs(tp: int, block_size: int = 16, hybrid: bool = True) -> dict[str, Any]:
+    """Four layers, full and sliding-window attention in turn (all full when not ``hybrid``); 4 KV heads split
+    over ``tp`` ranks."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     heads = 4 // tp
     return {f"model.layers.{i}.self_attn.attn":
-            FullAttentionSpec(16, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16) if i % 2 == 0 else
-            SlidingWindowSpec(16, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16, sliding_window=64)
+            FullAttentionSpec(block_size, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16)
+            if i % 2 == 0 or not hybrid else
+            SlidingWindowSpec(block_size, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16, sliding_window=64)
             for i in range(4)}
 
 
-def _plan(config: Any, available: list[int]) -> list[Any]:
+def _plan(config: Any, available: list[int], hybrid: bool = True) -> list[Any]:
     """What ``EngineCore._initialize_kv_caches`` does with the workers' specs and memory."""
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 
-    specs = [_hybrid_specs(config.parallel_config.tensor_parallel_size) for _ in available]
+    specs = [_layer_specs(config.parallel_config.tensor_parallel_size, config.cache_config.block_size, hybrid)
+             for _ in available]
     resolve_kv_cache_layout(config, [["LBNHC"]] * len(available), [s for spec in specs for s in spec.values()])
     groups = get_global_kv_cache_groups(config, specs)
     kv_cache_configs = get_kv_cache_configs(config, specs, available, groups)
@@ -110,9 +113,11 @@ def _plan(config: Any, available: list[int]) -> list[Any]:
     return kv_cache_configs
 
 
-def _serve(scheduler: Any, prompts: dict[str, int], max_tokens: int, drafts: int) -> list[dict[str, Any]]:
+def _serve(scheduler: Any, prompts: dict[str, int], max_tokens: int, drafts: int, stagger: int = 0,
+           ) -> list[dict[str, Any]]:
     """The engine core's loop: schedule, a model output of one token per request (plus accepted drafts).
 
+    Every prompt arrives before the first step, or, with ``stagger``, the i-th before step ``i × stagger``.
     Returns, per step, what vLLM itself says of it: requests and tokens scheduled, draft tokens
     scheduled, requests preempted, and ``kv_cache_manager.usage`` right after ``schedule()``.
     """
@@ -120,11 +125,13 @@ def _serve(scheduler: Any, prompts: dict[str, int], max_tokens: int, drafts: int
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request
 
-    for name, length in prompts.items():
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        scheduler.add_request(Request(name, list(range(1, length + 1)), params, None))
-    steps = []
-    while scheduler.has_requests():
+    pending = list(prompts.items())
+    steps: list[dict[str, Any]] = []
+    while pending or scheduler.has_requests():
+        while pending and (not stagger or len(prompts) - len(pending) <= len(steps) // stagger):
+            name, length = pending.pop(0)
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            scheduler.add_request(Request(name, list(range(1, length + 1)), params, None))
         output = scheduler.schedule()
         steps.append({"num_seqs": len(output.num_scheduled_tokens), "num_tokens": output.total_num_scheduled_tokens,
                       "drafts": sum(map(len, output.scheduled_spec_decode_tokens.values())),
@@ -151,7 +158,7 @@ def main() -> None:
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_general_plugins, load_plugins_by_group
     from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
 
-    if mode == "on":  # turned on here, after the seam above: the .pth line stays out, only vLLM's loader acts
+    if mode in ("on", "workload"):  # turned on here, after the seam above: only vLLM's loader acts
         os.environ["MEMWATCH"] = "1"
     environment = dict(os.environ)
     facts["general_plugins"] = sorted(load_plugins_by_group(DEFAULT_PLUGINS_GROUP))
@@ -168,6 +175,8 @@ def main() -> None:
     facts["scheduler_wrapped"] = _wrapped(Scheduler)
     if mode == "on":
         facts["engines"] = [_engine(model, dp_rank) for dp_rank in (0, 1)]
+    elif mode == "workload":
+        facts.update(_workload(model, int(sys.argv[3])))
     print(json.dumps(facts))
 
 
@@ -197,6 +206,36 @@ def _engine(model: str, dp_rank: int) -> dict[str, Any]:
         worker.shutdown()
     scheduler.shutdown()
     return facts
+
+
+WORKLOAD_KV_BYTES = 8 * MiB
+WORKLOAD_PROMPTS = {f"r{i}": 40 + 10 * i for i in range(8)}
+
+
+def _one_gpu_engine(model: str, block_size: int) -> tuple[Any, Any, Any]:
+    """One engine on one GPU (TP 1, DP 1) of full-attention layers: its worker, KV config and scheduler."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.worker.gpu_worker import Worker
+
+    config = _config(model, 0, dp=1, tp=1, block_size=block_size)
+    worker = Worker(vllm_config=config, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:1",
+                    is_driver_worker=True)
+    worker.init_device()
+    [kv_cache_config] = _plan(config, [WORKLOAD_KV_BYTES], hybrid=False)
+    worker.initialize_from_config(kv_cache_config)
+    scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=block_size,
+                          log_stats=False)
+    return worker, kv_cache_config, scheduler
+
+
+def _workload(model: str, block_size: int) -> dict[str, Any]:
+    """Eight requests arriving one every four steps, 20 tokens each, served by one GPU's engine."""
+    worker, kv_cache_config, scheduler = _one_gpu_engine(model, block_size)
+    steps = _serve(scheduler, WORKLOAD_PROMPTS, max_tokens=20, drafts=0, stagger=4)
+    worker.shutdown()
+    scheduler.shutdown()
+    return {"num_blocks": kv_cache_config.num_blocks, "prompts": WORKLOAD_PROMPTS, "steps": steps}
 
 
 if __name__ == "__main__":
