@@ -3,7 +3,8 @@
 The targets are real interpreters started without memwatch: a plain PyTorch loop on ``fake_cuda``'s
 device, and the nano-vllm mirror serving with tensor parallelism 2 (rank 1 in a spawned worker).
 Each is also run once without injection, and its own output must be the same. The `memwatch` used
-is the real command in a child process; the sidecar is a real ``memwatch serve``.
+is the real command in a child process; the sidecar is a real ``memwatch serve``. The refusals are in
+``test_inject_refusals.py``, the released vLLM in ``test_inject_vllm.py``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mirrors.zero_code import MIRRORS
+from injection import LIGHT, Target, memwatch, reap, target_env, unattended
 from test_adapter_nanovllm import DEVICE, _free_port, _model_dir
 
 from memwatch.attach.inject import detach, inject, payload
-from memwatch.attach.inject_checks import CAP_SYS_PTRACE, check_ptrace, check_user
-from memwatch.errors import NotFoundError, PermissionDeniedError
+from memwatch.errors import NotFoundError
 
-from processes import SidecarProcess, memwatch_env, query, wait_for
+from processes import SidecarProcess, query, wait_for
 
 MiB = 1 << 20
 PLAIN = """
@@ -41,16 +41,6 @@ while rounds < 3 or not stop.exists():
     x += 1
     buffer.free()
     rounds += 1
-    time.sleep(0.05)
-print("threads", sorted(thread.name for thread in threading.enumerate()), flush=True)
-"""
-LIGHT = """
-import sys, threading, time
-from pathlib import Path
-
-stop = Path(sys.argv[1])
-print("ready", flush=True)
-while not stop.exists():
     time.sleep(0.05)
 print("threads", sorted(thread.name for thread in threading.enumerate()), flush=True)
 """
@@ -87,73 +77,30 @@ if __name__ == "__main__":
 """
 
 
-def _memwatch(env: dict[str, str], *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "memwatch", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def _target_env(runtime_dir: Path, db_path: Path, **extra: str) -> dict[str, str]:
-    env = memwatch_env(runtime_dir, db_path, PYTHONPATH=str(MIRRORS), **extra)
-    for name in ("MEMWATCH", "MEMWATCH_RUN_ID"):
-        env.pop(name, None)
-    return env
-
-
-class Target:
-    """A script run as a real process that serves until a stop file appears; killed at the test's end."""
-
-    def __init__(self, script: Path, env: dict[str, str], *args: str) -> None:
-        self.stop = script.with_suffix(".stop")
-        self.stop.unlink(missing_ok=True)
-        self.proc = subprocess.Popen([sys.executable, str(script), *args, str(self.stop)], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        _started.append(self.proc)
-        assert self.proc.stdout.readline() == "ready\n", self.proc.stderr.read()
-
-    def finish(self) -> tuple[str, str]:
-        self.stop.touch()
-        out, err = self.proc.communicate(timeout=60)
-        assert self.proc.returncode == 0, err
-        return "ready\n" + out, err
-
-    def running(self) -> bool:
-        return self.proc.poll() is None
-
-
-_started: list[subprocess.Popen[str]] = []
-
 
 @pytest.fixture(autouse=True)
 def _no_target_outlives_its_test() -> Iterator[None]:
     yield
-    while _started:
-        proc = _started.pop()
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
-
-
-def _unattended(script: Path, env: dict[str, str], *args: str) -> tuple[str, str]:
-    return Target(script, env, *args).finish()
+    reap()
 
 
 def test_inject_into_a_plain_torch_loop_records_samples_and_detach_stops_it(
         tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
     script = tmp_path / "loop.py"
     script.write_text(PLAIN)
-    env = _target_env(runtime_dir, db_path)
-    reference = _unattended(script, env)
+    env = target_env(runtime_dir, db_path)
+    reference = unattended(script, env)
 
     with SidecarProcess(runtime_dir, db_path):
         target = Target(script, env)
-        done = _memwatch(env, "attach", "--inject", str(target.proc.pid), "--interval", "0.1", "--once", "--json")
+        done = memwatch(env, "attach", "--inject", str(target.proc.pid), "--interval", "0.1", "--once", "--json")
         assert done.returncode == 0, done.stderr
         assert "a sampler thread" in done.stderr and f"--detach {target.proc.pid}" in done.stderr
         assert json.loads(done.stdout)["source"] == "ring"  # the live view now reads the process's own ring
         wait_for(lambda: len(query(db_path, "SELECT 1 FROM samples")) >= 5, what="sampler readings in the database")
         assert target.running()
 
-        detached = _memwatch(env, "attach", "--detach", str(target.proc.pid))
+        detached = memwatch(env, "attach", "--detach", str(target.proc.pid))
         assert detached.returncode == 0, detached.stderr
         wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("detached",)], what="the run to end")
         assert target.running()
@@ -175,13 +122,13 @@ def test_inject_into_a_nanovllm_tp2_engine_patches_every_rank_and_detach_restore
     model = _model_dir(tmp_path)
     script = tmp_path / "serve.py"
     script.write_text(SERVE)
-    reference = _unattended(script, _target_env(runtime_dir, db_path, NANOVLLM_MIRROR_PORT=str(_free_port()), **DEVICE),
+    reference = unattended(script, target_env(runtime_dir, db_path, NANOVLLM_MIRROR_PORT=str(_free_port()), **DEVICE),
                             str(model))
-    env = _target_env(runtime_dir, db_path, NANOVLLM_MIRROR_PORT=str(_free_port()), **DEVICE)
+    env = target_env(runtime_dir, db_path, NANOVLLM_MIRROR_PORT=str(_free_port()), **DEVICE)
 
     with SidecarProcess(runtime_dir, db_path):
         target = Target(script, env, str(model))
-        done = _memwatch(env, "attach", "--inject", str(target.proc.pid), "--once", "--json")
+        done = memwatch(env, "attach", "--inject", str(target.proc.pid), "--once", "--json")
         assert done.returncode == 0, done.stderr
         assert "the nano-vllm adapter" in done.stderr
         assert len(json.loads(done.stdout)["ranks"]) == 2  # rank 1 lives in the spawned worker
@@ -190,7 +137,7 @@ def test_inject_into_a_nanovllm_tp2_engine_patches_every_rank_and_detach_restore
                  timeout=60, what="steps of both ranks in the database")
         assert target.running()
 
-        detached = _memwatch(env, "attach", "--detach", str(target.proc.pid))
+        detached = memwatch(env, "attach", "--detach", str(target.proc.pid))
         assert detached.returncode == 0, detached.stderr
         wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("detached",)], what="the run to end")
         output = target.finish()
@@ -218,139 +165,6 @@ def test_inject_into_a_nanovllm_tp2_engine_patches_every_rank_and_detach_restore
         == [(7,)]
 
 
-# -- refusals ---------------------------------------------------------------------------------------------
-
-
-def test_a_process_that_is_not_python_is_refused(sleeper: subprocess.Popen[bytes]) -> None:
-    done = _memwatch(memwatch_env(Path("/nonexistent"), Path("/nonexistent")), "attach", "--inject",
-                     str(sleeper.pid))
-    assert done.returncode == 2
-    assert done.stderr == (f"error: process {sleeper.pid} is not a Python process (sleep); "
-                           "--inject works on Python engines only\n")
-
-
-def test_without_gdb_on_the_path_the_injection_is_refused_and_nothing_changes(
-        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
-    script = tmp_path / "loop.py"
-    script.write_text(LIGHT)
-    env = _target_env(runtime_dir, db_path)
-    target = Target(script, env)
-    done = _memwatch({**env, "PATH": str(tmp_path / "empty")}, "attach", "--inject", str(target.proc.pid))
-    assert done.returncode == 4
-    assert done.stderr.startswith("error: gdb is not installed") and done.stderr.count("\n") == 1
-    assert not list(runtime_dir.glob("*.ring"))
-    out, err = target.finish()
-    assert (out.splitlines()[-1], err) == ("threads ['MainThread']", "")
-
-
-def test_an_injection_that_times_out_leaves_the_process_running_unchanged(
-        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
-    # Pure Python arithmetic never releases the interpreter lock, so the process never reaches a safe point.
-    script = tmp_path / "busy.py"
-    script.write_text("import sys, time\nend = time.monotonic() + 6\nprint('ready', flush=True)\n"
-                      "while time.monotonic() < end:\n    pass\n"
-                      "print('memwatch loaded:', 'memwatch_engine' in sys.modules)\n")
-    env = _target_env(runtime_dir, db_path)
-    target = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
-    assert target.stdout.readline() == "ready\n"
-    done = _memwatch(env, "attach", "--inject", str(target.pid), "--inject-timeout", "1.5")
-    assert done.returncode == 4
-    assert "reached no safe point within 1.5s" in done.stderr and "left it running" in done.stderr
-    assert target.poll() is None
-    out, _ = target.communicate(timeout=30)
-    assert (target.returncode, out) == (0, "memwatch loaded: False\n")
-    assert not list(runtime_dir.glob("*"))
-
-
-def test_detach_of_a_process_memwatch_does_not_record_says_so(tmp_path: Path, runtime_dir: Path,
-                                                              db_path: Path) -> None:
-    script = tmp_path / "loop.py"
-    script.write_text(LIGHT)
-    env = _target_env(runtime_dir, db_path)
-    target = Target(script, env)
-    done = _memwatch(env, "attach", "--detach", str(target.proc.pid))
-    target.finish()
-    assert done.returncode == 3
-    assert done.stderr == (f"error: process {target.proc.pid} is not being recorded by memwatch (no ring); "
-                           "nothing to detach\n")
-
-
-AS_NOBODY = """
-import os, sys
-from memwatch.cli import main
-from memwatch.cli.attach import attach
-import memwatch.attach.inject, memwatch.attach.inject_checks, memwatch.hostinfo
-main.add_command(attach)
-os.setgid(65534)
-os.setuid(65534)
-main(sys.argv[1:], prog_name="memwatch")
-"""
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another user needs root; the seam test below covers it")
-def test_another_users_process_is_refused(tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
-    script = tmp_path / "loop.py"
-    script.write_text(LIGHT)
-    env = _target_env(runtime_dir, db_path)
-    target = Target(script, env)  # root's process; memwatch runs as nobody
-    done = subprocess.run([sys.executable, "-c", AS_NOBODY, "attach", "--inject", str(target.proc.pid)],
-                          env=env, capture_output=True, text=True, timeout=60)
-    target.finish()
-    assert done.returncode == 5
-    assert done.stderr == (f"error: cannot inspect process {target.proc.pid}: it belongs to another user; "
-                           "run memwatch as that user (or as root)\n")
-
-
-def test_the_user_check_refuses_another_users_process_even_to_root() -> None:
-    own, me = os.getpid(), os.geteuid()
-    check_user(own)
-    with pytest.raises(PermissionDeniedError, match=f"belongs to uid {me}, not to you"):
-        check_user(own, euid=me + 1)
-    # Root may trace it, but the rings would land in root's runtime directory, where its user's sidecar never looks.
-    if me == 0:
-        other = subprocess.Popen(["sleep", "30"], user=65534)
-        _started.append(other)
-        pid, uid = other.pid, 65534
-        wait_for(lambda: "65534" in Path(f"/proc/{pid}/status").read_text(), what="the process to be nobody's")
-    else:
-        pid, uid = own, me
-    with pytest.raises(PermissionDeniedError, match=f"run memwatch as that user: sudo -u '#{uid}'"):
-        check_user(pid, euid=0)
-
-
-@pytest.mark.parametrize(("scope", "capabilities", "refused"), [
-    ("0", 0, None),
-    ("1", 0, "only your own child processes"),
-    ("1", 1 << CAP_SYS_PTRACE, None),
-    ("2", 0, "only a process with CAP_SYS_PTRACE"),
-    ("2", 1 << CAP_SYS_PTRACE, None),
-    ("3", 1 << CAP_SYS_PTRACE, "forbids tracing any process"),
-])
-def test_ptrace_rules_of_yama_and_the_capability(tmp_path: Path, scope: str, capabilities: int,
-                                                 refused: str | None) -> None:
-    yama = tmp_path / "ptrace_scope"
-    yama.write_text(scope + "\n")
-    if refused is None:
-        check_ptrace(os.getpid(), yama_path=yama, capabilities=capabilities)
-    else:
-        with pytest.raises(PermissionDeniedError, match=refused):
-            check_ptrace(os.getpid(), yama_path=yama, capabilities=capabilities)
-    check_ptrace(os.getpid(), yama_path=tmp_path / "absent", capabilities=0)  # no Yama: plain ptrace rules
-
-
-def test_without_inject_attach_says_what_inject_would_do(tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
-    script = tmp_path / "loop.py"
-    script.write_text(LIGHT)
-    env = _target_env(runtime_dir, db_path)
-    target = Target(script, env)
-    done = _memwatch(env, "attach", str(target.proc.pid), "--once")
-    out, err = target.finish()
-    note = done.stderr.splitlines()[0]
-    assert note.startswith(f"note: process {target.proc.pid} is a Python process without memwatch; "
-                           f"`memwatch attach --inject {target.proc.pid}` would record")
-    assert "pauses the process" in note and "--detach" in note
-    assert (out.splitlines()[-1], err) == ("threads ['MainThread']", "")  # nothing was run in it
-
 
 def test_the_injected_lines_load_the_engine_plugin_where_the_target_lacks_it(tmp_path: Path,
                                                                              runtime_dir: Path) -> None:
@@ -374,7 +188,7 @@ def test_a_process_can_be_injected_again_after_a_detach(tmp_path: Path, runtime_
     """No sidecar drains the first run's closed ring here: it must not pass for a recording still on."""
     script = tmp_path / "loop.py"
     script.write_text(LIGHT)
-    target = Target(script, _target_env(runtime_dir, db_path))
+    target = Target(script, target_env(runtime_dir, db_path))
     monkeypatch.setenv("MEMWATCH_RUNTIME_DIR", str(runtime_dir))
     first = inject(target.proc.pid, interval_s=0.05)
     assert detach(target.proc.pid) == [target.proc.pid]

@@ -1,6 +1,7 @@
 """Instrument an engine that is already serving: the adapter's patches on the live classes.
 
-Used by an injected memwatch (:mod:`memwatch_engine.inject`). The engine started without memwatch,
+Used by an injected memwatch (:mod:`memwatch_engine.inject`); vLLM's live objects are read in
+:mod:`.late_vllm`, nano-vllm's here. The engine started without memwatch,
 so its startup was never seen; what startup would have recorded is read from the live objects
 instead: the engine's settings, the KV block count and bytes per block, the utilization, the
 total device memory, and the weights as the allocator holds them now. The readings the engine sized
@@ -29,7 +30,12 @@ REASON = "memwatch was injected after the engine started: its warmup readings we
 def attach_engines(*, run_id: str, runtime_dir: str | None) -> tuple[str, list[Monitor]] | None:
     """Patch and attach to the engine loaded in this process: (engine name, one monitor per rank), or None."""
     if nanovllm.MODEL_RUNNER not in sys.modules:
-        return None
+        if "vllm" not in sys.modules:
+            return None
+        from . import late_vllm
+
+        monitors = late_vllm.attach(run_id=run_id, runtime_dir=runtime_dir)
+        return None if monitors is None else ("vllm", monitors)
     module = nanovllm.install_live()
     if module is None:
         return None
@@ -44,6 +50,10 @@ def attach_engines(*, run_id: str, runtime_dir: str | None) -> tuple[str, list[M
 
 def detach_engines() -> None:
     """Put the engine's own methods back and forget every runner's state (their monitors close apart)."""
+    if "vllm" in sys.modules:
+        from . import late_vllm
+
+        late_vllm.detach()
     nanovllm.uninstall()
     module = sys.modules.get(nanovllm.MODEL_RUNNER)
     if module is None:

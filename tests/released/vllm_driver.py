@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
+import threading
+import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -47,10 +51,20 @@ class _CpuModelRunner:
         import torch
         from vllm.v1.worker.utils import allocate_kv_cache
 
+        self.kv_cache_config = kv_cache_config  # as GPUModelRunner.initialize_kv_cache keeps it
         layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
         caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
         buffers = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in caches.values()}
         self.allocated_bytes = sum(buffers.values())
+
+    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+        """The model's output for a step: one token per request, plus its draft tokens (all accepted)."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+                                 sampled_token_ids=[[7] * (1 + len(drafts.get(req_id, ()))) for req_id in req_ids])
 
     def shutdown(self) -> None:
         pass
@@ -114,19 +128,21 @@ def _plan(config: Any, available: list[int], hybrid: bool = True) -> list[Any]:
 
 
 def _serve(scheduler: Any, prompts: dict[str, int], max_tokens: int, drafts: int, stagger: int = 0,
-           ) -> list[dict[str, Any]]:
-    """The engine core's loop: schedule, a model output of one token per request (plus accepted drafts).
+           worker: Any = None) -> list[dict[str, Any]]:
+    """The engine core's loop: schedule, the model's output (from ``worker.execute_model`` when given, as
+    vLLM's executor runs it; else built the same way here), then ``update_from_output``.
 
     Every prompt arrives before the first step, or, with ``stagger``, the i-th before step ``i × stagger``.
     Returns, per step, what vLLM itself says of it: requests and tokens scheduled, draft tokens
     scheduled, requests preempted, and ``kv_cache_manager.usage`` right after ``schedule()``.
     """
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds
     from vllm.v1.request import Request
 
     pending = list(prompts.items())
     steps: list[dict[str, Any]] = []
+    model = _CpuModelRunner(None)
     while pending or scheduler.has_requests():
         while pending and (not stagger or len(prompts) - len(pending) <= len(steps) // stagger):
             name, length = pending.pop(0)
@@ -137,11 +153,8 @@ def _serve(scheduler: Any, prompts: dict[str, int], max_tokens: int, drafts: int
                       "drafts": sum(map(len, output.scheduled_spec_decode_tokens.values())),
                       "new": len(output.scheduled_new_reqs), "preempted": len(output.preempted_req_ids or ()),
                       "usage": scheduler.kv_cache_manager.usage})
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = [[7] * (1 + len(output.scheduled_spec_decode_tokens.get(req_id, ()))) for req_id in req_ids]
-        scheduler.update_from_output(output, ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled))
+        result = worker.execute_model(output) if worker is not None else model.execute_model(output)
+        scheduler.update_from_output(output, result)
         if drafts:
             running = [request.request_id for request in scheduler.running]
             scheduler.update_draft_token_ids(DraftTokenIds(running, [[7] * drafts for _ in running]))
@@ -177,6 +190,9 @@ def main() -> None:
         facts["engines"] = [_engine(model, dp_rank) for dp_rank in (0, 1)]
     elif mode == "workload":
         facts.update(_workload(model, int(sys.argv[3])))
+    elif mode == "loop":
+        _loop(model, Path(sys.argv[3]))
+        return
     print(json.dumps(facts))
 
 
@@ -222,6 +238,15 @@ def _one_gpu_engine(model: str, block_size: int) -> tuple[Any, Any, Any]:
     worker = Worker(vllm_config=config, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:1",
                     is_driver_worker=True)
     worker.init_device()
+    # vLLM's own process groups, on gloo over a free local port: Worker.execute_model asks them its PP rank.
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with set_current_vllm_config(config):
+        init_worker_distributed_environment(config, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
     [kv_cache_config] = _plan(config, [WORKLOAD_KV_BYTES], hybrid=False)
     worker.initialize_from_config(kv_cache_config)
     scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=block_size,
@@ -232,10 +257,35 @@ def _one_gpu_engine(model: str, block_size: int) -> tuple[Any, Any, Any]:
 def _workload(model: str, block_size: int) -> dict[str, Any]:
     """Eight requests arriving one every four steps, 20 tokens each, served by one GPU's engine."""
     worker, kv_cache_config, scheduler = _one_gpu_engine(model, block_size)
-    steps = _serve(scheduler, WORKLOAD_PROMPTS, max_tokens=20, drafts=0, stagger=4)
+    steps = _serve(scheduler, WORKLOAD_PROMPTS, max_tokens=20, drafts=0, stagger=4, worker=worker)
     worker.shutdown()
     scheduler.shutdown()
     return {"num_blocks": kv_cache_config.num_blocks, "prompts": WORKLOAD_PROMPTS, "steps": steps}
+
+
+def _loop(model: str, stop: Path) -> None:
+    """A serving loop started without memwatch: rounds of three requests until ``stop`` exists.
+
+    Prints ``ready`` after the first round, then, at the end, what the rounds scheduled (every round the
+    same), the KV block count, whether vLLM's classes have their own methods again, and the threads.
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_worker import Worker
+
+    originals = [dict(vars(Worker)), dict(vars(Scheduler))]
+    worker, kv_cache_config, scheduler = _one_gpu_engine(model, 16)
+    rounds: list[tuple[tuple[int, int], ...]] = []
+    while len(rounds) < 3 or not stop.exists():
+        prompts = {f"q{len(rounds)}-{i}": 60 + 20 * i for i in range(3)}
+        steps = _serve(scheduler, prompts, max_tokens=8, drafts=0, worker=worker)
+        rounds.append(tuple((step["num_seqs"], step["num_tokens"]) for step in steps))
+        if len(rounds) == 1:
+            print("ready", flush=True)
+        time.sleep(0.05)
+    print("blocks", kv_cache_config.num_blocks)
+    print("rounds", sorted(set(rounds)))
+    print("originals", [dict(vars(Worker)), dict(vars(Scheduler))] == originals)
+    print("threads", sorted(thread.name for thread in threading.enumerate()), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""What the `memwatch attach --inject` tests share: the target processes and the `memwatch` command they run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from mirrors.zero_code import MIRRORS
+
+from processes import memwatch_env
+
+LIGHT = """
+import sys, threading, time
+from pathlib import Path
+
+stop = Path(sys.argv[1])
+print("ready", flush=True)
+while not stop.exists():
+    time.sleep(0.05)
+print("threads", sorted(thread.name for thread in threading.enumerate()), flush=True)
+"""
+
+
+def memwatch(env: dict[str, str], *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "memwatch", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def target_env(runtime_dir: Path, db_path: Path, **extra: str) -> dict[str, str]:
+    env = memwatch_env(runtime_dir, db_path, PYTHONPATH=str(MIRRORS), **extra)
+    for name in ("MEMWATCH", "MEMWATCH_RUN_ID"):
+        env.pop(name, None)
+    return env
+
+
+class Target:
+    """A script run as a real process that serves until a stop file appears; killed at the test's end."""
+
+    def __init__(self, script: Path, env: dict[str, str], *args: str) -> None:
+        self.stop = script.with_suffix(".stop")
+        self.stop.unlink(missing_ok=True)
+        self.proc = subprocess.Popen([sys.executable, str(script), *args, str(self.stop)], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started.append(self.proc)
+        assert self.proc.stdout.readline() == "ready\n", self.proc.stderr.read()
+
+    def finish(self) -> tuple[str, str]:
+        self.stop.touch()
+        out, err = self.proc.communicate(timeout=60)
+        assert self.proc.returncode == 0, err
+        return "ready\n" + out, err
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+
+started: list[subprocess.Popen[str]] = []
+"""Every process a test started; :func:`reap` ends those still running."""
+
+
+def reap() -> None:
+    """End every process a test started that still runs (each test module calls it after each test)."""
+    while started:
+        proc = started.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def unattended(script: Path, env: dict[str, str], *args: str) -> tuple[str, str]:
+    return Target(script, env, *args).finish()
