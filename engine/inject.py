@@ -4,9 +4,9 @@ The injector (gdb, or ``sys.remote_exec`` on Python 3.14+) makes the target run 
 this package and call :func:`handle` with a JSON request. Everything here runs on the target's own
 thread for the length of one call, so it only patches classes and starts a thread, then returns:
 
-* with nano-vllm loaded, the adapter's patches go onto the live classes and each live ``ModelRunner``
-  gets its monitor, with what startup would have recorded read from the live objects
-  (:mod:`.adapters.late`);
+* with nano-vllm loaded, or vLLM's worker or engine-core scheduler, the adapter's patches go onto the
+  live classes and each live ``ModelRunner`` (nano-vllm) or ``Worker`` and ``Scheduler`` (vLLM) gets its
+  monitor, with what startup would have recorded read from the live objects (:mod:`.adapters.late`);
 * otherwise (or ``"mode": "sampler"``) a daemon thread named ``memwatch-sampler`` writes one sample of
   allocator and driver readings per interval;
 * ``"action": "detach"`` undoes all of it: the original methods are back, the thread stops, every

@@ -25,8 +25,10 @@ data-parallel engines, see :mod:`.vllm_reading`; the worker's device):
 * one sample per ``execute_model``: scheduled requests and tokens, and the step's kind from what the
   scheduler scheduled (speculative-decoding steps are decode); ``shutdown`` closes the rank.
 
-KV usage and preemptions come from the scheduler in the engine core, which offline ``LLM`` and
-served engines both run (:mod:`.vllm_scheduler`). memwatch registers no stat logger and no other
+KV usage, preemptions and the workload (one event per request arrival and finish) come from the
+scheduler in the engine core, which offline ``LLM`` and served engines both run (:mod:`.vllm_scheduler`).
+An injected memwatch applies the same patches to a live engine (:func:`install_live`,
+:mod:`.late_vllm`) and takes them back (:func:`uninstall`). memwatch registers no stat logger and no other
 entry point than this one, so vLLM's stat loggers and ``log_stats`` are the same with memwatch
 installed, on or off. Upstream interface followed: vLLM 0.33.0.
 """
