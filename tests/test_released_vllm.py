@@ -174,3 +174,13 @@ def test_one_gpu_engine_records_its_workload_and_the_run_replays(tmp_path: Path,
     [(config,)] = query(db_path, "SELECT config FROM runs WHERE run_id = ?", (replayed,))
     assert {key: json.loads(config)[key] for key in ("block_size", "max_num_seqs", "gpu_memory_utilization")} == {
         "block_size": 256, "max_num_seqs": 8, "gpu_memory_utilization": 0.5}
+
+
+def test_an_engine_core_whose_workers_run_elsewhere_keeps_the_workload_on_its_schedulers_ring(
+        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    """TP 2: rank 0 is another process's; the scheduler (rank 2, after the two GPU ranks) keeps the requests."""
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0004")
+    facts = _drive("engine-core", tmp_path, env)
+    store_rings(runtime_dir, db_path)
+    rows = query(db_path, "SELECT rank, kind, count(*) FROM events WHERE kind LIKE 'request_%' GROUP BY rank, kind")
+    assert rows == [(2, "request_arrived", len(facts["prompts"])), (2, "request_finished", len(facts["prompts"]))]

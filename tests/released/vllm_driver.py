@@ -1,6 +1,7 @@
 """Drive the released vLLM 0.33.0 (installed by ``make engines``) through memwatch's plugin, on CPU.
 
-Run as ``python vllm_driver.py off|on MODEL_DIR``; prints one JSON line of what it saw. vLLM's own
+Run as ``python vllm_driver.py MODE MODEL_DIR [ARG]``; prints one JSON line of what it saw (``loop``:
+lines of its own). vLLM's own
 code runs throughout: its plugin loader, ``VllmConfig``/``ParallelConfig``, the KV-cache planner
 (``kv_cache_planning``), the ``Worker`` class (``__init__``, ``initialize_from_config``,
 ``shutdown``), ``allocate_kv_cache`` (on CPU tensors) and the engine core's ``Scheduler`` with real
@@ -14,6 +15,13 @@ model runner whose ``initialize_kv_cache`` calls vLLM's ``allocate_kv_cache``.
 attention layers, two KV cache groups): engine 0 gets 4 MiB of KV memory per worker, engine 1 gets
 1.5 MiB; engine 1 serves three prompts that cannot all keep their blocks (preemptions) and speculative
 decoding steps (two draft tokens each).
+
+"workload BLOCK_SIZE" runs one engine on one GPU (TP 1, as vLLM's ``UniProcExecutor`` runs the worker
+in the engine core) whose real ``Worker.execute_model`` runs on vLLM's process groups over gloo: eight
+requests arriving one every four steps. "engine-core" serves the same requests from an engine core
+alone, as with TP 2 (its workers' processes are elsewhere). "loop STOP_FILE" is that one-GPU engine
+started with memwatch off, serving rounds of requests until STOP_FILE exists: a target for
+``attach --inject``.
 """
 
 from __future__ import annotations
@@ -171,7 +179,7 @@ def main() -> None:
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_general_plugins, load_plugins_by_group
     from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
 
-    if mode in ("on", "workload"):  # turned on here, after the seam above: only vLLM's loader acts
+    if mode in ("on", "workload", "engine-core"):  # turned on here, after the seam above: only vLLM's loader acts
         os.environ["MEMWATCH"] = "1"
     environment = dict(os.environ)
     facts["general_plugins"] = sorted(load_plugins_by_group(DEFAULT_PLUGINS_GROUP))
@@ -190,6 +198,8 @@ def main() -> None:
         facts["engines"] = [_engine(model, dp_rank) for dp_rank in (0, 1)]
     elif mode == "workload":
         facts.update(_workload(model, int(sys.argv[3])))
+    elif mode == "engine-core":
+        facts.update(_engine_core_alone(model))
     elif mode == "loop":
         _loop(model, Path(sys.argv[3]))
         return
@@ -261,6 +271,21 @@ def _workload(model: str, block_size: int) -> dict[str, Any]:
     worker.shutdown()
     scheduler.shutdown()
     return {"num_blocks": kv_cache_config.num_blocks, "prompts": WORKLOAD_PROMPTS, "steps": steps}
+
+
+def _engine_core_alone(model: str) -> dict[str, Any]:
+    """An engine core with TP 2, whose workers run in processes of their own (vLLM's ``MultiprocExecutor``):
+    this process holds the scheduler only, and serves the workload of :func:`_workload`."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config = _config(model, 0, dp=1, tp=2, block_size=16)
+    kv_cache_configs = _plan(config, [WORKLOAD_KV_BYTES] * 2, hybrid=False)
+    scheduler = Scheduler(config, kv_cache_configs[0], StructuredOutputManager(config), block_size=16,
+                          log_stats=False)
+    _serve(scheduler, WORKLOAD_PROMPTS, max_tokens=20, drafts=0, stagger=4)
+    scheduler.shutdown()
+    return {"prompts": WORKLOAD_PROMPTS}
 
 
 def _loop(model: str, stop: Path) -> None:
