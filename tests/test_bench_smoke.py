@@ -75,3 +75,8 @@ def test_plugin_benchmark_measures_the_step_as_served() -> None:
     out = _run("bench_plugin.py", "--batches", "20")
     assert "plugin as served (CUDA probe + peak reset -> ring)" in out and "ratio plugin/baseline" in out
     assert "min / median / max over 20 batches" in out
+
+
+def test_vllm_request_hooks_benchmark_runs() -> None:
+    out = _run("bench_vllm_requests.py", "--requests", "100", "--repeats", "2")
+    assert "hooked methods" in out and "ratio to the two events alone" in out

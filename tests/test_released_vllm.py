@@ -165,6 +165,8 @@ def test_one_gpu_engine_records_its_workload_and_the_run_replays(tmp_path: Path,
     assert done.returncode == 0, done.stderr
     compared = json.loads(done.stdout)
     assert compared["original"]["kv_blocks"] == 8 and compared["original"]["drain_s"] is not None
+    # The worker stepped with vLLM's batches: the largest is what vLLM's own scheduler scheduled at most.
+    assert compared["original"]["max_concurrent_seqs"] == max(step["num_seqs"] for step in facts["steps"])
     replayed = compared["replay"]["run_id"]
     assert compared["replay"]["oom"] is False and 1 <= compared["replay"]["max_concurrent_seqs"] <= 8
     # The replay served the recorded requests, each to its recorded length, under the engine's own settings.
