@@ -36,6 +36,7 @@ installed, on or off. Upstream interface followed: vLLM 0.33.0.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from contextlib import ExitStack
 from types import ModuleType
@@ -84,8 +85,6 @@ def install_live() -> None:
 
 def uninstall() -> None:
     """Put vLLM's original methods back (an injected memwatch detaching)."""
-    import sys
-
     module = sys.modules.get(WORKER_MODULE)
     if module is not None:
         unwrap_all(module.Worker)

@@ -27,13 +27,14 @@ Upstream interface followed: vLLM 0.33.0 (``vllm/v1/core/sched/scheduler.py``,
 from __future__ import annotations
 
 import atexit
+import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from ..monitor import Monitor
 from ..probes.base import Probe
-from .hooks import Guard, patch_on_import, require_methods, wrap_method
+from .hooks import Guard, patch_on_import, require_methods, unwrap_all, wrap_method
 from .vllm_reading import engine_settings, scheduler_identity, step_kind
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
@@ -77,10 +78,6 @@ def _patch_scheduler(module: ModuleType) -> None:
 
 def uninstall() -> None:
     """Put the scheduler's original methods back (an injected memwatch detaching)."""
-    import sys
-
-    from .hooks import unwrap_all
-
     module = sys.modules.get(SCHEDULER_MODULE)
     if module is not None:
         unwrap_all(module.Scheduler)
