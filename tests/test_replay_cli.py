@@ -71,6 +71,10 @@ def test_replay_json_has_both_sides(kv_pressure: tuple[str, dict[str, str]]) -> 
     assert data["original"]["run_id"] == run_id and data["replay"]["run_id"] != run_id
     assert data["replay"]["kv_blocks"] == data["original"]["kv_blocks"]
     assert data["original"]["oom"] is False and data["original"]["preemptions"] > 0  # 32 requests for 113 blocks
+    [rank] = data["calibration"]["ranks"]
+    # Qwen3-0.6B's forward by hand (tests/test_replay.py): 24,576 bytes a token, 607,744 a sequence; no temporaries.
+    assert round(rank["activation_per_token"]) == 24_576 and round(rank["activation_per_seq"]) == 607_744
+    assert rank["transients"]["temporaries"] == 0 and rank["greedy_steps"] == []
 
 
 def test_sweep_of_load_finds_the_frontier(tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:

@@ -112,9 +112,13 @@ class Calibration:
     attention: str = "flash"
 
     def to_dict(self) -> dict[str, Any]:
+        """As JSON: each rank's transients summed up (a long run can record one per step)."""
         from dataclasses import asdict
 
-        return asdict(self)
+        data = asdict(self)
+        for rank, model in zip(data["ranks"], self.ranks, strict=True):
+            rank["transients"] = model.transients.summary()
+        return data
 
 
 def calibrate(run_id: str, model: str | None, gpu_name: str | None, config: dict[str, Any],

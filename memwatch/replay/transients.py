@@ -19,6 +19,7 @@ same long-lived size each time, as a leak keeps leaking.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import pairwise
 
 from memwatch.records import Sample
@@ -49,15 +50,24 @@ class TransientSeries:
     last: Transient | None = None
     """The last recorded event of the series the continuation repeats."""
 
+    @cached_property
+    def _by_step(self) -> dict[int, Transient]:
+        return {event.step: event for event in self.recorded}
+
+    def summary(self) -> dict[str, int | None]:
+        temporaries = [event.temporary_bytes for event in self.recorded if event.temporary_bytes]
+        return {"events": len(self.recorded), "temporaries": len(temporaries),
+                "largest_temporary_bytes": max(temporaries, default=0), "pinning": self.pinned_events,
+                "period_steps": self.period or None, "growth_bytes": self.growth_bytes if self.period else None}
+
     @property
     def pinned_events(self) -> int:
         return sum(1 for event in self.recorded if event.temporary_bytes and event.kept_bytes and event.pinned)
 
     def at(self, step: int) -> Transient | None:
         """The event to perform before serving step ``step``."""
-        by_step = {event.step: event for event in self.recorded}
-        if step in by_step:
-            return by_step[step]
+        if step in self._by_step:
+            return self._by_step[step]
         last = self.last
         if not self.period or last is None or step <= self.recorded[-1].step:
             return None
