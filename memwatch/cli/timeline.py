@@ -12,7 +12,6 @@ from pathlib import Path
 
 import click
 
-from ..detectors import interleave
 from ..errors import NotFoundError, UsageError
 from ..ledger import Ledger, LedgerTerms
 from ..losses import Gap, run_losses, span
@@ -21,7 +20,8 @@ from ..store import open_store
 from ..store.db import Database
 from ..store.moments import find_moment, parse_duration_ns, resolve_time
 from ..store.queries import Run, events, get_run, last_ts_ns, run_ranks
-from ..store.window import WindowRow, window_rows
+from ..store.sql_text import ENGINE_LINE, NVML_LINE
+from ..store.window import WindowRow, stored_sample, window_lines, window_rows
 from ..terminal import printable
 from ..units import format_bytes
 from .options import db_option, int_range, json_option
@@ -70,6 +70,12 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: i
     if around is not None:
         centre, half = find_moment(db, info, around, rank), parse_duration_ns(window) // 2
         since_ns, until_ns = centre - half, centre + half
+    if not (as_json or as_csv or ledger):
+        line_sql = NVML_LINE if info.source == "nvml" else ENGINE_LINE
+        lines = window_lines(db, info.run_id, line_sql, rank=rank, since_ns=since_ns, until_ns=until_ns)
+        if lines is not None:  # all at full resolution: SQLite formats the rows
+            _write_lines(db, info, lines, _gaps(db, info, rank))
+            return
     rows = window_rows(db, info.run_id, rank=rank, since_ns=since_ns, until_ns=until_ns)
     with_terms = _with_ledger(db, info, rows, rank) if ledger else ((row, None) for row in rows)
     if as_json:
@@ -77,8 +83,11 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: i
     elif as_csv:
         _write_csv(with_terms, ledger)
     else:
-        gaps = [gap for gap in run_losses(db, info.run_id).gaps if rank is None or gap.rank == rank]
-        _write_table(info, with_terms, ledger, gaps)
+        _write_table(info, with_terms, ledger, _gaps(db, info, rank))
+
+
+def _gaps(db: Database, info: Run, rank: int | None) -> list[Gap]:
+    return [gap for gap in run_losses(db, info.run_id).gaps if rank is None or gap.rank == rank]
 
 
 def _require_rank(db: Database, info: Run, rank: int) -> None:
@@ -93,6 +102,8 @@ def _with_ledger(
     db: Database, info: Run, rows: Iterator[WindowRow], rank: int | None
 ) -> Iterator[tuple[WindowRow, LedgerTerms]]:
     """Each row with its ledger terms; the run's events (the sizing) go in before the samples they precede."""
+    from ..detectors import interleave
+
     ledgers: dict[int, Ledger] = {}
     pending: deque[WindowRow] = deque()
 
@@ -126,10 +137,8 @@ def _write_csv(rows: Iterator[tuple[WindowRow, LedgerTerms | None]], ledger: boo
         writer.writerow((*row.sample, *terms) if terms is not None else row.sample)
 
 
-def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]], ledger: bool,
-                 gaps: list[Gap]) -> None:
-    """The samples as a table; a line marks each gap where samples were lost, before the first sample after it."""
-    start = info.started_ns or 0
+def _header(info: Run, ledger: bool) -> bool:
+    """Print the run's line and the column titles; whether the run was seen from outside, through NVML."""
     click.echo(f"run {info.run_id}  {printable(info.engine or '-')}  {printable(info.model or '-')}  "
                f"status {info.status}")
     nvml = info.source == "nvml"  # seen from outside: the process's NVML bytes instead of the allocator's view
@@ -141,6 +150,42 @@ def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]]
         if ledger:
             header += f" {'NON-TORCH':>10} {'SLACK':>10} {'HEADROOM':>10} {'OOM MARGIN':>10}"
     click.echo(header)
+    return nvml
+
+
+def _write_lines(db: Database, info: Run, lines: Iterator[tuple[int, int, int, str]], gaps: list[Gap]) -> None:
+    """:func:`_write_table` for rows SQLite formatted (no ledger, no rolled-up seconds): the same text,
+    written a few thousand lines at a time."""
+    start = info.started_ns or 0
+    _header(info, False)
+    out: list[str] = []
+    count, shown_ts, shown_rank, shown_seq = 0, None, None, 0  # the last row shown
+    for ts, rank, seq, text in lines:
+        if gaps:
+            while gaps and (gaps[0].to_ts_ns or 0) <= ts:
+                gap = gaps.pop(0)
+                out.append(f"{'--':>8} rank {gap.rank}: {gap.count:,} samples lost here {span(gap, start)}\n")
+        if ts == shown_ts and rank == shown_rank and _repeats(  # as in _write_table: a phase boundary shows once
+            (stored_sample(db, info.run_id, rank, ts, shown_seq), None), stored_sample(db, info.run_id, rank, ts, seq),
+            None,
+        ):
+            continue
+        shown_ts, shown_rank, shown_seq = ts, rank, seq
+        out.append(f"{(ts - start) / 1e9:>8.3f} {text}\n")
+        count += 1
+        if len(out) >= 4096:
+            sys.stdout.write("".join(out))
+            out.clear()
+    sys.stdout.write("".join(out))
+    if count == 0:
+        click.echo("(no samples in that window)")
+
+
+def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]], ledger: bool,
+                 gaps: list[Gap]) -> None:
+    """The samples as a table; a line marks each gap where samples were lost, before the first sample after it."""
+    start = info.started_ns or 0
+    nvml = _header(info, ledger)
     count = 0
     size = lru_cache(maxsize=8192)(format_bytes)  # a window repeats the same few values many times
     write = sys.stdout.write

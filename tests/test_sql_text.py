@@ -1,0 +1,40 @@
+"""SQLite formats a timeline row exactly as Python does: the byte sizes, half-way cases and blanks included."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+
+from memwatch.store.sql_text import bytes_sql
+from memwatch.units import format_bytes
+
+
+def _formatted(values: list[int | None]) -> list[str]:
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE t (i INTEGER, x INTEGER)")
+    conn.executemany("INSERT INTO t VALUES (?, ?)", list(enumerate(values)))
+    return [text for (text,) in conn.execute(f"SELECT {bytes_sql('x')} FROM t ORDER BY i")]
+
+
+def test_hand_worked_sizes() -> None:
+    gib, mib = 1 << 30, 1 << 20
+    cases = {
+        None: "-", 0: "0 B", 1023: "1023 B", 1024: "1.00 KiB", -2048: "-2.00 KiB",
+        gib + gib // 8: "1.12 GiB",  # 1.125 exactly: half to even, down
+        gib + 3 * gib // 8: "1.38 GiB",  # 1.375 exactly: half to even, up
+        gib - 1: "1024.00 MiB",  # a hair under 1 GiB rounds up within MiB
+        5 * mib + mib // 200: "5.00 MiB",  # 5.005 MiB: under the half (mib / 200 is rounded down)
+        80 * gib: "80.00 GiB", 3 << 40: "3.00 TiB",
+    }
+    assert _formatted(list(cases)) == list(cases.values())
+
+
+def test_agrees_with_format_bytes_on_many_sizes() -> None:
+    rng = random.Random(14)
+    values: list[int | None] = []
+    for _ in range(20_000):
+        value = rng.randrange(0, 1 << rng.choice((10, 20, 30, 40, 45)))
+        if rng.random() < 0.3:
+            value = value >> 10 << 10  # whole KiB: many exact half-way cases
+        values.append(-value if rng.random() < 0.1 else value)
+    assert _formatted(values) == [format_bytes(value) for value in values]
