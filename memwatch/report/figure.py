@@ -24,13 +24,12 @@ SEVERITY_COLORS = {"info": "#4c72b0", "warning": "#e69f00", "critical": "#d62728
 MEMORY_HEIGHT, KV_HEIGHT = 380, 170
 
 
-def _plotly() -> tuple[Any, Any]:
+def _template() -> dict[str, Any]:
     try:
-        import plotly.graph_objects as go
-        from plotly.subplots import make_subplots
+        import plotly.io as pio
     except ImportError:
         raise UnavailableError("the HTML report needs plotly; install it with pip install 'memwatch[report]'") from None
-    return go, make_subplots
+    return pio.templates["plotly_white"].to_plotly_json()
 
 
 def seconds(ts_ns: int, start_ns: int) -> float:
@@ -38,15 +37,23 @@ def seconds(ts_ns: int, start_ns: int) -> float:
 
 
 def as_array(values: list[Any], scale: float = 1.0, dtype: str = "float64") -> Any:
-    """A float array (NaN where a reading is missing): plotly embeds arrays as compact binary, lists as text."""
+    """A float array (NaN where a reading is missing)."""
     import numpy as np
 
     return (np.array([np.nan if v is None else v for v in values], dtype=np.float64) / scale).astype(dtype)
 
 
-def _gib(values: list[int | None]) -> Any:
+def _typed(array: Any) -> dict[str, str]:
+    """plotly.js's typed-array form of a float array: compact binary in the page instead of decimal text."""
+    import base64
+
+    return {"dtype": {"float32": "f4", "float64": "f8"}[str(array.dtype)],
+            "bdata": base64.b64encode(array.tobytes()).decode("ascii")}
+
+
+def _gib(values: list[int | None]) -> dict[str, str]:
     """GiB as 32-bit floats: 7 significant digits (a KiB on a 100 GiB card) at half the page size."""
-    return as_array(values, GIB, "float32")
+    return _typed(as_array(values, GIB, "float32"))
 
 
 def _nearest(data: RankData, ts_ns: int) -> int | None:
@@ -57,20 +64,80 @@ def _nearest(data: RankData, ts_ns: int) -> int | None:
     return data.points.used[max(i, 0)] if data.points.used else None
 
 
-def build_figure(data: RunData) -> Any:
-    """The plotly figure of ``data``: two rows per rank (memory; KV blocks when the rank reports them)."""
-    go, make_subplots = _plotly()
+def _domains(heights: list[int]) -> tuple[float, list[tuple[float, float]]]:
+    """The rows' vertical spans in the page (top row first), their spacing, as plotly's subplots lay them out."""
+    spacing = min(0.06, 0.3 / len(heights))
+    scale = (1 - spacing * (len(heights) - 1)) / sum(heights)
+    domains, top = [], 1.0
+    for height in heights:
+        bottom = max(top - height * scale, 0.0)
+        domains.append((bottom, top))
+        top = bottom - spacing
+    return spacing, domains
+
+
+class _Figure:
+    """A plotly figure as the plain dict plotly.js reads, rows stacked on one shared time axis.
+
+    Built directly rather than through plotly's figure objects, which check every property as it is set:
+    for a run of many ranks that checking cost more than drawing the page.
+    """
+
+    def __init__(self, titles: list[str], heights: list[int]) -> None:
+        self.rows = len(heights)
+        _, domains = _domains(heights)
+        self.layout: dict[str, Any] = {"annotations": [], "shapes": []}
+        for row, ((bottom, top), title) in enumerate(zip(domains, titles, strict=True), start=1):
+            x, y = self.axes(row)
+            xaxis: dict[str, Any] = {"anchor": y, "domain": [0.0, 1.0]}
+            if row < self.rows:
+                xaxis.update(matches=self.axes(self.rows)[0], showticklabels=False)
+            self.layout[f"xaxis{row if row > 1 else ''}"] = xaxis
+            self.layout[f"yaxis{row if row > 1 else ''}"] = {"anchor": x, "domain": [bottom, top]}
+            self.layout["annotations"].append({"font": {"size": 16}, "showarrow": False, "text": title, "x": 0.5,
+                                               "xanchor": "center", "xref": "paper", "y": top, "yanchor": "bottom",
+                                               "yref": "paper"})
+        self.data: list[dict[str, Any]] = []
+
+    @staticmethod
+    def axes(row: int) -> tuple[str, str]:
+        suffix = str(row) if row > 1 else ""
+        return f"x{suffix}", f"y{suffix}"
+
+    def trace(self, row: int, **trace: Any) -> None:
+        x, y = self.axes(row)
+        self.data.append({"type": "scatter", **trace, "xaxis": x, "yaxis": y})
+
+    def vrect(self, row: int, x0: float, x1: float, label: str | None, **style: Any) -> None:
+        x, y = self.axes(row)
+        self.layout["shapes"].append({"type": "rect", "xref": x, "yref": f"{y} domain", "x0": x0, "x1": x1,
+                                      "y0": 0, "y1": 1, **style})
+        if label is not None:
+            self.layout["annotations"].append({"text": label, "x": x0, "xref": x, "xanchor": "left", "y": 1,
+                                               "yref": f"{y} domain", "yanchor": "top", "showarrow": False,
+                                               "font": {"size": 10}})
+
+    def vline(self, row: int, at: float, line: dict[str, Any]) -> None:
+        x, y = self.axes(row)
+        self.layout["shapes"].append({"type": "line", "xref": x, "yref": f"{y} domain", "x0": at, "x1": at,
+                                      "y0": 0, "y1": 1, "line": line})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"data": self.data, "layout": self.layout}
+
+
+def build_figure(data: RunData) -> dict[str, Any]:
+    """The figure of ``data`` as a plotly dict: two rows per rank (memory; KV blocks when the rank reports them)."""
+    template = _template()
     rows: list[tuple[RankData, str]] = []
     for rank in data.ranks:
         rows.append((rank, "memory"))
         if rank.has_kv:
             rows.append((rank, "kv"))
     titles = [f"rank {r.rank}: memory (GiB)" if kind == "memory" else f"rank {r.rank}: KV blocks"
-              for r, kind in rows]
-    heights = [MEMORY_HEIGHT if kind == "memory" else KV_HEIGHT for _, kind in rows]
-    fig = make_subplots(rows=max(len(rows), 1), cols=1, shared_xaxes=True,
-                        vertical_spacing=min(0.06, 0.3 / max(len(rows), 1)),
-                        subplot_titles=titles or ["no samples"], row_heights=heights or [1])
+              for r, kind in rows] or ["no samples"]
+    heights = [MEMORY_HEIGHT if kind == "memory" else KV_HEIGHT for _, kind in rows] or [1]
+    fig = _Figure(titles, heights)
     legend_shown: set[str] = set()
 
     def show(key: str) -> bool:
@@ -81,72 +148,60 @@ def build_figure(data: RunData) -> Any:
 
     for row, (rank, kind) in enumerate(rows, start=1):
         x = as_array([seconds(t, data.start_ns) for t in rank.points.ts_ns], dtype="float32")
-        steps = as_array(rank.points.step)
         if kind == "memory":
-            _memory_row(go, fig, row, rank, x, steps, data.start_ns, show)
+            _memory_row(fig, row, rank, x, as_array(rank.points.step), data.start_ns, show)
         else:
-            _kv_row(go, fig, row, rank, x, steps, data.start_ns, show)
+            _kv_row(fig, row, rank, x, data.start_ns, show)
         for phase in rank.phases:
-            label = {"annotation_text": phase.name, "annotation_position": "top left",
-                     "annotation_font_size": 10} if kind == "memory" else {}
-            fig.add_vrect(x0=seconds(phase.start_ns, data.start_ns), x1=seconds(phase.end_ns, data.start_ns),
-                          fillcolor=PHASE_COLORS.get(phase.name, "#999999"), opacity=0.09, line_width=0,
-                          layer="below", row=row, col=1, **label)
-    plot_height = sum(heights) if heights else 400
-    fig.update_layout(
-        height=plot_height + 150, hovermode="x unified", template="plotly_white",
+            fig.vrect(row, seconds(phase.start_ns, data.start_ns), seconds(phase.end_ns, data.start_ns),
+                      phase.name if kind == "memory" else None,
+                      fillcolor=PHASE_COLORS.get(phase.name, "#999999"), opacity=0.09, line={"width": 0},
+                      layer="below")
+    plot_height = sum(MEMORY_HEIGHT if kind == "memory" else KV_HEIGHT for _, kind in rows) or 400
+    fig.layout.update(
+        template=template, height=plot_height + 150, hovermode="x unified",
         legend={"orientation": "h", "yanchor": "bottom", "y": 1 + 30 / plot_height, "xanchor": "left", "x": 0},
         margin={"l": 60, "r": 20, "t": 100, "b": 50},
     )
-    fig.update_xaxes(title_text="seconds since the run started", row=max(len(rows), 1), col=1)
-    return fig
+    bottom = fig.layout[f"xaxis{fig.rows if fig.rows > 1 else ''}"]
+    bottom["title"] = {"text": "seconds since the run started"}
+    return fig.as_dict()
 
 
-def _memory_row(go: Any, fig: Any, row: int, rank: RankData, x: Any, steps: Any, start_ns: int,
-                show: Any) -> None:
+def _memory_row(fig: _Figure, row: int, rank: RankData, x: Any, steps: Any, start_ns: int, show: Any) -> None:
     hover = "%{y:.3f} GiB"
+    xs = _typed(x)
     for key, label in STACK_TERMS:
-        fig.add_trace(go.Scatter(
-            x=x, y=_gib(rank.points.stack[key]), name=label, legendgroup=key, showlegend=show(key),
-            stackgroup=f"rank{rank.rank}", mode="lines", line={"width": 0.5, "color": TERM_COLORS[key]},
-            hovertemplate=hover,
-        ), row=row, col=1)
-    fig.add_trace(go.Scatter(  # the one trace that carries the step, shown once in the unified hover
-        x=x, y=_gib(rank.points.used), customdata=steps, name="driver used", legendgroup="used",
-        showlegend=show("used"), mode="lines", line={"width": 1.4, "color": "#222222"},
-        hovertemplate="%{y:.3f} GiB (step %{customdata:,.0f})",
-    ), row=row, col=1)
-    fig.add_trace(go.Scatter(
-        x=x, y=_gib(rank.points.budget), name="budget (total × utilization)", legendgroup="budget",
-        showlegend=show("budget"), mode="lines", line={"width": 1.2, "color": "#2ca02c", "dash": "dash"},
-        hovertemplate=hover,
-    ), row=row, col=1)
+        fig.trace(row, x=xs, y=_gib(rank.points.stack[key]), name=label, legendgroup=key, showlegend=show(key),
+                  stackgroup=f"rank{rank.rank}", mode="lines", line={"width": 0.5, "color": TERM_COLORS[key]},
+                  hovertemplate=hover)
+    fig.trace(row, x=xs, y=_gib(rank.points.used), customdata=_typed(steps), name="driver used",
+              legendgroup="used", showlegend=show("used"), mode="lines", line={"width": 1.4, "color": "#222222"},
+              hovertemplate="%{y:.3f} GiB (step %{customdata:,.0f})")  # the one trace that shows the step
+    fig.trace(row, x=xs, y=_gib(rank.points.budget), name="budget (total × utilization)", legendgroup="budget",
+              showlegend=show("budget"), mode="lines", line={"width": 1.2, "color": "#2ca02c", "dash": "dash"},
+              hovertemplate=hover)
     if rank.total_bytes and len(x):
-        fig.add_trace(go.Scatter(
-            x=[x[0], x[-1]], y=[rank.total_bytes / GIB] * 2, name="GPU total", legendgroup="total",
-            showlegend=show("total"), mode="lines", line={"width": 1, "color": "#7f7f7f", "dash": "dot"},
-            hovertemplate="%{y:.2f} GiB",
-        ), row=row, col=1)
+        fig.trace(row, x=[float(x[0]), float(x[-1])], y=[rank.total_bytes / GIB] * 2, name="GPU total",
+                  legendgroup="total", showlegend=show("total"), mode="lines",
+                  line={"width": 1, "color": "#7f7f7f", "dash": "dot"}, hovertemplate="%{y:.2f} GiB")
     top = (rank.total_bytes or max((u or 0) for u in rank.points.used or [0])) / GIB
     for severity in ("info", "warning", "critical"):
         flags = [f for f in rank.flags if f.severity == severity]
         if flags:
-            fig.add_trace(go.Scatter(
-                x=[seconds(f.ts_ns, start_ns) for f in flags], y=[top] * len(flags), mode="markers",
-                marker={"symbol": "triangle-down", "size": 11, "color": SEVERITY_COLORS[severity]},
-                name=f"flag ({severity})", legendgroup=f"flag-{severity}", showlegend=show(f"flag-{severity}"),
-                text=[f"{f.kind} at step {f.step:,}: {f.message}" for f in flags], hovertemplate="%{text}",
-            ), row=row, col=1)
+            fig.trace(row, x=[seconds(f.ts_ns, start_ns) for f in flags], y=[top] * len(flags), mode="markers",
+                      marker={"symbol": "triangle-down", "size": 11, "color": SEVERITY_COLORS[severity]},
+                      name=f"flag ({severity})", legendgroup=f"flag-{severity}",
+                      showlegend=show(f"flag-{severity}"),
+                      text=[f"{f.kind} at step {f.step:,}: {f.message}" for f in flags], hovertemplate="%{text}")
     if rank.ooms:
-        fig.add_trace(go.Scatter(
-            x=[seconds(e.ts_ns, start_ns) for e in rank.ooms],
-            y=[(_nearest(rank, e.ts_ns) or 0) / GIB for e in rank.ooms], mode="markers",
-            marker={"symbol": "x", "size": 16, "color": "#d62728", "line": {"width": 2}},
-            name="out of memory", legendgroup="oom", showlegend=show("oom"),
-            text=[_oom_text(e.step, e.data) for e in rank.ooms], hovertemplate="%{text}",
-        ), row=row, col=1)
+        fig.trace(row, x=[seconds(e.ts_ns, start_ns) for e in rank.ooms],
+                  y=[(_nearest(rank, e.ts_ns) or 0) / GIB for e in rank.ooms], mode="markers",
+                  marker={"symbol": "x", "size": 16, "color": "#d62728", "line": {"width": 2}},
+                  name="out of memory", legendgroup="oom", showlegend=show("oom"),
+                  text=[_oom_text(e.step, e.data) for e in rank.ooms], hovertemplate="%{text}")
         for event in rank.ooms:
-            fig.add_vline(x=seconds(event.ts_ns, start_ns), line={"color": "#d62728", "width": 1.5}, row=row, col=1)
+            fig.vline(row, seconds(event.ts_ns, start_ns), {"color": "#d62728", "width": 1.5})
 
 
 def _oom_text(step: int, data: dict[str, Any]) -> str:
@@ -155,19 +210,15 @@ def _oom_text(step: int, data: dict[str, Any]) -> str:
     return f"out of memory at step {step:,}{asked}"
 
 
-def _kv_row(go: Any, fig: Any, row: int, rank: RankData, x: Any, steps: Any, start_ns: int,
-            show: Any) -> None:
+def _kv_row(fig: _Figure, row: int, rank: RankData, x: Any, start_ns: int, show: Any) -> None:
     hover = "%{y:,.0f} blocks"
-    fig.add_trace(go.Scatter(
-        x=x, y=as_array(rank.points.kv_used, dtype="float32"), name="KV blocks used", legendgroup="kv_used",
-        showlegend=show("kv_used"), mode="lines", line={"width": 1.2, "color": "#55a868"}, fill="tozeroy",
-        hovertemplate=hover,
-    ), row=row, col=1)
-    fig.add_trace(go.Scatter(
-        x=x, y=as_array(rank.points.kv_total, dtype="float32"), name="KV blocks total", legendgroup="kv_total",
-        showlegend=show("kv_total"), mode="lines", line={"width": 1.2, "color": "#222222", "dash": "dash"},
-        hovertemplate=hover,
-    ), row=row, col=1)
+    xs = _typed(x)
+    fig.trace(row, x=xs, y=_typed(as_array(rank.points.kv_used, dtype="float32")), name="KV blocks used",
+              legendgroup="kv_used", showlegend=show("kv_used"), mode="lines",
+              line={"width": 1.2, "color": "#55a868"}, fill="tozeroy", hovertemplate=hover)
+    fig.trace(row, x=xs, y=_typed(as_array(rank.points.kv_total, dtype="float32")), name="KV blocks total",
+              legendgroup="kv_total", showlegend=show("kv_total"), mode="lines",
+              line={"width": 1.2, "color": "#222222", "dash": "dash"}, hovertemplate=hover)
     if rank.preemptions:
         import bisect
 
@@ -175,10 +226,8 @@ def _kv_row(go: Any, fig: Any, row: int, rank: RankData, x: Any, steps: Any, sta
         for event in rank.preemptions:
             i = max(bisect.bisect_right(rank.points.ts_ns, event.ts_ns) - 1, 0)
             ys.append(rank.points.kv_used[i] if rank.points.kv_used else 0)
-        fig.add_trace(go.Scatter(
-            x=[seconds(e.ts_ns, start_ns) for e in rank.preemptions], y=ys, mode="markers",
-            marker={"symbol": "diamond", "size": 8, "color": "#e69f00"}, name="preemption", legendgroup="preemption",
-            showlegend=show("preemption"),
-            text=[f"{int(e.data.get('count', 1) or 1)} preempted at step {e.step:,}" for e in rank.preemptions],
-            hovertemplate="%{text}",
-        ), row=row, col=1)
+        fig.trace(row, x=[seconds(e.ts_ns, start_ns) for e in rank.preemptions], y=ys, mode="markers",
+                  marker={"symbol": "diamond", "size": 8, "color": "#e69f00"}, name="preemption",
+                  legendgroup="preemption", showlegend=show("preemption"),
+                  text=[f"{int(e.data.get('count', 1) or 1)} preempted at step {e.step:,}" for e in rank.preemptions],
+                  hovertemplate="%{text}")

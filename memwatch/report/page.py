@@ -102,8 +102,8 @@ def render_page(data: RunData, explanation: str) -> str:
 
     run = data.run
     figure = build_figure(data)
-    plot = pio.to_html(figure, full_html=False, include_plotlyjs=True, include_mathjax=False, div_id="memwatch-plot",
-                       config={"displaylogo": False, "responsive": True})
+    plot = pio.to_html(figure, validate=False, full_html=False, include_plotlyjs=True, include_mathjax=False,
+                       div_id="memwatch-plot", config={"displaylogo": False, "responsive": True})
     downsampled = any(r.series.downsampled for r in data.ranks)
     note = (" Long ranks are drawn from min/max buckets, so every peak and trough is on the plot."
             if downsampled else "")

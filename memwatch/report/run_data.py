@@ -101,23 +101,25 @@ def _points(series: Series, rank_events: list[Event], run_id: str, rank: int) ->
     ledger, points = Ledger(), Points()
     pending = [e for e in rank_events if e.kind in ("weights_loaded", "kv_allocated", "phase_end")]
     next_event = 0
-    ends = ((series.first_ns, series.first_step, "min"), (series.last_ns, series.last_step, "max"))
+    sides = [(series.first_ns, series.first_step, series.allocated_min, series.reserved_min, series.used_min,
+              series.kv_used_min)]
+    if series.downsampled:
+        sides.append((series.last_ns, series.last_step, series.allocated_max, series.reserved_max, series.used_max,
+                      series.kv_used_max))
     for i in range(len(series)):
-        for times, steps, side in ends if series.downsampled else ends[:1]:
+        for times, steps, allocated_at, reserved_at, used_at, kv_used_at in sides:
             ts = times[i]
             while next_event < len(pending) and pending[next_event].ts_ns <= ts:
                 ledger.on_event(pending[next_event])
                 next_event += 1
-            allocated = getattr(series, f"allocated_{side}")[i]
-            reserved = getattr(series, f"reserved_{side}")[i]
-            used = getattr(series, f"used_{side}")[i]
+            allocated, reserved, used = allocated_at[i], reserved_at[i], used_at[i]
             terms = ledger.on_sample(Sample(run_id, rank, steps[i], ts, None, allocated, None, reserved, used, None))
             _stack(points, allocated or 0, reserved, used, terms)
             points.ts_ns.append(ts)
             points.step.append(steps[i])
             points.used.append(used)
             points.budget.append(terms.budget_bytes)
-            points.kv_used.append(getattr(series, f"kv_used_{side}")[i])
+            points.kv_used.append(kv_used_at[i])
             points.kv_total.append(series.kv_total_max[i])
     for event in pending[next_event:]:
         ledger.on_event(event)

@@ -69,10 +69,19 @@ class Series:
             getattr(self, f"{name}_max").append(bucket.maximum.get(column))
 
 
-def _stored_count(db: Database, key: int, rank: int) -> int:
-    raw = db.execute("SELECT count(*) FROM sample_rows WHERE run_key = ? AND rank = ?", (key, rank)).fetchone()[0]
-    rolled = db.execute("SELECT count(*) FROM sample_seconds WHERE run_key = ? AND rank = ?", (key, rank)).fetchone()
-    return raw + rolled[0]
+_BOTH = ("allocated_bytes", "reserved_bytes", "driver_used_bytes", "kv_blocks_used")
+"""Columns drawn as each bucket's min then max; of the others only one bound is shown (the summary's
+least free memory, the largest KV total and allocator peak)."""
+_LOWS, _HIGHS = ("driver_free_bytes",), ("kv_blocks_total", "peak_bytes")
+
+
+def _stored_count(db: Database, key: int, rank: int, limit: int) -> int:
+    """The rank's stored rows (full resolution and rolled-up seconds), counted up to ``limit``."""
+    counted = 0
+    for table in ("sample_rows", "sample_seconds"):
+        counted += db.execute(f"SELECT count(*) FROM (SELECT 1 FROM {table} WHERE run_key = ? AND rank = ? LIMIT ?)",
+                              (key, rank, limit - counted)).fetchone()[0]
+    return counted
 
 
 def peak_series(db: Database, run_id: str, rank: int, buckets: int = DEFAULT_BUCKETS) -> Series:
@@ -81,9 +90,9 @@ def peak_series(db: Database, run_id: str, rank: int, buckets: int = DEFAULT_BUC
     key = run_key(db, run_id)
     if key is None:
         return series
-    if _stored_count(db, key, rank) > 2 * buckets:
+    if _stored_count(db, key, rank, 2 * buckets + 1) > 2 * buckets:
         series.downsampled = True
-        for bucket in downsampled(db, run_id, rank, buckets=buckets, columns=tuple(_COLUMNS.values())):
+        for bucket in downsampled(db, run_id, rank, buckets=buckets, columns=_BOTH, lows=_LOWS, highs=_HIGHS):
             series._append(bucket)
         return series
     for row in window_rows(db, run_id, rank=rank):

@@ -242,13 +242,18 @@ class Bucket(NamedTuple):
 def downsampled(
     db: Database, run_id: str, rank: int, *, buckets: int = 1000,
     since_ns: int | None = None, until_ns: int | None = None, columns: Sequence[str] = ROLLUP_COLUMNS,
+    lows: Sequence[str] = (), highs: Sequence[str] = (),
 ) -> list[Bucket]:
     """One rank's series cut into at most ``buckets`` equal time buckets, each keeping its min and max.
 
     Every peak and trough survives (a bucket's min/max span every sample in it, rolled-up seconds
-    included), so a plot of millions of samples drawn from a thousand buckets hides nothing.
+    included), so a plot of millions of samples drawn from a thousand buckets hides nothing. ``columns``
+    get both bounds; ``lows`` only their minimum and ``highs`` only their maximum (each bound costs a
+    step per sample read, and reading every sample is what a long run's downsampling costs).
     """
-    for column in columns:
+    wanted = [*(("min", c) for c in columns), *(("max", c) for c in columns), *(("min", c) for c in lows),
+              *(("max", c) for c in highs)]
+    for _, column in wanted:
         if column not in ROLLUP_COLUMNS:
             raise ValueError(f"{column!r} is not a numeric sample column; choose from {', '.join(ROLLUP_COLUMNS)}")
     key = run_key(db, run_id)
@@ -261,36 +266,45 @@ def downsampled(
         return []
     width = max(1, -(-(hi - lo + 1) // max(1, buckets)))
     # One index range read per bucket: a GROUP BY over a computed bucket number would sort every row first.
-    bounds = ", ".join(f"min({c}), max({c})" for c in columns)
+    bounds = ", ".join(f"{fold}({c})" for fold, c in wanted)
     raw_sql = (f"SELECT count(*), min(ts_ns), max(ts_ns), min(step), max(step), {bounds} FROM sample_rows"
                " WHERE run_key = ? AND rank = ? AND ts_ns >= ? AND ts_ns < ?")
-    rolled_bounds = ", ".join(f"min(min_{c}), max(max_{c})" for c in columns)
+    rolled_bounds = ", ".join(f"{fold}({fold}_{c})" for fold, c in wanted)
     rolled_sql = (f"SELECT sum(samples), min(first_ts_ns), max(last_ts_ns), min(first_step), max(last_step),"
                   f" {rolled_bounds} FROM sample_seconds WHERE run_key = ? AND rank = ? AND last_ts_ns >= ?"
                   " AND last_ts_ns < ?")
     rolled = db.execute("SELECT 1 FROM sample_seconds WHERE run_key = ? AND rank = ? AND last_ts_ns >= ?"
                         " AND last_ts_ns <= ? LIMIT 1", (key, rank, lo, hi)).fetchone() is not None
+    raw = db.conn.cursor()
     result = []
     for start in range(lo, hi + 1, width):
         end = min(start + width, hi + 1)
-        parts = [row for row in [db.execute(raw_sql, (key, rank, start, end)).fetchone(),
-                                 db.execute(rolled_sql, (key, rank, start, end)).fetchone() if rolled else None]
-                 if row is not None and row[0]]
+        row = raw.execute(raw_sql, (key, rank, start, end)).fetchone()
+        if not rolled:  # the usual case: one part, nothing to merge
+            if row[0]:
+                result.append(Bucket(row[1], row[2], row[0], *_bounds(row[5:], wanted), row[3], row[4]))
+            continue
+        parts = [part for part in (row, db.execute(rolled_sql, (key, rank, start, end)).fetchone()) if part[0]]
         if parts:
-            result.append(_merge(parts, columns))
+            result.append(_merge(parts, wanted))
     return result
 
 
-def _merge(parts: list[tuple[Any, ...]], columns: Sequence[str]) -> Bucket:
-    """One bucket from its full-resolution and rolled-up aggregates (count, times, steps, min/max per column)."""
+def _bounds(values: Sequence[Any], wanted: list[tuple[str, str]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    low: dict[str, Any] = {}
+    high: dict[str, Any] = {}
+    for (fold, column), value in zip(wanted, values, strict=True):
+        (low if fold == "min" else high)[column] = value
+    return low, high
+
+
+def _merge(parts: list[tuple[Any, ...]], wanted: list[tuple[str, str]]) -> Bucket:
+    """One bucket from its full-resolution and rolled-up aggregates (count, times, steps, then ``wanted``)."""
 
     def pick(index: int, fold: Any) -> Any:
         values = [part[index] for part in parts if part[index] is not None]
         return fold(values) if values else None
 
-    return Bucket(
-        pick(1, min), pick(2, max), sum(part[0] for part in parts),
-        {c: pick(5 + 2 * i, min) for i, c in enumerate(columns)},
-        {c: pick(6 + 2 * i, max) for i, c in enumerate(columns)},
-        pick(3, min), pick(4, max),
-    )
+    folded = [pick(5 + i, min if fold == "min" else max) for i, (fold, _) in enumerate(wanted)]
+    return Bucket(pick(1, min), pick(2, max), sum(part[0] for part in parts), *_bounds(folded, wanted),
+                  pick(3, min), pick(4, max))
