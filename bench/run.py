@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 BENCHMARKS = ("bench_plugin.py", "bench_ingest.py", "bench_detectors.py", "bench_attach.py", "bench_startup.py",
-              "bench_report.py", "bench_export.py", "bench_postmortem.py", "bench_inject.py",
-              "bench_reliability.py", "bench_vllm_requests.py")
+              "bench_report.py", "bench_export.py", "bench_postmortem.py", "bench_retention.py",
+              "bench_inject.py", "bench_reliability.py", "bench_vllm_requests.py")
 
 
 def main() -> int:

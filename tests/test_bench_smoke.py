@@ -49,9 +49,18 @@ def test_export_benchmark_runs_with_the_exporters_delivering() -> None:
 
 
 def test_postmortem_benchmark_runs() -> None:
-    out = _run("bench_postmortem.py", "--samples", "40000", "--hours", "0.1", "--repeats", "1")
+    out = _run("bench_postmortem.py", "--samples", "40000", "--repeats", "1")
     assert "ratio unindexed/indexed" in out and "ratio to --help" in out and "bytes per stored sample" in out
-    assert "evidence windows" in out and "kept whole: 2 of 2 -> PASS" in out
+
+
+def test_retention_benchmark_keeps_every_evidence_window() -> None:
+    # 6 minutes (0.1 h × 3600 × 100 steps/s × 8 ranks = 288,000 samples) with a 2-minute full-resolution
+    # window: most of it is rolled up, the ±20 s around the mid-run flag on rank 1 and the OOM are not. The
+    # flag's window holds 2,000 steps either side: 4,001 samples of rank 1 (both edges), 4,000 of each other.
+    out = _run("bench_retention.py", "--hours", "0.1", "--keep-full", "2m", "--keep-evidence", "20s")
+    assert "288,000 samples written" in out and "rolled into" in out and "bytes per sample kept" in out
+    assert f"fragmentation    rank 1 at   0.05 h: {4001 + 7 * 4000:,} of {4001 + 7 * 4000:,} samples" in out
+    assert "evidence windows kept whole: 2 of 2 -> PASS" in out and "ratio retained/unretained" in out
 
 
 def test_inject_benchmark_measures_every_call() -> None:
