@@ -214,16 +214,26 @@ def window_samples(
 
 
 def time_span(db: Database, run_id: str, rank: int | None = None) -> tuple[int | None, int | None]:
-    """The first and last sample time of the run (or rank), over both resolutions."""
+    """The first and last sample time of the run (or rank), over both resolutions.
+
+    Each bound is its own query per rank: SQLite answers a lone ``min()`` or ``max()`` from the key's
+    ends, but reads every row of the range when one query asks for both.
+    """
     key = run_key(db, run_id)
     if key is None:
         return None, None
-    where, params = _where(key, rank, None, None, "ts_ns")
-    raw = db.execute(f"SELECT min(ts_ns), max(ts_ns) FROM sample_rows WHERE {where}", params).fetchone()
-    rolled = db.execute(f"SELECT min(first_ts_ns), max(last_ts_ns) FROM sample_seconds WHERE {where}",
-                        params).fetchone()
-    firsts = [value for value in (raw[0], rolled[0]) if value is not None]
-    lasts = [value for value in (raw[1], rolled[1]) if value is not None]
+    firsts, lasts = [], []
+    for one in stored_ranks(db, key) if rank is None else [rank]:
+        for sql, found in (
+            ("SELECT ts_ns FROM sample_rows WHERE run_key = ? AND rank = ? ORDER BY ts_ns LIMIT 1", firsts),
+            ("SELECT ts_ns FROM sample_rows WHERE run_key = ? AND rank = ? ORDER BY ts_ns DESC LIMIT 1", lasts),
+            ("SELECT first_ts_ns FROM sample_seconds WHERE run_key = ? AND rank = ? ORDER BY second LIMIT 1", firsts),
+            ("SELECT last_ts_ns FROM sample_seconds WHERE run_key = ? AND rank = ? ORDER BY second DESC LIMIT 1",
+             lasts),
+        ):
+            row = db.execute(sql, (key, one)).fetchone()
+            if row is not None and row[0] is not None:
+                found.append(row[0])
     return (min(firsts) if firsts else None, max(lasts) if lasts else None)
 
 
