@@ -38,3 +38,31 @@ def test_agrees_with_format_bytes_on_many_sizes() -> None:
             value = value >> 10 << 10  # whole KiB: many exact half-way cases
         values.append(-value if rng.random() < 0.1 else value)
     assert _formatted(values) == [format_bytes(value) for value in values]
+
+
+def test_timeline_rows_match_the_python_table() -> None:
+    """Whole rows, SQLite's against the timeline's own Python formatting, over sizes of every kind and blanks."""
+    from memwatch.cli.timeline import _engine_line, _nvml_line
+    from memwatch.records import SAMPLE_COLUMNS, Sample
+    from memwatch.store.sql_text import ENGINE_LINE, NVML_LINE
+    from memwatch.store.window import RAW_SELECT, WindowRow
+
+    rng = random.Random(7)
+
+    def size() -> int | None:
+        whole_kib = rng.randrange(0, 1 << rng.choice((20, 30, 37, 41))) >> 10 << 10
+        return rng.choice([None, rng.randrange(0, 1024), whole_kib, rng.randrange(1 << 30, 100 << 30)])
+
+    conn = sqlite3.connect(":memory:")
+    columns = SAMPLE_COLUMNS[1:]
+    conn.execute(f"CREATE TABLE sample_rows ({', '.join(columns)})")
+    rows = [(rng.randrange(8), rng.randrange(10**6), 10**18 + i, rng.choice([None, "", "serve"]),
+             *(size() for _ in range(5)), rng.choice([None, 7]), rng.choice([None, 40]), 1, 2,
+             rng.choice([None, "decode"]), 1, size(), *(None,) * 5) for i in range(3000)]
+    conn.executemany(f"INSERT INTO sample_rows VALUES ({', '.join('?' * len(columns))})", rows)
+    start = 10**18
+    for line_sql, python in ((ENGINE_LINE, _engine_line), (NVML_LINE, _nvml_line)):
+        got = conn.execute(f"SELECT ts_ns, {line_sql}, {RAW_SELECT} FROM sample_rows ORDER BY ts_ns").fetchall()
+        for ts, text, *values in got:
+            expected = python(WindowRow(Sample.from_row(("r", *values)), None), start, format_bytes)
+            assert f"{(ts - start) / 1e9:>8.3f} {text}" == expected

@@ -16,16 +16,20 @@ _EXACT_BELOW = 10**16
 """Past this (about 9 PB) ``bytes * 100`` could overflow SQLite's integers; such values print through a double."""
 
 
+def _hundredths_sql(column: str, size: int) -> str:
+    """``|column| / size`` in whole hundredths, half to even (half up on a doubled scale, less one where an exact
+    half went up to an odd hundredth)."""
+    up = f"(abs({column}) * 200 + {size})"
+    return f"({up} / {2 * size} - ({up} % {2 * size} = 0 AND {up} / {2 * size} % 2 = 1))"
+
+
 def bytes_sql(column: str) -> str:
     """An SQL expression giving :func:`memwatch.units.format_bytes` of ``column`` (``-`` for NULL)."""
     m = f"abs({column})"
     branches = [f"WHEN {m} >= {_EXACT_BELOW} THEN printf('%.2f TiB', {column} / {float(TIB)!r})"]
     for name, size in _STEPS:
-        # hundredths rounded half up (on a doubled scale), less one where an exact tie went up to an odd one
-        up = f"({m} * 200 + {size})"
-        hundredths = f"({up} / {2 * size} - ({up} % {2 * size} = 0 AND {up} / {2 * size} % 2 = 1))"
         branches.append(f"WHEN {m} >= {size} THEN printf('%.2f {name}', "
-                        f"(({column} > 0) - ({column} < 0)) * {hundredths} / 100.0)")
+                        f"(({column} > 0) - ({column} < 0)) * {_hundredths_sql(column, size)} / 100.0)")
     return f"(CASE WHEN {column} IS NULL THEN '-' {' '.join(branches)} ELSE {column} || ' B' END)"
 
 
@@ -34,17 +38,35 @@ def _text(column: str) -> str:
     return f"coalesce({column}, 'None')"
 
 
-ENGINE_LINE = (
-    "printf('%4s %7s %!-9s %!-7s %10s %10s %10s %10s %10s %11s', "
-    f"{_text('rank')}, {_text('step')}, coalesce(nullif(phase, ''), '-'), coalesce(nullif(step_kind, ''), '-'), "
-    f"{bytes_sql('allocated_bytes')}, {bytes_sql('reserved_bytes')}, {bytes_sql('peak_bytes')}, "
-    f"{bytes_sql('driver_used_bytes')}, {bytes_sql('driver_free_bytes')}, "
-    f"CASE WHEN kv_blocks_total IS NULL THEN '-' ELSE {_text('kv_blocks_used')} || '/' || kv_blocks_total END)"
+def _line_sql(head: str, head_args: list[str], sizes: list[str], tail: str, tail_args: list[str]) -> str:
+    """``printf`` of a row whose middle is the byte sizes of ``sizes`` right-aligned in 10 characters.
+
+    Rows whose sizes all print with a unit (1 KiB up to ~9 PB, the usual case) go through one ``printf``
+    (number and unit as two of its arguments); other rows format each size on its own (``bytes_sql``).
+    """
+    usual = " AND ".join(f"abs({c}) BETWEEN {KIB} AND {_EXACT_BELOW - 1}" for c in sizes)
+    numbers = []
+    for c in sizes:
+        m = f"abs({c})"
+        value = " ".join(f"WHEN {m} >= {size} THEN (({c} > 0) - ({c} < 0)) * {_hundredths_sql(c, size)} / 100.0"
+                         for _, size in _STEPS)
+        unit = " ".join(f"WHEN {m} >= {size} THEN '{name}'" for name, size in _STEPS)
+        numbers.append(f"CASE {value} END, CASE {unit} END")
+    one = f"printf('{' '.join(filter(None, [head, *['%6.2f %s'] * len(sizes), tail]))}', " \
+          f"{', '.join([*head_args, *numbers])}"
+    each = f"printf('{' '.join(filter(None, [head, *['%10s'] * len(sizes), tail]))}', {', '.join(head_args)}, " \
+           f"{', '.join(bytes_sql(c) for c in sizes)}"
+    one, each = (f"{text}{''.join(', ' + arg for arg in tail_args)})" for text in (one, each))
+    return f"CASE WHEN {usual} THEN {one} ELSE {each} END"
+
+
+_KV = f"CASE WHEN kv_blocks_total IS NULL THEN '-' ELSE {_text('kv_blocks_used')} || '/' || kv_blocks_total END"
+ENGINE_LINE = _line_sql(
+    "%4s %7s %!-9s %!-7s", [_text("rank"), _text("step"), "coalesce(nullif(phase, ''), '-')",
+                            "coalesce(nullif(step_kind, ''), '-')"],
+    ["allocated_bytes", "reserved_bytes", "peak_bytes", "driver_used_bytes", "driver_free_bytes"], "%11s", [_KV],
 )
 """A sample's timeline row after its time column: rank, step, phase, kind, the allocator's and driver's bytes, KV."""
-NVML_LINE = (
-    f"printf('%4s %7s %10s %10s %10s', {_text('rank')}, {_text('step')}, {bytes_sql('process_used_bytes')}, "
-    f"{bytes_sql('driver_used_bytes')}, {bytes_sql('driver_free_bytes')})"
-)
+NVML_LINE = _line_sql("%4s %7s", [_text("rank"), _text("step")],
+                      ["process_used_bytes", "driver_used_bytes", "driver_free_bytes"], "", [])
 """The same for a run seen through NVML: GPU, sample number, the process's bytes, the driver's used and free."""
-
