@@ -108,6 +108,7 @@ def _command(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
 
 def commands(db_path: Path, run_id: str, repeats: int) -> bool:
     env = {**os.environ, "MEMWATCH_DB": str(db_path)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # as installed: the warm-up round leaves compiled modules behind
     memwatch = [sys.executable, "-m", "memwatch"]
     cases = {
         "memwatch --help": [*memwatch, "--help"],
