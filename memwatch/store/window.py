@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..errors import UnavailableError
 from ..records import SAMPLE_COLUMNS, Sample
 from .schema import ROLLUP_COLUMNS
 
@@ -169,6 +170,10 @@ def _file_of(db: Database) -> str:
     return next((row[2] for row in db.execute("PRAGMA database_list") if row[1] == "main"), "") or ""
 
 
+_READ_TIMEOUT_S = 600.0
+"""How long a window's later half may take to read (minutes of samples take well under a second)."""
+
+
 class _Rows(threading.Thread):
     """A query's rows fetched on a read-only connection of its own, in a thread; iterating waits for them."""
 
@@ -191,7 +196,9 @@ class _Rows(threading.Thread):
             self._error = exc
 
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
-        self.join()
+        self.join(_READ_TIMEOUT_S)
+        if self.is_alive():
+            raise UnavailableError(f"reading the window took over {_READ_TIMEOUT_S:.0f} s; ask for a shorter one")
         if self._error is not None:
             raise self._error
         return iter(self._rows)
