@@ -64,8 +64,8 @@ def _nearest(data: RankData, ts_ns: int) -> int | None:
     return data.points.used[max(i, 0)] if data.points.used else None
 
 
-def _domains(heights: list[int]) -> tuple[float, list[tuple[float, float]]]:
-    """The rows' vertical spans in the page (top row first), their spacing, as plotly's subplots lay them out."""
+def _domains(heights: list[int]) -> list[tuple[float, float]]:
+    """The rows' vertical spans in the page (top row first), as plotly's subplots lay them out."""
     spacing = min(0.06, 0.3 / len(heights))
     scale = (1 - spacing * (len(heights) - 1)) / sum(heights)
     domains, top = [], 1.0
@@ -73,7 +73,7 @@ def _domains(heights: list[int]) -> tuple[float, list[tuple[float, float]]]:
         bottom = max(top - height * scale, 0.0)
         domains.append((bottom, top))
         top = bottom - spacing
-    return spacing, domains
+    return domains
 
 
 class _Figure:
@@ -85,7 +85,7 @@ class _Figure:
 
     def __init__(self, titles: list[str], heights: list[int]) -> None:
         self.rows = len(heights)
-        _, domains = _domains(heights)
+        domains = _domains(heights)
         self.layout: dict[str, Any] = {"annotations": [], "shapes": []}
         for row, ((bottom, top), title) in enumerate(zip(domains, titles, strict=True), start=1):
             x, y = self.axes(row)
