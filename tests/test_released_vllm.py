@@ -144,10 +144,10 @@ def test_dp2_tp2_hybrid_model_offline_scheduler_and_speculative_steps(tmp_path: 
 
 def test_one_gpu_engine_records_its_workload_and_the_run_replays(tmp_path: Path, runtime_dir: Path,
                                                                  db_path: Path) -> None:
-    """TP 1: vLLM runs the worker in the engine core, next to the scheduler. Block size 256, which the replay's
-    simulated engine accepts (it refuses what nano-vllm would: a block size that is not a multiple of 256)."""
+    """TP 1: vLLM runs the worker in the engine core, next to the scheduler. vLLM's default block size, 16: the
+    replay of a vLLM run follows vLLM's rules (nano-vllm's multiple of 256 is not asked of it)."""
     env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0003")
-    facts = _drive("workload", tmp_path, env, "256")
+    facts = _drive("workload", tmp_path, env, "16")
     store_rings(runtime_dir, db_path)
 
     rows = query(db_path, "SELECT rank, kind, data FROM events WHERE kind LIKE 'request_%' ORDER BY rowid")
@@ -158,13 +158,12 @@ def test_one_gpu_engine_records_its_workload_and_the_run_replays(tmp_path: Path,
     assert sorted((f["request_id"], f["output_tokens"]) for f in finished) == [(name, 20) for name in facts["prompts"]]
     assert len(rows) == 2 * len(facts["prompts"])  # none on the scheduler's own ring, none per token
 
-    # 4 layers × 4 KV heads × (64 + 64) × 2 bytes × 256 tokens = 1 MiB a block; the planner got 8 MiB: 8 blocks.
-    assert facts["num_blocks"] == 8
-    done = subprocess.run([sys.executable, "-m", "memwatch", "replay", "0123abcd0003", "--json"],
-                          env=memwatch_env(runtime_dir, db_path), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    compared = json.loads(done.stdout)
-    assert compared["original"]["kv_blocks"] == 8 and compared["original"]["drain_s"] is not None
+    # 4 layers × 4 KV heads × (64 + 64) × 2 bytes × 16 tokens = 64 KiB a block; the planner got 8 MiB: 128 blocks.
+    assert facts["num_blocks"] == 128
+    compared = _replay("0123abcd0003", runtime_dir, db_path)
+    # vLLM's budget, not nano-vllm's: the same 8 MiB at the same settings, so the same 128 blocks.
+    assert compared["original"]["kv_blocks"] == 128 and compared["replay"]["kv_blocks"] == 128
+    assert compared["original"]["drain_s"] is not None
     # The worker stepped with vLLM's batches: the largest is what vLLM's own scheduler scheduled at most.
     assert compared["original"]["max_concurrent_seqs"] == max(step["num_seqs"] for step in facts["steps"])
     replayed = compared["replay"]["run_id"]
@@ -175,7 +174,18 @@ def test_one_gpu_engine_records_its_workload_and_the_run_replays(tmp_path: Path,
     assert served == [("request_arrived", 8), ("request_finished", 8)]
     [(config,)] = query(db_path, "SELECT config FROM runs WHERE run_id = ?", (replayed,))
     assert {key: json.loads(config)[key] for key in ("block_size", "max_num_seqs", "gpu_memory_utilization")} == {
-        "block_size": 256, "max_num_seqs": 8, "gpu_memory_utilization": 0.5}
+        "block_size": 16, "max_num_seqs": 8, "gpu_memory_utilization": 0.5}
+
+    # At utilization 0.75 vLLM asks for ceil(160 MiB × 0.75) = 120 MiB instead of ceil(160 MiB × 0.5) = 80 MiB;
+    # what was not KV stays 80 − 8 = 72 MiB, so the budget is 48 MiB: 768 blocks of 64 KiB.
+    assert _replay("0123abcd0003", runtime_dir, db_path, "--utilization", "0.75")["replay"]["kv_blocks"] == 768
+
+
+def _replay(run_id: str, runtime_dir: Path, db_path: Path, *args: str) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-m", "memwatch", "replay", run_id, "--json", *args],
+                          env=memwatch_env(runtime_dir, db_path), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
 def test_an_engine_core_whose_workers_run_elsewhere_keeps_the_workload_on_its_schedulers_ring(

@@ -23,6 +23,8 @@ from typing import Any
 from memwatch.errors import NotFoundError
 from memwatch.records import Event, Sample
 from memwatch.replay.transients import NO_TRANSIENTS, TransientSeries, transients
+from memwatch.replay.vllm_budget import vllm_non_kv
+from memwatch.replay.workload import workload_rank
 
 GROWTH_WINDOW = 20
 """Serving steps at the end of the recording whose mean non-PyTorch growth continues in the replay."""
@@ -91,6 +93,11 @@ class RankModel:
     fitted_forwards: int
     fit_max_error_bytes: int
     fit_mean_error_bytes: int
+    vllm_non_kv_bytes: int | None = None
+    """vLLM's rule (``budget_rule: vllm``): what it counted as not KV at profiling, ``requested − budget``
+    with ``requested = ceil(total × utilization)``; ``None``: nano-vllm's rule."""
+    vllm_fixed_kv_bytes: int | None = None
+    """vLLM's ``kv_cache_memory_bytes`` when the run set it: the budget whatever the utilization."""
 
     @property
     def non_torch_bytes(self) -> int:
@@ -102,6 +109,8 @@ class RankModel:
 
 @dataclass(frozen=True)
 class Calibration:
+    """A run's memory model per rank; ``budget_rule`` says whose KV sizing the replay follows."""
+
     run_id: str
     model: str | None
     gpu_name: str | None
@@ -110,6 +119,11 @@ class Calibration:
     ranks: tuple[RankModel, ...]
     dtype: str | None = None
     attention: str = "flash"
+
+    @property
+    def budget_rule(self) -> str:
+        """``"vllm"`` when vLLM sized the run's KV cache, else ``"nano-vllm"``."""
+        return "vllm" if any(rank.vllm_non_kv_bytes is not None for rank in self.ranks) else "nano-vllm"
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON: each rank's transients summed up (a long run can record one per step)."""
@@ -129,14 +143,18 @@ def calibrate(run_id: str, model: str | None, gpu_name: str | None, config: dict
         raise NotFoundError(f"run {run_id} never sized a KV cache (no kv_allocated event on rank 0), so there is "
                             "no memory model to replay; replay a run that got to serving")
     settings = _settings(config, events, sizing[0])
-    shapes = {s.step: s for s in _serving(samples_by_rank.get(0, []))}
-    ranks = tuple(_rank_model(rank, sizing[rank], settings, events, _with_shapes(samples_by_rank.get(rank, []), shapes))
-                  for rank in sorted(sizing))
-    cost = _cost([e for e in events if e.rank == 0], samples_by_rank.get(0, []))
     described = dict(config)
     for event in events:
         if event.kind == "config" and event.rank == 0:
             described.update(event.data)
+    shapes = {s.step: s for s in _serving(samples_by_rank.get(0, []))}
+    fixed = described.get("kv_cache_memory_bytes")
+    ranks = tuple(_rank_model(rank, sizing[rank], settings, events, _with_shapes(samples_by_rank.get(rank, []), shapes),
+                              None if fixed is None else int(fixed))
+                  for rank in sorted(sizing))
+    lead = workload_rank(events)
+    timed = samples_by_rank.get(0, []) if shapes or lead == 0 else samples_by_rank.get(lead, [])
+    cost = _cost([e for e in events if e.rank == lead], timed)
     return Calibration(run_id, model, gpu_name, settings, cost, ranks, dtype=described.get("dtype"),
                        attention=str(described.get("attention") or "flash"))
 
@@ -188,7 +206,7 @@ def _serving(samples: list[Sample]) -> list[Sample]:
 
 
 def _rank_model(rank: int, data: dict[str, Any], settings: EngineSettings, events: list[Event],
-                samples: list[Sample]) -> RankModel:
+                samples: list[Sample], fixed_kv_bytes: int | None = None) -> RankModel:
     total, used = int(data["total_bytes"]), int(data["used_bytes"])
     peak, current = int(data["peak_bytes"]), int(data["current_bytes"])
     reserved = int(data.get("reserved_bytes") or current)
@@ -211,6 +229,8 @@ def _rank_model(rank: int, data: dict[str, Any], settings: EngineSettings, event
         outside_growth_per_step=growth, greedy_steps=greedy, transients=series, fitted_forwards=len(errors),
         fit_max_error_bytes=max(errors, default=0),
         fit_mean_error_bytes=round(sum(errors) / len(errors)) if errors else 0,
+        vllm_non_kv_bytes=vllm_non_kv(rank, data, events),
+        vllm_fixed_kv_bytes=fixed_kv_bytes if data.get("budget_rule") == "vllm" else None,
     )
 
 

@@ -77,7 +77,8 @@ def replay_run(db_path: Path, ref: str, change: Settings) -> Comparison:
 
 
 def _replay_into(recording: Recording, change: Settings, db_path: Path) -> ReplayResult:
-    engine_config(recording.calibration.settings, change)  # bad settings fail before anything runs
+    calibration = recording.calibration
+    engine_config(calibration.settings, change, calibration.budget_rule)  # bad settings fail before anything runs
     with tempfile.TemporaryDirectory(prefix="memwatch-replay-") as runtime:
         result = replay(recording.calibration, recording.workload, change, runtime_dir=runtime)
         if result.status != "ok" and result.steps == 0:

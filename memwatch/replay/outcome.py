@@ -9,6 +9,7 @@ from typing import Any
 from memwatch.collector import Collector
 from memwatch.live import LiveDetectors
 from memwatch.records import Event
+from memwatch.replay.workload import ARRIVED, FINISHED, scheduler_ranks, workload_rank
 from memwatch.report.check import check_run
 from memwatch.store import open_store
 from memwatch.store.db import Database
@@ -38,13 +39,15 @@ class RankOutcome:
 
 
 def run_outcome(db: Database, run_id: str) -> list[RankOutcome]:
-    """Every rank's outcome of the stored run ``run_id``."""
+    """Every GPU rank's outcome of the stored run ``run_id`` (a vLLM scheduler's ring holds no GPU: its
+    preemptions and workload count, it has no row of its own)."""
     events = run_events(db, run_id)
     check = {rank.rank: rank for rank in check_run(db, run_id).ranks}
     drain = _drain_s(events)
     preemptions = sum(int(e.data.get("count", 1)) for e in events if e.kind == "preemption")
     outcomes = []
-    ranks = sorted({e.rank for e in events} | set(check))
+    schedulers = scheduler_ranks(events)
+    ranks = sorted(({e.rank for e in events} | set(check)) - set(schedulers))
     for rank in ranks:
         sizing = next((e.data for e in events if e.rank == rank and e.kind == "kv_allocated"), None)
         oom = next((e for e in events if e.rank == rank and e.kind == "oom"), None)
@@ -63,8 +66,9 @@ def run_outcome(db: Database, run_id: str) -> list[RankOutcome]:
 
 
 def _drain_s(events: list[Event]) -> float | None:
-    arrivals = {e.data.get("request_id"): e.ts_ns for e in events if e.rank == 0 and e.kind == "request_arrived"}
-    finishes = {e.data.get("request_id"): e.ts_ns for e in events if e.rank == 0 and e.kind == "request_finished"}
+    lead = workload_rank(events)
+    arrivals = {e.data.get("request_id"): e.ts_ns for e in events if e.rank == lead and e.kind == ARRIVED}
+    finishes = {e.data.get("request_id"): e.ts_ns for e in events if e.rank == lead and e.kind == FINISHED}
     if not arrivals or set(arrivals) - set(finishes):
         return None
     return (max(finishes.values()) - min(arrivals.values())) / 1e9

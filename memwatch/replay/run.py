@@ -26,6 +26,7 @@ from memwatch.errors import MemwatchError, UsageError
 from memwatch.models import warmup_batch
 from memwatch.replay.calibrate import Calibration, EngineSettings, RankModel
 from memwatch.replay.scaling import Forward, Tensors, TPScale, eager_attention_floor, forward_tensors, tp_scale
+from memwatch.replay.vllm_budget import vllm_budget
 from memwatch.replay.workload import RecordedWorkload
 from memwatch.sim.clock import VirtualClock
 from memwatch.sim.engine import SimulatedEngine
@@ -72,9 +73,11 @@ class ReplayResult:
     virtual_duration_ns: int
 
 
-def engine_config(settings: EngineSettings, change: Settings) -> EngineConfig:
-    """The engine settings of the replay; a value nano-vllm would refuse is a :class:`UsageError`."""
+def engine_config(settings: EngineSettings, change: Settings, rules: str = "nano-vllm") -> EngineConfig:
+    """The engine settings of the replay; a value the recorded engine (``rules``) would refuse is a
+    :class:`UsageError`."""
     return EngineConfig(
+        rules=rules,
         gpu_memory_utilization=settings.gpu_memory_utilization if change.utilization is None else change.utilization,
         block_size=settings.block_size if change.block_size is None else change.block_size,
         max_num_batched_tokens=settings.max_num_batched_tokens,
@@ -134,16 +137,30 @@ class CalibratedRunner(RankRunner):
 
     def _reserve(self) -> int:
         """The recorded reserve, moved along the activation fit when the warmup's shape changes."""
+        reserve = (self.model.activation_reserve_bytes + self._reserve_shift()) * self.tp_scale.reserve
+        return max(ROUNDING, _round_up(round(reserve), ROUNDING))
+
+    def _reserve_shift(self) -> int:
+        """How far the activation fit moves the warmup's peak from the recorded shape to the new one."""
         model, recorded, engine = self.model, self.recorded, self.engine
         old = warmup_batch(recorded.max_num_batched_tokens, recorded.max_model_len, recorded.max_num_seqs)
         new = warmup_batch(engine.max_num_batched_tokens, engine.max_model_len, engine.max_num_seqs)
-        shift = model.activation(new[0] * new[1], new[0]) - model.activation(old[0] * old[1], old[0])
-        reserve = (model.activation_reserve_bytes + shift) * self.tp_scale.reserve
-        return max(ROUNDING, _round_up(round(reserve), ROUNDING))
+        return model.activation(new[0] * new[1], new[0]) - model.activation(old[0] * old[1], old[0])
 
     def warmup_shape(self) -> tuple[int, int]:
         engine = self.engine
         return warmup_batch(engine.max_num_batched_tokens, engine.max_model_len, engine.max_num_seqs)
+
+    def kv_budget(self, total: int, used: int, peak: int, current: int) -> tuple[int, dict[str, Any]]:
+        """vLLM's rule for a run vLLM sized (:mod:`memwatch.replay.vllm_budget`), else nano-vllm's."""
+        model = self.model
+        if model.vllm_non_kv_bytes is None:
+            return super().kv_budget(total, used, peak, current)
+        weights = round(model.current_bytes * self.tp_scale.weights) - model.current_bytes
+        reserve = round((model.activation_reserve_bytes + self._reserve_shift()) * self.tp_scale.reserve)
+        non_kv = model.vllm_non_kv_bytes + weights + reserve - model.activation_reserve_bytes
+        budget = vllm_budget(total, self.engine.gpu_memory_utilization, non_kv, model.vllm_fixed_kv_bytes)
+        return budget, {"budget_rule": "vllm", "kv_cache_memory_bytes": budget}
 
     def block_bytes(self) -> int:
         model = self.model
@@ -243,7 +260,7 @@ def _round_up(value: int, multiple: int) -> int:
 def replay(calibration: Calibration, workload: RecordedWorkload, change: Settings, *,
            runtime_dir: str | Path, start_ns: int | None = None, run_id: str | None = None) -> ReplayResult:
     """Serve ``workload`` on simulated ranks calibrated from a run, under ``change``; rings go to ``runtime_dir``."""
-    engine = engine_config(calibration.settings, change)
+    engine = engine_config(calibration.settings, change, calibration.budget_rule)
     if change.gpu_memory_bytes is not None and change.gpu_memory_bytes <= 0:
         raise UsageError("--gpu-memory must be a positive number of bytes")
     run_id = run_id or new_run_id()

@@ -1,4 +1,8 @@
-"""The workload a run recorded: one request per ``request_arrived`` event on rank 0, sized by its finish.
+"""The workload a run recorded: one request per ``request_arrived`` event, sized by its finish.
+
+The events are rank 0's, as every adapter writes them; a vLLM engine core whose workers run in other
+processes (TP > 1) keeps them on the ring of data-parallel engine 0's scheduler instead
+(:func:`workload_rank`).
 
 Arrival times are kept relative to the first arrival, so a replay starts serving at once; ``load``
 divides every gap (2.0: the same requests arriving twice as fast). A request that never finished
@@ -18,6 +22,22 @@ from memwatch.sim.workload import Request
 
 ARRIVED = "request_arrived"
 FINISHED = "request_finished"
+SCHEDULER = "scheduler"
+"""The ``role`` of a ``rank_identity`` event whose ring is a vLLM scheduler's, not a GPU's."""
+
+
+def scheduler_ranks(events: Iterable[Event]) -> dict[int, int]:
+    """``{rank: data-parallel rank}`` of the rings that are a vLLM engine core's scheduler, not a GPU."""
+    return {event.rank: int(event.data.get("dp_rank") or 0) for event in events
+            if event.kind == "rank_identity" and event.data.get("role") == SCHEDULER}
+
+
+def workload_rank(events: list[Event]) -> int:
+    """The rank whose ring holds the request events: rank 0, else data-parallel engine 0's scheduler."""
+    if any(event.rank == 0 and event.kind == ARRIVED for event in events):
+        return 0
+    schedulers = {dp_rank: rank for rank, dp_rank in scheduler_ranks(events).items()}
+    return schedulers.get(0, 0)
 
 
 @dataclass(frozen=True)
@@ -57,12 +77,14 @@ class RecordedWorkload:
 
 
 def recorded_workload(events: Iterable[Event], run_id: str) -> RecordedWorkload:
-    """The workload of a run's rank-0 events; :class:`NotFoundError` when it recorded none."""
+    """The workload of a run's events (:func:`workload_rank`); :class:`NotFoundError` when it recorded none."""
+    events = list(events)
+    rank = workload_rank(events)
     arrivals: dict[object, Event] = {}
     outputs: dict[object, int] = {}
     last_finish: int | None = None
     for event in events:
-        if event.rank != 0:
+        if event.rank != rank:
             continue
         if event.kind == ARRIVED:
             arrivals.setdefault(_key(event), event)

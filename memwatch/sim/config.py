@@ -14,6 +14,7 @@ from memwatch.errors import UsageError
 from memwatch.sim.gpu import DEFAULT_CONTEXT_BYTES, MiB
 
 ATTENTION_IMPLEMENTATIONS = ("flash", "eager")
+ENGINE_RULES = ("nano-vllm", "vllm")
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,19 @@ class EngineConfig:
     attention: str = "flash"
     nccl_bytes: int = 128 * MiB
     """NCCL buffers each rank takes outside the allocator on its first all-reduce (only when TP > 1)."""
+    rules: str = "nano-vllm"
+    """Whose checks the settings pass: ``"vllm"`` for a replay of a vLLM run, whose ``CacheConfig`` takes
+    any block size above 0 (its default is 16) where nano-vllm asserts a multiple of 256."""
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise UsageError(f"[engine] gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.block_size < 256 or self.block_size % 256:
+        if self.rules not in ENGINE_RULES:
+            raise UsageError(f"[engine] rules must be one of {', '.join(ENGINE_RULES)}, got {self.rules!r}")
+        if self.rules == "vllm" and self.block_size < 1:
+            raise UsageError(f"[engine] block_size must be above 0 (vLLM's CacheConfig checks it), "
+                             f"got {self.block_size}")
+        if self.rules == "nano-vllm" and (self.block_size < 256 or self.block_size % 256):
             raise UsageError(f"[engine] block_size must be a multiple of 256 (nano-vllm asserts it), "
                              f"got {self.block_size}")
         if min(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len) < 1:

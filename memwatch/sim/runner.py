@@ -182,10 +182,12 @@ class RankRunner:
         current = stats["allocated_bytes.all.current"]
         reserved = stats["reserved_bytes.all.current"]
         block_bytes = self.block_bytes()
-        num_blocks = int(total * engine.gpu_memory_utilization - used - peak + current) // block_bytes
+        budget, rule = self.kv_budget(total, used, peak, current)
+        num_blocks = budget // block_bytes
         self.monitor.kv_allocated(
             num_blocks, block_bytes, total_bytes=total, used_bytes=used, peak_bytes=peak, current_bytes=current,
             reserved_bytes=reserved, gpu_memory_utilization=engine.gpu_memory_utilization, block_size=engine.block_size,
+            **rule,
         )
         self.kv_sizing = KVSizing(total, used, peak, current, engine.gpu_memory_utilization, block_bytes, num_blocks,
                                   reserved)
@@ -197,6 +199,10 @@ class RankRunner:
             )
         self._persistent.append(self.gpu.malloc(num_blocks * block_bytes))
         return self.kv_sizing
+
+    def kv_budget(self, total: int, used: int, peak: int, current: int) -> tuple[int, dict[str, Any]]:
+        """nano-vllm's KV budget from the readings, and what ``kv_allocated`` adds to say whose rule it was."""
+        return int(total * self.engine.gpu_memory_utilization - used - peak + current), {}
 
     def block_bytes(self) -> int:
         """Bytes of one KV block on this rank."""
