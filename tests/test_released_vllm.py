@@ -190,9 +190,23 @@ def _replay(run_id: str, runtime_dir: Path, db_path: Path, *args: str) -> dict[s
 
 def test_an_engine_core_whose_workers_run_elsewhere_keeps_the_workload_on_its_schedulers_ring(
         tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
-    """TP 2: rank 0 is another process's; the scheduler (rank 2, after the two GPU ranks) keeps the requests."""
+    """TP 2: rank 0 is another process's; the scheduler (rank 2, after the two GPU ranks) keeps the requests,
+    and the replay reads them there."""
     env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0004")
     facts = _drive("engine-core", tmp_path, env)
     store_rings(runtime_dir, db_path)
     rows = query(db_path, "SELECT rank, kind, count(*) FROM events WHERE kind LIKE 'request_%' GROUP BY rank, kind")
     assert rows == [(2, "request_arrived", len(facts["prompts"])), (2, "request_finished", len(facts["prompts"]))]
+
+    # 2 KV heads per rank: 4 layers × 2 × (64 + 64) × 2 bytes × 16 tokens = 32 KiB a block; 8 MiB: 256 blocks.
+    assert facts["num_blocks"] == 256
+    compared = _replay("0123abcd0004", runtime_dir, db_path)
+    # The two GPU ranks are compared; the scheduler's ring is not a GPU and has no row.
+    assert [(r["rank"], r["kv_blocks"]) for r in compared["original"]["ranks"]] == [(0, 256), (1, 256)]
+    assert [(r["rank"], r["kv_blocks"]) for r in compared["replay"]["ranks"]] == [(0, 256), (1, 256)]
+    assert compared["original"]["drain_s"] is not None and compared["replay"]["drain_s"] is not None
+    # The original's largest batch is what vLLM's scheduler scheduled at most (its ring has the batches).
+    assert compared["original"]["max_concurrent_seqs"] == max(step["num_seqs"] for step in facts["steps"])
+    served = query(db_path, "SELECT kind, count(*) FROM events WHERE run_id = ? AND kind LIKE 'request_%' "
+                            "GROUP BY kind ORDER BY kind", (compared["replay"]["run_id"],))
+    assert served == [("request_arrived", 8), ("request_finished", 8)]

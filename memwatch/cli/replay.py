@@ -27,7 +27,8 @@ def _bytes(ctx: click.Context, param: click.Parameter, value: str | None) -> int
 @click.option("--gpu-memory", "gpu_memory", callback=_bytes, metavar="BYTES",
               help="Device size for the replay, in bytes or with a unit (80GiB).")
 @click.option("--tp", type=int, help="Tensor-parallel size for the replay.")
-@click.option("--block-size", "block_size", type=int, help="KV block size in tokens (a multiple of 256).")
+@click.option("--block-size", "block_size", type=int,
+              help="KV block size in tokens (nano-vllm: a multiple of 256; vLLM: any above 0).")
 @click.option("--max-num-seqs", "max_num_seqs", type=int, help="Most sequences per step.")
 @click.option("--load", type=float, default=1.0, show_default=True,
               help="Scale the arrival rate (2: the same requests arriving twice as fast).")

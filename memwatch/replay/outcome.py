@@ -48,14 +48,10 @@ def run_outcome(db: Database, run_id: str) -> list[RankOutcome]:
     outcomes = []
     schedulers = scheduler_ranks(events)
     ranks = sorted(({e.rank for e in events} | set(check)) - set(schedulers))
+    batch, steps = _batch_and_steps(db, run_id, workload_rank(events))
     for rank in ranks:
         sizing = next((e.data for e in events if e.rank == rank and e.kind == "kv_allocated"), None)
         oom = next((e for e in events if e.rank == rank and e.kind == "oom"), None)
-        batch, steps = 0, 0
-        for sample in run_samples(db, run_id, rank=0):
-            if sample.phase == "serve" and sample.num_seqs is not None:
-                batch = max(batch, sample.num_seqs)
-            steps = max(steps, sample.step)
         margin = check[rank].min_oom_margin_bytes if rank in check else None
         outcomes.append(RankOutcome(
             rank=rank, kv_blocks=None if sizing is None else int(sizing["num_blocks"]), max_concurrent_seqs=batch,
@@ -63,6 +59,21 @@ def run_outcome(db: Database, run_id: str) -> list[RankOutcome]:
             tightest_oom_margin_bytes=margin, steps=steps, drain_s=drain,
         ))
     return outcomes
+
+
+def _batch_and_steps(db: Database, run_id: str, lead: int) -> tuple[int, int]:
+    """The largest batch served and the last step, from rank 0's serving samples; when rank 0 served
+    nothing here (its worker's process recorded no step), from the ring that holds the workload."""
+    batch, steps = 0, 0
+    for sample in run_samples(db, run_id, rank=0):
+        if sample.phase == "serve" and sample.num_seqs is not None:
+            batch = max(batch, sample.num_seqs)
+        steps = max(steps, sample.step)
+    if batch == 0 and lead != 0:
+        for sample in run_samples(db, run_id, rank=lead):
+            batch = max(batch, sample.num_seqs or 0)
+            steps = max(steps, sample.step)
+    return batch, steps
 
 
 def _drain_s(events: list[Event]) -> float | None:

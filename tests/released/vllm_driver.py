@@ -19,14 +19,15 @@ decoding steps (two draft tokens each).
 "workload BLOCK_SIZE" runs one engine on one GPU (TP 1, as vLLM's ``UniProcExecutor`` runs the worker
 in the engine core) whose real ``Worker.execute_model`` runs on vLLM's process groups over gloo: eight
 requests arriving one every four steps. "engine-core" serves the same requests from an engine core
-alone, as with TP 2 (its workers' processes are elsewhere). "loop STOP_FILE" is that one-GPU engine
-started with memwatch off, serving rounds of requests until STOP_FILE exists: a target for
-``attach --inject``.
+with TP 2 whose two workers start and get their KV cache in processes of their own. "loop STOP_FILE"
+is that one-GPU engine started with memwatch off, serving rounds of requests until STOP_FILE exists: a
+target for ``attach --inject``.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import sys
@@ -275,17 +276,37 @@ def _workload(model: str, block_size: int) -> dict[str, Any]:
 
 def _engine_core_alone(model: str) -> dict[str, Any]:
     """An engine core with TP 2, whose workers run in processes of their own (vLLM's ``MultiprocExecutor``):
-    this process holds the scheduler only, and serves the workload of :func:`_workload`."""
+    they start and allocate their KV cache there; this process holds the scheduler only, and serves the
+    workload of :func:`_workload`."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = _config(model, 0, dp=1, tp=2, block_size=16)
     kv_cache_configs = _plan(config, [WORKLOAD_KV_BYTES] * 2, hybrid=False)
+    context = multiprocessing.get_context("fork")  # vLLM's plugin already loaded: the children's Worker is patched
+    workers = [context.Process(target=_remote_worker, args=(config, tp, kv_cache_configs[tp])) for tp in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+        if worker.exitcode != 0:
+            raise RuntimeError(f"worker process exited with {worker.exitcode}")
     scheduler = Scheduler(config, kv_cache_configs[0], StructuredOutputManager(config), block_size=16,
                           log_stats=False)
-    _serve(scheduler, WORKLOAD_PROMPTS, max_tokens=20, drafts=0, stagger=4)
+    steps = _serve(scheduler, WORKLOAD_PROMPTS, max_tokens=20, drafts=0, stagger=4)
     scheduler.shutdown()
-    return {"prompts": WORKLOAD_PROMPTS}
+    return {"prompts": WORKLOAD_PROMPTS, "num_blocks": kv_cache_configs[0].num_blocks, "steps": steps}
+
+
+def _remote_worker(config: Any, tp_rank: int, kv_cache_config: Any) -> None:
+    """One of the engine core's GPU workers in a process of its own: started and given its KV cache."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    worker = Worker(vllm_config=config, local_rank=tp_rank, rank=tp_rank,
+                    distributed_init_method="tcp://127.0.0.1:1", is_driver_worker=tp_rank == 0)
+    worker.init_device()
+    worker.initialize_from_config(kv_cache_config)
+    worker.shutdown()
 
 
 def _loop(model: str, stop: Path) -> None:
