@@ -76,14 +76,15 @@ class LiveDetectors:
         self._writer_pids.setdefault(header.run_id, set()).add(header.writer_pid)
         rows: list[tuple[Any, ...]] = []
         on_sample, on_event = detectors.on_sample, detectors.on_event
-        last_terms = detectors.last_terms
+        latest_terms = detectors.latest_terms
+        rank = header.rank  # a ring holds one rank's records
+        summary = summaries.get(rank)
         for record in records:
             if type(record) is Sample:
                 flags = on_sample(record)
-                summary = summaries.get(record.rank)
                 if summary is None:
-                    summary = summaries[record.rank] = RankSummary(record.rank)
-                summary.observe(record, last_terms(record.rank))  # type: ignore[arg-type]
+                    summary = summaries[rank] = RankSummary(rank)
+                summary.observe(record, latest_terms(rank))  # type: ignore[arg-type]
             else:
                 flags = on_event(record)
             for flag in flags:
