@@ -53,6 +53,8 @@ class RingState:
     saw_oom: bool = False
     records: int = 0
     insert_sql: str | None = None
+    run_key: int | None = None
+    """The run's key in ``runs``, once its registration has committed."""
     known_phases: int = 0
     caught_up: bool = False
     next_alive_check: float = 0.0
@@ -266,8 +268,11 @@ class Collector:
                                      "count": drained.lost, "from_ts_ns": state.last_ts_ns or None, "to_ts_ns": first,
                                  })))
         names = state.reader.phase_names
+        if state.run_key is None and drained.samples:
+            state.run_key = self._run_key(run_id)
+            state.insert_sql = None if state.run_key is not None else state.insert_sql
         if state.insert_sql is None or state.known_phases != len(names):
-            state.insert_sql = raw_sample_insert(run_id, rank, names, state.reader.version)
+            state.insert_sql = raw_sample_insert(run_id, rank, names, state.reader.version, state.run_key)
             state.known_phases = len(names)
         if drained.samples:
             batch.ring_samples.append((state.insert_sql, drained.samples))
@@ -282,6 +287,14 @@ class Collector:
                 if statements is not None:
                     batch.statements.extend(statements(header))
         return batch
+
+    def _run_key(self, run_id: str) -> int | None:
+        """The run's key, if the row registering it has committed (else the insert looks it up per row)."""
+        try:
+            row = self._read.execute("SELECT run_key FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        except sqlite3.Error:
+            return None
+        return None if row is None else int(row[0])
 
     def _finish(self, state: RingState, closed: bool, keep_file: bool = False) -> None:
         header = state.header

@@ -57,6 +57,22 @@ def test_rows_land_once_with_nulls_for_unknowns(runtime_dir: Path, db_path: Path
     assert db.execute("SELECT count(*) FROM samples").fetchone()[0] == 12  # 10 steps + 2 phase boundaries
 
 
+def test_samples_of_two_runs_keep_their_run_once_its_key_is_known(runtime_dir: Path, db_path: Path) -> None:
+    # The first drain inserts with a per-row lookup of the run's key; later drains with the key itself.
+    first, second = _monitor(runtime_dir, "runA"), _monitor(runtime_dir, "runB")
+    collector, writer = _sidecar(runtime_dir, db_path)
+    for drain in range(3):
+        for monitor in (first, second):
+            with monitor.phase("serve"):
+                for _ in range(5 + drain):
+                    monitor.step("decode", num_seqs=1, num_tokens=1)
+        _drain(collector, writer)
+    assert all(state.run_key is not None for state in collector.rings.values())
+    db = open_store(db_path, readonly=True)
+    counts = db.execute("SELECT run_id, count(*) FROM samples GROUP BY run_id ORDER BY run_id").fetchall()
+    assert counts == [("runA", 5 + 6 + 7 + 3 * 2), ("runB", 5 + 6 + 7 + 3 * 2)]  # steps + 2 phase samples each
+
+
 def test_cursor_survives_sidecar_restart(runtime_dir: Path, db_path: Path) -> None:
     monitor = _monitor(runtime_dir)
     for _ in range(5):
