@@ -172,7 +172,8 @@ def test_one_gpu_engine_records_its_workload_and_the_run_replays(tmp_path: Path,
     served = query(db_path, "SELECT kind, count(*) FROM events WHERE run_id = ? AND kind LIKE 'request_%' "
                             "GROUP BY kind ORDER BY kind", (replayed,))
     assert served == [("request_arrived", 8), ("request_finished", 8)]
-    [(config,)] = query(db_path, "SELECT config FROM runs WHERE run_id = ?", (replayed,))
+    [(config, engine)] = query(db_path, "SELECT config, engine FROM runs WHERE run_id = ?", (replayed,))
+    assert engine == "vllm"  # the engine whose rules the replay followed
     assert {key: json.loads(config)[key] for key in ("block_size", "max_num_seqs", "gpu_memory_utilization")} == {
         "block_size": 16, "max_num_seqs": 8, "gpu_memory_utilization": 0.5}
 

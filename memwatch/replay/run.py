@@ -284,7 +284,7 @@ def replay(calibration: Calibration, workload: RecordedWorkload, change: Setting
         model = models.get(rank, models[0])
         total = model.total_bytes if change.gpu_memory_bytes is None else change.gpu_memory_bytes
         gpu = VirtualGPU(total, context_bytes=0, device_name=calibration.gpu_name or "Virtual GPU", index=rank)
-        monitor = Monitor(engine="nano-vllm", model=calibration.model, rank=rank,
+        monitor = Monitor(engine=calibration.budget_rule, model=calibration.model, rank=rank,
                           world_size=engine.tensor_parallel_size, run_id=run_id, probe=gpu,
                           runtime_dir=runtime_dir, config=config, spawn_sidecar=False, clock=clock.now_ns,
                           source="sim")
