@@ -72,3 +72,12 @@ def format_bytes(num_bytes: int | None, decimals: int = 2) -> str:
 def format_bytes_si(num_bytes: int | None, decimals: int = 2) -> str:
     """Decimal units: ``format_bytes_si(25769803776)`` is ``"25.77 GB"``; under 1 kB, whole bytes."""
     return _scaled(num_bytes, _DECIMAL_STEPS, decimals)
+
+
+def format_offset_s(offset_ns: int) -> str:
+    """An offset in nanoseconds as seconds to the millisecond (``3094.990``), rounded half to even on the
+    exact integer, so the timeline's SQL (:func:`memwatch.store.sql_text.offset_s_sql`) prints the same."""
+    ms, rest = divmod(abs(offset_ns), 1_000_000)
+    if rest > 500_000 or (rest == 500_000 and ms % 2):
+        ms += 1
+    return f"{'-' if offset_ns < 0 else ''}{ms // 1000}.{ms % 1000:03d}"

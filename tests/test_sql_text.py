@@ -44,7 +44,7 @@ def test_timeline_rows_match_the_python_table() -> None:
     """Whole rows, SQLite's against the timeline's own Python formatting, over sizes of every kind and blanks."""
     from memwatch.cli.timeline import _engine_line, _nvml_line
     from memwatch.records import SAMPLE_COLUMNS, Sample
-    from memwatch.store.sql_text import ENGINE_LINE, NVML_LINE
+    from memwatch.store.sql_text import ENGINE_LINE, NVML_LINE, timed_line_sql
     from memwatch.store.window import RAW_SELECT, WindowRow
 
     rng = random.Random(7)
@@ -56,13 +56,35 @@ def test_timeline_rows_match_the_python_table() -> None:
     conn = sqlite3.connect(":memory:")
     columns = SAMPLE_COLUMNS[1:]
     conn.execute(f"CREATE TABLE sample_rows ({', '.join(columns)})")
-    rows = [(rng.randrange(8), rng.randrange(10**6), 10**18 + i, rng.choice([None, "", "serve"]),
+    rows = [(rng.randrange(8), rng.randrange(10**6), 10**18 + rng.choice([i, i * 500_000, i * 1_234_567, -i * 999]),
+             rng.choice([None, "", "serve"]),
              *(size() for _ in range(5)), rng.choice([None, 7]), rng.choice([None, 40]), 1, 2,
              rng.choice([None, "decode"]), 1, size(), *(None,) * 5) for i in range(3000)]
     conn.executemany(f"INSERT INTO sample_rows VALUES ({', '.join('?' * len(columns))})", rows)
     start = 10**18
     for line_sql, python in ((ENGINE_LINE, _engine_line), (NVML_LINE, _nvml_line)):
-        got = conn.execute(f"SELECT ts_ns, {line_sql}, {RAW_SELECT} FROM sample_rows ORDER BY ts_ns").fetchall()
-        for ts, text, *values in got:
+        timed = timed_line_sql(line_sql, start)
+        got = conn.execute(f"SELECT {timed}, {RAW_SELECT} FROM sample_rows ORDER BY ts_ns").fetchall()
+        for text, *values in got:
             expected = python(WindowRow(Sample.from_row(("r", *values)), None), start, format_bytes)
-            assert f"{(ts - start) / 1e9:>8.3f} {text}" == expected
+            assert text == expected
+
+
+def test_the_time_column_rounds_exact_halves_to_even() -> None:
+    """Seconds to the millisecond from whole nanoseconds, by hand: Python's rule and SQLite's alike."""
+    from memwatch.store.sql_text import offset_s_sql
+    from memwatch.units import format_offset_s
+
+    cases = {0: "0.000", 1: "0.000", 499_999: "0.000", 500_000: "0.000", 500_001: "0.001", 1_500_000: "0.002",
+             2_500_000: "0.002", 999_999_999: "1.000", 3_094_990_000_000: "3094.990", -1: "-0.000",
+             -1_500_000: "-0.002", -2_000_000_001: "-2.000"}
+    conn = sqlite3.connect(":memory:")
+    sql = f"SELECT {offset_s_sql(':t', 10**18)}"
+    for offset, text in cases.items():
+        assert format_offset_s(offset) == text, offset
+        assert conn.execute(sql, {"t": 10**18 + offset}).fetchone()[0] == text, offset
+    # Away from exact halves the rule is Python's float formatting, as the timeline printed it before.
+    rng = random.Random(11)
+    for offset in (rng.randrange(-10**12, 10**14) for _ in range(20_000)):
+        if abs(offset) % 1_000_000 != 500_000:
+            assert format_offset_s(offset) == f"{offset / 1e9:.3f}", offset

@@ -20,10 +20,10 @@ from ..store import open_store
 from ..store.db import Database
 from ..store.moments import find_moment, parse_duration_ns, resolve_time
 from ..store.queries import Run, events, get_run, last_ts_ns, run_ranks
-from ..store.sql_text import ENGINE_LINE, NVML_LINE
+from ..store.sql_text import ENGINE_LINE, NVML_LINE, timed_line_sql
 from ..store.window import WindowRow, stored_sample, window_lines, window_rows
 from ..terminal import printable
-from ..units import format_bytes
+from ..units import format_bytes, format_offset_s
 from .options import db_option, int_range, json_option
 
 __all__ = ["command", "parse_duration_ns"]
@@ -71,7 +71,7 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: i
         centre, half = find_moment(db, info, around, rank), parse_duration_ns(window) // 2
         since_ns, until_ns = centre - half, centre + half
     if not (as_json or as_csv or ledger):
-        line_sql = NVML_LINE if info.source == "nvml" else ENGINE_LINE
+        line_sql = timed_line_sql(NVML_LINE if info.source == "nvml" else ENGINE_LINE, info.started_ns or 0)
         lines = window_lines(db, info.run_id, line_sql, rank=rank, since_ns=since_ns, until_ns=until_ns)
         if lines is not None:  # all at full resolution: SQLite formats the rows
             _write_lines(db, info, lines, _gaps(db, info, rank))
@@ -171,7 +171,7 @@ def _write_lines(db: Database, info: Run, lines: Iterator[tuple[int, int, int, s
         ):
             continue
         shown_ts, shown_rank, shown_seq = ts, rank, seq
-        out.append(f"{(ts - start) / 1e9:>8.3f} {text}\n")
+        out.append(f"{text}\n")
         count += 1
         if len(out) >= 4096:
             sys.stdout.write("".join(out))
@@ -225,7 +225,7 @@ def _engine_line(row: WindowRow, start: int, size: Callable[[int | None], str]) 
     s = row.sample
     kv = f"{s.kv_blocks_used}/{s.kv_blocks_total}" if s.kv_blocks_total is not None else "-"
     return (
-        f"{(s.ts_ns - start) / 1e9:>8.3f} {s.rank:>4} {s.step:>7} {s.phase or '-':<9} {s.step_kind or '-':<7} "
+        f"{format_offset_s(s.ts_ns - start):>8} {s.rank:>4} {s.step:>7} {s.phase or '-':<9} {s.step_kind or '-':<7} "
         f"{size(s.allocated_bytes):>10} {size(s.reserved_bytes):>10} {size(s.peak_bytes):>10} "
         f"{size(s.driver_used_bytes):>10} {size(s.driver_free_bytes):>10} {kv:>11}"
     )
@@ -234,6 +234,6 @@ def _engine_line(row: WindowRow, start: int, size: Callable[[int | None], str]) 
 def _nvml_line(row: WindowRow, start: int, size: Callable[[int | None], str]) -> str:
     s = row.sample
     return (
-        f"{(s.ts_ns - start) / 1e9:>8.3f} {s.rank:>4} {s.step:>7} {size(s.process_used_bytes):>10} "
+        f"{format_offset_s(s.ts_ns - start):>8} {s.rank:>4} {s.step:>7} {size(s.process_used_bytes):>10} "
         f"{size(s.driver_used_bytes):>10} {size(s.driver_free_bytes):>10}"
     )

@@ -1,10 +1,11 @@
 """Sample columns formatted by SQLite itself, the way :mod:`memwatch.units` and the timeline print them.
 
 A window of a long run is tens of thousands of rows; turning each into Python objects and formatting
-it field by field costs more than the rest of the command. SQLite formats the row in C instead, and
-Python only adds the time column. The text is the same, character for character: bytes are rounded to
+it field by field costs more than the rest of the command. SQLite formats the whole row in C instead,
+the time column included. The text is the same, character for character: bytes are rounded to
 hundredths with integer arithmetic, half to even, which is what Python's ``f"{bytes / 2**30:.2f}"`` does
-(a byte count divided by a power of two is exact in a double, so Python rounds the exact value).
+(a byte count divided by a power of two is exact in a double, so Python rounds the exact value); the
+time column is :func:`memwatch.units.format_offset_s`, integer arithmetic on both sides.
 """
 
 from __future__ import annotations
@@ -70,3 +71,24 @@ ENGINE_LINE = _line_sql(
 NVML_LINE = _line_sql("%4s %7s", [_text("rank"), _text("step")],
                       ["process_used_bytes", "driver_used_bytes", "driver_free_bytes"], "", [])
 """The same for a run seen through NVML: GPU, sample number, the process's bytes, the driver's used and free."""
+
+
+def offset_s_sql(column: str, start_ns: int) -> str:
+    """An SQL expression giving :func:`memwatch.units.format_offset_s` of ``column - start_ns``.
+
+    For the usual offset (not negative) it is a few integer operations: half up on the offset plus half a
+    millisecond, less one where an exact half went up to an odd millisecond.
+    """
+    up = f"({column} - {int(start_ns) - 500_000})"
+    ms = f"({up} / 1000000 - ({up} % 1000000 = 0 AND {up} / 1000000 % 2 = 1))"
+    usual = f"({ms} / 1000) || '.' || substr(1000 + ({ms} % 1000), 2)"  # || binds tighter than / in SQL
+    d = f"({column} - {int(start_ns)})"
+    whole, rest = f"(abs({d}) / 1000000)", f"(abs({d}) % 1000000)"
+    negative = f"({whole} + ({rest} > 500000 OR ({rest} = 500000 AND {whole} % 2 = 1)))"
+    return (f"(CASE WHEN {column} >= {int(start_ns)} THEN {usual} "
+            f"ELSE '-' || ({negative} / 1000) || '.' || substr(1000 + ({negative} % 1000), 2) END)")
+
+
+def timed_line_sql(line_sql: str, start_ns: int) -> str:
+    """A row's whole timeline line: its time since ``start_ns`` right-aligned in 8 characters, then ``line_sql``."""
+    return f"printf('%8s ', {offset_s_sql('ts_ns', start_ns)}) || ({line_sql})"
