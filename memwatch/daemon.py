@@ -160,7 +160,7 @@ class Sidecar:
             holder = read_pid_file(self.runtime_dir / PID_NAME)
             if holder is not None and not holder.auto:
                 return False
-            if holder is not None and holder.pid != asked:
+            if holder is not None and holder.pid != asked and _is_sidecar(holder.pid):
                 try:
                     os.kill(holder.pid, signal.SIGTERM)
                 except OSError:
@@ -289,6 +289,16 @@ def read_pid_file(path: Path) -> PidFile | None:
         return PidFile(int(fields[0]), fields[1:2] == ["auto"])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _is_sidecar(pid: int) -> bool:
+    """Whether ``pid`` is a ``memwatch serve`` now: a pid file left by a killed sidecar may name a reused pid."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"serve" in argv and any(b"memwatch" in arg for arg in argv)
 
 
 def _try_lock(fd: int) -> bool:

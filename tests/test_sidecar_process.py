@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from memwatch_engine.runtime import PID_NAME
@@ -66,6 +68,29 @@ def test_a_sidecar_started_by_hand_takes_over_from_an_auto_started_one(runtime_d
     assert by_hand.proc.returncode == 0, output
     assert f"took over from the auto-started sidecar (pid {auto.proc.pid})" in output
     assert query(db_path, "SELECT count(*) FROM samples WHERE run_id = ?", (run_id,)) == [(5003,)]  # none twice
+
+
+def test_a_stale_pid_file_naming_another_process_is_never_signalled(runtime_dir: Path, db_path: Path) -> None:
+    # A killed auto-started sidecar leaves "PID auto" behind; its pid may now be any process of ours.
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    lock = os.open(runtime_dir / "sidecar.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a holder that is not a sidecar, for a moment
+        (runtime_dir / PID_NAME).write_text(f"{bystander.pid} auto\n")
+        with SidecarProcess(runtime_dir, db_path) as by_hand:  # it starts while the lock is held
+            time.sleep(1.0)  # it waits for the lock, and must not signal the bystander meanwhile
+            assert bystander.poll() is None
+            os.close(lock)
+            lock = -1
+            pid_file = runtime_dir / PID_NAME
+            wait_for(lambda: pid_file.read_text().split() == [str(by_hand.proc.pid)], what="the lock taken")
+            output = by_hand.stop()
+        assert bystander.poll() is None and "took over" not in output
+    finally:
+        if lock >= 0:
+            os.close(lock)
+        bystander.kill()
+        bystander.wait(timeout=30)
 
 
 def test_an_auto_started_sidecar_never_displaces_one_started_by_hand(runtime_dir: Path, db_path: Path) -> None:
