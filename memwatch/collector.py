@@ -270,7 +270,8 @@ class Collector:
         names = state.reader.phase_names
         if state.run_key is None and drained.samples:
             state.run_key = self._run_key(run_id)
-            state.insert_sql = None if state.run_key is not None else state.insert_sql
+            if state.run_key is not None:
+                state.insert_sql = None  # built again below, with the key in it
         if state.insert_sql is None or state.known_phases != len(names):
             state.insert_sql = raw_sample_insert(run_id, rank, names, state.reader.version, state.run_key)
             state.known_phases = len(names)
