@@ -9,7 +9,6 @@ byte rounds to the nearest byte.
 from __future__ import annotations
 
 import re
-from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 
 from memwatch.errors import UsageError
 
@@ -43,6 +42,8 @@ def parse_bytes(text: str | int) -> int:
     if not match or unit is None:
         raise SizeError(f"invalid size {text!r}: use a byte count or a number with a unit, "
                         "e.g. 25769803776, 24GiB, 24GB or 1.5GiB")
+    from decimal import ROUND_HALF_UP, Decimal, InvalidOperation  # parsing is rare; start-up is not
+
     try:
         number = Decimal(match["number"]).scaleb(int(match["exponent"] or 0))
         return int((number * unit).quantize(Decimal(1), rounding=ROUND_HALF_UP))

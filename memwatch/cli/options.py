@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,9 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 def _load_thresholds(ctx: click.Context, param: click.Parameter, value: Path | None) -> DetectorConfig | None:
     if value is None:
         return None
-    from ..detectors import DetectorConfig  # only when asked: the detectors are not start-up cost
+    import tomllib  # only when asked, like the detectors: neither is start-up cost
+
+    from ..detectors import DetectorConfig
 
     try:
         with open(value, "rb") as f:

@@ -21,7 +21,8 @@ from ..store.db import Database
 from ..store.moments import find_moment, parse_duration_ns, resolve_time
 from ..store.queries import Run, events, get_run, last_ts_ns, run_ranks
 from ..store.sql_text import ENGINE_LINE, NVML_LINE, timed_line_sql
-from ..store.window import WindowRow, stored_sample, window_lines, window_rows
+from ..store.window import WindowRow, window_rows
+from ..store.window_text import window_text
 from ..terminal import printable
 from ..units import format_bytes, format_offset_s
 from .options import db_option, int_range, json_option
@@ -70,12 +71,8 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: i
     if around is not None:
         centre, half = find_moment(db, info, around, rank), parse_duration_ns(window) // 2
         since_ns, until_ns = centre - half, centre + half
-    if not (as_json or as_csv or ledger):
-        line_sql = timed_line_sql(NVML_LINE if info.source == "nvml" else ENGINE_LINE, info.started_ns or 0)
-        lines = window_lines(db, info.run_id, line_sql, rank=rank, since_ns=since_ns, until_ns=until_ns)
-        if lines is not None:  # all at full resolution: SQLite formats the rows
-            _write_lines(db, info, lines, _gaps(db, info, rank))
-            return
+    if not (as_json or as_csv or ledger) and _write_lines(db, info, rank, since_ns, until_ns):
+        return
     rows = window_rows(db, info.run_id, rank=rank, since_ns=since_ns, until_ns=until_ns)
     with_terms = _with_ledger(db, info, rows, rank) if ledger else ((row, None) for row in rows)
     if as_json:
@@ -153,32 +150,25 @@ def _header(info: Run, ledger: bool) -> bool:
     return nvml
 
 
-def _write_lines(db: Database, info: Run, lines: Iterator[tuple[int, int, int, str]], gaps: list[Gap]) -> None:
-    """:func:`_write_table` for rows SQLite formatted (no ledger, no rolled-up seconds): the same text,
-    written a few thousand lines at a time."""
+def _write_lines(db: Database, info: Run, rank: int | None, since_ns: int | None, until_ns: int | None) -> bool:
+    """:func:`_write_table` without ledger terms, every line computed by SQLite: the same text. False (nothing
+    written) when the window holds rolled-up seconds, which only :func:`_write_table` shows."""
     start = info.started_ns or 0
+    line_sql = timed_line_sql(NVML_LINE if info.source == "nvml" else ENGINE_LINE, start)
+    notes = [(gap.to_ts_ns or 0, f"{'--':>8} rank {gap.rank}: {gap.count:,} samples lost here {span(gap, start)}")
+             for gap in _gaps(db, info, rank)]
+    window = window_text(db, info.run_id, line_sql, rank=rank, since_ns=since_ns, until_ns=until_ns, notes=notes,
+                         repeats=lambda shown, sample: _repeats((shown, None), sample, None))
+    if window is None:
+        return False
+    db.conn.close()  # reading may fork, and no SQLite connection may be carried across a fork
+    text = window.read()
     _header(info, False)
-    out: list[str] = []
-    count, shown_ts, shown_rank, shown_seq = 0, None, None, 0  # the last row shown
-    for ts, rank, seq, text in lines:
-        if gaps:
-            while gaps and (gaps[0].to_ts_ns or 0) <= ts:
-                gap = gaps.pop(0)
-                out.append(f"{'--':>8} rank {gap.rank}: {gap.count:,} samples lost here {span(gap, start)}\n")
-        if ts == shown_ts and rank == shown_rank and _repeats(  # as in _write_table: a phase boundary shows once
-            (stored_sample(db, info.run_id, rank, ts, shown_seq), None), stored_sample(db, info.run_id, rank, ts, seq),
-            None,
-        ):
-            continue
-        shown_ts, shown_rank, shown_seq = ts, rank, seq
-        out.append(f"{text}\n")
-        count += 1
-        if len(out) >= 4096:
-            sys.stdout.write("".join(out))
-            out.clear()
-    sys.stdout.write("".join(out))
-    if count == 0:
+    if text:  # a note shows only before a sample: the text holds a sample whenever it holds anything
+        sys.stdout.write(text)
+    else:
         click.echo("(no samples in that window)")
+    return True
 
 
 def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]], ledger: bool,

@@ -18,9 +18,9 @@ _EXACT_BELOW = 10**16
 
 
 def _hundredths_sql(column: str, size: int) -> str:
-    """``|column| / size`` in whole hundredths, half to even (half up on a doubled scale, less one where an exact
-    half went up to an odd hundredth)."""
-    up = f"(abs({column}) * 200 + {size})"
+    """``column / size`` in whole hundredths for a column that is not negative, half to even (half up on a
+    doubled scale, less one where an exact half went up to an odd hundredth)."""
+    up = f"({column} * 200 + {size})"
     return f"({up} / {2 * size} - ({up} % {2 * size} = 0 AND {up} / {2 * size} % 2 = 1))"
 
 
@@ -30,7 +30,7 @@ def bytes_sql(column: str) -> str:
     branches = [f"WHEN {m} >= {_EXACT_BELOW} THEN printf('%.2f TiB', {column} / {float(TIB)!r})"]
     for name, size in _STEPS:
         branches.append(f"WHEN {m} >= {size} THEN printf('%.2f {name}', "
-                        f"(({column} > 0) - ({column} < 0)) * {_hundredths_sql(column, size)} / 100.0)")
+                        f"(({column} > 0) - ({column} < 0)) * {_hundredths_sql(m, size)} / 100.0)")
     return f"(CASE WHEN {column} IS NULL THEN '-' {' '.join(branches)} ELSE {column} || ' B' END)"
 
 
@@ -43,15 +43,14 @@ def _line_sql(head: str, head_args: list[str], sizes: list[str], tail: str, tail
     """``printf`` of a row whose middle is the byte sizes of ``sizes`` right-aligned in 10 characters.
 
     Rows whose sizes all print with a unit (1 KiB up to ~9 PB, the usual case) go through one ``printf``
-    (number and unit as two of its arguments); other rows format each size on its own (``bytes_sql``).
+    (number and unit as two of its arguments), without the sign handling a negative size needs; other rows
+    format each size on its own (``bytes_sql``).
     """
-    usual = " AND ".join(f"abs({c}) BETWEEN {KIB} AND {_EXACT_BELOW - 1}" for c in sizes)
+    usual = " AND ".join(f"{c} BETWEEN {KIB} AND {_EXACT_BELOW - 1}" for c in sizes)
     numbers = []
     for c in sizes:
-        m = f"abs({c})"
-        value = " ".join(f"WHEN {m} >= {size} THEN (({c} > 0) - ({c} < 0)) * {_hundredths_sql(c, size)} / 100.0"
-                         for _, size in _STEPS)
-        unit = " ".join(f"WHEN {m} >= {size} THEN '{name}'" for name, size in _STEPS)
+        value = " ".join(f"WHEN {c} >= {size} THEN {_hundredths_sql(c, size)} / 100.0" for _, size in _STEPS)
+        unit = " ".join(f"WHEN {c} >= {size} THEN '{name}'" for name, size in _STEPS)
         numbers.append(f"CASE {value} END, CASE {unit} END")
     one = f"printf('{' '.join(filter(None, [head, *['%6.2f %s'] * len(sizes), tail]))}', " \
           f"{', '.join([*head_args, *numbers])}"

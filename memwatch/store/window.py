@@ -11,21 +11,14 @@ is in it, not what the run holds.
 
 from __future__ import annotations
 
-import itertools
-import sqlite3
-import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..errors import UnavailableError
 from ..records import SAMPLE_COLUMNS, Sample
 from .schema import ROLLUP_COLUMNS
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database
-
-NS_PER_SECOND = 1_000_000_000
-
 
 class Rollup(NamedTuple):
     """What one rolled-up second of one rank held besides its last sample."""
@@ -133,82 +126,6 @@ def window_rows(
             {c: bounds[2 * i] for i, c in enumerate(ROLLUP_COLUMNS)},
             {c: bounds[2 * i + 1] for i, c in enumerate(ROLLUP_COLUMNS)},
         ))
-
-
-def window_lines(
-    db: Database, run_id: str, line_sql: str, *, rank: int | None = None,
-    since_ns: int | None = None, until_ns: int | None = None,
-) -> Iterator[tuple[int, int, int, str]] | None:
-    """The window as ``(ts_ns, rank, seq, text)`` rows in :func:`window_rows`' order, ``text`` being
-    ``line_sql`` (see :mod:`memwatch.store.sql_text`) computed by SQLite; ``None`` when the window holds
-    rolled-up seconds (read those through :func:`window_rows`)."""
-    key = run_key(db, run_id)
-    if key is None:
-        return iter(())
-    ranks = stored_ranks(db, key) if rank is None and (since_ns is not None or until_ns is not None) else rank
-    rolled_where, rolled_params = _where(key, ranks, since_ns, until_ns, "last_ts_ns")
-    if db.execute(f"SELECT 1 FROM sample_seconds WHERE {rolled_where} LIMIT 1", rolled_params).fetchone():
-        return None
-    sql = f"SELECT ts_ns, rank, seq, {line_sql} FROM sample_rows WHERE {{}} ORDER BY ts_ns, rank, seq"
-    path = _file_of(db)
-    if since_ns is None or until_ns is None or until_ns - since_ns < 2 * NS_PER_SECOND or not path:
-        where, params = _where(key, ranks, since_ns, until_ns, "ts_ns")
-        return db.execute(sql.format(where), params)
-    # Two halves of the window, the later one formatted by a second connection on another thread meanwhile
-    # (SQLite runs without the GIL): a window of tens of thousands of rows is mostly this formatting.
-    last = max((db.execute("SELECT max(ts_ns) FROM sample_rows WHERE run_key = ? AND rank = ?", (key, r)).fetchone()[0]
-                or since_ns for r in (ranks if isinstance(ranks, list) else [ranks])), default=since_ns)
-    middle = (since_ns + min(until_ns, last)) // 2 + 1  # the middle of what the window holds (it may end early)
-    first_where, first_params = _where(key, ranks, since_ns, middle - 1, "ts_ns")
-    later_where, later_params = _where(key, ranks, middle, until_ns, "ts_ns")
-    later = _Rows(path, sql.format(later_where), later_params)
-    return itertools.chain(db.execute(sql.format(first_where), first_params), later)
-
-
-def _file_of(db: Database) -> str:
-    """The database's file ('' for an in-memory or temporary one)."""
-    return next((row[2] for row in db.execute("PRAGMA database_list") if row[1] == "main"), "") or ""
-
-
-_READ_TIMEOUT_S = 600.0
-"""How long a window's later half may take to read (minutes of samples take well under a second)."""
-
-
-class _Rows(threading.Thread):
-    """A query's rows fetched on a read-only connection of its own, in a thread; iterating waits for them."""
-
-    def __init__(self, path: str, sql: str, params: list[Any]) -> None:
-        super().__init__(daemon=True)
-        self._path, self._sql, self._params = path, sql, params
-        self._rows: list[tuple[Any, ...]] = []
-        self._error: BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            conn = sqlite3.connect(f"file:{self._path}?mode=ro", uri=True)
-            try:
-                conn.execute("PRAGMA busy_timeout=5000")
-                self._rows = conn.execute(self._sql, self._params).fetchall()
-            finally:
-                conn.close()
-        except BaseException as exc:  # raised again where the rows are read
-            self._error = exc
-
-    def __iter__(self) -> Iterator[tuple[Any, ...]]:
-        self.join(_READ_TIMEOUT_S)
-        if self.is_alive():
-            raise UnavailableError(f"reading the window took over {_READ_TIMEOUT_S:.0f} s; ask for a shorter one")
-        if self._error is not None:
-            raise self._error
-        return iter(self._rows)
-
-
-def stored_sample(db: Database, run_id: str, rank: int, ts_ns: int, seq: int) -> Sample:
-    """One full-resolution sample by its key (a row :func:`window_lines` named)."""
-    row = db.execute(f"SELECT ?, {RAW_SELECT} FROM sample_rows WHERE run_key = ? AND rank = ? AND ts_ns = ?"
-                     " AND seq = ?", (run_id, run_key(db, run_id), rank, ts_ns, seq)).fetchone()
-    return Sample.from_row(row)
 
 
 def window_samples(

@@ -1,0 +1,201 @@
+"""A timeline window as text computed by SQLite: the rows of a long run's window without a Python object each.
+
+A minute of eight ranks is tens of thousands of rows. Fetched as values and formatted in Python, they
+cost more than the rest of the command; here SQLite computes each row's line (see
+:mod:`memwatch.store.sql_text`) and sorts the lines, and Python only joins them.
+
+A long window is read in two halves at once, the later one by a forked child process: 24,000 rows take
+46 ms instead of 81. Threads would not do: two connections in one process contend on SQLite's
+allocator (its memory statistics take a global lock), and gained 12 ms. SQLite forbids carrying a
+connection across a fork, so the window is planned on the caller's connection, which is then closed,
+and each half opens its own.
+
+Two things the table needs besides the rows are planned from index probes: notes (lines about lost
+samples) are sorted in with the rows, and rows that repeat the one shown before them at the same
+moment (a phase boundary recorded twice) are left out by key.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ..errors import UnavailableError
+from ..records import Sample
+from .window import RAW_SELECT, _where, run_key, stored_ranks
+
+if TYPE_CHECKING:
+    from .db import Database
+
+_MOST_LEFT_OUT = 300
+"""Rows left out by key in the query itself (three parameters each); past this the window is read row by row."""
+_SPLIT_NS = 2_000_000_000
+"""A window holding at least this much time is read in two halves."""
+_READ_TIMEOUT_S = 600.0
+"""How long the later half may take (minutes of samples take well under a second)."""
+
+Notes = Sequence[tuple[int, str]]
+
+
+class WindowText(NamedTuple):
+    """A planned window: the database file and one query per part, earlier part first."""
+
+    path: str
+    parts: list[tuple[str, list[Any]]]
+
+    def read(self) -> str:
+        """The window's text. Call it with no connection to the database open in this process (it may fork)."""
+        if len(self.parts) == 1 or not hasattr(os, "fork"):
+            return "".join(_text(self.path, *part) for part in self.parts)
+        earlier, later = self.parts
+        waiting = _in_child(lambda: _text(self.path, *later))
+        return _text(self.path, *earlier) + waiting()
+
+
+def window_text(
+    db: Database, run_id: str, line_sql: str, *, rank: int | None = None,
+    since_ns: int | None = None, until_ns: int | None = None,
+    notes: Notes = (), repeats: Callable[[Sample, Sample], bool] | None = None,
+) -> WindowText | None:
+    """Plan the window's lines (``line_sql`` of each sample) in time order, then rank, then arrival.
+
+    ``notes`` are ``(time, line)`` pairs shown before the first sample at or after their time; a note
+    after the window's last sample is not shown. A sample for which ``repeats(shown, sample)`` holds, where
+    ``shown`` is the sample shown last at the same moment of the same rank, is left out. ``None`` when the
+    window holds rolled-up seconds or many repeats, or the store is not a file (read those through
+    :func:`~.window.window_rows`).
+    """
+    path = next((row[2] for row in db.execute("PRAGMA database_list") if row[1] == "main"), "")
+    key = run_key(db, run_id)
+    if key is None or not path:
+        return None
+    ranks = stored_ranks(db, key) if rank is None else [rank]
+    rolled_where, rolled_params = _where(key, ranks, since_ns, until_ns, "last_ts_ns")
+    if db.execute(f"SELECT 1 FROM sample_seconds WHERE {rolled_where} LIMIT 1", rolled_params).fetchone():
+        return None
+    held = _held_span(db, key, ranks, since_ns, until_ns)
+    if held is None:
+        return WindowText(path, [])
+    where, params = _where(key, ranks, since_ns, until_ns, "ts_ns")
+    if repeats is not None:
+        left_out = _repeated_rows(db, run_id, where, params, repeats)
+        if left_out is None:
+            return None
+        if left_out:
+            where += f" AND (rank, ts_ns, seq) NOT IN (VALUES {', '.join(['(?, ?, ?)'] * len(left_out))})"
+            params = [*params, *(value for row in left_out for value in row)]
+    first, last = held
+    notes = [(ts, line) for ts, line in notes if ts <= last]  # a note shows before a sample
+    if last - first < _SPLIT_NS:
+        return WindowText(path, [_query(line_sql, where, params, notes)])
+    middle = first + (last - first) // 2 + 1
+    return WindowText(path, [
+        _query(line_sql, f"{where} AND ts_ns < ?", [*params, middle], [n for n in notes if n[0] < middle]),
+        _query(line_sql, f"{where} AND ts_ns >= ?", [*params, middle], [n for n in notes if n[0] >= middle]),
+    ])
+
+
+def _held_span(db: Database, key: int, ranks: list[int], since_ns: int | None,
+               until_ns: int | None) -> tuple[int, int] | None:
+    """The first and last sample time the window holds, from two index probes per rank."""
+    firsts, lasts = [], []
+    low, high = -(1 << 63) if since_ns is None else since_ns, (1 << 63) - 1 if until_ns is None else until_ns
+    for one in ranks:
+        for order, found in (("", firsts), (" DESC", lasts)):
+            row = db.execute("SELECT ts_ns FROM sample_rows WHERE run_key = ? AND rank = ? AND ts_ns BETWEEN ? AND ?"
+                             f" ORDER BY ts_ns{order} LIMIT 1", (key, one, low, high)).fetchone()
+            if row is not None:
+                found.append(row[0])
+    return (min(firsts), max(lasts)) if firsts else None
+
+
+def _query(line_sql: str, where: str, params: list[Any], notes: Notes) -> tuple[str, list[Any]]:
+    """The lines of the samples ``where`` selects, with ``notes`` sorted in as rows of rank -1 (before any
+    sample of the same moment), in their given order."""
+    sql = f"SELECT {line_sql} AS line, ts_ns, rank, seq FROM sample_rows WHERE {where}"
+    if notes:
+        sql += "".join(" UNION ALL SELECT ?, ?, -1, ?" for _ in notes)
+        params = [*params, *(value for i, (ts, line) in enumerate(notes) for value in (line, ts, i))]
+    return f"SELECT line FROM ({sql}) ORDER BY ts_ns, rank, seq", params
+
+
+def _text(path: str, sql: str, params: list[Any]) -> str:
+    """One part's lines, on a read-only connection of its own."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        conn.execute("PRAGMA busy_timeout=5000")
+        lines = [line for (line,) in conn.execute(sql, params)]
+    finally:
+        conn.close()
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def _in_child(work: Callable[[], str]) -> Callable[[], str]:
+    """Start ``work`` in a forked child; the function returned waits for its text, at most
+    :data:`_READ_TIMEOUT_S`. Where the fork or the child fails, the work is done here instead (only slower)."""
+    try:
+        readable, writable = os.pipe()
+        pid = os.fork()
+    except OSError:
+        return work
+    if pid == 0:  # the child: its text into the pipe, then out without the parent's exit handlers or buffers
+        code = 1
+        try:
+            os.close(readable)
+            with open(writable, "wb") as pipe:
+                pipe.write(work().encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(writable)
+
+    def wait() -> str:
+        chunks: list[bytes] = []
+        deadline = time.monotonic() + _READ_TIMEOUT_S
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                if select.select([readable], [], [], left)[0]:
+                    if not (chunk := os.read(readable, 1 << 20)):
+                        break
+                    chunks.append(chunk)
+            else:
+                os.kill(pid, signal.SIGKILL)
+                raise UnavailableError(f"reading the window took over {_READ_TIMEOUT_S:.0f} s; ask for a shorter one")
+        finally:
+            os.close(readable)
+            _, status = os.waitpid(pid, 0)
+        return b"".join(chunks).decode() if status == 0 else work()
+
+    return wait
+
+
+def _repeated_rows(
+    db: Database, run_id: str, where: str, params: list[Any], repeats: Callable[[Sample, Sample], bool],
+) -> list[tuple[int, int, int]] | None:
+    """Keys ``(rank, ts_ns, seq)`` of the samples ``repeats`` leaves out; ``None`` past :data:`_MOST_LEFT_OUT`.
+
+    Only a moment holding more than one sample of a rank can hold a repeat; the key finds those moments
+    without a sort, and only their samples are read whole.
+    """
+    key = run_key(db, run_id)
+    moments = db.execute(f"SELECT rank, ts_ns FROM sample_rows WHERE {where} GROUP BY rank, ts_ns"
+                         " HAVING count(*) > 1", params).fetchall()
+    left_out: list[tuple[int, int, int]] = []
+    for rank, ts in moments:
+        rows = db.execute(f"SELECT seq, ?, {RAW_SELECT} FROM sample_rows WHERE run_key = ? AND rank = ? AND ts_ns = ?"
+                          " ORDER BY seq", (run_id, key, rank, ts)).fetchall()
+        shown = Sample.from_row(rows[0][1:])
+        for seq, *values in rows[1:]:
+            sample = Sample.from_row(tuple(values))
+            if repeats(shown, sample):
+                left_out.append((rank, ts, seq))
+            else:
+                shown = sample
+        if len(left_out) > _MOST_LEFT_OUT:
+            return None
+    return left_out

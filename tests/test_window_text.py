@@ -1,0 +1,130 @@
+"""The timeline's table computed by SQLite (read in two halves, one by a forked child) is the Python table, line
+for line: gap notes, phase boundaries shown once, windows and ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from memwatch.cli import main
+from memwatch.cli.timeline import _gaps, _write_table
+from memwatch.store import open_store
+from memwatch.store import window_text as text_module
+from memwatch.store.moments import find_moment
+from memwatch.store.queries import get_run
+from memwatch.store.sql_text import ENGINE_LINE, timed_line_sql
+from memwatch.store.window import window_rows
+
+from stored_runs import store_scenario
+
+S = 1_000_000_000
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int, int]:
+    """A two-rank run (phase boundaries recorded twice) with three gaps of lost samples written in: one
+    before the first sample, one mid-run on rank 1, one after the last sample (a note that must not show)."""
+    tmp = tmp_path_factory.mktemp("text")
+    runtime = tmp / "run"
+    runtime.mkdir(mode=0o700)
+    db_path = tmp / "memwatch.db"
+    run_id = store_scenario("clean_tp2", runtime, db_path)
+    db = open_store(db_path)
+    first, last = db.execute("SELECT min(ts_ns), max(ts_ns) FROM samples WHERE run_id = ?", (run_id,)).fetchone()
+    middle = (first + last) // 2
+    for rank, count, since, until in ((0, 7, None, None), (1, 12, middle - S, middle), (0, 3, last + S, last + 2 * S)):
+        db.execute("INSERT INTO events VALUES (?, ?, NULL, ?, 'samples_lost', ?)",
+                   (run_id, rank, until or first, json.dumps({"count": count, "from_ts_ns": since, "to_ts_ns": until})))
+    db.conn.commit()
+    db.conn.close()
+    return db_path, run_id, first, last
+
+
+def _python_table(db_path: Path, run_id: str, rank: int | None, since: int | None, until: int | None) -> str:
+    db = open_store(db_path, readonly=True)
+    info = get_run(db, run_id)
+    rows = window_rows(db, run_id, rank=rank, since_ns=since, until_ns=until)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _write_table(info, ((row, None) for row in rows), False, _gaps(db, info, rank))
+    return out.getvalue()
+
+
+def _cli(db_path: Path, *args: str) -> str:
+    result = CliRunner().invoke(main, ["timeline", *args, "--db", str(db_path)])
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def test_the_whole_run_reads_in_two_halves_and_matches_the_python_table(stored: tuple[Path, str, int, int]) -> None:
+    db_path, run_id, first, last = stored
+    assert last - first >= 2 * text_module._SPLIT_NS  # the run is long enough to be read in two halves
+    plan = text_module.window_text(open_store(db_path, readonly=True), run_id,
+                                   timed_line_sql(ENGINE_LINE, first), since_ns=first, until_ns=last)
+    assert plan is not None and len(plan.parts) == 2
+    table = _cli(db_path, run_id)
+    assert table == _python_table(db_path, run_id, None, None, None)
+    lines = table.splitlines()
+    notes = [line for line in lines if "samples lost here" in line]
+    assert [note.split()[2:4] for note in notes] == [["0:", "7"], ["1:", "12"]]  # the gap after the end is not shown
+    assert lines.index(notes[0]) == 2  # a gap with no end time: before the first sample
+
+
+@pytest.mark.parametrize("rank", [None, 0, 1])
+def test_windows_and_ranks_match_the_python_table(stored: tuple[Path, str, int, int], rank: int | None) -> None:
+    db_path, run_id, first, last = stored
+    db = open_store(db_path, readonly=True)
+    step = db.execute("SELECT step FROM samples WHERE run_id = ? AND rank = 1 AND ts_ns >= ? ORDER BY ts_ns LIMIT 1",
+                      (run_id, (first + last) // 2)).fetchone()[0]
+    centre = find_moment(db, get_run(db, run_id), f"step:{step}", rank)
+    args = ["--around", f"step:{step}", "--window", "3s", *([] if rank is None else ["--rank", str(rank)])]
+    table = _cli(db_path, run_id, *args)
+    assert table == _python_table(db_path, run_id, rank, centre - 3 * S // 2, centre + 3 * S // 2)
+    assert ("rank 1: 12 samples lost here" in table) == (rank != 0)  # its gap ends inside the window
+    assert len(table.splitlines()) > 40  # a window long enough to be read in two halves
+
+
+def test_a_phase_boundary_recorded_twice_shows_once(stored: tuple[Path, str, int, int]) -> None:
+    db_path, run_id, _, _ = stored
+    db = open_store(db_path, readonly=True)
+    rows, moments = db.execute("SELECT sum(n), count(*) FROM (SELECT count(*) AS n FROM samples WHERE run_id = ?"
+                               " GROUP BY rank, ts_ns)", (run_id,)).fetchone()
+    assert moments < rows  # the scenario records phase boundaries more than once: there is something to leave out
+    table = _cli(db_path, run_id)
+    shown = len(table.splitlines()) - 2 - table.count("samples lost here")
+    assert moments <= shown < rows  # at least a line per moment of a rank, and fewer than the rows stored
+
+
+def test_the_window_is_the_same_when_the_fork_or_the_child_fails(
+    stored: tuple[Path, str, int, int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    db_path, run_id, _, _ = stored
+    expected = _cli(db_path, run_id)
+
+    def no_fork() -> int:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    assert _cli(db_path, run_id) == expected
+    monkeypatch.undo()
+
+    parent = os.getpid()
+    real_text = text_module._text
+
+    def fails_in_the_child(path: str, sql: str, params: list) -> str:
+        if os.getpid() != parent:
+            raise RuntimeError("the child's read failed")
+        return real_text(path, sql, params)
+
+    monkeypatch.setattr(text_module, "_text", fails_in_the_child)
+    assert _cli(db_path, run_id) == expected
+
+
+def test_the_later_half_runs_in_another_process() -> None:
+    assert int(text_module._in_child(lambda: str(os.getpid()))()) != os.getpid()
