@@ -51,7 +51,8 @@ def test_timeline_rows_match_the_python_table() -> None:
 
     def size() -> int | None:
         whole_kib = rng.randrange(0, 1 << rng.choice((20, 30, 37, 41))) >> 10 << 10
-        return rng.choice([None, rng.randrange(0, 1024), whole_kib, rng.randrange(1 << 30, 100 << 30)])
+        return rng.choice([None, rng.randrange(0, 1024), whole_kib, rng.randrange(1 << 30, 100 << 30),
+                           -rng.randrange(1 << 20, 1 << 31)])  # negative: a difference, printed with its sign
 
     conn = sqlite3.connect(":memory:")
     columns = SAMPLE_COLUMNS[1:]
