@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,26 @@ def test_the_window_is_the_same_when_the_fork_or_the_child_fails(
 
 def test_the_later_half_runs_in_another_process() -> None:
     assert int(text_module._in_child(lambda: str(os.getpid()))()) != os.getpid()
+
+
+def test_a_process_with_threads_reads_both_halves_itself(
+    stored: tuple[Path, str, int, int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fork copies only the calling thread: with others running, a lock one of them held would never be
+    released in the child, so the window is read here."""
+    db_path, run_id, first, last = stored
+    plan = text_module.window_text(open_store(db_path, readonly=True), run_id,
+                                   timed_line_sql(ENGINE_LINE, first), since_ns=first, until_ns=last)
+    assert plan is not None and len(plan.parts) == 2
+    forks: list[int] = []
+    real_fork = os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or real_fork())
+    release = threading.Event()
+    other = threading.Thread(target=release.wait, args=(30,))
+    other.start()
+    try:
+        threaded = plan.read()
+    finally:
+        release.set()
+        other.join()
+    assert forks == [] and threaded == plan.read() and forks == [1]

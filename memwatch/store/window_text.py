@@ -21,6 +21,7 @@ import os
 import select
 import signal
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -50,7 +51,8 @@ class WindowText(NamedTuple):
 
     def read(self) -> str:
         """The window's text. Call it with no connection to the database open in this process (it may fork)."""
-        if len(self.parts) == 1 or not hasattr(os, "fork"):
+        if len(self.parts) == 1 or not hasattr(os, "fork") or threading.active_count() > 1:
+            # a fork copies only this thread: a lock another thread held would stay held in the child
             return "".join(_text(self.path, *part) for part in self.parts)
         earlier, later = self.parts
         waiting = _in_child(lambda: _text(self.path, *later))
