@@ -153,6 +153,21 @@ def test_non_torch_estimate_grows_with_tensor_parallel() -> None:
     assert json.loads(out)["non_torch_terms"]["nccl"] == 16 * GIB // 8      # tp × pp / 8 GiB
 
 
+def test_non_torch_estimate_depends_on_the_engine() -> None:
+    """vLLM 0.33.0's custom all-reduce cudaMallocs, per rank at TP 2, 4, 6, 8 or 16: an 8 MiB temporary buffer
+    beside its signals, and an input buffer of max(8, 2, 16) MiB; nano-vllm reduces through NCCL alone."""
+    _, out, _ = invoke("--engine", "vllm", "--gpu-memory", "80GiB", "--tp", "2", "--json")
+    data = json.loads(out)
+    assert data["non_torch_terms"] == {"cuda_context": 512 * MIB, "nccl": 256 * MIB, "custom_all_reduce": 24 * MIB}
+    assert data["non_torch_bytes"] == 792 * MIB
+    _, out, _ = invoke("--engine", "vllm", "--gpu-memory", "80GiB", "--json")
+    assert json.loads(out)["non_torch_terms"] == {"cuda_context": 512 * MIB, "nccl": 0, "custom_all_reduce": 0}
+    _, out, _ = invoke("--engine", "nano-vllm", "--gpu-memory", "80GiB", "--tp", "2", "--json")
+    assert json.loads(out)["non_torch_bytes"] == 768 * MIB                 # context and NCCL alone
+    _, text, _ = invoke("--engine", "vllm", "--gpu-memory", "80GiB", "--tp", "4")
+    assert "estimate: CUDA context 512 MiB + NCCL 512 MiB + vLLM custom all-reduce 24 MiB" in " ".join(text.split())
+
+
 @pytest.mark.parametrize("option", [["--gpu-memory", "24GiB"], ["--seqs", "4"], ["--model", "Llama-2-7b-hf"],
                                     ["--engine", "vllm"], ["--non-torch-bytes", "1GiB"], ["--tp", "1"]])
 def test_run_refuses_planning_options_it_cannot_apply(option: list[str], tmp_path: Path) -> None:

@@ -238,7 +238,7 @@ def plan_capacity(spec: ModelSpec, inputs: PlanInputs) -> CapacityPlan:
     non_kv = inputs.activation_reserve_bytes
     if non_kv is None:
         non_kv = engines.activation_bytes(engine, spec, tp, batched, inputs.seq_len, max_seqs)
-    terms = non_torch_terms(tp, pp) if inputs.non_torch_bytes is None else {}
+    terms = non_torch_terms(tp, pp, engine) if inputs.non_torch_bytes is None else {}
     non_torch = sum(terms.values()) if inputs.non_torch_bytes is None else inputs.non_torch_bytes
     cudagraph = inputs.cudagraph_bytes
     if cudagraph is None:

@@ -137,7 +137,7 @@ def compare_rank(run: Mapping[str, Any], kv_event: Mapping[str, Any]) -> PlanVsO
     total = int(data["total_bytes"])
 
     weights_p = spec.weight_bytes(dtype, tp)
-    non_torch_p = sum(non_torch_terms(tp).values())
+    non_torch_p = sum(non_torch_terms(tp, engine=str(run.get("engine") or "")).values())
     reserve_p = forward_activation_bytes(spec, num_seqs * seq_len, num_seqs, prefill=True, tp=tp)
     block_p = spec.block_bytes(block_size, tp, kv_dtype)
     explicit_kv = config.get("kv_cache_memory_bytes")
