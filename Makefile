@@ -67,8 +67,9 @@ test-deps:
 engines: $(ENGINES)/vllm/.installed $(ENGINES)/nanovllm/.installed
 
 $(ENGINES)/%/.installed: tests/released/requirements-%.txt | $(TESTENV)
+	@echo "== installing the released $* into $(ENGINES)/$* (the first time: downloads, and minutes of unpacking)"
 	rm -rf $(ENGINES)/$*
-	$(BIN)/pip install -q --no-deps --target $(ENGINES)/$* -r $<
+	$(BIN)/pip install --progress-bar on --no-deps --target $(ENGINES)/$* -r $<
 	touch $@
 
 lint: $(TESTENV)
