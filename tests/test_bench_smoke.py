@@ -51,6 +51,7 @@ def test_export_benchmark_runs_with_the_exporters_delivering() -> None:
 def test_postmortem_benchmark_runs() -> None:
     out = _run("bench_postmortem.py", "--samples", "40000", "--repeats", "1")
     assert "ratio unindexed/indexed" in out and "ratio to --help" in out and "bytes per stored sample" in out
+    assert "target: ratio unindexed/indexed >= 100" in out and "ms is aimed at" in out  # judged as a ratio
 
 
 def test_retention_benchmark_keeps_every_evidence_window() -> None:
@@ -73,6 +74,26 @@ def test_reliability_benchmark_runs() -> None:
     result = json.loads(out.strip().splitlines()[-1])
     # 2 ranks x 50 steps/s x 2 s, and per rank the sample at the serve phase's start and the close sample.
     assert result["samples"] == result["expected_samples"] == 2 * 100 + 2 * 2 and result["lost"] == 0
+
+
+def test_reliability_cpu_is_judged_against_the_bare_reader_of_the_same_run() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from bench_reliability import judged
+    finally:
+        sys.path.remove(str(BENCH))
+    whole = {"samples": 10, "expected_samples": 10, "lost": 0, "duplicates": 0, "integrity": "ok", "running": 0,
+             "peak_rss_mb": 40.0}
+    # A busy machine: the light load costs 3 % of a core, over the idle machine's 2 %, but so does the bare
+    # reader beside it (2.5 %): 1.2 × is within 1.5 ×. The heavy load: 60 % against 6 %, 10 × within 12 ×.
+    busy = judged({**whole, "cpu_percent": 3.0, "baseline_cpu_percent": 2.5},
+                  {**whole, "cpu_percent": 60.0, "baseline_cpu_percent": 6.0}, whole, whole)
+    assert [ok for *_, ok in busy] == [True, True, True, True]
+    # Under the absolute figures yet twice and 13 × the bare reader: missed; so are 151 MB and a lost sample.
+    costly = judged({**whole, "cpu_percent": 1.0, "baseline_cpu_percent": 0.5},
+                    {**whole, "cpu_percent": 39.0, "baseline_cpu_percent": 3.0, "peak_rss_mb": 40.0},
+                    {**whole, "peak_rss_mb": 151.0}, {**whole, "lost": 1})
+    assert [ok for *_, ok in costly] == [False, False, False, False]
 
 
 def test_attach_benchmark_says_the_snapshot_rate_it_delivered() -> None:
