@@ -135,6 +135,11 @@ def test_falcon_40b_new_decoder_architecture_is_grouped() -> None:
     spec = check(config, tensors, 2)
     assert spec.attention_kind == "GQA" and spec.num_key_value_heads == 8
     assert spec.kv_bytes_per_token() == 2 * 60 * 8 * 64 * 2
+    # the same checkpoint's first config.json, read by its remote code: model_type "RefinedWeb", n_head_kv
+    old = {"model_type": "RefinedWeb", "hidden_size": 8192, "n_head": 128, "n_head_kv": 8, "n_layer": 60,
+           "parallel_attn": True, "bias": False, "alibi": False, "vocab_size": 65024, "torch_dtype": "bfloat16"}
+    spec = check(old, tensors, 2)
+    assert spec.num_key_value_heads == 8 and spec.kv_bytes_per_token() == 2 * 60 * 8 * 64 * 2
 
 
 def test_bloom_560m_embedding_layernorm() -> None:

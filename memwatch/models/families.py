@@ -25,8 +25,8 @@ _ALIASES: dict[str, dict[str, str]] = {
     "gptj": {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
              "intermediate_size": "n_inner", "max_position_embeddings": "n_positions"},
     "bloom": {"hidden_size": "n_embed", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"},
-    "falcon": {"num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
-               "intermediate_size": "ffn_hidden_size"},
+    "falcon": {"hidden_size": "n_embed", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
+               "num_kv_heads": "n_head_kv", "intermediate_size": "ffn_hidden_size"},
     "opt": {"intermediate_size": "ffn_dim"},
     "mpt": {"hidden_size": "d_model", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
             "max_position_embeddings": "max_seq_len"},
@@ -34,7 +34,8 @@ _ALIASES: dict[str, dict[str, str]] = {
                 "head_dim": "kv_channels", "vocab_size": "padded_vocab_size",
                 "max_position_embeddings": "seq_length"},
 }
-# Old Falcon checkpoints say model_type "RefinedWeb"/"RefinedWebModel".
+# Old Falcon checkpoints say model_type "RefinedWebModel" (Falcon-7B) or "RefinedWeb" (Falcon-40B, whose remote
+# code always had the new decoder architecture and counted its KV heads in ``n_head_kv``).
 _MODEL_TYPES = {"refinedweb": "falcon", "refinedwebmodel": "falcon"}
 
 _TWO_MATRIX_MLP = {"_gated_mlp": False, "_norm_bias": True}
@@ -74,7 +75,9 @@ def _falcon(config: dict[str, Any]) -> None:
     bias = bool(config.get("bias", False))
     config.update(_TWO_MATRIX_MLP, attention_bias=bias, mlp_bias=bias)
     heads = config.get("num_attention_heads")
-    if config.get("new_decoder_architecture"):
+    # Falcon-40B's old config: vLLM's RWConfig (vllm/transformers_utils/configs/falcon.py) makes it the new
+    # architecture too, with n_head_kv as num_kv_heads.
+    if config.get("new_decoder_architecture") or str(config.get("model_type")).lower() == "refinedweb":
         config["num_key_value_heads"] = config.get("num_kv_heads") or heads
         config["_norms_per_layer"] = 2 if config.get("num_ln_in_parallel_attn") in (None, 2) else 1
     else:
