@@ -79,9 +79,10 @@ def test_bitsandbytes_4bit_and_8bit_per_linear_layer() -> None:
     plain = Quantization("bnb-4bit", 4)
     double = from_config({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True,
                                                   "bnb_4bit_use_double_quant": True}})
-    # packed nibbles, one fp32 absmax per 64 weights (double quant: uint8 plus fp32 per 256 blocks), code book
-    assert plain.linear_bytes(H, H) == n // 2 + 4 * (n // 64) + 64
-    assert double.linear_bytes(H, H) == n // 2 + n // 64 + 4 * (n // 64 // 256) + 64
+    # packed nibbles, one fp32 absmax per 64 weights, 16-entry fp32 code book (quant_map); double quant: uint8
+    # absmax, nested_absmax fp32 per 256 blocks and the 256-entry fp32 nested_quant_map
+    assert plain.linear_bytes(H, H) == n // 2 + 4 * (n // 64) + 4 * 16
+    assert double.linear_bytes(H, H) == n // 2 + n // 64 + 4 * (n // 64 // 256) + 4 * 256 + 4 * 16
     eight = from_config({"quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}})
     assert eight.linear_bytes(1024, H) == 1024 * H + 4 * 1024          # int8 and one fp32 SCB per row
 

@@ -8,7 +8,8 @@ model's own precision (every scheme below skips them). For a linear layer of ``o
 AWQ (GEMM)         ``qweight`` ``n·b/8``; ``qzeros`` ``ceil(in/g)·out·b/8``; fp16 ``scales`` ``ceil(in/g)·out·2``
 GPTQ               as AWQ, plus ``g_idx``: one int32 per input feature (``4·in``); ``g = -1`` is one group
 bitsandbytes 4-bit packed ``n/2``; one absmax per 64 weights (fp32, or uint8 plus one fp32 per 256 blocks
-                   with double quantization); a 16-entry fp32 code book per tensor
+                   with double quantization); a 16-entry fp32 code book per tensor (``quant_map``), and with
+                   double quantization the 256-entry fp32 code book of the absmax (``nested_quant_map``)
 bitsandbytes 8-bit ``n`` int8 plus one fp32 row scale (``SCB``) per output feature
 FP8                ``n`` bytes plus fp32 scales: one per tensor, per output channel, or per
                    ``weight_block_size`` block (``ceil(out/bo)·ceil(in/bi)``)
@@ -37,6 +38,7 @@ METHODS = ("none", "awq", "gptq", "bnb-4bit", "bnb-8bit", "fp8")
 _ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "marlin": "gptq", "fbgemm_fp8": "fp8"}
 _BNB_BLOCK = 64
 _BNB_NESTED_BLOCK = 256
+_BNB_NESTED_CODE = 256                                                 # entries of the absmax's 8-bit code book
 _FP32 = 4
 
 
@@ -79,8 +81,10 @@ class Quantization:
             return packed + scales + zeros + (_FP32 * cols if self.g_idx else 0)
         if self.method == "bnb-4bit":
             blocks = _ceil_div(n, _BNB_BLOCK)
-            absmax = (blocks + _FP32 * _ceil_div(blocks, _BNB_NESTED_BLOCK) if self.double_quant
-                      else _FP32 * blocks)
+            if self.double_quant:                          # uint8 absmax, its fp32 absmax per 256 blocks and code book
+                absmax = blocks + _FP32 * (_ceil_div(blocks, _BNB_NESTED_BLOCK) + _BNB_NESTED_CODE)
+            else:
+                absmax = _FP32 * blocks
             return _ceil_div(n, 2) + absmax + 16 * _FP32
         if self.method == "bnb-8bit":
             return n + _FP32 * rows
