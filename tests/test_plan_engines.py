@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from memwatch.cli.plan import plan
 from memwatch.models import ModelSpec, forward_activation_bytes
 from memwatch.plan import PlanInputs, plan_capacity
-from memwatch.plan.engines import sglang_mem_fraction_static, vllm_capture_sizes
+from memwatch.plan.engines import defaults, sglang_mem_fraction_static, vllm_capture_sizes
 
 GIB, MIB = 2**30, 2**20
 WEIGHTS = 7_615_616_512 * 2                                            # Qwen2.5-7B-Instruct in bf16
@@ -65,6 +65,14 @@ def test_vllm_cuda_graph_estimate(qwen: ModelSpec) -> None:
     assert result.cudagraph_bytes == decode + 51 * MIB
     # vLLM's profile run: 2,048 batched tokens over at most 256 sequences on a device under 70 GiB
     assert result.activation_reserve_bytes == forward_activation_bytes(qwen, 2048, 256, prefill=True)
+
+
+def test_vllm_batch_defaults_follow_the_device_size() -> None:
+    # EngineArgs.get_batch_defaults, OPENAI_API_SERVER: 24 GiB, an 80 GB H100, a 141 GB H200, a 180 GB B200
+    tiers = {gib: defaults("vllm", int(gib * GIB)) for gib in (24, 80, 141e9 / GIB, 180e9 / GIB)}
+    assert [(d.max_num_batched_tokens, d.max_num_seqs) for d in tiers.values()] == [
+        (2_048, 256), (8_192, 1_024), (8_192, 1_024), (16_384, 1_024)]
+    assert all((d.block_size, d.utilization) == (16, 0.92) for d in tiers.values())
 
 
 def test_sglang_automatic_mem_fraction_static() -> None:

@@ -22,8 +22,9 @@ vLLM       ``available_kv_cache_memory_bytes = requested_memory − non_kv_cache
            capture sizes ``[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)``, ``max =
            min(2 × max_num_seqs, 512)`` (``VllmConfig._set_cudagraph_sizes``, ``vllm/config/vllm.py``).
            The profile run's batch is the serving default of ``EngineArgs.get_batch_defaults``
-           (``vllm/engine/arg_utils.py``): 8,192 tokens and 1,024 sequences on devices of 70 GiB and
-           more (except A100s, which the device size cannot tell apart), 2,048 and 256 below.
+           (``vllm/engine/arg_utils.py``): 16,384 tokens and 1,024 sequences on devices of 160 GiB and
+           more, 8,192 and 1,024 from 70 GiB (except A100s and GB10s, which the device size cannot tell
+           apart), 2,048 and 256 below.
 SGLang     ``rest_memory = available − pre_model_load_memory × (1 − mem_fraction_static)``
            (``KVCacheConfigurator._profile_available_bytes``, ``python/sglang/srt/mem_cache/
            kv_cache_configurator.py``), with ``pre_model_load_memory`` the free memory after the
@@ -71,10 +72,14 @@ def defaults(engine: str, gpu_memory_bytes: int | None, tp: int = 1) -> EngineDe
     if engine == "nano-vllm":
         return EngineDefaults(256, 0.9, 16_384, 512)
     if engine == "vllm":
-        # EngineArgs: serving defaults of 8,192 batched tokens and 1,024 sequences on devices of 70 GiB
-        # and more, 2,048 and 256 below (``vllm/engine/arg_utils.py``, ``_set_default_args``).
-        large = (gpu_memory_bytes or 0) >= 70 * GIB
-        return EngineDefaults(16, 0.92, 8_192 if large else 2_048, 1_024 if large else 256)
+        # EngineArgs.get_batch_defaults, the API server's column: 16,384 batched tokens and 1,024 sequences
+        # from 160 GiB, 8,192 and 1,024 from 70 GiB, 2,048 and 256 below (``vllm/engine/arg_utils.py``).
+        memory = gpu_memory_bytes or 0
+        if memory >= 160 * GIB:
+            return EngineDefaults(16, 0.92, 16_384, 1_024)
+        if memory >= 70 * GIB:
+            return EngineDefaults(16, 0.92, 8_192, 1_024)
+        return EngineDefaults(16, 0.92, 2_048, 256)
     if engine == "sglang":
         chunked, _ = _sglang_capacity(gpu_memory_bytes, tp)
         return EngineDefaults(1, None, chunked, _sglang_capacity(gpu_memory_bytes, tp)[1])
