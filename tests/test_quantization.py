@@ -27,6 +27,8 @@ UNQUANTIZED = 2 * VOCAB * H * 2 + (2 * LAYERS + 1) * H * 2
 # hugging-quants/Meta-Llama-3.1-8B-Instruct-GPTQ-INT4: 4.97 GB + 764 MB
 PUBLISHED_AWQ = 4.68e9 + 1.05e9
 PUBLISHED_GPTQ = 4.97e9 + 0.764e9
+# neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8 (compressed-tensors, per-tensor, static input scales): 5 GB + 4.08 GB
+PUBLISHED_FP8 = 5e9 + 4.08e9
 
 
 def quantized_llama(quantization_config: dict[str, object]) -> ModelSpec:
@@ -97,6 +99,27 @@ def test_fp8_scales_per_tensor_channel_and_block() -> None:
         "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
                                       "targets": ["Linear"]}}, "ignore": ["lm_head"]}})
     assert channel.linear_bytes(1024, H) == 1024 * H + 4 * 1024
+
+
+def test_compressed_tensors_fp8_llama_matches_the_published_checkpoint() -> None:
+    spec = ModelSpec.from_config({**LLAMA, "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                  "dynamic": False, "symmetric": True},
+                                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                            "dynamic": False, "symmetric": True}}}}})
+    tensors = {}
+    for layer in range(LAYERS):                                        # weight, weight_scale, input_scale
+        for name, (fan_in, fan_out) in LINEARS.items():
+            tensors[f"{layer}.{name}.weight"] = ((fan_out, fan_in), 1)
+            tensors[f"{layer}.{name}.weight_scale"] = ((1,), 4)
+            tensors[f"{layer}.{name}.input_scale"] = ((1,), 4)
+    assert spec.weight_bytes() == index_total(tensors) + UNQUANTIZED    # bf16 rest: the same bytes as fp16
+    assert abs(spec.weight_bytes() / PUBLISHED_FP8 - 1) < 0.03
+    dynamic = from_config({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}})
+    static = from_config({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}})
+    assert static.linear_bytes(H, H) - dynamic.linear_bytes(H, H) == 4
 
 
 def test_compressed_tensors_w4a16_groups() -> None:

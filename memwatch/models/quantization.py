@@ -12,7 +12,8 @@ bitsandbytes 4-bit packed ``n/2``; one absmax per 64 weights (fp32, or uint8 plu
                    double quantization the 256-entry fp32 code book of the absmax (``nested_quant_map``)
 bitsandbytes 8-bit ``n`` int8 plus one fp32 row scale (``SCB``) per output feature
 FP8                ``n`` bytes plus fp32 scales: one per tensor, per output channel, or per
-                   ``weight_block_size`` block (``ceil(out/bo)·ceil(in/bi)``)
+                   ``weight_block_size`` block (``ceil(out/bo)·ceil(in/bi)``); with static activation
+                   scales (``activation_scheme: static``) one fp32 ``input_scale`` more
 compressed-tensors ``pack-quantized`` int4/int8 packed into int32 (``n·b/8``) with scales at the model dtype
                    per group or channel (and zero points when asymmetric); ``float-quantized`` as FP8
 =================  =========================================================================================
@@ -61,6 +62,8 @@ class Quantization:
     strategy: str = "tensor"
     """FP8 scales: ``tensor``, ``channel`` or ``block``."""
     double_quant: bool = False
+    input_scale: bool = False
+    """Static activation quantization: one fp32 ``input_scale`` per linear layer."""
     source: str = ""
 
     @property
@@ -70,6 +73,10 @@ class Quantization:
     def _groups(self, in_features: int) -> int:
         return 1 if self.group_size <= 0 else _ceil_div(in_features, self.group_size)
 
+    @property
+    def _input_scale_bytes(self) -> int:
+        return _FP32 if self.input_scale else 0
+
     def linear_bytes(self, rows: int, cols: int) -> int:
         """Stored bytes of one ``rows (out) × cols (in)`` linear weight, scales and zero points included."""
         n = rows * cols
@@ -78,7 +85,7 @@ class Quantization:
             groups = self._groups(cols)
             scales = groups * rows * self.scale_itemsize
             zeros = _ceil_div(groups * rows * self.bits, 8) if self.zero_points else 0
-            return packed + scales + zeros + (_FP32 * cols if self.g_idx else 0)
+            return packed + scales + zeros + (_FP32 * cols if self.g_idx else 0) + self._input_scale_bytes
         if self.method == "bnb-4bit":
             blocks = _ceil_div(n, _BNB_BLOCK)
             if self.double_quant:                          # uint8 absmax, its fp32 absmax per 256 blocks and code book
@@ -93,7 +100,7 @@ class Quantization:
                 scales = _ceil_div(rows, self.block[0]) * _ceil_div(cols, self.block[1])
             else:
                 scales = rows if self.strategy == "channel" else 1
-            return n + _FP32 * scales
+            return n + _FP32 * scales + self._input_scale_bytes
         raise UsageError(f"cannot price linear layers quantized with {self.method!r}")
 
     def bytes_of(self, groups: Iterable[TensorGroup], dtype: str) -> int:
@@ -137,20 +144,22 @@ def _int(config: Mapping[str, Any], *keys: str, default: int) -> int:
 
 def _compressed_tensors(config: Mapping[str, Any], source: str) -> Quantization:
     groups = config.get("config_groups") or {}
-    weights = next((group.get("weights") for group in groups.values()
-                    if isinstance(group, Mapping) and isinstance(group.get("weights"), Mapping)), None)
-    if weights is None:
+    group_config = next((group for group in groups.values()
+                         if isinstance(group, Mapping) and isinstance(group.get("weights"), Mapping)), None)
+    if group_config is None:
         raise UsageError(f"{source}: compressed-tensors config has no config_groups with weights; "
                          "pass --quantization or --weights-bytes")
+    weights, activations = group_config["weights"], group_config.get("input_activations")
+    static = isinstance(activations, Mapping) and activations.get("dynamic") is False
     bits = _int(weights, "num_bits", default=8)
     strategy = str(weights.get("strategy") or "tensor")
     if weights.get("type") == "float":
         block = weights.get("block_structure")
-        return Quantization("fp8", 8, strategy="block" if block else strategy,
+        return Quantization("fp8", 8, strategy="block" if block else strategy, input_scale=static,
                             block=tuple(block) if block else None, source=source)  # type: ignore[arg-type]
     group = _int(weights, "group_size", default=0) if strategy == "group" else 0
     return Quantization("int", bits, group_size=group, zero_points=not weights.get("symmetric", True),
-                        source=source)
+                        input_scale=static, source=source)
 
 
 def from_config(config: Mapping[str, Any]) -> Quantization:
@@ -177,7 +186,8 @@ def from_config(config: Mapping[str, Any]) -> Quantization:
     if method == "fp8":
         block = quant.get("weight_block_size")
         return Quantization("fp8", 8, block=tuple(block) if block else None,  # type: ignore[arg-type]
-                            strategy="block" if block else "tensor", source=source)
+                            strategy="block" if block else "tensor",
+                            input_scale=quant.get("activation_scheme") == "static", source=source)
     if method == "compressed-tensors":
         return _compressed_tensors(quant, source)
     raise UsageError(f"unsupported quant_method {quant.get('quant_method')!r} in the model config; pass "
