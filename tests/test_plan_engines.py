@@ -57,9 +57,13 @@ def test_vllm_kv_cache_memory_bytes_replaces_the_rule(qwen: ModelSpec) -> None:
 
 
 def test_vllm_cuda_graph_estimate(qwen: ModelSpec) -> None:
-    sizes = vllm_capture_sizes(256)
+    sizes = vllm_capture_sizes(256, 2048)
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-2:] == [496, 512]
     assert len(sizes) == 3 + len(range(8, 256, 8)) + len(range(256, 513, 16)) == 51
+    # up to min(2 × 100, 512, 2048) = 200: the grid to 200, and 100 sequences in one decode step
+    assert vllm_capture_sizes(100, 2048) == [1, 2, 4, *range(8, 97, 8), 100, *range(104, 201, 8)]
+    # a token budget of 100 caps the sizes and is captured itself
+    assert vllm_capture_sizes(256, 100) == [1, 2, 4, *range(8, 97, 8), 100]
     result = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=24 * GIB, engine="vllm"))
     decode = forward_activation_bytes(qwen, 512, 512, prefill=False, max_seq_len=1)
     assert result.cudagraph_bytes == decode + 51 * MIB

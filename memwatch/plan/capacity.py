@@ -242,7 +242,7 @@ def plan_capacity(spec: ModelSpec, inputs: PlanInputs) -> CapacityPlan:
     non_torch = sum(terms.values()) if inputs.non_torch_bytes is None else inputs.non_torch_bytes
     cudagraph = inputs.cudagraph_bytes
     if cudagraph is None:
-        cudagraph = engines.vllm_cudagraph_bytes(spec, tp, max_seqs) if engine == "vllm" else 0
+        cudagraph = engines.vllm_cudagraph_bytes(spec, tp, max_seqs, batched) if engine == "vllm" else 0
     notes = {
         "weights": weights_source,
         "activation": ("given (--activation-reserve-bytes)" if inputs.activation_reserve_bytes is not None

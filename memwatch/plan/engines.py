@@ -19,8 +19,11 @@ vLLM       ``available_kv_cache_memory_bytes = requested_memory − non_kv_cache
            The CUDA-graph estimate (``GPUModelRunner.profile_cudagraph_memory``: the first capture plus
            at least 1 MiB for each further one, in one shared pool) is approximated here as the decode
            activation peak of the largest captured batch plus 1 MiB per captured size, with vLLM's
-           capture sizes ``[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)``, ``max =
-           min(2 × max_num_seqs, 512)`` (``VllmConfig._set_cudagraph_sizes``, ``vllm/config/vllm.py``).
+           capture sizes ``[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)`` up to ``max =
+           min(2 × max_num_seqs, 512, max_num_batched_tokens)``, plus ``max_num_batched_tokens`` and
+           ``max_num_seqs`` where they fit under ``max`` (``VllmConfig._set_cudagraph_sizes``,
+           ``vllm/config/vllm.py``; without speculative decoding, on devices other than Blackwell,
+           whose ceiling is 1,024).
            The profile run's batch is the serving default of ``EngineArgs.get_batch_defaults``
            (``vllm/engine/arg_utils.py``): 16,384 tokens and 1,024 sequences on devices of 160 GiB and
            more, 8,192 and 1,024 from 70 GiB (except A100s and GB10s, which the device size cannot tell
@@ -112,16 +115,16 @@ def sglang_mem_fraction_static(gpu_memory_bytes: int, tp: int = 1, pp: int = 1) 
     return round((gpu_mb - reserved) / gpu_mb, 3)
 
 
-def vllm_capture_sizes(max_num_seqs: int) -> list[int]:
-    """vLLM's default CUDA-graph capture sizes for ``max_num_seqs``."""
-    largest = min(2 * max_num_seqs, 512)
-    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, largest + 1, 16)]
-    return [size for size in sizes if size <= largest]
+def vllm_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """vLLM's default CUDA-graph capture sizes for ``max_num_seqs`` and ``max_num_batched_tokens``."""
+    largest = min(2 * max_num_seqs, 512, max_num_batched_tokens)
+    sizes = {1, 2, 4, *range(8, 256, 8), *range(256, largest + 1, 16), max_num_batched_tokens, max_num_seqs}
+    return sorted(size for size in sizes if size <= largest)
 
 
-def vllm_cudagraph_bytes(spec: ModelSpec, tp: int, max_num_seqs: int) -> int:
+def vllm_cudagraph_bytes(spec: ModelSpec, tp: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
     """The CUDA-graph estimate vLLM deducts, approximated (see the module docstring)."""
-    sizes = vllm_capture_sizes(max_num_seqs)
+    sizes = vllm_capture_sizes(max_num_seqs, max_num_batched_tokens)
     largest = max(sizes)
     return forward_activation_bytes(spec, largest, largest, prefill=False, tp=tp, max_seq_len=1) \
         + len(sizes) * CUDAGRAPH_BYTES_PER_GRAPH
