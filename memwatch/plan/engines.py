@@ -1,5 +1,8 @@
 """Each engine's own KV budget rule and defaults, as its source computes them at startup.
 
+The vLLM functions below are those of vLLM 0.33.0, the release the adapters are tested against; a test
+reads them, and nano-vllm's defaults, in the released wheels.
+
 =========  ============================================================================================
 nano-vllm  ``num_blocks = int(total × util − used − peak + current) // block_bytes``
            (``ModelRunner.allocate_kv_cache``, ``nanovllm/engine/model_runner.py``): the KV cache gets
