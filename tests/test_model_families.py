@@ -8,12 +8,15 @@ itemsize), which is what the checkpoint's ``model.safetensors.index.json`` recor
 
 from __future__ import annotations
 
+import ast
 import math
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 
 from memwatch.models import ModelConfigError, ModelSpec
+from memwatch.models.families import normalize
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -39,6 +42,33 @@ def check(config: Mapping[str, object], tensors: Shapes, itemsize: int) -> Model
     assert spec.num_parameters() == parameters(tensors)
     assert spec.weight_bytes() == index["metadata"]["total_size"]  # type: ignore[index]
     return spec
+
+
+RELEASED = Path(__file__).resolve().parents[1] / ".engines" / "vllm"
+
+
+def attribute_map(path: str) -> dict[str, str]:
+    """The ``attribute_map`` of the config class in a released file (Transformers', or vLLM's own)."""
+    if not (RELEASED / ".installed").exists():
+        pytest.fail(f"the released engines are not installed in {RELEASED}: run `make engines`")
+    tree = ast.parse((RELEASED / path).read_text(encoding="utf-8"))
+    return next(ast.literal_eval(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                and any(getattr(target, "id", "") == "attribute_map" for target in node.targets))
+
+
+@pytest.mark.parametrize(("model_type", "path"), [
+    ("gpt2", "transformers/models/gpt2/configuration_gpt2.py"),
+    ("gpt_bigcode", "transformers/models/gpt_bigcode/configuration_gpt_bigcode.py"),
+    ("gptj", "transformers/models/gptj/configuration_gptj.py"),
+    ("bloom", "transformers/models/bloom/configuration_bloom.py"),
+    ("mpt", "transformers/models/mpt/configuration_mpt.py"),
+    ("falcon", "vllm/transformers_utils/configs/falcon.py"),          # RWConfig: Falcon's first configs
+])
+def test_every_alias_of_the_released_config_class_is_read(model_type: str, path: str) -> None:
+    aliases = attribute_map(path)
+    config = normalize({"model_type": model_type, **{alias: 1000 + i for i, alias in enumerate(aliases.values())}})
+    assert {canonical: config.get(canonical) for canonical in aliases} == {
+        canonical: 1000 + i for i, canonical in enumerate(aliases)}
 
 
 def test_gpt2_names_learned_positions_and_conv1d_biases() -> None:

@@ -3,9 +3,10 @@
 Transformers maps old names onto ``hidden_size`` and friends with a per-class ``attribute_map``; reading
 those tables would need the ``transformers`` package (and, for some classes, torch), so the aliases of
 the families people still serve are kept in one table here, each checked by a test built from the
-published config. Besides the names, each family fixes what its config leaves implicit: a two-matrix
-MLP instead of SwiGLU, LayerNorm with a bias, biases on every projection, learned position tables,
-one norm per layer for parallel attention, an untied LM head with a bias.
+published config and against the ``attribute_map`` of the released Transformers (and vLLM) config
+class. Besides the names, each family fixes what its config leaves implicit: a two-matrix MLP instead
+of SwiGLU, LayerNorm with a bias, biases on every projection, learned position tables, one norm per
+layer for parallel attention, an untied LM head with a bias.
 
 :func:`normalize` returns a copy of the config in Llama's field names plus the ``ModelSpec`` flags
 (under keys starting with ``_``), which :func:`memwatch.models.hf_config.config_fields` reads.
