@@ -271,6 +271,7 @@ def test_mixtral_expert_weights() -> None:
               "vocab_size": 32000, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
     spec = ModelSpec.from_config(config, "Mixtral-8x7B")
     assert spec.num_parameters() == 46_702_792_704                     # Mixtral 8x7B: 46.7 B
+    assert spec.weight_bytes() == 46_702_792_704 * 2                   # bfloat16
     breakdown = spec.parameter_breakdown()
     assert breakdown["mlp"] == 32 * (8 * 3 * 4096 * 14336 + 8 * 4096)  # experts and router
     assert spec.kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2
@@ -289,6 +290,7 @@ def test_qwen2_moe_shared_expert_and_sparse_step() -> None:
              + 60 * h + h                                              # router, shared expert gate
              + 2 * h)                                                  # norms
     assert spec.num_parameters() == 24 * layer + 2 * 151936 * h + h
+    assert spec.weight_bytes() == (24 * layer + 2 * 151936 * h + h) * 2
     assert round(spec.num_parameters() / 1e9, 1) == 14.3               # Qwen1.5-MoE-A2.7B: 14.3 B total
     assert spec.kv_bytes_per_token() == 2 * 24 * 16 * 128 * 2
 
