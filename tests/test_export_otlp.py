@@ -130,7 +130,8 @@ def test_an_unreachable_collector_costs_one_line_and_nothing_of_ingest(runtime_d
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
     with OtlpReceiver() as probe:
         port = probe.port  # a port that was free a moment ago and now has no listener
-    with SidecarProcess(runtime_dir, db_path, "--otlp", f"http://127.0.0.1:{port}") as sidecar:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")  # `--otlp` alone: the SDK's variable
+    with SidecarProcess(runtime_dir, db_path, "--otlp") as sidecar:
         run_id = _simulate(runtime_dir, db_path, "non_torch_leak")
         samples = query(db_path, "SELECT count(*) FROM samples WHERE run_id = ?", (run_id,))[0][0]
         assert samples > 100
@@ -140,6 +141,7 @@ def test_an_unreachable_collector_costs_one_line_and_nothing_of_ingest(runtime_d
                      what="an export once the collector listens")
             output = sidecar.stop()
     assert sidecar.proc.returncode == 0, output
+    assert f"exporting to OTLP/HTTP to http://127.0.0.1:{port}/v1/metrics" in output
     failing = [line for line in output.splitlines() if "otlp: cannot export metrics" in line]
     assert len(failing) == 1, output
     assert "ingest goes on" in failing[0] and "Traceback" not in output

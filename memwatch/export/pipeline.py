@@ -19,7 +19,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 
-from .config import ExportConfig
+from .config import OTLP_FROM_ENV, ExportConfig
 from .flag_logs import FlagLogger
 from .instruments import register_instruments
 from .otlp import ResilientLogExporter, ResilientMetricExporter, quiet_sdk_loggers, signal_endpoint
@@ -93,6 +93,8 @@ class Exporters:
         where = self.config.describe()
         if self.prometheus is not None:
             where[0] = f"Prometheus on http://{self.prometheus.host}:{self.prometheus.port}/metrics"
+        if self.otlp_metrics is not None and self.config.otlp == OTLP_FROM_ENV:  # say which one the SDK took
+            where[1 if self.prometheus is not None else 0] = f"OTLP/HTTP to {self.otlp_metrics.endpoint}"
         return where
 
     def watch_losses(self, source: Callable[[], Iterable[tuple[str, int, int]]]) -> None:
