@@ -57,7 +57,7 @@ def test_one_alert_per_flag_kind_of_warning_or_worse_and_one_for_the_oom_margin(
     assert "memwatch_oom_margin_bytes" in rules
 
 
-def test_the_dashboard_imports_with_a_datasource_input_and_shows_every_ledger_term() -> None:
+def test_the_dashboard_imports_with_a_datasource_input_and_shows_every_ledger_term_row_by_row() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     assert [(i["name"], i["type"], i["pluginId"]) for i in dashboard["__inputs"]] == [
         ("DS_PROMETHEUS", "datasource", "prometheus")]
@@ -73,7 +73,29 @@ def test_the_dashboard_imports_with_a_datasource_input_and_shows_every_ledger_te
     first_exprs = " ".join(t["expr"] for t in first["targets"])
     for term in ("non_torch", "weights", "torch_other", "kv", "activation_reserve", "headroom", "budget"):
         assert f"memwatch_{term}_bytes" in first_exprs, term
+    # Then, row by row: drift (non-PyTorch, residual), fragmentation (cache slack), KV and preemptions, OOM margin.
+    rows = [p["title"].lower() for p in dashboard["panels"] if p["type"] == "row"]
+    order = ("the ledger", "drift", "fragmentation", "kv", "oom margin")
+    assert [next(i for i, title in enumerate(rows) if title.startswith(row)) for row in order] == list(range(5)), rows
+    after = {row: _row_panels(dashboard, row) for row in ("drift", "fragmentation", "kv", "oom margin")}
+    assert [t["expr"].split("{")[0] for p in after["drift"] for t in p["targets"]] == [
+        "memwatch_non_torch_bytes", "memwatch_residual_bytes"]
+    assert "memwatch_cache_slack_bytes" in [t["expr"].split("{")[0] for t in after["fragmentation"][0]["targets"]]
+    kv = " ".join(t["expr"] for p in after["kv"] for t in p["targets"])
+    assert "memwatch_kv_blocks_used" in kv and "memwatch_preemptions_total" in kv
+    assert after["oom margin"][0]["targets"][0]["expr"].startswith("memwatch_oom_margin_bytes{")
     text = DASHBOARD.read_text()
     for term in CHECK_TERMS:
         assert f"memwatch_{term}" in text, f"ledger term {term} is not on the dashboard"
     assert dashboard["annotations"]["list"][-1]["expr"].count("memwatch_flags_total") == 1
+
+
+def _row_panels(dashboard: dict, row: str) -> list[dict]:
+    """The panels under the row whose title starts with ``row`` (up to the next row)."""
+    panels, inside = [], False
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            inside = panel["title"].lower().startswith(row)
+        elif inside:
+            panels.append(panel)
+    return panels
