@@ -4,8 +4,10 @@ Both sides are the sidecar as users run it: rings drained by the real ``Collecto
 detectors, stored by the real ``StoreWriter``. "On" adds the exporters' observer, a Prometheus
 endpoint scraped every second by a client thread, and an OTLP/HTTP exporter pushing every second to a
 local receiver (15 and 60 times the usual intervals), so their work competes with ingest for the GIL.
-Off and on alternate, ``--repeat`` times each, in the same run; the ratio is taken per pair (an "on" run
-against the "off" run just before it), so that a machine busy with other work skews both sides alike.
+Each "on" run gets exporters of its own, started before and closed after it, so an "off" run shares
+the process with no exporter thread at all. Off and on alternate, ``--repeat`` times each, in the same
+run, every other pair "on" first; the ratio is taken per pair (an "on" run against the "off" run next
+to it), so that a machine busy with other work skews both sides alike.
 
 Then: the scrape latency of ``/metrics`` with 64 ranks live (each with a sized ledger).
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -50,7 +53,7 @@ EXPORT_EVERY_MS = "1000"
 
 def fill_rings(runtime: Path, samples: int) -> None:
     per_rank = samples // RANKS
-    capacity = 1 << per_rank.bit_length()
+    capacity = 1 << (2 * per_rank).bit_length()  # room to spare: nothing is lost before the drain
     for rank in range(RANKS):
         writer = RingWriter(runtime / f"bench-r{rank}.ring", run_id="bench", rank=rank, world_size=RANKS,
                             capacity=capacity, meta={"engine": "bench", "model": "m", "gpu_total_bytes": 80 * GiB})
@@ -62,8 +65,11 @@ def fill_rings(runtime: Path, samples: int) -> None:
 
 
 class _Sink(BaseHTTPRequestHandler):
+    posts = 0
+
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).posts += 1
         self.send_response(200)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -88,13 +94,16 @@ def ingest(tmp: Path, samples: int, exporters: Exporters | None) -> float:
     collector = Collector(runtime, db_path, writer, observers=observers, is_alive=lambda pid, start: False)
     start = time.perf_counter()
     collector.scan()
-    while collector.poll():
-        pass
+    while collector.poll() or collector.backlogged:  # a full writer queue pauses draining, as in the sidecar
+        if collector.backlogged:
+            time.sleep(0.001)
     assert writer.flush(timeout=60), "the store writer did not commit within 60 s"
     elapsed = time.perf_counter() - start
     collector.close()
     writer.close()
-    return (samples // RANKS) * RANKS / elapsed
+    stored = sqlite3.connect(db_path).execute("SELECT count(*) FROM samples").fetchone()[0]
+    assert stored == (samples // RANKS - 1) * RANKS, f"stored {stored} samples of {(samples // RANKS - 1) * RANKS}"
+    return stored / elapsed
 
 
 def _scraper(url: str, stop: threading.Event, latencies: list[float]) -> None:
@@ -103,6 +112,23 @@ def _scraper(url: str, stop: threading.Event, latencies: list[float]) -> None:
         with urllib.request.urlopen(url, timeout=10) as response:
             response.read()
         latencies.append(time.perf_counter() - start)
+
+
+def ingest_exporting(tmp: Path, samples: int, otlp_port: int, scrapes: list[float]) -> tuple[float, int]:
+    """:func:`ingest` with fresh exporters, scraped and pushing while it runs; (samples/s, failed OTLP pushes)."""
+    exporters = Exporters(ExportConfig(prometheus=("127.0.0.1", 0), otlp=f"http://127.0.0.1:{otlp_port}"))
+    exporters.start()
+    assert exporters.prometheus is not None and exporters.otlp_metrics is not None
+    stop = threading.Event()
+    scraper = threading.Thread(target=_scraper, args=(f"http://127.0.0.1:{exporters.prometheus.port}/metrics",
+                                                      stop, scrapes), name="scraper", daemon=True)
+    scraper.start()
+    try:
+        return ingest(tmp, samples, exporters), exporters.otlp_metrics.reachability.failures
+    finally:
+        stop.set()
+        scraper.join(timeout=10)
+        exporters.close()
 
 
 def scrape_latency(ranks: int, scrapes: int) -> tuple[list[float], int]:
@@ -146,36 +172,30 @@ def main() -> int:
 
     sink = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
     threading.Thread(target=sink.serve_forever, name="otlp-sink", daemon=True).start()
-    exporters = Exporters(ExportConfig(prometheus=("127.0.0.1", 0), otlp=f"http://127.0.0.1:{sink.server_port}"))
-    exporters.start()
-    assert exporters.prometheus is not None
-    port = exporters.prometheus.port
-    stop = threading.Event()
-    scrapes: list[float] = []
-    scraper = threading.Thread(target=_scraper, args=(f"http://127.0.0.1:{port}/metrics", stop, scrapes),
-                               name="scraper", daemon=True)
     off: list[float] = []
     on: list[float] = []
+    scrapes: list[float] = []
+    failures = 0
     with tempfile.TemporaryDirectory() as tmp:
-        scraper.start()
-        for _ in range(args.repeat):
-            off.append(ingest(Path(tmp), args.samples, None))
-            on.append(ingest(Path(tmp), args.samples, exporters))
-        stop.set()
-        scraper.join(timeout=10)
-    exports = exporters.otlp_metrics
-    exporters.close()
+        for i in range(args.repeat):
+            if i % 2:  # every other pair runs "on" first, so neither side always comes second
+                rate, failed = ingest_exporting(Path(tmp), args.samples, sink.server_port, scrapes)
+            off.append(ingest(Path(tmp), args.samples, None))  # nothing exports, nothing scrapes meanwhile
+            if not i % 2:
+                rate, failed = ingest_exporting(Path(tmp), args.samples, sink.server_port, scrapes)
+            on.append(rate)
+            failures += failed
     sink.shutdown()
     latencies, series = scrape_latency(64, args.scrapes)
 
-    pairs = [o / f for o, f in zip(on, off, strict=True)]  # each "on" run against the "off" run just before it
+    pairs = [o / f for o, f in zip(on, off, strict=True)]  # each "on" run against the "off" run next to it
     ratio = statistics.median(pairs)
     print(f"ingest, exporters off (collector + detectors + writer): {_fmt(off, ' samples/s')}  "
           f"({args.samples:,} samples over {RANKS} ranks, {args.repeat} runs)")
     print(f"ingest, Prometheus + OTLP on:                           {_fmt(on, ' samples/s')}")
     print(f"  during it: {len(scrapes):,} scrapes ({SCRAPE_EVERY:.0f} s apart), "
-          f"OTLP pushes every {int(EXPORT_EVERY_MS) / 1000:.0f} s "
-          f"({'failing' if exports is not None and exports.reachability.failures else 'all delivered'})")
+          f"OTLP pushes every {int(EXPORT_EVERY_MS) / 1000:.0f} s: {_Sink.posts} received "
+          f"({f'{failures} failed' if failures else 'all delivered'})")
     print(f"scrape latency with 64 ranks live ({series:,} series): {_fmt([s * 1000 for s in latencies], ' ms')}"
           f"  ({args.scrapes} scrapes)")
     print(f"ratio on/off per pair of runs: min {min(pairs):.2f}  median {ratio:.2f}  max {max(pairs):.2f}   "
