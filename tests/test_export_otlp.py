@@ -62,6 +62,7 @@ def test_otlp_metrics_and_flag_logs_match_the_store(runtime_dir: Path, db_path: 
     run = query(db_path, "SELECT engine, model, hostname, gpu_total_bytes FROM runs WHERE run_id = ?", (run_id,))[0]
     engine, model, host, total = run
     ranks = dict(query(db_path, "SELECT rank, pid FROM ranks WHERE run_id = ?", (run_id,)))
+    gpu_names = dict(query(db_path, "SELECT rank, gpu_name FROM ranks WHERE run_id = ?", (run_id,)))
     assert sorted(ranks) == [0, 1]
     report = check_run(open_store(db_path, readonly=True), run_id)
     for rank, pid in ranks.items():
@@ -76,6 +77,7 @@ def test_otlp_metrics_and_flag_logs_match_the_store(runtime_dir: Path, db_path: 
         assert (value, unit) == (used, "By")
         assert {k: attrs[k] for k in RUN_ATTRIBUTES} == expected_run
         assert attrs["hw.type"] == "gpu" and attrs["hw.id"] == str(rank)  # the simulator puts rank r on GPU r
+        assert attrs["hw.name"] == gpu_names[rank] == "Virtual GPU" and "hw.vendor" not in attrs  # no vendor named
         assert _by_rank(latest["hw.gpu.memory.limit"])[rank][1:] == (total, "By")
         _, ratio, unit = _by_rank(latest["hw.gpu.memory.utilization"])[rank]
         assert unit == "1" and ratio == pytest.approx(used / total)
@@ -127,6 +129,7 @@ def test_otlp_metrics_and_flag_logs_match_the_store(runtime_dir: Path, db_path: 
 def test_an_unreachable_collector_costs_one_line_and_nothing_of_ingest(runtime_dir: Path, db_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "100")
+    monkeypatch.setenv("OTEL_BLRP_SCHEDULE_DELAY", "100")  # flag log records are pushed (and fail) as often
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
     with OtlpReceiver() as probe:
         port = probe.port  # a port that was free a moment ago and now has no listener
@@ -145,6 +148,7 @@ def test_an_unreachable_collector_costs_one_line_and_nothing_of_ingest(runtime_d
     failing = [line for line in output.splitlines() if "otlp: cannot export metrics" in line]
     assert len(failing) == 1, output
     assert "ingest goes on" in failing[0] and "Traceback" not in output
+    assert len([line for line in output.splitlines() if "otlp: cannot export flag log records" in line]) == 1, output
     assert "otlp: metrics reach" in output
     ((_, value, _),) = receiver.latest_points()["memwatch.samples"]
     assert value == samples
