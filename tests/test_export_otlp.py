@@ -2,7 +2,7 @@
 
 Every exported number is checked against what the same sidecar stored in SQLite for the same run:
 the last sample of each rank, the ledger ``memwatch check`` computes from the store, the counts of
-samples, OOMs and flags, and one log record per stored flag.
+samples, OOMs and flags, and one log record per stored flag. The exporting sidecar loads no PyTorch.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def test_otlp_metrics_and_flag_logs_match_the_store(runtime_dir: Path, db_path: 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=gpu-team")
     with OtlpReceiver() as receiver, SidecarProcess(runtime_dir, db_path, "--otlp", receiver.endpoint) as sidecar:
         run_id = _simulate(runtime_dir, db_path, "non_torch_leak_tp2")
+        mapped = Path(f"/proc/{sidecar.proc.pid}/maps").read_text()  # every exporter has run: no PyTorch loaded
         output = sidecar.stop()  # the last export happens on the way out, with the final counts
+    assert "libtorch" not in mapped and "libc10" not in mapped
     assert sidecar.proc.returncode == 0, output
     assert f"exporting to OTLP/HTTP to {receiver.endpoint}" in output
     assert receiver.content_types == {"application/x-protobuf"}
