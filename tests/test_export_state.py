@@ -75,6 +75,19 @@ def test_preemptions_samples_and_flags_count_what_the_collector_stored(runtime_d
     assert ("oom", "critical") in zeros  # every kind starts at 0, so a rate sees the first flag
 
 
+def test_an_oom_is_counted_on_its_rank(runtime_dir: Path, db_path: Path) -> None:
+    run_scenario("warmup_decode", runtime_dir=runtime_dir)  # the 16,384-token wave runs out of memory
+    state = ExportState()
+    reader = _reader(state)
+    store_rings(runtime_dir, db_path, observers=[state, LiveDetectors(on_flag=state.on_flag)])
+    stored = query(db_path, "SELECT count(*) FROM events WHERE kind = 'oom'")[0][0]
+    assert stored == 1
+    ((_, ooms),) = _points(reader)["memwatch.ooms"]
+    assert ooms == stored
+    flags = {(a["kind"], a["severity"]): v for a, v in _points(reader)["memwatch.flags"]}
+    assert flags[("oom", "critical")] == 1
+
+
 def test_hardware_attributes_and_a_finished_rank_lingers_then_stops() -> None:
     now = [100.0]
     state = ExportState(linger=30, clock=lambda: now[0])
