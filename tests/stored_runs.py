@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -31,8 +32,9 @@ def store_rings(runtime_dir: Path, db_path: Path, *, live: bool = False, observe
     observers = [*observers, LiveDetectors()] if live else list(observers)
     collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False, observers=observers)
     collector.scan()
-    while collector.poll():
-        pass
+    while collector.poll() or collector.backlogged:  # a full writer queue pauses draining: wait, then go on
+        if collector.backlogged:
+            time.sleep(0.001)
     assert writer.flush(timeout=60), "the store writer did not commit within 60 s"
     collector.close()
     writer.close()
