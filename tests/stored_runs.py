@@ -32,9 +32,14 @@ def store_rings(runtime_dir: Path, db_path: Path, *, live: bool = False, observe
     observers = [*observers, LiveDetectors()] if live else list(observers)
     collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False, observers=observers)
     collector.scan()
-    while collector.poll() or collector.backlogged:  # a full writer queue pauses draining: wait, then go on
-        if collector.backlogged:
-            time.sleep(0.001)
+    drain(collector)
     assert writer.flush(timeout=60), "the store writer did not commit within 60 s"
     collector.close()
     writer.close()
+
+
+def drain(collector: Collector) -> None:
+    """Poll until every ring is read to its end; a full writer queue pauses draining, as in the sidecar."""
+    while collector.poll() or collector.backlogged:
+        if collector.backlogged:
+            time.sleep(0.001)

@@ -12,6 +12,7 @@ from memwatch.store.writer import StoreWriter
 from memwatch_engine import Monitor
 
 from probes import ScriptedProbe
+from stored_runs import drain
 
 
 def _sidecar(runtime_dir: Path, db_path: Path, alive: bool = True) -> tuple[Collector, StoreWriter]:
@@ -23,8 +24,7 @@ def _sidecar(runtime_dir: Path, db_path: Path, alive: bool = True) -> tuple[Coll
 
 def _drain(collector: Collector, writer: StoreWriter) -> None:
     collector.scan()
-    while collector.poll():
-        pass
+    drain(collector)
     writer.flush()
 
 
@@ -61,10 +61,10 @@ def test_samples_of_two_runs_keep_their_run_once_its_key_is_known(runtime_dir: P
     # The first drain inserts with a per-row lookup of the run's key; later drains with the key itself.
     first, second = _monitor(runtime_dir, "runA"), _monitor(runtime_dir, "runB")
     collector, writer = _sidecar(runtime_dir, db_path)
-    for drain in range(3):
+    for round_ in range(3):
         for monitor in (first, second):
             with monitor.phase("serve"):
-                for _ in range(5 + drain):
+                for _ in range(5 + round_):
                     monitor.step("decode", num_seqs=1, num_tokens=1)
         _drain(collector, writer)
     assert all(state.run_key is not None for state in collector.rings.values())

@@ -14,6 +14,8 @@ from memwatch.store.retention import Retention, apply_retention
 from memwatch.store.window import window_rows
 from memwatch_engine.ring import RingWriter
 
+from stored_runs import drain
+
 S = 1_000_000_000
 STEP_NS = 10_000_000  # 100 steps/s
 
@@ -85,8 +87,7 @@ def test_the_sidecar_rolls_up_a_running_run_and_keeps_the_minutes_around_its_oom
     sidecar.start()
     try:
         sidecar.collector.scan()
-        while sidecar.collector.poll():
-            pass
+        drain(sidecar.collector)
         assert sidecar.writer.flush(timeout=30)
         sidecar.apply_retention()  # the ring is still open: the run is being stored
         assert sidecar.writer.flush(timeout=30)

@@ -16,6 +16,7 @@ from memwatch_engine import Monitor
 from memwatch_engine.ring import _CHUNK, CHUNK_PAYLOAD, HEADER_SIZE, RECORD_SIZE, RingWriter
 
 from probes import ScriptedProbe
+from stored_runs import drain
 
 
 def _store(runtime_dir: Path, db_path: Path) -> tuple[Collector, StoreWriter]:
@@ -23,8 +24,7 @@ def _store(runtime_dir: Path, db_path: Path) -> tuple[Collector, StoreWriter]:
     writer.start()
     collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False)
     collector.scan()
-    while collector.poll():
-        pass
+    drain(collector)
     assert writer.flush(timeout=30) and writer.error is None, writer.error
     return collector, writer
 

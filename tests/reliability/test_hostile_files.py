@@ -16,6 +16,7 @@ from memwatch_engine.ring import RingWriter
 
 from probes import ScriptedProbe
 from processes import query
+from stored_runs import drain
 
 
 def _ring(path: Path, run_id: str) -> None:
@@ -40,8 +41,7 @@ def test_foreign_writable_and_linked_rings_are_ignored_and_the_good_one_stored(
     collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False)
     with caplog.at_level(logging.WARNING, logger="memwatch.collector"):
         collector.scan()
-        while collector.poll():
-            pass
+        drain(collector)
     assert writer.flush(timeout=30)
     assert query(db_path, "SELECT run_id FROM runs") == [("good",)]
     ignored = "\n".join(record.getMessage() for record in caplog.records)

@@ -17,6 +17,7 @@ from memwatch_engine import Monitor
 from probes import ScriptedProbe
 from processes import SidecarProcess, memwatch_env, query, wait_for
 from rel_helpers import run_engine
+from stored_runs import drain
 
 RECORDS = 5000 + 3 + 3  # steps, the serve phase's two samples and the close sample; three events
 
@@ -65,8 +66,7 @@ def test_records_stay_right_across_sidecar_restarts(runtime_dir: Path, db_path: 
         writer.start()
         collector = Collector(runtime_dir, db_path, writer)  # the writer is this process: alive
         collector.scan()
-        while collector.poll():
-            pass
+        drain(collector)
         assert writer.flush(timeout=30)
         collector.close()
         writer.close()
