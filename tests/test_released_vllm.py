@@ -114,14 +114,26 @@ def test_dp2_tp2_hybrid_model_offline_scheduler_and_speculative_steps(tmp_path: 
                        3: (96, 16384, 3 * MiB // 2)}
     assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
 
-    # Offline (log_stats off, no stat logger): each engine's scheduler ring has one sample per schedule(),
-    # its own total (blocks − the null block: 255 and 95, not the front end's sum) and vLLM's own usage.
+    # Engine 0 offline (log_stats off, no stat logger), engine 1 served (log_stats on): each engine's scheduler
+    # ring has one sample per schedule(), its own total (blocks − the null block: 255 and 95, not the front
+    # end's sum) and vLLM's own usage.
+    assert {step["stats_usage"] for step in engine_0["steps"]} == {None}
     for rank, engine in ((4, engine_0), (5, engine_1)):
         total = engine["num_blocks"] - 1
         rows = query(db_path, "SELECT step_kind, num_seqs, num_tokens, kv_blocks_used, kv_blocks_total FROM samples "
                               "WHERE rank = ? AND kv_blocks_total IS NOT NULL ORDER BY step", (rank,))
         assert rows == [(_expected_kind(step), step["num_seqs"], step["num_tokens"], round(step["usage"] * total),
                          total) for step in engine["steps"]]
+    # The served engine's SchedulerStats (what its stat loggers get, taken after the step's update) say the
+    # same usage on every step that finished nothing, and less once a finished request gave its blocks back.
+    used = [row[0] for row in query(db_path, "SELECT kv_blocks_used FROM samples WHERE rank = 5 "
+                                             "AND kv_blocks_total IS NOT NULL ORDER BY step")]
+    served = list(zip(used, engine_1["steps"], strict=True))
+    assert all(step["stats_usage"] is not None for step in engine_1["steps"])
+    assert [n for n, step in served if not step["finished"]] == [
+        round(step["stats_usage"] * 95) for _, step in served if not step["finished"]]
+    finishing = [(n, round(step["stats_usage"] * 95)) for n, step in served if step["finished"]]
+    assert sum(step["finished"] for step in engine_1["steps"]) == 3 and all(after < n for n, after in finishing)
     preempted = sum(step["preempted"] for step in engine_1["steps"])
     assert preempted >= 1
     assert [(rank, data["count"]) for rank, data in _events(db_path, "preemption")] == [

@@ -13,8 +13,10 @@ model runner whose ``initialize_kv_cache`` calls vLLM's ``allocate_kv_cache``.
 
 "on" runs data parallelism 2 × tensor parallelism 2 of a hybrid model (full and sliding-window
 attention layers, two KV cache groups): engine 0 gets 4 MiB of KV memory per worker, engine 1 gets
-1.5 MiB; engine 1 serves three prompts that cannot all keep their blocks (preemptions) and speculative
-decoding steps (two draft tokens each).
+1.5 MiB; engine 0 runs without stats, as offline ``LLM(...)`` does, and engine 1 with them, as a served
+engine does, serving three prompts that cannot all keep their blocks (preemptions) and speculative
+decoding steps (two draft tokens each). Both modes also ask vLLM's own ``AsyncLLM.__init__`` what
+``log_stats`` it settles on for an engine served with stats off.
 
 "workload BLOCK_SIZE" runs one engine on one GPU (TP 1, as vLLM's ``UniProcExecutor`` runs the worker
 in the engine core) whose real ``Worker.execute_model`` runs on vLLM's process groups over gloo: eight
@@ -136,6 +138,32 @@ def _plan(config: Any, available: list[int], hybrid: bool = True) -> list[Any]:
     return kv_cache_configs
 
 
+class _RendererReached(Exception):
+    """``AsyncLLM.__init__`` asked for its renderer: ``log_stats`` is decided by then."""
+
+
+def _async_llm_log_stats(config: Any) -> bool:
+    """``log_stats`` as ``AsyncLLM.__init__`` decides it for an engine served with ``--disable-log-stats``.
+
+    vLLM's own constructor runs up to its renderer (the first thing that needs a tokenizer), where the
+    driver stops it: by then it has loaded the stat logger plugins and set ``log_stats``.
+    """
+    from vllm.v1.engine import async_llm
+
+    def stop(*args: Any, **kwargs: Any) -> Any:
+        raise _RendererReached
+
+    engine = object.__new__(async_llm.AsyncLLM)
+    renderer_from_config, async_llm.renderer_from_config = async_llm.renderer_from_config, stop
+    try:
+        async_llm.AsyncLLM.__init__(engine, config, executor_class=None, log_stats=False)
+    except _RendererReached:
+        pass
+    finally:
+        async_llm.renderer_from_config = renderer_from_config
+    return engine.log_stats
+
+
 def _serve(scheduler: Any, prompts: dict[str, int], max_tokens: int, drafts: int, stagger: int = 0,
            worker: Any = None) -> list[dict[str, Any]]:
     """The engine core's loop: schedule, the model's output (from ``worker.execute_model`` when given, as
@@ -143,7 +171,9 @@ def _serve(scheduler: Any, prompts: dict[str, int], max_tokens: int, drafts: int
 
     Every prompt arrives before the first step, or, with ``stagger``, the i-th before step ``i × stagger``.
     Returns, per step, what vLLM itself says of it: requests and tokens scheduled, draft tokens
-    scheduled, requests preempted, and ``kv_cache_manager.usage`` right after ``schedule()``.
+    scheduled, requests preempted, ``kv_cache_manager.usage`` right after ``schedule()``, requests
+    finished, and the ``SchedulerStats.kv_cache_usage`` that ``update_from_output`` hands the front end's
+    stat loggers (None unless the scheduler has ``log_stats``).
     """
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import DraftTokenIds
@@ -163,7 +193,10 @@ def _serve(scheduler: Any, prompts: dict[str, int], max_tokens: int, drafts: int
                       "new": len(output.scheduled_new_reqs), "preempted": len(output.preempted_req_ids or ()),
                       "usage": scheduler.kv_cache_manager.usage})
         result = worker.execute_model(output) if worker is not None else model.execute_model(output)
-        scheduler.update_from_output(output, result)
+        outputs = scheduler.update_from_output(output, result).values()
+        stats = [eco.scheduler_stats for eco in outputs if eco.scheduler_stats is not None]
+        steps[-1]["stats_usage"] = stats[0].kv_cache_usage if stats else None
+        steps[-1]["finished"] = sum(out.finish_reason is not None for eco in outputs for out in eco.outputs)
         if drafts:
             running = [request.request_id for request in scheduler.running]
             scheduler.update_draft_token_ids(DraftTokenIds(running, [[7] * drafts for _ in running]))
@@ -189,12 +222,12 @@ def main() -> None:
 
     factories = load_stat_logger_plugin_factories()
     facts["stat_logger_factories"] = [repr(factory) for factory in factories]
-    facts["async_llm_log_stats"] = False or bool(factories)  # AsyncLLM(log_stats=False)'s own rule
     facts["environment_changed"] = sorted(name for name in set(os.environ) | set(environment)
                                           if os.environ.get(name) != environment.get(name))
     facts["meta_path"] = [type(finder).__module__ for finder in sys.meta_path]
     facts["worker_wrapped"] = _wrapped(gpu_worker.Worker)
     facts["scheduler_wrapped"] = _wrapped(Scheduler)
+    facts["async_llm_log_stats"] = _async_llm_log_stats(_config(model, 0, dp=1, tp=1))  # sets vLLM's environment
     if mode == "on":
         facts["engines"] = [_engine(model, dp_rank) for dp_rank in (0, 1)]
     elif mode == "workload":
@@ -220,8 +253,9 @@ def _engine(model: str, dp_rank: int) -> dict[str, Any]:
     kv_cache_configs = _plan(config, [(4 * MiB if dp_rank == 0 else 3 * MiB // 2)] * len(workers))
     for worker, kv_cache_config in zip(workers, kv_cache_configs, strict=True):
         worker.initialize_from_config(kv_cache_config)
+    # Engine 0 runs as offline LLM(...) does (no stats); engine 1 as a served engine (SchedulerStats each step).
     scheduler = Scheduler(config, kv_cache_configs[0], StructuredOutputManager(config), block_size=16,
-                          log_stats=False)
+                          log_stats=dp_rank == 1)
     if dp_rank == 0:
         steps = _serve(scheduler, {"a": 100}, max_tokens=3, drafts=0)
     else:
