@@ -42,7 +42,7 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 settings = {settings}
 config = VllmConfig(
     ModelConfig(sys.argv[1], max_model_len=1024, sliding_window_layers=settings.get("sliding", 0)),
-    CacheConfig(gpu_memory_utilization=0.5),
+    CacheConfig(gpu_memory_utilization=0.5, kv_cache_memory_bytes=settings.get("kv_bytes")),
     ParallelConfig(tensor_parallel_size=settings.get("tp", 1), data_parallel_size=settings.get("dp", 1),
                    data_parallel_rank=int(sys.argv[2])),
     SchedulerConfig(max_num_batched_tokens=2048),
@@ -67,14 +67,19 @@ def declared_entry_points() -> dict[str, dict[str, str]]:
     return project.get("entry-points", {})
 
 
-def _run_engines(tmp_path: Path, runtime_dir: Path, db_path: Path, engines: int = 1, **settings: object) -> None:
-    """Run ``engines`` data-parallel engine processes (ranks 0..) with ``MEMWATCH=1`` into a sidecar."""
+def _run_engines(tmp_path: Path, runtime_dir: Path, db_path: Path, engines: int = 1, stderr_starts: str = "",
+                 **settings: object) -> None:
+    """Run ``engines`` data-parallel engine processes (ranks 0..) with ``MEMWATCH=1`` into a sidecar.
+
+    ``stderr_starts``: what each engine's stderr begins with (nothing else from memwatch); by default it is empty.
+    """
     model = tmp_path / "Qwen3-mini"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
     script = tmp_path / "serve.py"
     script.write_text(SERVE.format(settings=repr({**settings, "dp": engines})))
-    env = memwatch_env(runtime_dir, db_path, MEMWATCH="1", MEMWATCH_RUN_ID="0123abcd0001", PYTHONPATH=str(MIRRORS),
+    path = [str(MIRRORS), *([str(tmp_path / "site")] if (tmp_path / "site").is_dir() else [])]
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH="1", MEMWATCH_RUN_ID="0123abcd0001", PYTHONPATH=":".join(path),
                        FAKE_CUDA_TOTAL_BYTES=str(160 * MiB), FAKE_CUDA_CONTEXT_BYTES=str(64 * MiB))
     with SidecarProcess(runtime_dir, db_path) as sidecar:
         sidecar.pause()  # a ring listed before its header is written is ignored for good: keep that race out
@@ -83,7 +88,8 @@ def _run_engines(tmp_path: Path, runtime_dir: Path, db_path: Path, engines: int 
                  for dp_rank in range(engines)]
         for proc in procs:
             _, stderr = proc.communicate(timeout=120)
-            assert proc.returncode == 0 and stderr == "", stderr
+            assert proc.returncode == 0 and stderr.startswith(stderr_starts) and "memwatch" not in stderr, stderr
+            assert stderr_starts or stderr == "", stderr
         sidecar.resume()
         wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("ok",)], what="the run to be stored")
         wait_for(lambda: not list(runtime_dir.glob("*.ring")), what="the rings to be drained")
@@ -160,6 +166,30 @@ def test_hybrid_model_one_shared_buffer_is_counted_once(tmp_path: Path, runtime_
     [(rank, sizing)] = _events(db_path, "kv_allocated")
     assert (rank, sizing["num_blocks"], sizing["block_bytes"], sizing["kv_cache_bytes"]) == (
         0, 192, 8 * page, 48 * MiB)
+    assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
+
+
+def test_an_explicit_kv_cache_size_is_the_budget_and_profiling_still_runs_beside_a_broken_plugin(
+        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    # Another package's general plugin fails to import: vLLM's loader logs it and skips it, memwatch's runs.
+    broken = tmp_path / "site" / "broken_plugin-1.0.dist-info"
+    broken.mkdir(parents=True)
+    (broken / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")
+    (broken / "entry_points.txt").write_text("[vllm.general_plugins]\nbroken = no_such_module:register\n")
+    _run_engines(tmp_path, runtime_dir, db_path, stderr_starts="Failed to load plugin broken\n",
+                 kv_bytes=32 * MiB)
+
+    # kv_cache_memory_bytes = 32 MiB: vLLM still runs the profiling forward (2048 tokens × 4 KiB = 8 MiB,
+    # on top of the 20 MiB of weights, so the peak is 28 MiB) but measures nothing and returns that size.
+    assert _events(db_path, "vllm_memory_profile") == [(0, {
+        "available_kv_cache_memory_bytes": 32 * MiB, "requested_bytes": 80 * MiB,
+        "cudagraph_memory_estimate_bytes": None, "peak_activation_memory_bytes": None,
+        "total_consumed_bytes": None, "gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": 32 * MiB})]
+    # 512 KiB a block (16 layers × 16 tokens × 4 KV heads × 256 × 2 bytes): 32 MiB // 512 KiB = 64 blocks,
+    # the count the ledger derives from the explicit size, so no mismatch.
+    [(rank, sizing)] = _events(db_path, "kv_allocated")
+    assert (rank, sizing["peak_bytes"], sizing["block_bytes"], sizing["num_blocks"], sizing["kv_cache_bytes"],
+            sizing["kv_cache_memory_bytes"]) == (0, 28 * MiB, 512 * 1024, 64, 32 * MiB, 32 * MiB)
     assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
 
 
