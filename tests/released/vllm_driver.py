@@ -15,7 +15,7 @@ model runner whose ``initialize_kv_cache`` calls vLLM's ``allocate_kv_cache``.
 attention layers, two KV cache groups): engine 0 gets 4 MiB of KV memory per worker, engine 1 gets
 1.5 MiB; engine 0 runs without stats, as offline ``LLM(...)`` does, and engine 1 with them, as a served
 engine does, serving three prompts that cannot all keep their blocks (preemptions) and speculative
-decoding steps (two draft tokens each). Both modes also ask vLLM's own ``AsyncLLM.__init__`` what
+decoding steps (two draft tokens each). "on" and "off" also ask vLLM's own ``AsyncLLM.__init__`` what
 ``log_stats`` it settles on for an engine served with stats off.
 
 "workload BLOCK_SIZE" runs one engine on one GPU (TP 1, as vLLM's ``UniProcExecutor`` runs the worker
@@ -227,7 +227,8 @@ def main() -> None:
     facts["meta_path"] = [type(finder).__module__ for finder in sys.meta_path]
     facts["worker_wrapped"] = _wrapped(gpu_worker.Worker)
     facts["scheduler_wrapped"] = _wrapped(Scheduler)
-    facts["async_llm_log_stats"] = _async_llm_log_stats(_config(model, 0, dp=1, tp=1))  # sets vLLM's environment
+    if mode in ("off", "on"):  # after the environment is compared: AsyncLLM sets variables of vLLM's own
+        facts["async_llm_log_stats"] = _async_llm_log_stats(_config(model, 0, dp=1, tp=1))
     if mode == "on":
         facts["engines"] = [_engine(model, dp_rank) for dp_rank in (0, 1)]
     elif mode == "workload":
