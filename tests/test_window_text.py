@@ -153,5 +153,5 @@ def test_a_process_with_threads_reads_both_halves_itself(
         threaded = plan.read()
     finally:
         release.set()
-        other.join()
+        other.join(timeout=30)
     assert forks == [] and threaded == plan.read() and forks == [1]
