@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import sqlite3
 import threading
 from pathlib import Path
 
@@ -125,6 +126,26 @@ def test_the_window_is_the_same_when_the_fork_or_the_child_fails(
 
     monkeypatch.setattr(text_module, "_text", fails_in_the_child)
     assert _cli(db_path, run_id) == expected
+
+
+def test_hundreds_of_gaps_are_sorted_in_like_the_python_table(
+    stored: tuple[Path, str, int, int], tmp_path: Path,
+) -> None:
+    """A run that lost samples many times (a sidecar that fell behind again and again): more notes than
+    SQLite allows terms in a chain of SELECTs (500), every one where the Python table puts it."""
+    db_path, run_id, first, _ = stored
+    copy = tmp_path / "gaps.db"
+    with sqlite3.connect(db_path) as source, sqlite3.connect(copy) as target:
+        source.backup(target)  # the write-ahead log's pages too
+    db = open_store(copy)
+    ends = [first + 1000 * i for i in range(600)]  # all in the earlier half, before its first few samples
+    gaps = [(run_id, ts, json.dumps({"count": 2, "from_ts_ns": ts - 1000, "to_ts_ns": ts})) for ts in ends]
+    db.conn.executemany("INSERT INTO events VALUES (?, 1, NULL, ?, 'samples_lost', ?)", gaps)
+    db.conn.commit()
+    db.conn.close()
+    table = _cli(copy, run_id)
+    assert table.count("samples lost here") == len(ends) + 2  # and the two of the fixture that show
+    assert table == _python_table(copy, run_id, None, None, None)
 
 
 def test_the_later_half_runs_in_another_process() -> None:

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 _MOST_LEFT_OUT = 300
 """Rows left out by key in the query itself (three parameters each); past this the window is read row by row."""
+_MOST_NOTES = 5000
+"""Notes sorted in by the query itself (three parameters each, under SQLite's 32,766); past this, row by row."""
 _SPLIT_NS = 2_000_000_000
 """A window holding at least this much time is read in two halves."""
 _READ_TIMEOUT_S = 600.0
@@ -69,7 +71,7 @@ def window_text(
     ``notes`` are ``(time, line)`` pairs shown before the first sample at or after their time; a note
     after the window's last sample is not shown. A sample for which ``repeats(shown, sample)`` holds, where
     ``shown`` is the sample shown last at the same moment of the same rank, is left out. ``None`` when the
-    window holds rolled-up seconds or many repeats, or the store is not a file (read those through
+    window holds rolled-up seconds, many repeats or many notes, or the store is not a file (read those through
     :func:`~.window.window_rows`).
     """
     path = next((row[2] for row in db.execute("PRAGMA database_list") if row[1] == "main"), "")
@@ -93,6 +95,8 @@ def window_text(
             params = [*params, *(value for row in left_out for value in row)]
     first, last = held
     notes = [(ts, line) for ts, line in notes if ts <= last]  # a note shows before a sample
+    if len(notes) > _MOST_NOTES:
+        return None
     if last - first < _SPLIT_NS:
         return WindowText(path, [_query(line_sql, where, params, notes)])
     middle = first + (last - first) // 2 + 1
@@ -120,8 +124,8 @@ def _query(line_sql: str, where: str, params: list[Any], notes: Notes) -> tuple[
     """The lines of the samples ``where`` selects, with ``notes`` sorted in as rows of rank -1 (before any
     sample of the same moment), in their given order."""
     sql = f"SELECT {line_sql} AS line, ts_ns, rank, seq FROM sample_rows WHERE {where}"
-    if notes:
-        sql += "".join(" UNION ALL SELECT ?, ?, -1, ?" for _ in notes)
+    if notes:  # one VALUES list: unlike a chain of SELECTs, SQLite sets it no limit of terms
+        sql += f" UNION ALL VALUES {', '.join(['(?, ?, -1, ?)'] * len(notes))}"
         params = [*params, *(value for i, (ts, line) in enumerate(notes) for value in (line, ts, i))]
     return f"SELECT line FROM ({sql}) ORDER BY ts_ns, rank, seq", params
 
