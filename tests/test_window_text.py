@@ -9,6 +9,7 @@ import json
 import os
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -149,7 +150,41 @@ def test_hundreds_of_gaps_are_sorted_in_like_the_python_table(
 
 
 def test_the_later_half_runs_in_another_process() -> None:
-    assert int(text_module._in_child(lambda: str(os.getpid()))()) != os.getpid()
+    assert int(text_module._Child(lambda: str(os.getpid())).text()) != os.getpid()
+
+
+def test_a_failing_earlier_half_stops_and_reaps_the_child(
+    stored: tuple[Path, str, int, int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The error of the half read here comes out at once; the child, still at work, is killed and reaped."""
+    db_path, run_id, first, last = stored
+    plan = text_module.window_text(open_store(db_path, readonly=True), run_id,
+                                   timed_line_sql(ENGINE_LINE, first), since_ns=first, until_ns=last)
+    assert plan is not None and len(plan.parts) == 2
+    parent, children = os.getpid(), []
+    real_fork = os.fork
+
+    def fork() -> int:
+        pid = real_fork()
+        children.append(pid)
+        return pid
+
+    def slow_child_failing_parent(path: str, sql: str, params: list) -> str:
+        if os.getpid() != parent:
+            time.sleep(60)
+            return ""
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(os, "fork", fork)
+    monkeypatch.setattr(text_module, "_text", slow_child_failing_parent)
+    monkeypatch.setattr(threading, "active_count", lambda: 1)  # threads earlier tests left are not this test's
+    begin = time.monotonic()
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O"):
+        plan.read()
+    assert time.monotonic() - begin < 10
+    [child] = children
+    with pytest.raises(ProcessLookupError):  # killed and reaped: no process, not even a zombie
+        os.kill(child, 0)
 
 
 def test_a_process_with_threads_reads_both_halves_itself(

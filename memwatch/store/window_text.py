@@ -17,6 +17,7 @@ moment (a phase boundary recorded twice) are left out by key.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -57,8 +58,13 @@ class WindowText(NamedTuple):
             # a fork copies only this thread: a lock another thread held would stay held in the child
             return "".join(_text(self.path, *part) for part in self.parts)
         earlier, later = self.parts
-        waiting = _in_child(lambda: _text(self.path, *later))
-        return _text(self.path, *earlier) + waiting()
+        child = _Child(lambda: _text(self.path, *later))
+        try:
+            first = _text(self.path, *earlier)
+        except BaseException:
+            child.cancel()
+            raise
+        return first + child.text()
 
 
 def window_text(
@@ -141,43 +147,60 @@ def _text(path: str, sql: str, params: list[Any]) -> str:
     return "\n".join(lines) + "\n" if lines else ""
 
 
-def _in_child(work: Callable[[], str]) -> Callable[[], str]:
-    """Start ``work`` in a forked child; the function returned waits for its text, at most
-    :data:`_READ_TIMEOUT_S`. Where the fork or the child fails, the work is done here instead (only slower)."""
-    try:
-        readable, writable = os.pipe()
-        pid = os.fork()
-    except OSError:
-        return work
-    if pid == 0:  # the child: its text into the pipe, then out without the parent's exit handlers or buffers
-        code = 1
-        try:
-            os.close(readable)
-            with open(writable, "wb") as pipe:
-                pipe.write(work().encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(writable)
+class _Child:
+    """``work`` run in a forked child, its text read back through a pipe. Where the fork or the child fails,
+    :meth:`text` does the work here instead (only slower)."""
 
-    def wait() -> str:
+    def __init__(self, work: Callable[[], str]) -> None:
+        self._work, self._pid = work, 0
+        try:
+            self._readable, writable = os.pipe()
+        except OSError:
+            return
+        try:
+            self._pid = os.fork()
+        except OSError:
+            os.close(self._readable)
+            os.close(writable)
+            return
+        if self._pid == 0:  # the child: its text into the pipe, then out without the parent's exit handlers
+            code = 1
+            try:
+                os.close(self._readable)
+                with open(writable, "wb") as pipe:
+                    pipe.write(work().encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(writable)
+
+    def text(self) -> str:
+        """The child's text, waited for at most :data:`_READ_TIMEOUT_S`."""
+        if not self._pid:
+            return self._work()
         chunks: list[bytes] = []
         deadline = time.monotonic() + _READ_TIMEOUT_S
-        try:
-            while (left := deadline - time.monotonic()) > 0:
-                if select.select([readable], [], [], left)[0]:
-                    if not (chunk := os.read(readable, 1 << 20)):
-                        break
-                    chunks.append(chunk)
-            else:
-                os.kill(pid, signal.SIGKILL)
-                raise UnavailableError(f"reading the window took over {_READ_TIMEOUT_S:.0f} s; ask for a shorter one")
-        finally:
-            os.close(readable)
-            _, status = os.waitpid(pid, 0)
-        return b"".join(chunks).decode() if status == 0 else work()
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([self._readable], [], [], left)[0]:
+                if not (chunk := os.read(self._readable, 1 << 20)):
+                    break
+                chunks.append(chunk)
+        else:
+            self.cancel()
+            raise UnavailableError(f"reading the window took over {_READ_TIMEOUT_S:.0f} s; ask for a shorter one")
+        pid, self._pid = self._pid, 0
+        os.close(self._readable)
+        _, status = os.waitpid(pid, 0)  # the pipe closed as the child exits
+        return b"".join(chunks).decode() if status == 0 else self._work()
 
-    return wait
+    def cancel(self) -> None:
+        """Stop the child, release the pipe and reap it: its text is no longer wanted."""
+        if self._pid:
+            pid, self._pid = self._pid, 0
+            os.close(self._readable)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def _repeated_rows(
