@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mirrors.zero_code import MIRRORS
 
-from processes import memwatch_env
+from processes import memwatch_env, query, wait_for
 
 LIGHT = """
 import sys, threading, time
@@ -70,3 +70,17 @@ def reap() -> None:
 
 def unattended(script: Path, env: dict[str, str], *args: str) -> tuple[str, str]:
     return Target(script, env, *args).finish()
+
+
+def wait_for_engine_steps(db_path: Path, ranks: list[int], at_least: int, what: str) -> None:
+    """Wait (60 s at most) until each of ``ranks``, and no other, has ``at_least`` engine steps stored."""
+    steps = "SELECT rank, count(*) FROM samples WHERE step_kind IS NOT NULL GROUP BY rank"
+    wait_for(lambda: [rank for rank, count in query(db_path, steps) if count >= at_least] == ranks,
+             timeout=60, what=what)
+
+
+def detach_and_wait(env: dict[str, str], pid: int, db_path: Path) -> None:
+    """``memwatch attach --detach PID``, then wait for the run to be stored as detached."""
+    detached = memwatch(env, "attach", "--detach", str(pid))
+    assert detached.returncode == 0, detached.stderr
+    wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("detached",)], what="the run to end")

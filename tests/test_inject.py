@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from injection import LIGHT, Target, memwatch, reap, target_env, unattended
+from injection import LIGHT, Target, detach_and_wait, memwatch, reap, target_env, unattended, wait_for_engine_steps
 from test_adapter_nanovllm import DEVICE, _free_port, _model_dir
 
 from memwatch.attach.inject import detach, inject, payload
@@ -100,9 +100,7 @@ def test_inject_into_a_plain_torch_loop_records_samples_and_detach_stops_it(
         wait_for(lambda: len(query(db_path, "SELECT 1 FROM samples")) >= 5, what="sampler readings in the database")
         assert target.running()
 
-        detached = memwatch(env, "attach", "--detach", str(target.proc.pid))
-        assert detached.returncode == 0, detached.stderr
-        wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("detached",)], what="the run to end")
+        detach_and_wait(env, target.proc.pid, db_path)
         assert target.running()
         output = target.finish()
 
@@ -132,14 +130,10 @@ def test_inject_into_a_nanovllm_tp2_engine_patches_every_rank_and_detach_restore
         assert done.returncode == 0, done.stderr
         assert "the nano-vllm adapter" in done.stderr
         assert len(json.loads(done.stdout)["ranks"]) == 2  # rank 1 lives in the spawned worker
-        steps = "SELECT rank, count(*) FROM samples WHERE step_kind IS NOT NULL GROUP BY rank"
-        wait_for(lambda: [rank for rank, count in query(db_path, steps) if count >= 8] == [0, 1],
-                 timeout=60, what="steps of both ranks in the database")
+        wait_for_engine_steps(db_path, [0, 1], 8, "steps of both ranks in the database")
         assert target.running()
 
-        detached = memwatch(env, "attach", "--detach", str(target.proc.pid))
-        assert detached.returncode == 0, detached.stderr
-        wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("detached",)], what="the run to end")
+        detach_and_wait(env, target.proc.pid, db_path)
         output = target.finish()
 
     assert output == reference

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from injection import Target, memwatch, reap, unattended
+from injection import Target, detach_and_wait, memwatch, reap, unattended, wait_for_engine_steps
 from mirrors.zero_code import ROOT
 from test_released_vllm import QWEN3
 
-from processes import SidecarProcess, memwatch_env, query, wait_for
+from processes import SidecarProcess, memwatch_env, query
 
 ENGINE = ROOT / ".engines" / "vllm"
 RELEASED = Path(__file__).resolve().parent / "released"
@@ -72,14 +72,10 @@ def test_inject_into_a_released_vllm_engine_reads_its_kv_cache_and_detach_restor
         assert done.returncode == 0, done.stderr
         assert "the vllm adapter" in done.stderr
         assert len(json.loads(done.stdout)["ranks"]) == 2  # the worker (rank 0) and the engine core's scheduler
-        steps = "SELECT rank, count(*) FROM samples WHERE step_kind IS NOT NULL GROUP BY rank"
-        wait_for(lambda: [rank for rank, count in query(db_path, steps) if count >= 9] == [0, 1],
-                 timeout=60, what="steps of the worker and the scheduler in the database")
+        wait_for_engine_steps(db_path, [0, 1], 9, "steps of the worker and the scheduler in the database")
         assert target.running()
 
-        detached = memwatch(env, "attach", "--detach", str(target.proc.pid))
-        assert detached.returncode == 0, detached.stderr
-        wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("detached",)], what="the run to end")
+        detach_and_wait(env, target.proc.pid, db_path)
         assert target.running()
         output, err = target.finish()
 

@@ -54,8 +54,10 @@ def stored_ranks(db: Database, key: int) -> list[int]:
     return sorted(ranks)
 
 
-def _where(key: int, rank: int | list[int] | None, since_ns: int | None, until_ns: int | None,
-           ts: str) -> tuple[str, list[Any]]:
+def key_range_where(key: int, rank: int | list[int] | None, since_ns: int | None, until_ns: int | None,
+                    ts: str) -> tuple[str, list[Any]]:
+    """A ``WHERE`` clause and its parameters for a run's rows of ``rank`` (one, a list, or all) whose time
+    column ``ts`` lies between ``since_ns`` and ``until_ns`` inclusive, written so the table's key is used."""
     clauses, params = ["run_key = ?"], [key]
     if isinstance(rank, list):  # every rank listed, so that a time range is an index range per rank
         clauses.append(f"rank IN ({', '.join('?' * len(rank))})")
@@ -97,8 +99,8 @@ def window_rows(
     if key is None:
         return
     ranks = stored_ranks(db, key) if rank is None and (since_ns is not None or until_ns is not None) else rank
-    raw_where, raw_params = _where(key, ranks, since_ns, until_ns, "ts_ns")
-    rolled_where, rolled_params = _where(key, ranks, since_ns, until_ns, "last_ts_ns")
+    raw_where, raw_params = key_range_where(key, ranks, since_ns, until_ns, "ts_ns")
+    rolled_where, rolled_params = key_range_where(key, ranks, since_ns, until_ns, "last_ts_ns")
     rolled = db.execute(f"SELECT 1 FROM sample_seconds WHERE {rolled_where} LIMIT 1", rolled_params).fetchone()
     if rolled is None:  # all at full resolution (the usual case for a recent window): no union to pad and sort
         from_row = Sample.from_row

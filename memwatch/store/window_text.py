@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import UnavailableError
 from ..records import Sample
-from .window import RAW_SELECT, _where, run_key, stored_ranks
+from .window import RAW_SELECT, key_range_where, run_key, stored_ranks
 
 if TYPE_CHECKING:
     from .db import Database
@@ -85,15 +85,15 @@ def window_text(
     if key is None or not path:
         return None
     ranks = stored_ranks(db, key) if rank is None else [rank]
-    rolled_where, rolled_params = _where(key, ranks, since_ns, until_ns, "last_ts_ns")
+    rolled_where, rolled_params = key_range_where(key, ranks, since_ns, until_ns, "last_ts_ns")
     if db.execute(f"SELECT 1 FROM sample_seconds WHERE {rolled_where} LIMIT 1", rolled_params).fetchone():
         return None
     held = _held_span(db, key, ranks, since_ns, until_ns)
     if held is None:
         return WindowText(path, [])
-    where, params = _where(key, ranks, since_ns, until_ns, "ts_ns")
+    where, params = key_range_where(key, ranks, since_ns, until_ns, "ts_ns")
     if repeats is not None:
-        left_out = _repeated_rows(db, run_id, where, params, repeats)
+        left_out = _repeated_rows(db, run_id, key, where, params, repeats)
         if left_out is None:
             return None
         if left_out:
@@ -204,14 +204,13 @@ class _Child:
 
 
 def _repeated_rows(
-    db: Database, run_id: str, where: str, params: list[Any], repeats: Callable[[Sample, Sample], bool],
+    db: Database, run_id: str, key: int, where: str, params: list[Any], repeats: Callable[[Sample, Sample], bool],
 ) -> list[tuple[int, int, int]] | None:
     """Keys ``(rank, ts_ns, seq)`` of the samples ``repeats`` leaves out; ``None`` past :data:`_MOST_LEFT_OUT`.
 
     Only a moment holding more than one sample of a rank can hold a repeat; the key finds those moments
     without a sort, and only their samples are read whole.
     """
-    key = run_key(db, run_id)
     moments = db.execute(f"SELECT rank, ts_ns FROM sample_rows WHERE {where} GROUP BY rank, ts_ns"
                          " HAVING count(*) > 1", params).fetchall()
     left_out: list[tuple[int, int, int]] = []
