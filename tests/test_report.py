@@ -151,6 +151,37 @@ def test_plotting_libraries_load_only_when_a_report_is_written() -> None:
     assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
 
 
+# The command as a user without the library runs it: a finder ahead of all others says the module is not there.
+WITHOUT_MODULE = """
+import sys
+missing = sys.argv[1]
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition('.')[0] == missing:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Missing())
+from memwatch.cli import main
+sys.argv = ['memwatch', *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.parametrize(("missing", "suffix", "needed_by"), [
+    ("plotly", ".html", "the HTML report"), ("numpy", ".html", "the report"), ("matplotlib", ".png", "the PNG report")])
+def test_a_missing_plotting_library_says_which_extra_to_install(
+        oom_run: str, db_path: Path, tmp_path: Path, missing: str, suffix: str, needed_by: str) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "out" / f"report{suffix}"
+    out.parent.mkdir()
+    done = subprocess.run([sys.executable, "-c", WITHOUT_MODULE, missing, "report", oom_run, "--db", str(db_path),
+                           "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (4, ""), done.stderr
+    assert done.stderr == f"error: {needed_by} needs {missing}; install it with pip install 'memwatch[report]'\n"
+    assert list(out.parent.iterdir()) == []
+
+
 def test_a_run_stored_without_live_detectors_still_shows_its_flags(runtime_dir: Path, db_path: Path) -> None:
     run_id = store_scenario("non_torch_leak", runtime_dir, db_path)  # no flags table rows: replayed as check does
     [rank] = load_run_data(open_store(db_path, readonly=True), run_id).ranks

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memwatch.errors import UnavailableError
+from memwatch.optional import require
 from memwatch.report.run_data import STACK_TERMS, RankData, RunData
 
 GIB = float(1 << 30)
@@ -25,11 +25,7 @@ MEMORY_HEIGHT, KV_HEIGHT = 380, 170
 
 
 def _template() -> dict[str, Any]:
-    try:
-        import plotly.io as pio
-    except ImportError:
-        raise UnavailableError("the HTML report needs plotly; install it with pip install 'memwatch[report]'") from None
-    return pio.templates["plotly_white"].to_plotly_json()
+    return require("plotly.io", "the HTML report").templates["plotly_white"].to_plotly_json()
 
 
 def seconds(ts_ns: int, start_ns: int) -> float:
@@ -38,8 +34,7 @@ def seconds(ts_ns: int, start_ns: int) -> float:
 
 def as_array(values: list[Any], scale: float = 1.0, dtype: str = "float64") -> Any:
     """A float array (NaN where a reading is missing)."""
-    import numpy as np
-
+    np = require("numpy", "the report")
     return (np.array([np.nan if v is None else v for v in values], dtype=np.float64) / scale).astype(dtype)
 
 

@@ -12,6 +12,7 @@ import html
 from datetime import UTC, datetime
 from typing import Any
 
+from memwatch.optional import require
 from memwatch.report.facts import RankFacts, run_facts
 from memwatch.report.figure import build_figure
 from memwatch.report.run_data import RunData
@@ -98,8 +99,7 @@ def _snapshot_section(data: RunData) -> str:
 
 def render_page(data: RunData, explanation: str) -> str:
     """The whole HTML document for ``data`` with ``explanation`` (``memwatch explain``'s text)."""
-    import plotly.io as pio
-
+    pio = require("plotly.io", "the HTML report")
     run = data.run
     figure = build_figure(data)
     plot = pio.to_html(figure, validate=False, full_html=False, include_plotlyjs=True, include_mathjax=False,

@@ -10,7 +10,7 @@ import bisect
 from pathlib import Path
 from typing import Any
 
-from memwatch.errors import UnavailableError
+from memwatch.optional import require
 from memwatch.report.figure import GIB, PHASE_COLORS, SEVERITY_COLORS, TERM_COLORS, as_array, seconds
 from memwatch.report.run_data import STACK_TERMS, RankData, RunData
 
@@ -18,15 +18,8 @@ WIDTH_IN, MEMORY_IN, KV_IN, DPI = 12.0, 3.6, 1.6, 110
 
 
 def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=True)
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UnavailableError("the PNG report needs matplotlib; install it with pip install 'memwatch[report]'") \
-            from None
-    return plt
+    require("matplotlib", "the PNG report").use("Agg", force=True)
+    return require("matplotlib.pyplot", "the PNG report")
 
 
 def _values(values: list[int | None]) -> Any:
