@@ -7,6 +7,9 @@ import io
 import itertools
 import json
 import sqlite3
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,8 @@ from click.testing import CliRunner
 from memwatch.cli import main
 from memwatch.records import SAMPLE_COLUMNS
 
-from stored_runs import START_NS, store_scenario
+from processes import memwatch_env
+from stored_runs import START_NS, store_rings, store_scenario
 
 
 @pytest.fixture
@@ -107,3 +111,36 @@ def test_runs_gpu_column_says_the_size_once_and_no_empty_gpu(stored: str, db_pat
     with sqlite3.connect(db_path) as conn:  # a plain PyTorch loop seen without a device name
         conn.execute("UPDATE runs SET gpu_name = NULL, gpu_total_bytes = NULL")
     assert _invoke(db_path, "runs")[1].splitlines()[1].endswith("Qwen3-0.6B")
+
+
+# `memwatch sim` starts its virtual clock before the ring exists; this engine dies at its first sample.
+FIRST_SAMPLE_CRASH = textwrap.dedent("""
+    import os, sys, time
+    from memwatch_engine import Monitor
+    from memwatch.sim.clock import VirtualClock
+    from memwatch.sim.gpu import VirtualGPU
+    clock = VirtualClock(time.time_ns())
+    monitor = Monitor(engine="sim", model="toy", probe=VirtualGPU(8 << 30), runtime_dir=sys.argv[1],
+                      spawn_sidecar=False, run_id="firstsample", clock=clock.now_ns)
+    with monitor.stepping("prefill", num_seqs=1, num_tokens=8):
+        pass
+    os._exit(1)
+""")
+
+
+def test_a_run_that_died_at_its_first_sample_lasted_no_time_not_less(runtime_dir: Path, db_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", FIRST_SAMPLE_CRASH, str(runtime_dir)], capture_output=True,
+                          text=True, env=memwatch_env(runtime_dir, db_path), timeout=60)
+    assert done.returncode == 1, done.stderr
+    store_rings(runtime_dir, db_path)
+    with sqlite3.connect(db_path) as conn:
+        started, ended, status = conn.execute("SELECT started_ns, ended_ns, status FROM runs").fetchone()
+    assert status == "crashed" and ended < started  # its one sample was taken before its ring was created
+    code, out = _invoke(db_path, "runs")
+    assert code == 0 and out.splitlines()[1].split()[3:5] == ["0.0s", "crashed"]
+    [run] = json.loads(_invoke(db_path, "runs", "--json")[1])
+    assert run["duration_ns"] == 0
+    with sqlite3.connect(db_path) as conn:  # a run still recording has no end yet
+        conn.execute("UPDATE runs SET ended_ns = NULL, status = 'running'")
+    assert _invoke(db_path, "runs")[1].splitlines()[1].split()[3:5] == ["-", "running"]
+    assert json.loads(_invoke(db_path, "runs", "--json")[1])[0]["duration_ns"] is None

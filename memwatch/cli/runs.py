@@ -36,7 +36,7 @@ def command(db_path: Path | None, as_json: bool, limit: int) -> None:
                "MODEL / GPU")
     for run in runs:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime((run.started_ns or 0) / 1e9))
-        duration = f"{(run.ended_ns - run.started_ns) / 1e9:.1f}s" if run.ended_ns and run.started_ns else "-"
+        duration = "-" if run.duration_ns is None else f"{run.duration_ns / 1e9:.1f}s"
         gpu = _gpu(run.gpu_name, run.gpu_total_bytes)
         click.echo(
             f"{run.run_id:<13} {started:<19} {duration:>9} {run.status or '?':<8} {run.rank_count or 1:>5} "

@@ -33,8 +33,19 @@ class Run:
     config: dict[str, Any]
     source: str | None
 
+    @property
+    def duration_ns(self) -> int | None:
+        """From start to last record, never negative; ``None`` while either end is unknown.
+
+        The start is when the first ring was created, the end the last record's time: a record taken
+        just before its ring existed (a run that died at its first sample) must not read as ``-0.0s``.
+        """
+        if not self.started_ns or not self.ended_ns:
+            return None
+        return max(self.ended_ns - self.started_ns, 0)
+
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "duration_ns": self.duration_ns}
 
 
 MAX_RUN_REF = 256
