@@ -92,6 +92,8 @@ def test_a_killed_simulated_engine_is_explained_as_crashed(runtime_dir: Path, db
     assert readings["last"]["driver_free_bytes"] == last.driver_free_bytes
     assert any(sentence.startswith("rank 0's last") and "free memory" in sentence
                for sentence in explanation["sentences"])
+    # Killed, not out of memory: no failing allocation to speak of.
+    assert not any("failing allocation" in sentence for sentence in explanation["sentences"])
 
     code, out = _cli(db_path, "explain", "latest")
     assert out.splitlines()[0].endswith(": crashed")

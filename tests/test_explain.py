@@ -9,10 +9,15 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from memwatch.attach.record import record_snapshots
+from memwatch.attach.snapshot import GpuUsage, ProcessUsage, Snapshot
 from memwatch.cli import MemwatchGroup
 from memwatch.cli import explain as explain_cli
-from memwatch.records import Sample
+from memwatch.detectors.wording import format_bytes
+from memwatch.hostinfo import HostProcess
+from memwatch.records import Event, Sample
 from memwatch.report import Explanation, explain_records, explain_run
+from memwatch.report.readings import format_time
 from memwatch.sim import Scenario, run_scenario
 from memwatch.sim.forward import forward_ops
 from memwatch.sim.scorecard import ring_records
@@ -51,6 +56,8 @@ def test_a_leak_is_named_with_its_size_duration_and_onset(runtime_dir: Path, db_
     assert growth.growth_bytes == (last - 199) * LEAK_BYTES
     assert growth.seconds == pytest.approx((last - 199) * DECODE_STEP_S)
     assert end.sentences[0].startswith(f"rank 0 crashed after step {last:,} with ")
+    assert end.sentences[0].endswith("no out-of-memory was recorded: with the device nearly full, something outside "
+                                     "PyTorch's allocator likely failed to allocate (a library's cudaMalloc).")
     # The text leads with what is said of any crash, then what grew before it, as for an out-of-memory.
     assert explanation.sentences[0].startswith("the run crashed")
     assert end.sentences[1] in explanation.sentences and end.sentences[0] not in explanation.sentences
@@ -149,3 +156,108 @@ def test_cli_unknown_run_exits_3(db_path: Path, runtime_dir: Path) -> None:
     store_scenario("demo", runtime_dir, db_path)
     result = CliRunner().invoke(cli(), ["explain", "zzz", "--db", str(db_path)])
     assert result.exit_code == 3 and result.output.startswith("error: no run 'zzz'")
+
+
+# -- how a run ended: each sentence follows from what was recorded ----------------------------------------------
+
+NO_ALLOCATION_FAILED = ("failing allocation", "less free than the reserve", "ran out of memory at",
+                        "outside PyTorch's allocator")
+"""Said only of an out-of-memory (or a crash with the device nearly full): a request that failed."""
+
+
+def _said(explanation: Explanation, *phrases: str) -> list[str]:
+    return [phrase for phrase in phrases if any(phrase in sentence for sentence in explanation.sentences)]
+
+
+def _chat(tmp_path: Path) -> tuple[list[Sample | Event], Sample]:
+    """clean_chat's records up to a serving sample half-way, without the run's end: where a process died."""
+    records = ring_records(run_scenario("clean_chat", runtime_dir=tmp_path, start_ns=START_NS))
+    serving = [r for r in records if isinstance(r, Sample) and r.phase == "serve"]
+    middle = serving[len(serving) // 2]
+    cut = records[:records.index(middle) + 1]
+    return [r for r in cut if not (isinstance(r, Event) and r.kind == "run_end")], middle
+
+
+def test_a_crash_with_memory_to_spare_speaks_of_no_failing_allocation(tmp_path: Path) -> None:
+    records, last = _chat(tmp_path)
+    free, total = last.driver_free_bytes, last.driver_free_bytes + last.driver_used_bytes
+    assert free > total // 50  # 10 % of 16 GiB kept back by utilization 0.9: far from full
+    explanation = explain_records(records, status="crashed")
+    (end,) = explanation.ooms
+    assert (explanation.outcome, end.crashed, end.step, end.requested_bytes) == ("crashed", True, last.step, None)
+    assert end.sentences[0] == (f"rank 0 crashed after step {last.step:,} with {format_bytes(free)} free and no "
+                                "out-of-memory was recorded.")
+    assert explanation.sentences[0].startswith("the run crashed (its process died without closing its ring: "
+                                               "SIGKILL, the OOM killer or a fault); its last record is rank 0 step "
+                                               f"{last.step:,} (serve)")
+    for sentence in (f"rank 0 still had {format_bytes(free)} free at its last sample: the readings do not point to "
+                     "GPU memory.", "No rank recorded an out-of-memory; no flags.",
+                     "No ledger term grew before rank 0's crash.", "No flag was raised before rank 0's crash."):
+        assert sentence in explanation.sentences
+    assert _said(explanation, *NO_ALLOCATION_FAILED, "no rank ran out of memory") == []
+
+
+def test_an_out_of_memory_in_a_process_that_then_died_is_told_as_the_out_of_memory(tmp_path: Path) -> None:
+    result = run_scenario("other_process_oom", runtime_dir=tmp_path, start_ns=START_NS)
+    records = [r for r in ring_records(result) if not (isinstance(r, Event) and r.kind == "run_end")]
+    oom = next(r for r in records if isinstance(r, Event) and r.kind == "oom")
+    for status in ("oom", "crashed"):  # as the sidecar stores it, and as a dead writer's run would read
+        explanation = explain_records(records, status=status)
+        assert explanation.outcome == "oom"
+        assert explanation.sentences[0] == (
+            f"rank 0 ran out of memory at step {oom.step:,}: a request for "
+            f"{format_bytes(oom.data['requested_bytes'])} failed with {format_bytes(oom.data['driver_free_bytes'])} "
+            "free.")
+        assert explanation.sentences[1].startswith("Non-PyTorch memory jumped by ")
+        assert explanation.sentences[-1].startswith("Flags before the out-of-memory: oom_risk (critical)")
+        assert _said(explanation, "crash", "No rank recorded an out-of-memory", "no rank ran out of memory",
+                     "No ledger term grew", "detached") == []
+
+
+def test_a_run_that_ended_well_or_with_an_error_says_so_and_nothing_more(tmp_path: Path) -> None:
+    records = ring_records(run_scenario("clean_chat", runtime_dir=tmp_path, start_ns=START_NS))
+    last = [r for r in records if isinstance(r, Sample)][-1]
+    for status in (None, "ok"):
+        ok = explain_records(records, status=status)
+        assert (ok.outcome, ok.sentences[0]) == ("ok", "no rank ran out of memory; no flags.")
+        assert ok.sentences[1].startswith("rank 0's tightest moment was step ") and len(ok.sentences) == 2
+        assert _said(ok, *NO_ALLOCATION_FAILED, "crash", "error", "detached", "No ledger term") == []
+    error = explain_records(records, status="error")
+    assert error.outcome == "error"
+    assert error.sentences[0] == (f"the run stopped with an error; its last record is rank 0 step {last.step:,} "
+                                  f"at {format_time(last.ts_ns)}.")
+    assert "No rank recorded an out-of-memory; no flags." in error.sentences
+    assert _said(error, *NO_ALLOCATION_FAILED, "crash", "no rank ran out of memory", "No ledger term") == []
+
+
+def test_a_detached_run_says_its_end_was_not_recorded(tmp_path: Path) -> None:
+    records, last = _chat(tmp_path)
+    detached = explain_records(records, status="detached")
+    assert detached.outcome == "detached" and detached.ooms == ()
+    assert detached.sentences[:2] == [
+        f"recording was turned off (detached) after rank 0 step {last.step:,} at {format_time(last.ts_ns)} while "
+        "the process went on: how the run ended was not recorded.", "No rank recorded an out-of-memory; no flags."]
+    assert _said(detached, *NO_ALLOCATION_FAILED, "crash", "no rank ran out of memory") == []
+
+
+def test_a_process_watched_from_outside_that_exited_or_was_let_go_says_what_is_unknown(tmp_path: Path) -> None:
+    # attach --record's runs, through the real recorder and store: three seconds of a process on a 24 GiB GPU,
+    # from START_NS (2023-11-14 22:13:20 UTC).
+    host = HostProcess(4242, "python", ("python", "serve.py"), "alice", 2 << 30, 12.5, "running", START_NS, ())
+    snapshots = [Snapshot(START_NS + second * 10**9, 4242, "nvml", host, (
+        GpuUsage(0, "NVIDIA L4", "GPU-0", 24 << 30, (5 + second) << 30, (19 - second) << 30,
+                 (ProcessUsage(4242, (4 + second) << 30),)),)) for second in range(3)]
+    leads = {
+        "exited": "the process exited after rank 0 step 2 at 2023-11-14 22:13:22.000 UTC; it was watched from "
+                  "outside, so its exit code is unknown (only its parent process can collect it).",
+        "detached": "recording was turned off (detached) after rank 0 step 2 at 2023-11-14 22:13:22.000 UTC while "
+                    "the process went on: how the run ended was not recorded.",
+    }
+    for status, lead in leads.items():
+        db = tmp_path / f"{status}.db"
+        run_id = record_snapshots(db, snapshots, status=status)
+        text = CliRunner().invoke(cli(), ["explain", "latest", "--db", str(db)])
+        assert text.exit_code == 0, text.output
+        assert text.output.splitlines()[:3] == [f"run {run_id}: {status}", lead,
+                                                "No rank recorded an out-of-memory; no flags."]
+        assert "no rank ran out of memory" not in text.output and "crash" not in text.output

@@ -23,7 +23,17 @@ from memwatch.detectors.wording import format_bytes, format_count, format_durati
 from memwatch.flags import OOM, Flag
 from memwatch.records import Event, Sample
 from memwatch.report.points import ListPoints, Points
-from memwatch.report.readings import CRASH, CRASHED, ENDED_BADLY, RankReadings, crash_ends, crash_sentences
+from memwatch.report.readings import (
+    CRASH,
+    CRASHED,
+    ENDED_BADLY,
+    ENDED_UNSEEN,
+    RankReadings,
+    crash_ends,
+    crash_sentences,
+    nearly_full,
+    unseen_end_sentence,
+)
 from memwatch.report.stored import first_ooms, ledger_events, stored_readings, stored_run
 from memwatch.report.stored_points import StoredPoints
 
@@ -124,7 +134,7 @@ class Explanation:
     run_id: str | None
     outcome: str
     """``oom`` when a rank ran out of memory; else ``crashed`` or ``error`` when the run ended so; else
-    ``ok``; ``empty`` without samples."""
+    ``detached`` or ``exited`` when memwatch did not see how it ended; else ``ok``; ``empty`` without samples."""
     ooms: tuple[OomReport, ...]
     tightest: tuple[Tightest, ...]
     flag_count: int
@@ -148,6 +158,9 @@ class Explanation:
             lead.append(f"No rank recorded an out-of-memory; {flags}.")
             # What grew before a rank died, as for an out-of-memory (its first sentence repeats the crash).
             lead += [sentence for end in self.ooms for sentence in end.sentences[1:]]
+        elif self.outcome in ENDED_UNSEEN:
+            lead = [unseen_end_sentence(self.outcome, list(self.readings)),
+                    f"No rank recorded an out-of-memory; {flags}."]
         else:
             lead = ["no rank ran out of memory; " + flags + "."]
         unsized = [sentence for readings in self.readings if readings.rank in self.unsized_ranks
@@ -221,7 +234,7 @@ def explain_from(
     elif not readings:
         outcome = "empty"
     else:
-        outcome = status if status in ENDED_BADLY else "ok"
+        outcome = status if status in ENDED_BADLY or status in ENDED_UNSEEN else "ok"
     return Explanation(run_id, outcome, reports, () if reports else tightest, len(flags), status,
                        tuple(readings[rank] for rank in sorted(readings)), unsized, started_ns)
 
@@ -277,9 +290,13 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     where = f" while {phase}" if phase and phase != "serve" else ""
     asked = "" if requested is None else f": a request for {format_bytes(requested)} failed"
     left = "" if free is None else f" with {format_bytes(free)} free"
+    end = f"rank {rank}'s crash" if oom.kind == CRASH else "the out-of-memory"
     if oom.kind == CRASH:
+        total = _int(data.get("total_bytes"))
+        cause = (": with the device nearly full, something outside PyTorch's allocator likely failed to allocate "
+                 "(a library's cudaMalloc)" if free is not None and total and nearly_full(free, total) else "")
         sentences = [f"rank {rank} crashed after step {format_count(oom.step)}{left} and no out-of-memory was "
-                     "recorded: something outside PyTorch's allocator failed (a library's cudaMalloc, a kernel)."]
+                     f"recorded{cause}."]
     else:
         sentences = [f"rank {rank} ran out of memory at step {format_count(oom.step)}{where}{asked}{left}."]
     if growth is not None:
@@ -287,17 +304,21 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     if over is not None:
         sentences.append(f"The failing allocation was {format_bytes(over)} larger than the activation reserve "
                          f"warmup measured ({format_bytes(reserve)}): warmup ran a smaller batch than serving needs.")
-    if growth is None and over is None:
-        sentences.append("No ledger term grew and the failing allocation fit the warmup reserve: the device "
-                         "had less free than the reserve assumes (check the budget's other terms).")
+    if growth is None and over is None and last is not None:
+        # A crash has no failing allocation; an OOM's size or the reserve may not have been recorded.
+        if oom.kind != CRASH and requested is not None and reserve is not None:
+            sentences.append("No ledger term grew and the failing allocation fit the warmup reserve: the device "
+                             "had less free than the reserve assumes (check the budget's other terms).")
+        else:
+            sentences.append(f"No ledger term grew before {end}.")
     if window is not None:
         sentences.append(_window_sentence(window))
     if before:
-        sentences.append("Flags before it: " + "; ".join(
+        sentences.append(f"Flags before {end}: " + "; ".join(
             f"{flag.kind} ({flag.severity}) at step {format_count(flag.step)}, {format_count(flag.steps_before)} "
             f"steps ({format_duration_ns(round(flag.seconds_before * 1e9))}) before" for flag in before) + ".")
     else:
-        sentences.append("No flag was raised before it.")
+        sentences.append(f"No flag was raised before {end}.")
     return OomReport(rank, oom.step, oom.ts_ns, phase, requested, free, reserve, over, window, growth, before,
                      tuple(sentences), oom.kind == CRASH)
 

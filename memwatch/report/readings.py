@@ -22,6 +22,11 @@ WINDOW_STEPS = 100
 """The last window before a crash: this many samples."""
 
 CRASHED = "crashed"
+DETACHED = "detached"
+EXITED = "exited"
+ENDED_UNSEEN = (DETACHED, EXITED)
+"""Run statuses whose end memwatch did not see: recording turned off (``attach --detach``, or ``attach --record``
+stopped) while the process went on, or a process watched from outside that exited with an unknown code."""
 ENDED_BADLY = {CRASHED: "crashed", "error": "stopped with an error"}
 CRASH = "crash"
 """The end of a rank that died without an OOM event (its ring never closed), explained like an OOM."""
@@ -173,13 +178,30 @@ def crash_sentences(status: str, ranks: list[RankReadings], started_ns: int | No
         sentences.append(window.sentence(f"rank {rank.rank}'s last {format_count(rank.window_samples)} samples"))
         free = window.end["driver_free_bytes"]
         if free is not None and rank.total_bytes:
-            if free < rank.total_bytes // 50:
+            if nearly_full(free, rank.total_bytes):
                 sentences.append(f"rank {rank.rank} had only {format_bytes(free)} free at its last sample: the "
                                  "device was nearly full, a likely cause.")
             else:
                 sentences.append(f"rank {rank.rank} still had {format_bytes(free)} free at its last sample: "
                                  "the readings do not point to GPU memory.")
     return sentences
+
+
+def unseen_end_sentence(status: str, ranks: list[RankReadings]) -> str:
+    """The lead of a post-mortem for a run whose end was not seen (:data:`ENDED_UNSEEN`)."""
+    last = max((r.last for r in ranks if r.last is not None), key=lambda s: s.ts_ns, default=None)
+    where = "" if last is None else (f" after rank {last.rank} step {format_count(last.step)} at "
+                                     f"{format_time(last.ts_ns)}")
+    if status == DETACHED:
+        return (f"recording was turned off (detached){where} while the process went on: how the run ended was "
+                "not recorded.")
+    return (f"the process exited{where}; it was watched from outside, so its exit code is unknown (only its "
+            "parent process can collect it).")
+
+
+def nearly_full(free_bytes: int, total_bytes: int) -> bool:
+    """Under 2 % of the device free: a failed allocation outside the ledger is then a likely cause of a crash."""
+    return free_bytes < total_bytes // 50
 
 
 def format_time(ts_ns: int) -> str:
@@ -200,11 +222,11 @@ def _size(value: int | None) -> str:
 
 def crash_ends(readings: dict[int, RankReadings], dead: set[int]) -> dict[int, Event]:
     """A crashed run without an OOM event: each rank that died ended at its last sample, which is explained
-    like an out-of-memory (a library's failed ``cudaMalloc`` outside PyTorch's allocator is the usual cause)."""
+    like an out-of-memory (what grew before it), but with no failing allocation to speak of."""
     ends = {}
     for rank in sorted(dead & set(readings)):
         last = readings[rank].last
         if last is not None:
             ends[rank] = Event(last.run_id, rank, last.step, last.ts_ns, CRASH,
-                               {"driver_free_bytes": last.driver_free_bytes})
+                               {"driver_free_bytes": last.driver_free_bytes, "total_bytes": readings[rank].total_bytes})
     return ends
