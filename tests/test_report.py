@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from matplotlib import image
 
 from memwatch.cli import main
+from memwatch.report.labels import MAX_ROWS, label_rows
 from memwatch.report.png import DPI, KV_IN, MEMORY_IN, WIDTH_IN
 from memwatch.report.run_data import load_run_data
 from memwatch.report.series import peak_series
@@ -81,6 +82,42 @@ def test_html_report_renders_offline_in_headless_chromium(oom_run: str, db_path:
     plot = pixels[pixels.shape[0] // 3:]
     assert len(np.unique((plot * 255).astype(np.uint8).reshape(-1, 3), axis=0)) > 50
     assert _near(pixels, OOM_RED) > 40  # the OOM cross and line
+
+
+LABEL_BOXES = """(() => {
+  const plot = document.getElementById('memwatch-plot');
+  if (!plot || !plot._fullLayout || !plot.querySelector('.main-svg .annotation-text')) return null;
+  return JSON.stringify([...plot.querySelectorAll('.annotation-text')].map(text => {
+    const box = text.getBoundingClientRect();
+    return [text.textContent, box.left, box.top, box.right, box.bottom];
+  }));
+})()"""
+PHASES = ["load", "warmup", "kv_alloc", "cudagraph", "serve"]
+
+
+@pytest.mark.parametrize("width", [1400, 1028])  # 1,028: the narrowest window the rows are planned for
+def test_the_names_of_short_phases_side_by_side_do_not_overlap(runtime_dir: Path, db_path: Path, tmp_path: Path,
+                                                                width: int) -> None:
+    # The demo's kv_alloc lasts no time and its cudagraph a third of a second, in a run of 40 s.
+    run_id = store_scenario("demo", runtime_dir, db_path)
+    opened = open_page(_report(db_path, run_id, tmp_path / "demo.html").as_uri(), LABEL_BOXES, width=width)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / f"report-demo-{width}.png").write_bytes(opened.screenshot)
+    boxes = [(name, box) for name, *box in json.loads(opened.value) if name in PHASES]
+    assert [name for name, _ in boxes] == PHASES  # one memory row, each phase named once, in the order they ran
+    assert all(right > left and bottom > top for _, (left, top, right, bottom) in boxes)
+    for i, (name, (left, top, right, bottom)) in enumerate(boxes):
+        for other, (left2, top2, right2, bottom2) in boxes[i + 1:]:
+            apart = right <= left2 or right2 <= left or bottom <= top2 or bottom2 <= top
+            assert apart, f"{name} {(left, top, right, bottom)} overlaps {other} {(left2, top2, right2, bottom2)}"
+
+
+def test_phase_names_step_down_while_they_would_collide_and_return_to_the_top_when_clear() -> None:
+    # 10 px per second and per character (+6 px after each name): "load" takes 0..46 px.
+    assert label_rows([(0, "load"), (50, "a"), (50, "b"), (51, "c"), (100, "d")], 0, 100, width_px=1000,
+                      char_px=10) == [0, 0, 1, 2, 0]
+    # More names in one spot than rows: the staircase wraps to the top instead of leaving the plot.
+    assert label_rows([(5, "x")] * (MAX_ROWS + 1), 0, 10) == [*range(MAX_ROWS), 0]
 
 
 def test_the_network_check_sees_a_request_when_a_page_makes_one(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from memwatch.optional import require
+from memwatch.report.labels import label_rows
 from memwatch.report.run_data import STACK_TERMS, RankData, RunData
 
 GIB = float(1 << 30)
@@ -22,6 +23,8 @@ PHASE_COLORS = {"load": "#4c72b0", "warmup": "#dd8452", "kv_alloc": "#55a868", "
                 "serve": "#937860"}
 SEVERITY_COLORS = {"info": "#4c72b0", "warning": "#e69f00", "critical": "#d62728"}
 MEMORY_HEIGHT, KV_HEIGHT = 380, 170
+LABEL_ROW_PX = 13
+"""One row of phase names (10 px text) below the other."""
 
 
 def _template() -> dict[str, Any]:
@@ -103,14 +106,15 @@ class _Figure:
         x, y = self.axes(row)
         self.data.append({"type": "scatter", **trace, "xaxis": x, "yaxis": y})
 
-    def vrect(self, row: int, x0: float, x1: float, label: str | None, **style: Any) -> None:
+    def vrect(self, row: int, x0: float, x1: float, label: str | None, label_row: int = 0, **style: Any) -> None:
         x, y = self.axes(row)
         self.layout["shapes"].append({"type": "rect", "xref": x, "yref": f"{y} domain", "x0": x0, "x1": x1,
                                       "y0": 0, "y1": 1, **style})
         if label is not None:
             self.layout["annotations"].append({"text": label, "x": x0, "xref": x, "xanchor": "left", "y": 1,
                                                "yref": f"{y} domain", "yanchor": "top", "showarrow": False,
-                                               "font": {"size": 10}})
+                                               "yshift": -LABEL_ROW_PX * label_row, "font": {"size": 10},
+                                               "bgcolor": "rgba(255,255,255,0.6)", "borderpad": 0})
 
     def vline(self, row: int, at: float, line: dict[str, Any]) -> None:
         x, y = self.axes(row)
@@ -147,9 +151,11 @@ def build_figure(data: RunData) -> dict[str, Any]:
             _memory_row(fig, row, rank, x, as_array(rank.points.step), data.start_ns, show)
         else:
             _kv_row(fig, row, rank, x, data.start_ns, show)
-        for phase in rank.phases:
+        label_at = phase_label_rows(rank, data.start_ns, float(x[0]) if len(x) else 0.0,
+                                    float(x[-1]) if len(x) else 0.0)
+        for phase, label_row in zip(rank.phases, label_at, strict=True):
             fig.vrect(row, seconds(phase.start_ns, data.start_ns), seconds(phase.end_ns, data.start_ns),
-                      phase.name if kind == "memory" else None,
+                      phase.name if kind == "memory" else None, label_row,
                       fillcolor=PHASE_COLORS.get(phase.name, "#999999"), opacity=0.09, line={"width": 0},
                       layer="below")
     plot_height = sum(MEMORY_HEIGHT if kind == "memory" else KV_HEIGHT for _, kind in rows) or 400
@@ -161,6 +167,15 @@ def build_figure(data: RunData) -> dict[str, Any]:
     bottom = fig.layout[f"xaxis{fig.rows if fig.rows > 1 else ''}"]
     bottom["title"] = {"text": "seconds since the run started"}
     return fig.as_dict()
+
+
+def phase_label_rows(rank: RankData, start_ns: int, first: float, last: float, **plan: float) -> list[int]:
+    """The row of each phase's name (:func:`~memwatch.report.labels.label_rows`) on an axis that spans the
+    rank's points (``first`` to ``last`` seconds) and its phases, as plotly's and matplotlib's autorange do."""
+    starts = [seconds(phase.start_ns, start_ns) for phase in rank.phases]
+    ends = [seconds(phase.end_ns, start_ns) for phase in rank.phases]
+    return label_rows([(at, phase.name) for at, phase in zip(starts, rank.phases, strict=True)],
+                      min([first, *starts]), max([last, *ends]), **plan)
 
 
 def _memory_row(fig: _Figure, row: int, rank: RankData, x: Any, steps: Any, start_ns: int, show: Any) -> None:

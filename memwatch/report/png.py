@@ -11,10 +11,24 @@ from pathlib import Path
 from typing import Any
 
 from memwatch.optional import require
-from memwatch.report.figure import GIB, PHASE_COLORS, SEVERITY_COLORS, TERM_COLORS, as_array, seconds
+from memwatch.report.figure import (
+    GIB,
+    PHASE_COLORS,
+    SEVERITY_COLORS,
+    TERM_COLORS,
+    as_array,
+    phase_label_rows,
+    seconds,
+)
 from memwatch.report.run_data import STACK_TERMS, RankData, RunData
 
 WIDTH_IN, MEMORY_IN, KV_IN, DPI = 12.0, 3.6, 1.6, 110
+LABEL_PT, LABEL_ROW_PT = 7, 9
+AXES_PX = WIDTH_IN * DPI * 0.8
+"""The time axis's width in the image per span of data: the figure's less the y axis's labels and matplotlib's
+5 % margins on either side."""
+LABEL_CHAR_PX = LABEL_PT * DPI / 72 * 0.7
+"""One character of a phase name, rounded up (a wide glyph is about 0.65 em)."""
 
 
 def _pyplot() -> Any:
@@ -44,12 +58,15 @@ def write_png(data: RunData, path: str | Path) -> None:
                 _memory(ax, rank, x, data.start_ns)
             else:
                 _kv(ax, rank, x, data.start_ns)
-            for phase in rank.phases:
+            label_at = phase_label_rows(rank, data.start_ns, float(x[0]) if len(x) else 0.0,
+                                        float(x[-1]) if len(x) else 0.0, width_px=AXES_PX, char_px=LABEL_CHAR_PX)
+            for phase, label_row in zip(rank.phases, label_at, strict=True):
                 ax.axvspan(seconds(phase.start_ns, data.start_ns), seconds(phase.end_ns, data.start_ns),
                            color=PHASE_COLORS.get(phase.name, "#999999"), alpha=0.08, lw=0)
                 if kind == "memory":
                     ax.annotate(phase.name, (seconds(phase.start_ns, data.start_ns), 1.0),
-                                xycoords=("data", "axes fraction"), fontsize=7, va="top", color="#555555")
+                                xycoords=("data", "axes fraction"), xytext=(1, -1 - LABEL_ROW_PT * label_row),
+                                textcoords="offset points", fontsize=LABEL_PT, va="top", color="#555555")
             ax.grid(alpha=0.25)
         axes[-1, 0].set_xlabel("seconds since the run started")
         height = sum(heights) + 0.9
