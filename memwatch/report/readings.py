@@ -22,15 +22,15 @@ WINDOW_STEPS = 100
 """The last window before a crash: this many samples."""
 
 CRASHED = "crashed"
+ENDED_BADLY = {CRASHED: "crashed", "error": "stopped with an error"}
+"""Run statuses a post-mortem must lead with, and how they are said."""
+CRASH = "crash"
+"""The end of a rank that died without an OOM event (its ring never closed), explained like an OOM."""
 DETACHED = "detached"
 EXITED = "exited"
 ENDED_UNSEEN = (DETACHED, EXITED)
 """Run statuses whose end memwatch did not see: recording turned off (``attach --detach``, or ``attach --record``
 stopped) while the process went on, or a process watched from outside that exited with an unknown code."""
-ENDED_BADLY = {CRASHED: "crashed", "error": "stopped with an error"}
-CRASH = "crash"
-"""The end of a rank that died without an OOM event (its ring never closed), explained like an OOM."""
-"""Run statuses a post-mortem must lead with, and how they are said."""
 
 UNSIZED_SENTENCE = ("no KV sizing was recorded (no kv_allocated event), so the budget, headroom, residual and "
                     "OOM margin cannot be known")
