@@ -223,3 +223,65 @@ def test_an_engine_core_whose_workers_run_elsewhere_keeps_the_workload_on_its_sc
     served = query(db_path, "SELECT kind, count(*) FROM events WHERE run_id = ? AND kind LIKE 'request_%' "
                             "GROUP BY kind ORDER BY kind", (compared["replay"]["run_id"],))
     assert served == [("request_arrived", 8), ("request_finished", 8)]
+
+
+def test_dense_model_dp2_tp2_engines_reconfigured_as_independent_ranks_are_four_gpu_ranks(
+        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    """A dense model served with DP 2 × TP 2: vLLM's ``run_engine_core`` makes each engine core an independent DP
+    rank (``data_parallel_size`` 1, ``data_parallel_rank`` 0; the rank stays in ``data_parallel_index``). Each engine
+    still gets ranks of its own: four GPU ranks, then the two schedulers, each with its engine's KV total."""
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0005")
+    facts = _drive("dense-dp", tmp_path, env)
+    store_rings(runtime_dir, db_path, live=True)
+
+    engine_0, engine_1 = facts["engines"]
+    # What vLLM itself did to each engine's config: the reconfiguration really ran.
+    assert [(e["dp_index"], e["data_parallel_size"], e["data_parallel_rank"]) for e in facts["engines"]] == [
+        (0, 1, 0), (1, 1, 0)]
+    identities = {rank: (data["role"], data["dp_rank"], data["dp_size"], data["tp_rank"])
+                  for rank, data in _events(db_path, "rank_identity")}
+    assert identities == {0: ("worker", 0, 2, 0), 1: ("worker", 0, 2, 1), 2: ("worker", 1, 2, 0),
+                          3: ("worker", 1, 2, 1), 4: ("scheduler", 0, 2, 0), 5: ("scheduler", 1, 2, 0)}
+    assert query(db_path, "SELECT rank_count FROM runs") == [(4,)]
+    assert query(db_path, "SELECT rank, status FROM ranks ORDER BY rank") == [(rank, "ok") for rank in range(6)]
+
+    # Dense, TP 2: 4 layers × 16 tokens × 2 KV heads × (64 + 64) × 2 bytes = 32 KiB a block.
+    # Engine 0: 4 MiB // 32 KiB = 128 blocks; engine 1: 2 MiB // 32 KiB = 64.
+    assert (engine_0["num_blocks"], engine_1["num_blocks"]) == (128, 64)
+    sizings = {rank: (data["num_blocks"], data["kv_cache_bytes"]) for rank, data in _events(db_path, "kv_allocated")}
+    assert sizings == {0: (128, 4 * MiB), 1: (128, 4 * MiB), 2: (64, 2 * MiB), 3: (64, 2 * MiB)}
+    assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
+    # Each engine's scheduler: its own total (blocks − the null block), one sample per schedule(), vLLM's usage.
+    for rank, engine in ((4, engine_0), (5, engine_1)):
+        total = engine["num_blocks"] - 1
+        rows = query(db_path, "SELECT num_seqs, num_tokens, kv_blocks_used, kv_blocks_total FROM samples "
+                              "WHERE rank = ? AND kv_blocks_total IS NOT NULL ORDER BY step", (rank,))
+        assert rows == [(step["num_seqs"], step["num_tokens"], round(step["usage"] * total), total)
+                        for step in engine["steps"]]
+    # Engine 0's first step prefills "a" (100 tokens) and "b" (60); engine 1's prefills "c" (200).
+    assert (engine_0["steps"][0]["num_tokens"], engine_1["steps"][0]["num_tokens"]) == (160, 200)
+
+
+def test_num_gpu_blocks_override_is_the_count_recorded_and_raises_no_flag(tmp_path: Path, runtime_dir: Path,
+                                                                           db_path: Path) -> None:
+    """``num_gpu_blocks_override`` 100 over an 8 MiB budget: vLLM plans on 100 × bytes per block; memwatch records
+    that size, so the ledger re-derives the 100 blocks and no rank is flagged."""
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0006")
+    facts = _drive("override", tmp_path, env, "100")
+    store_rings(runtime_dir, db_path, live=True)
+
+    # vLLM's determine_available_memory returned the 8 MiB it was given; its planner made 100 blocks of
+    # 4 layers × 16 tokens × 2 KV heads × (64 + 64) × 2 bytes = 32 KiB, where 8 MiB would have made 256.
+    block_bytes = 4 * 16 * 2 * (64 + 64) * 2
+    assert facts["available"] == [8 * MiB, 8 * MiB] and facts["num_blocks"] == [100, 100]
+    assert facts["kv_cache_tensors"] == [100 * block_bytes]
+    # The live detectors ran (the small simulated device is close to an OOM on each rank); none doubts the count.
+    assert query(db_path, "SELECT kind, count(*) FROM flags GROUP BY kind") == [("oom_risk", 2)]
+    sizings = {rank: (data["num_blocks"], data["block_bytes"], data["kv_cache_memory_bytes"],
+                      data["num_gpu_blocks_override"], data["available_kv_cache_memory_bytes"])
+               for rank, data in _events(db_path, "kv_allocated")}
+    assert sizings == {rank: (100, block_bytes, 100 * block_bytes, 100, 8 * MiB) for rank in (0, 1)}
+    # The scheduler's total is the override's blocks less the null block.
+    totals = query(db_path, "SELECT DISTINCT kv_blocks_total FROM samples WHERE rank = 2 AND kv_blocks_total "
+                            "IS NOT NULL")
+    assert totals == [(99,)]

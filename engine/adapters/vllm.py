@@ -19,8 +19,10 @@ data-parallel engines, see :mod:`.vllm_reading`; the worker's device):
   bytes per block of the ``KVCacheConfig`` (its one backing buffer, counted once however many cache
   groups share it) and the readings vLLM sized on (taken as profiling ended). vLLM's budget is
   not nano-vllm's utilization rule but ``requested − non-KV − graph estimate``, so the event carries
-  it as ``kv_cache_memory_bytes`` (an explicit KV size, for the ledger); when vLLM cuts a rank to
-  the smallest count of all ranks, ``block_count_mismatch`` says so;
+  it as ``kv_cache_memory_bytes`` (an explicit KV size, for the ledger); with ``num_gpu_blocks_override``
+  vLLM plans on ``override × bytes per block`` instead, and that is the size recorded (the profiled
+  one stays in ``available_kv_cache_memory_bytes``); when vLLM cuts a rank to the smallest count of
+  all ranks, ``block_count_mismatch`` says so;
 * ``cudagraph`` around ``compile_or_warm_up_model``; ``serve`` from the first ``execute_model``;
 * one sample per ``execute_model``: scheduled requests and tokens, and the step's kind from what the
   scheduler scheduled (speculative-decoding steps are decode); ``shutdown`` closes the rank.
@@ -236,13 +238,18 @@ def _record_kv_sizing(worker: Any, kv_cache_config: Any) -> None:
     current, peak, reserved, used, free = readings
     known = UNKNOWN not in (current, peak, used, free)
     cache_config = worker.cache_config
+    override = _optional_int(getattr(cache_config, "num_gpu_blocks_override", None))
+    sized_bytes, overridden = state.available_kv_bytes, {}
+    if override is not None:  # get_kv_cache_configs plans on override × bytes per block, not the profiled bytes
+        sized_bytes = override * block_bytes
+        overridden = {"num_gpu_blocks_override": override, "available_kv_cache_memory_bytes": state.available_kv_bytes}
     state.monitor.kv_allocated(
         num_blocks, block_bytes,
         total_bytes=used + free if known else None, used_bytes=used if known else None,
         peak_bytes=peak if known else None, current_bytes=current if known else None,
         reserved_bytes=reserved if known and reserved != UNKNOWN else None,
         gpu_memory_utilization=float(cache_config.gpu_memory_utilization), block_size=int(cache_config.block_size),
-        kv_cache_memory_bytes=state.available_kv_bytes, kv_cache_bytes=kv_bytes, budget_rule="vllm",
+        kv_cache_memory_bytes=sized_bytes, kv_cache_bytes=kv_bytes, budget_rule="vllm", **overridden,
     )
 
 

@@ -6,10 +6,12 @@ the engine-core scheduler hooks (:mod:`.vllm_scheduler`); both record the engine
 
 * **Rank identity.** Every data-parallel engine numbers its workers from 0 (``Worker.rank`` is the
   rank inside one engine: ``tp_rank + tp × (pcp_rank + pcp × pp_rank)``, as vLLM lays out its
-  groups in ``initialize_model_parallel``). memwatch numbers a GPU rank as vLLM's distributed
-  setup does across engines, ``dp_rank × world_size + rank``, in a run of ``world_size × dp_size``
-  GPU ranks; engine ``dp_rank``'s scheduler writes rank ``world_size × dp_size + dp_rank``. So no two
-  rings of a run share a name, and the ``rank_identity`` event of each says which (dp, tp, pp) it is.
+  groups in ``initialize_model_parallel``); an engine's dp rank is ``data_parallel_index``, which
+  a dense model's engine core keeps when it resets ``data_parallel_rank`` to 0. memwatch numbers a
+  GPU rank as vLLM's distributed setup does across engines, ``dp_rank × world_size + rank``, in a
+  run of ``world_size × dp_size`` GPU ranks; engine ``dp_rank``'s scheduler writes rank
+  ``world_size × dp_size + dp_rank``. So no two rings of a run share a name, and the
+  ``rank_identity`` event of each says which (dp, tp, pp) it is.
 * **Step kind.** A request's scheduled tokens are decode work when the request is not new, not
   resumed after a preemption, has produced output already, and got exactly one token plus the
   draft tokens scheduled for it (speculative decoding); a step is ``decode`` when all of its
@@ -42,11 +44,22 @@ class RankIdentity(NamedTuple):
 
 
 def _engine_coordinates(parallel_config: Any) -> tuple[int, int, int]:
-    """``(engine world size, dp rank, dp size)`` of a ``ParallelConfig``."""
+    """``(engine world size, dp rank, dp size)`` of a ``ParallelConfig``, as the front end launched it.
+
+    An engine core of a dense model runs ``reconfigure_for_independent_dp_rank`` (``run_engine_core``),
+    which sets ``data_parallel_size = 1`` and ``data_parallel_rank = 0``: its rank survives only in
+    ``data_parallel_index``, and the launched size only in ``elastic_ep_max_dp_size`` (set to
+    ``data_parallel_size`` before the reconfiguration unless elastic EP gave it a maximum of its own).
+    """
     world_size = int(parallel_config.world_size)
     dp_size = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
-    dp_rank = int(getattr(parallel_config, "data_parallel_rank", 0) or 0)
-    return world_size, dp_rank, dp_size
+    if not getattr(parallel_config, "enable_elastic_ep", False):
+        dp_size = max(dp_size, int(getattr(parallel_config, "elastic_ep_max_dp_size", 1) or 1))
+    dp_rank = getattr(parallel_config, "data_parallel_index", None)
+    if dp_rank is None:
+        dp_rank = getattr(parallel_config, "data_parallel_rank", 0)
+    dp_rank = int(dp_rank or 0)
+    return world_size, dp_rank, max(dp_size, dp_rank + 1)
 
 
 def worker_identity(parallel_config: Any, worker_rank: int) -> RankIdentity:

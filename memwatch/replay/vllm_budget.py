@@ -20,15 +20,17 @@ from memwatch.records import Event
 def vllm_non_kv(rank: int, data: dict[str, Any], events: list[Event]) -> int | None:
     """``requested − budget`` of a rank vLLM sized (``data``: its ``kv_allocated``), else ``None``.
 
-    The budget is the ``kv_cache_memory_bytes`` vLLM's profiling returned; a run whose planner was handed
-    its memory without profiling recorded none, and its KV bytes stand for it."""
+    The budget is what vLLM's profiling returned: ``kv_cache_memory_bytes``, or, when
+    ``num_gpu_blocks_override`` replaced it, ``available_kv_cache_memory_bytes``; a run whose planner was
+    handed its memory without profiling recorded none, and its KV bytes stand for it."""
     if data.get("budget_rule") != "vllm":
         return None
     requested = next((int(e.data["requested_bytes"]) for e in events if e.rank == rank
                       and e.kind == "vllm_memory_snapshot" and e.data.get("requested_bytes") is not None), None)
     if requested is None:
         requested = requested_bytes(int(data["total_bytes"]), float(data["gpu_memory_utilization"]))
-    budget = data.get("kv_cache_memory_bytes") or data.get("kv_cache_bytes")
+    budget = (data.get("available_kv_cache_memory_bytes") or data.get("kv_cache_memory_bytes")
+              or data.get("kv_cache_bytes"))
     if budget is None:
         budget = int(data["num_blocks"]) * int(data["block_bytes"])
     return requested - int(budget)

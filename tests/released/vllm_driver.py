@@ -21,7 +21,10 @@ decoding steps (two draft tokens each). "on" and "off" also ask vLLM's own ``Asy
 "workload BLOCK_SIZE" runs one engine on one GPU (TP 1, as vLLM's ``UniProcExecutor`` runs the worker
 in the engine core) whose real ``Worker.execute_model`` runs on vLLM's process groups over gloo: eight
 requests arriving one every four steps. "engine-core" serves the same requests from an engine core
-with TP 2 whose two workers start and get their KV cache in processes of their own. "loop STOP_FILE"
+with TP 2 whose two workers start and get their KV cache in processes of their own. "dense-dp" runs the
+data parallelism 2 × tensor parallelism 2 a dense model gets when served: two engine-core processes, each
+through vLLM's ``run_engine_core`` (which makes each engine an independent DP rank). "override BLOCKS"
+runs one TP 2 engine given ``num_gpu_blocks_override``. "loop STOP_FILE"
 is that one-GPU engine started with memwatch off, serving rounds of requests until STOP_FILE exists: a
 target for ``attach --inject``.
 """
@@ -37,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 from fake_device import load_fake_cuda
 
@@ -68,6 +71,9 @@ class _CpuModelRunner:
         buffers = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in caches.values()}
         self.allocated_bytes = sum(buffers.values())
 
+    def profile_run(self, randomize_inputs: bool = False) -> None:
+        """The profiling forward: nothing runs on CPU, so nothing is allocated."""
+
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
         """The model's output for a step: one token per request, plus its draft tokens (all accepted)."""
         from vllm.v1.outputs import ModelRunnerOutput
@@ -93,7 +99,8 @@ def _cpu_init_device(self: Any) -> None:
     self.model_runner = _CpuModelRunner(self.vllm_config)
 
 
-def _config(model: str, dp_rank: int, spec_tokens: int = 0, *, dp: int = 2, tp: int = 2, block_size: int = 16) -> Any:
+def _config(model: str, dp_rank: int, spec_tokens: int = 0, *, dp: int = 2, tp: int = 2, block_size: int = 16,
+            **cache: Any) -> Any:
     from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 
     speculative = None
@@ -102,7 +109,7 @@ def _config(model: str, dp_rank: int, spec_tokens: int = 0, *, dp: int = 2, tp: 
                                         prompt_lookup_max=2, prompt_lookup_min=1)
     return VllmConfig(
         model_config=ModelConfig(model=model, skip_tokenizer_init=True, max_model_len=512, dtype="bfloat16"),
-        cache_config=CacheConfig(block_size=block_size, gpu_memory_utilization=0.5),
+        cache_config=CacheConfig(block_size=block_size, gpu_memory_utilization=0.5, **cache),
         parallel_config=ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp, data_parallel_rank=dp_rank),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=512,
                                          is_encoder_decoder=False),
@@ -213,7 +220,7 @@ def main() -> None:
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_general_plugins, load_plugins_by_group
     from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
 
-    if mode in ("on", "workload", "engine-core"):  # turned on here, after the seam above: only vLLM's loader acts
+    if mode != "off" and mode != "loop":  # turned on here, after the seam above: only vLLM's loader acts
         os.environ["MEMWATCH"] = "1"
     environment = dict(os.environ)
     facts["general_plugins"] = sorted(load_plugins_by_group(DEFAULT_PLUGINS_GROUP))
@@ -235,6 +242,10 @@ def main() -> None:
         facts.update(_workload(model, int(sys.argv[3])))
     elif mode == "engine-core":
         facts.update(_engine_core_alone(model))
+    elif mode == "dense-dp":
+        facts["engines"] = _dense_data_parallel(model)
+    elif mode == "override":
+        facts.update(_blocks_override(model, int(sys.argv[3])))
     elif mode == "loop":
         _loop(model, Path(sys.argv[3]))
         return
@@ -342,6 +353,109 @@ def _remote_worker(config: Any, tp_rank: int, kv_cache_config: Any) -> None:
     worker.init_device()
     worker.initialize_from_config(kv_cache_config)
     worker.shutdown()
+
+
+DENSE_KV_BYTES = (4 * MiB, 2 * MiB)
+DENSE_PROMPTS = ({"a": 100, "b": 60}, {"c": 200})
+
+
+def _dense_data_parallel(model: str) -> list[dict[str, Any]]:
+    """Two engine cores of a dense model (the front end's DP 2 × TP 2), each in a process of its own, as
+    vLLM's ``CoreEngineProcManager`` starts them: each runs vLLM's ``run_engine_core``, which reconfigures
+    the engine as an independent DP rank (``data_parallel_size`` 1, ``data_parallel_rank`` 0) before it
+    builds the engine core. Engine ``i`` gets ``DENSE_KV_BYTES[i]`` per worker and serves ``DENSE_PROMPTS[i]``."""
+    context = multiprocessing.get_context("fork")  # vLLM's plugin already loaded: the children's classes are patched
+    results = context.Queue()
+    engines = [context.Process(target=_dense_engine_process, args=(model, dp_rank, results)) for dp_rank in range(2)]
+    for engine in engines:
+        engine.start()
+    facts = [results.get(timeout=120) for _ in engines]
+    for engine in engines:
+        engine.join(timeout=60)
+        if engine.exitcode != 0:
+            raise RuntimeError(f"engine core process exited with {engine.exitcode}")
+    return sorted(facts, key=lambda engine: engine["dp_index"])
+
+
+def _dense_engine_process(model: str, dp_rank: int, results: Any) -> None:
+    """One engine core process: vLLM's ``run_engine_core`` with the engine core it builds replaced (below)."""
+    from vllm.v1.engine import core
+
+    run_engine_core = core.EngineCoreProc.run_engine_core
+    core.EngineCoreProc = _InProcessEngineCore
+    config = _config(model, 0, dp=2, tp=2)  # what the front end hands every engine core: DP 2, rank 0
+    run_engine_core(vllm_config=config, log_stats=False, dp_rank=dp_rank, local_dp_rank=dp_rank)
+    results.put(_InProcessEngineCore.finished)
+
+
+class _InProcessEngineCore:
+    """Stands where ``run_engine_core`` builds ``EngineCoreProc`` (its ZMQ handshake and executor): the engine's
+    two workers in this process, their KV cache planned by vLLM's planner, and the engine core's scheduler.
+    ``run_busy_loop`` serves the engine's prompts; ``shutdown`` is what ``run_engine_core`` calls at the end."""
+
+    finished: ClassVar[dict[str, Any]] = {}
+    """What the engine saw, once ``shutdown`` ran."""
+
+    def __init__(self, vllm_config: Any, log_stats: bool, engine_index: int = 0) -> None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.worker.gpu_worker import Worker
+
+        parallel = vllm_config.parallel_config
+        self.index = engine_index
+        self.facts = {"dp_index": parallel.data_parallel_index, "data_parallel_size": parallel.data_parallel_size,
+                      "data_parallel_rank": parallel.data_parallel_rank}
+        self.workers = [Worker(vllm_config=vllm_config, local_rank=tp, rank=tp,
+                               distributed_init_method="tcp://127.0.0.1:1", is_driver_worker=tp == 0)
+                        for tp in range(2)]
+        for worker in self.workers:
+            worker.init_device()
+        self.kv_cache_configs = _plan(vllm_config, [DENSE_KV_BYTES[engine_index]] * 2, hybrid=False)
+        for worker, kv_cache_config in zip(self.workers, self.kv_cache_configs, strict=True):
+            worker.initialize_from_config(kv_cache_config)
+        self.scheduler = Scheduler(vllm_config, self.kv_cache_configs[0], StructuredOutputManager(vllm_config),
+                                   block_size=16, log_stats=log_stats)
+
+    def run_busy_loop(self) -> None:
+        steps = _serve(self.scheduler, DENSE_PROMPTS[self.index], max_tokens=4, drafts=0)
+        self.facts.update(num_blocks=self.kv_cache_configs[0].num_blocks, steps=steps)
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+        self.scheduler.shutdown()
+        _InProcessEngineCore.finished = self.facts
+
+
+OVERRIDE_KV_BYTES = 8 * MiB
+
+
+def _blocks_override(model: str, blocks: int) -> dict[str, Any]:
+    """One engine, TP 2, started with ``kv_cache_memory_bytes`` 8 MiB and ``num_gpu_blocks_override``: vLLM's own
+    ``determine_available_memory`` returns the 8 MiB (after the profiling forward), its planner plans on the
+    override, and the scheduler serves one prompt on the blocks it got."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.worker.gpu_worker import Worker
+
+    config = _config(model, 0, dp=1, tp=2, kv_cache_memory_bytes=OVERRIDE_KV_BYTES, num_gpu_blocks_override=blocks)
+    workers = [Worker(vllm_config=config, local_rank=tp, rank=tp, distributed_init_method="tcp://127.0.0.1:1",
+                      is_driver_worker=tp == 0) for tp in range(2)]
+    for worker in workers:
+        worker.init_device()
+    available = [worker.determine_available_memory() for worker in workers]
+    kv_cache_configs = _plan(config, available, hybrid=False)
+    for worker, kv_cache_config in zip(workers, kv_cache_configs, strict=True):
+        worker.initialize_from_config(kv_cache_config)
+    scheduler = Scheduler(config, kv_cache_configs[0], StructuredOutputManager(config), block_size=16,
+                          log_stats=False)
+    steps = _serve(scheduler, {"a": 100}, max_tokens=3, drafts=0)
+    facts = {"available": available, "num_blocks": [c.num_blocks for c in kv_cache_configs], "steps": steps,
+             "kv_cache_tensors": [tensor.size for tensor in kv_cache_configs[0].kv_cache_tensors]}
+    for worker in workers:
+        worker.shutdown()
+    scheduler.shutdown()
+    return facts
 
 
 def _loop(model: str, stop: Path) -> None:
