@@ -21,7 +21,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from memwatch_engine.adapters import vllm_scheduler
+from memwatch_engine.adapters.vllm import scheduler as vllm_scheduler
 from memwatch_engine.monitor import Monitor
 from memwatch_engine.probes.base import Probe
 

@@ -14,7 +14,8 @@ Nothing else happens: no ring, thread or sidecar exists until an engine starts a
 processes (tokenizers, compile workers) that inherit ``MEMWATCH=1`` cost almost nothing.
 
 ``MEMWATCH=1`` (also ``true``, ``yes``, ``on``) turns it on; ``0`` (also ``false``, ``no``, ``off`` or
-empty) turns it off and always wins, also over :func:`install` called from code.
+empty) turns it off and always wins, also over :func:`install` called from code (:mod:`.switch`).
+Which engines are hooked is :mod:`.adapters.dispatch`'s list.
 """
 
 from __future__ import annotations
@@ -22,39 +23,13 @@ from __future__ import annotations
 import logging
 import os
 
-from .monitor import new_run_id
+from .switch import RUN_ID_ENV, SWITCH_ENV, ensure_run_id, switch
+
+__all__ = ["RUN_ID_ENV", "SWITCH_ENV", "autoload", "ensure_run_id", "install", "switch"]
 
 log = logging.getLogger("memwatch")
 
-SWITCH_ENV = "MEMWATCH"
-RUN_ID_ENV = "MEMWATCH_RUN_ID"
-_ON = ("1", "true", "yes", "on")
-_OFF = ("", "0", "false", "no", "off")
-
 _installed = False
-
-
-def switch() -> bool | None:
-    """``MEMWATCH`` read as on (True), off (False) or not set (None); an unknown value counts as off."""
-    value = os.environ.get(SWITCH_ENV)
-    if value is None:
-        return None
-    value = value.strip().lower()
-    if value in _ON:
-        return True
-    if value not in _OFF:
-        log.warning("memwatch: MEMWATCH=%r is not understood and counts as off; use MEMWATCH=1 or MEMWATCH=0",
-                    os.environ[SWITCH_ENV])
-    return False
-
-
-def ensure_run_id() -> str:
-    """This process's run id, created and exported when missing so that child processes share it."""
-    run_id = os.environ.get(RUN_ID_ENV)
-    if not run_id:
-        run_id = new_run_id()
-        os.environ[RUN_ID_ENV] = run_id
-    return run_id
 
 
 def install() -> bool:
@@ -70,10 +45,9 @@ def install() -> bool:
         return True
     os.environ[SWITCH_ENV] = "1"
     ensure_run_id()
-    from .adapters import nanovllm, vllm
+    from .adapters import dispatch
 
-    nanovllm.install()
-    vllm.install()
+    dispatch.install()
     _installed = True
     return True
 

@@ -6,7 +6,8 @@ thread for the length of one call, so it only patches classes and starts a threa
 
 * with nano-vllm loaded, or vLLM's worker or engine-core scheduler, the adapter's patches go onto the
   live classes and each live ``ModelRunner`` (nano-vllm) or ``Worker`` and ``Scheduler`` (vLLM) gets its
-  monitor, with what startup would have recorded read from the live objects (:mod:`.adapters.late`);
+  monitor, with what startup would have recorded read from the live objects (:mod:`.adapters.dispatch`
+  finds the engine, :mod:`.adapters.late` says what cannot be read late);
 * otherwise (or ``"mode": "sampler"``) a daemon thread named ``memwatch-sampler`` writes one sample of
   allocator and driver readings per interval;
 * ``"action": "detach"`` undoes all of it: the original methods are back, the thread stops, every
@@ -84,9 +85,9 @@ def start(request: dict[str, Any]) -> dict[str, Any]:
     runtime_dir = request.get("runtime_dir")
     mode = request.get("mode", "auto")
     if mode in ("auto", "engine"):
-        from .adapters import late
+        from .adapters import dispatch
 
-        found = late.attach_engines(run_id=state.run_id, runtime_dir=runtime_dir)
+        found = dispatch.attach_engines(run_id=state.run_id, runtime_dir=runtime_dir)
         if found is not None:
             state.engine, state.monitors = found
     if state.engine is None and mode in ("auto", "sampler"):
@@ -120,9 +121,9 @@ def detach() -> dict[str, Any]:
         if state.thread is not threading.current_thread():  # the injector may have run us on that very thread
             state.thread.join(timeout=5.0)
     if state.engine not in (None, "python"):
-        from .adapters import late
+        from .adapters import dispatch
 
-        late.detach_engines()
+        dispatch.detach_engines()
     for monitor in state.monitors:
         monitor.close("detached")
     return {"ok": True, "detached": True, "engine": state.engine, "run_id": state.run_id}

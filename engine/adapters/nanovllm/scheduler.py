@@ -1,7 +1,7 @@
 """nano-vllm's engine and scheduler: one run id per engine instance, the block manager, preemptions, requests.
 
-Process-wide state that rank 0's steps read (:mod:`.nanovllm` records the steps): the scheduler whose
-block manager gives the KV blocks in use, the preemptions it made since the last step, and one event
+Process-wide state that rank 0's steps read (kept in :mod:`.state`; :mod:`.runner` records the steps):
+the scheduler whose block manager gives the KV blocks in use, the preemptions it made since the last step, and one event
 per request as it arrives and finishes — the workload ``memwatch replay`` reads.
 """
 
@@ -10,45 +10,23 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..monitor import new_run_id
-from .hooks import Guard, require_methods, wrap_method
-
-if TYPE_CHECKING:
-    from .nanovllm import _Rank
-
-SCHEDULER = "nanovllm.engine.scheduler"
-LLM_ENGINE = "nanovllm.engine.llm_engine"
-
-_guard = Guard("nano-vllm")
-"""One guard for the whole adapter: a fault in any of its hooks turns all of them off."""
-
-
-class _Process:
-    """What rank 0's steps need from this process's scheduler, and the run ids used here."""
-
-    def __init__(self) -> None:
-        self.scheduler: Any = None
-        self.preemptions = 0
-        self.run_ids: set[str] = set()
-        self.lead: _Rank | None = None
-        """Rank 0 of this process, which records the requests the scheduler sees."""
-
-
-_process = _Process()
-
+from ...monitor import new_run_id
+from ..hooks import require_methods, wrap_method
+from .state import guard, process
 
 # -- LLMEngine: one run id per engine instance ------------------------------------------------------
 
 
-def _patch_llm_engine(module: ModuleType) -> None:
+def patch_llm_engine(module: ModuleType) -> None:
+    """Wrap ``LLMEngine.__init__``: each engine instance exports its own run id before it spawns workers."""
     wrap_method(module.LLMEngine, "__init__", _wrap_engine_init)
 
 
 def _wrap_engine_init(original: Callable[..., Any]) -> Callable[..., Any]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        _guard.call(_assign_run_id)
+        guard.call(_assign_run_id)
         original(self, *args, **kwargs)
 
     return __init__
@@ -57,16 +35,17 @@ def _wrap_engine_init(original: Callable[..., Any]) -> Callable[..., Any]:
 def _assign_run_id() -> None:
     """Export a run id no earlier engine of this process used, before the workers are spawned."""
     run_id = os.environ.get("MEMWATCH_RUN_ID")
-    if not run_id or run_id in _process.run_ids:
+    if not run_id or run_id in process.run_ids:
         run_id = new_run_id()
         os.environ["MEMWATCH_RUN_ID"] = run_id
-    _process.run_ids.add(run_id)
+    process.run_ids.add(run_id)
 
 
 # -- Scheduler: where rank 0 finds the block manager and counts preemptions -------------------------
 
 
-def _patch_scheduler(module: ModuleType) -> None:
+def patch_scheduler(module: ModuleType) -> None:
+    """Wrap the ``Scheduler`` methods that tell the block manager, preemptions and requests."""
     require_methods(module.Scheduler, ("__init__", "preempt"))
     wrap_method(module.Scheduler, "__init__", _wrap_scheduler_init)
     wrap_method(module.Scheduler, "preempt", _wrap_preempt)
@@ -78,15 +57,15 @@ def _patch_scheduler(module: ModuleType) -> None:
 def _wrap_scheduler_init(original: Callable[..., Any]) -> Callable[..., Any]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        _process.scheduler = self
-        _process.preemptions = 0
+        process.scheduler = self
+        process.preemptions = 0
 
     return __init__
 
 
 def _wrap_preempt(original: Callable[..., Any]) -> Callable[..., Any]:
     def preempt(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _process.preemptions += 1
+        process.preemptions += 1
         return original(self, *args, **kwargs)
 
     return preempt
@@ -95,7 +74,7 @@ def _wrap_preempt(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_add(original: Callable[..., Any]) -> Callable[..., Any]:
     def add(self: Any, seq: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, seq, *args, **kwargs)
-        _guard.call(_request_arrived, seq)
+        guard.call(_request_arrived, seq)
         return result
 
     return add
@@ -104,7 +83,7 @@ def _wrap_add(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_postprocess(original: Callable[..., Any]) -> Callable[..., Any]:
     def postprocess(self: Any, seqs: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, seqs, *args, **kwargs)
-        _guard.call(_requests_finished, seqs)
+        guard.call(_requests_finished, seqs)
         return result
 
     return postprocess
@@ -112,13 +91,13 @@ def _wrap_postprocess(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _request_arrived(seq: Any) -> None:
     """One event per request as it reaches the scheduler: the workload ``memwatch replay`` reads."""
-    lead = _process.lead
+    lead = process.lead
     if lead is not None:
         lead.monitor.request_arrived(seq.seq_id, seq.num_prompt_tokens, getattr(seq, "max_tokens", None))
 
 
 def _requests_finished(seqs: Any) -> None:
-    lead = _process.lead
+    lead = process.lead
     if lead is not None:
         for seq in seqs:
             if seq.is_finished:

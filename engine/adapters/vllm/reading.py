@@ -1,7 +1,7 @@
 """How memwatch reads vLLM 0.33's own objects: a rank's identity, a step's kind, a KV cache's bytes.
 
-Pure functions over the objects vLLM hands the adapter, shared by the worker hooks (:mod:`.vllm`) and
-the engine-core scheduler hooks (:mod:`.vllm_scheduler`); both record the engine's settings
+Pure functions over the objects vLLM hands the adapter, shared by the worker hooks (:mod:`.worker`) and
+the engine-core scheduler hooks (:mod:`.scheduler`); both record the engine's settings
 (:func:`engine_settings`).
 
 * **Rank identity.** Every data-parallel engine numbers its workers from 0 (``Worker.rank`` is the

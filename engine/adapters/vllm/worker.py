@@ -1,58 +1,22 @@
-"""vLLM adapter: a ``vllm.general_plugins`` entry point that instruments every GPU worker.
+"""vLLM's GPU worker: one memwatch rank per worker, its phases, its KV sizing and its steps.
 
-vLLM loads general plugins in all of its processes (front end, engine core, workers), possibly more
-than once, so :func:`register` is idempotent and cheap: when ``MEMWATCH`` is on it exports a run id
-(the front end does so before the engine core and the workers start, so every rank inherits it) and
-patches ``vllm.v1.worker.gpu_worker.Worker`` when that module is imported — only worker processes
-import it — and the engine core's scheduler (:mod:`.vllm_scheduler`). Per rank (numbered across
-data-parallel engines, see :mod:`.vllm_reading`; the worker's device):
-
-* after ``init_device``: the monitor starts, ``rank_identity`` says which (dp, tp, pp) rank it is and
-  ``vllm_memory_snapshot`` records vLLM's baseline (free and total memory, the requested budget
-  ``ceil(total × gpu_memory_utilization)``);
-* ``load`` around ``load_model``, then ``weights_loaded`` with vLLM's own ``model_memory_usage``;
-* ``warmup`` around ``determine_available_memory`` (the profiling run), then ``vllm_memory_profile``
-  with vLLM's result: available KV memory, the CUDA-graph estimate, peak activation memory (which
-  includes the estimate when vLLM applied it) and the total consumed, so that
-  ``available = requested − total consumed − peak activation``;
-* ``kv_alloc`` around ``initialize_from_config``, then ``kv_allocated`` with the block count and
-  bytes per block of the ``KVCacheConfig`` (its one backing buffer, counted once however many cache
-  groups share it) and the readings vLLM sized on (taken as profiling ended). vLLM's budget is
-  not nano-vllm's utilization rule but ``requested − non-KV − graph estimate``, so the event carries
-  it as ``kv_cache_memory_bytes`` (an explicit KV size, for the ledger); with ``num_gpu_blocks_override``
-  vLLM plans on ``override × bytes per block`` instead, and that is the size recorded (the profiled
-  one stays in ``available_kv_cache_memory_bytes``); when vLLM cuts a rank to the smallest count of
-  all ranks, ``block_count_mismatch`` says so;
-* ``cudagraph`` around ``compile_or_warm_up_model``; ``serve`` from the first ``execute_model``;
-* one sample per ``execute_model``: scheduled requests and tokens, and the step's kind from what the
-  scheduler scheduled (speculative-decoding steps are decode); ``shutdown`` closes the rank.
-
-KV usage, preemptions and the workload (one event per request arrival and finish) come from the
-scheduler in the engine core, which offline ``LLM`` and served engines both run (:mod:`.vllm_scheduler`).
-An injected memwatch applies the same patches to a live engine (:func:`install_live`,
-:mod:`.late_vllm`) and takes them back (:func:`uninstall`). memwatch registers no stat logger and no other
-entry point than this one, so vLLM's stat loggers and ``log_stats`` are the same with memwatch
-installed, on or off. Upstream interface followed: vLLM 0.33.0.
+What each hook records is listed in the package's docstring (:mod:`memwatch_engine.adapters.vllm`).
 """
 
 from __future__ import annotations
 
-import logging
-import sys
 from collections.abc import Callable
 from contextlib import ExitStack
 from types import ModuleType
 from typing import Any
 
-from ..monitor import Monitor
-from ..probes.base import UNKNOWN
-from ..probes.cuda import CudaProbe
-from . import vllm_scheduler
-from .hooks import Guard, patch_now, patch_on_import, require_methods, unwrap_all, wrap_method
-from .oom import capture_oom
-from .vllm_reading import engine_settings, kv_cache_bytes, step_kind, worker_identity
-
-log = logging.getLogger("memwatch")
+from ...monitor import Monitor
+from ...probes.base import UNKNOWN
+from ...probes.cuda import CudaProbe
+from ..hooks import Guard, require_methods, wrap_method
+from ..oom import capture_oom
+from . import scheduler as vllm_scheduler
+from .reading import engine_settings, kv_cache_bytes, step_kind, worker_identity
 
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 RANK_ATTRIBUTE = "_memwatch_rank"
@@ -60,40 +24,7 @@ RANK_ATTRIBUTE = "_memwatch_rank"
 _guard = Guard("vLLM")
 
 
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: zero arguments, any number of calls, never raises."""
-    try:
-        from ..activate import ensure_run_id, switch
-
-        if switch():
-            ensure_run_id()
-            install()
-    except Exception as exc:
-        log.warning("memwatch: the vLLM plugin could not start (vLLM runs unobserved): %s: %s",
-                    type(exc).__name__, exc)
-
-
-def install() -> None:
-    """Patch vLLM's GPU worker and the engine core's scheduler when their modules are imported."""
-    patch_on_import(WORKER_MODULE, _patch_worker)
-    vllm_scheduler.install()
-
-
-def install_live() -> None:
-    """Patch the worker and scheduler modules this process already runs (an injected memwatch)."""
-    patch_now(WORKER_MODULE, _patch_worker)
-    patch_now(vllm_scheduler.SCHEDULER_MODULE, vllm_scheduler._patch_scheduler)
-
-
-def uninstall() -> None:
-    """Put vLLM's original methods back (an injected memwatch detaching)."""
-    module = sys.modules.get(WORKER_MODULE)
-    if module is not None:
-        unwrap_all(module.Worker)
-    vllm_scheduler.uninstall()
-
-
-class _Rank:
+class Rank:
     """memwatch's state for one vLLM worker."""
 
     def __init__(self, monitor: Monitor) -> None:
@@ -104,7 +35,8 @@ class _Rank:
         self.available_kv_bytes: int | None = None
 
 
-def _patch_worker(module: ModuleType) -> None:
+def patch_worker(module: ModuleType) -> None:
+    """Wrap the methods of ``module.Worker`` (``vllm.v1.worker.gpu_worker``) this adapter records."""
     worker = module.Worker
     require_methods(worker, ("init_device", "load_model", "determine_available_memory", "initialize_from_config",
                              "compile_or_warm_up_model", "execute_model", "shutdown"))
@@ -117,7 +49,7 @@ def _patch_worker(module: ModuleType) -> None:
     wrap_method(worker, "shutdown", _wrap_shutdown)
 
 
-def _state(worker: Any) -> _Rank | None:
+def _state(worker: Any) -> Rank | None:
     return worker.__dict__.get(RANK_ATTRIBUTE) if _guard.active else None
 
 
@@ -136,7 +68,7 @@ def _start_rank(worker: Any) -> None:
     record = {**engine_settings(config), "data_parallel_size": identity.dp_size}
     monitor = Monitor(engine="vllm", model=str(config.model_config.model), rank=identity.rank,
                       world_size=identity.world_size, probe=CudaProbe(worker.device.index), config=record)
-    worker.__dict__[RANK_ATTRIBUTE] = _Rank(monitor)
+    worker.__dict__[RANK_ATTRIBUTE] = Rank(monitor)
     if identity.rank == 0:
         vllm_scheduler.set_lead(monitor)  # the workload's ring, when the scheduler runs in this process
     monitor.event("rank_identity", identity.event("worker"))
@@ -266,13 +198,13 @@ def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
     return execute_model
 
 
-def _begin_serving(state: _Rank) -> None:
+def _begin_serving(state: Rank) -> None:
     if not state.serving:
         state.serving = True
         state.phases.enter_context(state.monitor.phase("serve"))
 
 
-def _record_step(state: _Rank, scheduler_output: Any) -> None:
+def _record_step(state: Rank, scheduler_output: Any) -> None:
     num_seqs = len(scheduler_output.num_scheduled_tokens)
     num_tokens = int(scheduler_output.total_num_scheduled_tokens)
     state.monitor.step(step_kind(scheduler_output), num_seqs=num_seqs, num_tokens=num_tokens)
@@ -291,7 +223,7 @@ def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
 def _finish_rank(worker: Any) -> None:
     state = worker.__dict__.pop(RANK_ATTRIBUTE, None)
     if state is not None:
-        if vllm_scheduler._workload.lead is state.monitor:
+        if vllm_scheduler.lead() is state.monitor:
             vllm_scheduler.set_lead(None)
         state.phases.close()
         state.monitor.close("ok")

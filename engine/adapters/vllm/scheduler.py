@@ -4,7 +4,7 @@ The engine core runs the scheduler whether the engine serves (``AsyncLLM``, ``vl
 offline (``LLM(...)``, where ``log_stats`` is off and no stat logger ever sees a step), so this is
 where both paths are observed. Each data-parallel engine has its own engine core and scheduler, and
 its own KV cache sized on its own GPUs; each writes its own ring (rank numbering in
-:mod:`.vllm_reading`), with that engine's own block total — the front end only ever knows the sum.
+:mod:`.reading`), with that engine's own block total — the front end only ever knows the sum.
 
 Per ``Scheduler.schedule()``, after it returned: one sample with the requests and tokens
 scheduled, the step's kind, and ``kv_blocks_used``/``kv_blocks_total`` read from the block pool
@@ -32,10 +32,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ..monitor import Monitor
-from ..probes.base import Probe
-from .hooks import Guard, patch_on_import, require_methods, unwrap_all, wrap_method
-from .vllm_reading import engine_settings, scheduler_identity, step_kind
+from ...monitor import Monitor
+from ...probes.base import Probe
+from ..hooks import Guard, patch_on_import, require_methods, unwrap_all, wrap_method
+from .reading import engine_settings, scheduler_identity, step_kind
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 MONITOR_ATTRIBUTE = "_memwatch_monitor"
@@ -60,12 +60,18 @@ def set_lead(monitor: Monitor | None) -> None:
     _workload.lead = monitor
 
 
+def lead() -> Monitor | None:
+    """The monitor the request events go to, if a rank-0 worker runs in this process."""
+    return _workload.lead
+
+
 def install() -> None:
     """Patch vLLM's scheduler when its module is imported (now, if it already is)."""
-    patch_on_import(SCHEDULER_MODULE, _patch_scheduler)
+    patch_on_import(SCHEDULER_MODULE, patch_scheduler)
 
 
-def _patch_scheduler(module: ModuleType) -> None:
+def patch_scheduler(module: ModuleType) -> None:
+    """Wrap the methods of ``module.Scheduler`` (``vllm.v1.core.sched.scheduler``) this adapter records."""
     scheduler = module.Scheduler
     require_methods(scheduler, ("__init__", "schedule", "shutdown"))
     wrap_method(scheduler, "__init__", _wrap_init)

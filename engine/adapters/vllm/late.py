@@ -1,7 +1,7 @@
 """Instrument a vLLM engine that is already serving: the adapter's patches on the live classes.
 
-Used by an injected memwatch through :mod:`.late`. The same patches as at startup go onto
-``Worker`` and ``Scheduler`` (:mod:`.vllm`, :mod:`.vllm_scheduler`); then every live worker that has a
+Used by an injected memwatch through :mod:`memwatch_engine.adapters.dispatch`. The same patches as at startup go onto
+``Worker`` and ``Scheduler`` (:mod:`.worker`, :mod:`.scheduler`); then every live worker that has a
 model runner gets its rank's monitor, and every live scheduler its own ring, with what startup would
 have recorded read from the live objects: the engine's settings, the ``KVCacheConfig`` the model runner
 allocated (block count, bytes per block: its one buffer over the blocks), the block size, the
@@ -18,26 +18,28 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..monitor import Monitor
-from ..probes.base import UNKNOWN
-from ..probes.cuda import CudaProbe
-from . import vllm, vllm_scheduler
-from .late import REASON, SOURCE, UNKNOWN_TERMS, _instances, _weights_bytes
-from .vllm_reading import engine_settings, kv_cache_bytes, worker_identity
+from ...monitor import Monitor
+from ...probes.base import UNKNOWN
+from ...probes.cuda import CudaProbe
+from ..late import SOURCE, instances, record_attached_late
+from . import install_live, uninstall
+from . import scheduler as vllm_scheduler
+from .reading import engine_settings, kv_cache_bytes, worker_identity
+from .worker import RANK_ATTRIBUTE, WORKER_MODULE, Rank
 
 
 def attach(*, run_id: str, runtime_dir: str | None) -> list[Monitor] | None:
     """Patch the live classes; one monitor per live worker and scheduler; None when this process runs neither."""
-    worker_class = _class(vllm.WORKER_MODULE, "Worker")
+    worker_class = _class(WORKER_MODULE, "Worker")
     scheduler_class = _class(vllm_scheduler.SCHEDULER_MODULE, "Scheduler")
-    workers = [w for w in _instances(worker_class) if getattr(w, "model_runner", None) is not None] \
+    workers = [w for w in instances(worker_class) if getattr(w, "model_runner", None) is not None] \
         if worker_class else []
-    schedulers = _instances(scheduler_class) if scheduler_class else []
+    schedulers = instances(scheduler_class) if scheduler_class else []
     if not workers and not schedulers:
         return None
-    vllm.install_live()
+    install_live()
     options = {"run_id": run_id, "runtime_dir": runtime_dir, "spawn_sidecar": False, "source": SOURCE}
-    monitors = [_attach_worker(worker, options) for worker in workers if vllm.RANK_ATTRIBUTE not in worker.__dict__]
+    monitors = [_attach_worker(worker, options) for worker in workers if RANK_ATTRIBUTE not in worker.__dict__]
     for scheduler in schedulers:
         if vllm_scheduler.MONITOR_ATTRIBUTE not in scheduler.__dict__:
             model = str(scheduler.vllm_config.model_config.model)
@@ -53,15 +55,15 @@ def _class(module_name: str, name: str) -> type | None:
 
 def detach() -> None:
     """Put vLLM's own methods back and forget every worker's and scheduler's state."""
-    vllm.uninstall()
+    uninstall()
     for module_name, class_name, attributes in (
-            (vllm.WORKER_MODULE, "Worker", (vllm.RANK_ATTRIBUTE,)),
+            (WORKER_MODULE, "Worker", (RANK_ATTRIBUTE,)),
             (vllm_scheduler.SCHEDULER_MODULE, "Scheduler",
              (vllm_scheduler.MONITOR_ATTRIBUTE, vllm_scheduler.REQUESTS_ATTRIBUTE))):
         module = sys.modules.get(module_name)
         if module is None:
             continue
-        for obj in _instances(getattr(module, class_name)):
+        for obj in instances(getattr(module, class_name)):
             for attribute in attributes:
                 obj.__dict__.pop(attribute, None)
 
@@ -72,15 +74,11 @@ def _attach_worker(worker: Any, options: dict[str, Any]) -> Monitor:
     record = {**engine_settings(config), "data_parallel_size": identity.dp_size, "attached_late": True}
     monitor = Monitor(engine="vllm", model=str(config.model_config.model), rank=identity.rank,
                       world_size=identity.world_size, probe=CudaProbe(worker.device.index), config=record, **options)
-    worker.__dict__[vllm.RANK_ATTRIBUTE] = vllm._Rank(monitor)
+    worker.__dict__[RANK_ATTRIBUTE] = Rank(monitor)
     if identity.rank == 0:
         vllm_scheduler.set_lead(monitor)  # the workload's ring, when the scheduler runs in this process
     monitor.event("rank_identity", identity.event("worker"))
-    weights = _weights_bytes(getattr(worker.model_runner, "model", None))
-    unknown = UNKNOWN_TERMS if weights is not None else ("weights_bytes", *UNKNOWN_TERMS)
-    monitor.event("attached_late", {"unknown_terms": list(unknown), "reason": REASON})
-    if weights is not None:
-        monitor.weights_loaded(weights)
+    record_attached_late(monitor, getattr(worker.model_runner, "model", None))
     _record_kv_sizing(worker, monitor)
     return monitor
 

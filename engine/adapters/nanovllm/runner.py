@@ -1,101 +1,33 @@
-"""nano-vllm adapter: every rank's startup phases, its KV sizing, and one sample per step.
+"""nano-vllm's ``ModelRunner``: one memwatch rank per runner, its startup phases, KV sizing and steps.
 
-nano-vllm has no plugin interface, so the adapter patches its classes as their modules are imported
-(see :mod:`.hooks`); spawned tensor-parallel workers import them afresh and are patched the same way.
-What is recorded, per rank (``ModelRunner(config, rank, event)``; world size
-``config.tensor_parallel_size``; device index = rank, as nano-vllm's ``torch.cuda.set_device(rank)``):
-
-* ``load``: from the start of ``ModelRunner.__init__`` (weights are allocated when the model is
-  constructed) until ``load_model`` has copied the checkpoint in, then ``weights_loaded``;
-* ``warmup`` around ``warmup_model`` (its forward is not counted as a step);
-* ``kv_alloc`` around ``allocate_kv_cache``, then ``kv_allocated`` with the readings the engine's
-  formula used (taken on entry; nothing allocates between them and the engine's own reads: free,
-  total, used, peak, current), its other inputs (layers, block size, KV heads per rank, head dim,
-  dtype size, utilization), the block count it chose, and the rule it sized by (``budget_rule``):
-  upstream's ``total × util − used − peak + current``, or, for the PyPI package ``nano-vllm-fork``,
-  ``min(free × 0.9, total × util − current)`` — a rule memwatch records but does not re-derive, so
-  ``block_count_mismatch`` compares that fork's ranks with each other only. Every rank sizes on its
-  own and only rank 0's count reaches the scheduler, so the per-rank events are what
-  ``block_count_mismatch`` compares;
-* ``cudagraph`` around ``capture_cudagraph``; ``serve`` from the first step until ``exit``;
-* one sample per ``ModelRunner.run`` on every rank: step kind, sequences, tokens; rank 0 adds the
-  block manager's used/total blocks and the preemptions the scheduler made for this step.
-
-``LLMEngine.__init__`` gives each engine instance in a process its own run id in ``MEMWATCH_RUN_ID``
-before it spawns workers, so all ranks of one instance share one run and a second instance gets a new
-one (:mod:`.nanovllm_scheduler`, with the scheduler's block manager, preemptions and requests).
-Upstream interface followed: GeeeekExplorer/nano-vllm ``bb823b3`` (chunked prefill: a prefill
-step's tokens are each sequence's ``num_scheduled_tokens``), and ``nano-vllm-fork`` 20260210 from PyPI
-(no chunking: a prefill runs each sequence's tokens past its cached prefix).
+What each hook records is listed in the package's docstring (:mod:`memwatch_engine.adapters.nanovllm`).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from importlib import metadata
 from types import ModuleType
 from typing import Any
 
-from ..monitor import Monitor
-from ..probes.base import UNKNOWN
-from ..probes.cuda import CudaProbe
-from .hooks import patch_now, patch_on_import, require_methods, unwrap_all, wrap_function, wrap_method
-from .nanovllm_scheduler import LLM_ENGINE, SCHEDULER, _guard, _patch_llm_engine, _patch_scheduler, _process
-from .oom import capture_oom
+from ...monitor import Monitor
+from ...probes.base import UNKNOWN
+from ...probes.cuda import CudaProbe
+from ..hooks import require_methods, wrap_function, wrap_method
+from ..oom import capture_oom
+from .state import RANK_ATTRIBUTE, Rank, guard, process
 
-MODEL_RUNNER = "nanovllm.engine.model_runner"
-RANK_ATTRIBUTE = "_memwatch_rank"
-
-
-class _Rank:
-    """memwatch's state for one ``ModelRunner``: its monitor and the phases it has open."""
-
-    def __init__(self, monitor: Monitor, rank: int) -> None:
-        self.monitor = monitor
-        self.rank = rank
-        self.phases = ExitStack()
-        self.load_phase = ExitStack()
-        self.in_startup = 0
-        self.serving = False
-
-
-_loading: list[_Rank] = []
+_loading: list[Rank] = []
 """The rank whose ``__init__`` is loading weights in this process (``load_model`` gets no runner)."""
-
-
-def install() -> None:
-    """Patch nano-vllm's engine modules when they are imported (now, if they already are)."""
-    patch_on_import(MODEL_RUNNER, _patch_model_runner)
-    patch_on_import(SCHEDULER, _patch_scheduler)
-    patch_on_import(LLM_ENGINE, _patch_llm_engine)
-
-
-def install_live() -> ModuleType | None:
-    """Patch the nano-vllm modules this process already runs (an injected memwatch); its model runner module."""
-    patch_now(SCHEDULER, _patch_scheduler)
-    patch_now(LLM_ENGINE, _patch_llm_engine)
-    return patch_now(MODEL_RUNNER, _patch_model_runner)
-
-
-def uninstall() -> None:
-    """Put nano-vllm's original methods back (an injected memwatch detaching)."""
-    import sys
-
-    for module_name, owner_name in ((LLM_ENGINE, "LLMEngine"), (SCHEDULER, "Scheduler"),
-                                    (MODEL_RUNNER, "ModelRunner"), (MODEL_RUNNER, None)):
-        module = sys.modules.get(module_name)
-        owner = getattr(module, owner_name, None) if owner_name else module
-        if owner is not None:
-            unwrap_all(owner)
-    _process.scheduler = _process.lead = None
 
 
 # -- ModelRunner: phases, KV sizing, steps ----------------------------------------------------------
 
 
-def _patch_model_runner(module: ModuleType) -> None:
+def patch_model_runner(module: ModuleType) -> None:
+    """Wrap ``ModelRunner`` and the ``load_model`` it imported: phases, KV sizing and steps per rank."""
     runner = module.ModelRunner
     require_methods(runner, ("__init__", "warmup_model", "allocate_kv_cache", "capture_cudagraph", "run", "exit"))
     if not callable(getattr(module, "load_model", None)):
@@ -109,17 +41,17 @@ def _patch_model_runner(module: ModuleType) -> None:
     wrap_method(runner, "exit", _wrap_exit)
 
 
-def _state(runner: Any) -> _Rank | None:
-    return runner.__dict__.get(RANK_ATTRIBUTE) if _guard.active else None
+def _state(runner: Any) -> Rank | None:
+    return runner.__dict__.get(RANK_ATTRIBUTE) if guard.active else None
 
 
 def _wrap_runner_init(original: Callable[..., Any]) -> Callable[..., Any]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        _guard.call(_start_rank, self, args, kwargs)
+        guard.call(_start_rank, self, args, kwargs)
         try:
             original(self, *args, **kwargs)
         except BaseException:
-            _guard.call(_finish_rank, self, "error")
+            guard.call(_finish_rank, self, "error")
             raise
 
     return __init__
@@ -129,23 +61,23 @@ def _start_rank(runner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
     config = args[0] if args else kwargs["config"]
     rank = int(args[1] if len(args) > 1 else kwargs.get("rank", 0))
     monitor = Monitor(
-        engine="nano-vllm", model=_model_name(config.model), rank=rank,
-        world_size=int(config.tensor_parallel_size), probe=CudaProbe(rank), config=_config_record(config),
+        engine="nano-vllm", model=model_name(config.model), rank=rank,
+        world_size=int(config.tensor_parallel_size), probe=CudaProbe(rank), config=config_record(config),
     )
-    state = _Rank(monitor, rank)
+    state = Rank(monitor, rank)
     runner.__dict__[RANK_ATTRIBUTE] = state
     if rank == 0:
-        _process.lead = state
+        process.lead = state
     state.load_phase.enter_context(monitor.phase("load"))
     _loading.append(state)
     capture_oom(monitor)
 
 
-def _model_name(path: str) -> str:
+def model_name(path: str) -> str:
     return os.path.basename(os.path.normpath(str(path))) or str(path)
 
 
-def _config_record(config: Any) -> dict[str, Any]:
+def config_record(config: Any) -> dict[str, Any]:
     """The settings plan-versus-observed and the detectors read from the run's config."""
     hf_config = config.hf_config
     return {
@@ -166,7 +98,7 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def load_model(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        _guard.call(_weights_loaded)
+        guard.call(_weights_loaded)
         return result
 
     return load_model
@@ -180,7 +112,7 @@ def _weights_loaded() -> None:
 
 
 @contextmanager
-def _startup(state: _Rank | None, phase: str) -> Iterator[None]:
+def _startup(state: Rank | None, phase: str) -> Iterator[None]:
     if state is None:
         yield
         return
@@ -204,17 +136,17 @@ def _wrap_allocate_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
     def allocate_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
         state = _state(self)
         with _startup(state, "kv_alloc"):
-            readings = _guard.call(state.monitor.probe.read) if state is not None else None
+            readings = guard.call(state.monitor.probe.read) if state is not None else None
             try:
                 return original(self, *args, **kwargs)
             finally:
                 if readings is not None:
-                    _guard.call(_record_kv_sizing, self, state, readings)
+                    guard.call(_record_kv_sizing, self, state, readings)
 
     return allocate_kv_cache
 
 
-def _record_kv_sizing(runner: Any, state: _Rank, readings: tuple[int, int, int, int, int]) -> None:
+def _record_kv_sizing(runner: Any, state: Rank, readings: tuple[int, int, int, int, int]) -> None:
     """``kv_allocated`` with every input of nano-vllm's formula::
 
         block_bytes = 2 × layers × block_size × (kv_heads // tp) × head_dim × dtype size
@@ -266,33 +198,33 @@ def _wrap_run(original: Callable[..., Any]) -> Callable[..., Any]:
         state = _state(self)
         if state is None or state.in_startup:  # warmup's forward is part of its phase, not a step
             return original(self, *args, **kwargs)
-        _guard.call(_begin_serving, state)
+        guard.call(_begin_serving, state)
         result = original(self, *args, **kwargs)
-        _guard.call(_record_step, state, args, kwargs)
+        guard.call(_record_step, state, args, kwargs)
         return result
 
     return run
 
 
-def _begin_serving(state: _Rank) -> None:
+def _begin_serving(state: Rank) -> None:
     if not state.serving:
         state.serving = True
         state.phases.enter_context(state.monitor.phase("serve"))
 
 
-def _record_step(state: _Rank, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _record_step(state: Rank, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     seqs = args[0] if args else kwargs["seqs"]
     is_prefill = bool(args[1] if len(args) > 1 else kwargs["is_prefill"])
     num_seqs = len(seqs)
     num_tokens = sum(_prefill_tokens(seq) for seq in seqs) if is_prefill else num_seqs
     used = total = None
     monitor = state.monitor
-    if state.rank == 0 and _process.scheduler is not None:
-        blocks = _process.scheduler.block_manager
+    if state.rank == 0 and process.scheduler is not None:
+        blocks = process.scheduler.block_manager
         used, total = len(blocks.used_block_ids), len(blocks.blocks)
-        if _process.preemptions:
-            monitor.preempted(_process.preemptions)
-            _process.preemptions = 0
+        if process.preemptions:
+            monitor.preempted(process.preemptions)
+            process.preemptions = 0
     monitor.step("prefill" if is_prefill else "decode", num_seqs=num_seqs, num_tokens=num_tokens,
                  kv_blocks_used=used, kv_blocks_total=total)
 
@@ -308,7 +240,7 @@ def _wrap_exit(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return original(self, *args, **kwargs)
         finally:
-            _guard.call(_finish_rank, self, "ok")
+            guard.call(_finish_rank, self, "ok")
 
     return exit
 
@@ -320,7 +252,7 @@ def _finish_rank(runner: Any, status: str) -> None:
     state.load_phase.close()
     state.phases.close()
     state.monitor.close(status)
-    if _process.lead is state:
-        _process.lead = None
+    if process.lead is state:
+        process.lead = None
     if state in _loading:
         _loading.remove(state)
