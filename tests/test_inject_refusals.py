@@ -101,8 +101,8 @@ def test_another_users_process_is_refused(tmp_path: Path, runtime_dir: Path, db_
                           env=env, capture_output=True, text=True, timeout=60)
     target.finish()
     assert done.returncode == 5
-    assert done.stderr == (f"error: cannot inspect process {target.proc.pid}: it belongs to another user; "
-                           "run memwatch as that user (or as root)\n")
+    assert done.stderr == (f"error: process {target.proc.pid} belongs to uid 0, not to you (uid 65534); "
+                           "run memwatch attach --inject as that user or as root\n")
 
 
 def test_the_user_check_refuses_another_users_process_even_to_root() -> None:

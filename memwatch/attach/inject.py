@@ -5,14 +5,18 @@ this memwatch is installed when the target's environment lacks it, then call
 ``memwatch_engine.inject.handle`` with a JSON request, inside a ``try`` that swallows everything.
 The lines get there one of two ways:
 
-* Python 3.14+: ``sys.remote_exec`` (PEP 768), run by the target's own interpreter binary; the
-  target runs the script at its next safe point, without being stopped;
+* Python 3.14+: ``sys.remote_exec`` (PEP 768), called from memwatch's own interpreter when it is the
+  same version, else from the target's interpreter binary run as the target's user (never as
+  root for another user's file); the target runs the script at its next safe point, without being
+  stopped;
 * older Pythons: ``gdb`` in batch mode attaches, calls ``PyGILState_Ensure``, ``PyRun_SimpleString``
   and ``PyGILState_Release`` in the main thread, and detaches. The target is stopped for that time
   (about a second, mostly gdb reading symbols). With ``unwindonsignal`` set, a call that does not
   return within the timeout is interrupted and unwound, so the target goes on as it was.
 
-The injected code answers through a private status file in the runtime directory.
+The injected code answers through a private status file in the runtime directory. gdb reads no
+init file, auto-loads nothing (a ``-gdb.py`` beside a library is code of the target's side) and
+asks no debuginfod server; every program starts as :func:`.programs.as_target` says.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +40,7 @@ from memwatch_engine.runtime import ensure_runtime_dir
 
 from ..errors import MemwatchError, NotFoundError, UnavailableError, UsageError
 from .inject_checks import Target, check_all
+from .programs import as_target, trusted_file
 from .ring_source import find_rings
 
 DEFAULT_TIMEOUT_S = 20.0
@@ -207,12 +213,16 @@ def gdb_commands(code: str) -> str:
     ))
 
 
+GDB_FLAGS = ("-batch", "-nx", "-q", "-iex", "set auto-load off", "-iex", "set debuginfod enabled off",
+             "-iex", "set auto-solib-add off")
+"""No init file, nothing auto-loaded from the target's libraries, no symbol server, symbols read on demand."""
+
+
 def _through_gdb(gdb: str, pid: int, script: Path, timeout_s: float) -> None:
     proc = subprocess.Popen(
-        [gdb, "-batch", "-nx", "-q", "-iex", "set debuginfod enabled off", "-iex", "set auto-solib-add off",
-         "-p", str(pid), "-x", str(script)],
+        [gdb, *GDB_FLAGS, "-p", str(pid), "-x", str(script)],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        start_new_session=True, **as_target(pid),
     )
     try:
         output, _ = proc.communicate(timeout=timeout_s)
@@ -238,11 +248,30 @@ def _interrupt(proc: subprocess.Popen[str]) -> None:
         proc.communicate()
 
 
+def remote_exec_interpreter(target: Target) -> str:
+    """The interpreter that calls ``sys.remote_exec``: memwatch's own when it is the same version, else the target's.
+
+    The target's binary then runs as the target's user (see :func:`.programs.as_target`), and only when the
+    file belongs to that user or to root and no one else may write it.
+    """
+    if sys.version_info[:2] == target.version and hasattr(sys, "remote_exec"):
+        return sys.executable
+    from .programs import process_ids
+
+    uids, _ = process_ids(target.pid)
+    exe = f"/proc/{target.pid}/exe"
+    if not trusted_file(exe, owners=(0, *uids[:1])):
+        raise UnavailableError(f"process {target.pid} runs {target.exe}, which another user may change, and memwatch "
+                               f"runs Python {sys.version_info[0]}.{sys.version_info[1]}, not "
+                               f"{target.version[0]}.{target.version[1]}; run memwatch with the process's Python")
+    return exe
+
+
 def _through_remote_exec(target: Target, script: Path, timeout_s: float) -> None:
     call = f"import sys; sys.remote_exec({target.pid}, {str(script)!r})"
     try:
-        done = subprocess.run([f"/proc/{target.pid}/exe", "-I", "-S", "-c", call], capture_output=True, text=True,
-                              timeout=timeout_s)
+        done = subprocess.run([remote_exec_interpreter(target), "-I", "-S", "-c", call], capture_output=True,
+                              text=True, timeout=timeout_s, **as_target(target.pid))
     except subprocess.TimeoutExpired:
         raise UnavailableError(f"sys.remote_exec did not reach process {target.pid} within {timeout_s:g}s; "
                                "retry, or raise --inject-timeout") from None

@@ -1,28 +1,29 @@
 """What must hold before memwatch runs code inside another process; each failure is one clear sentence.
 
-The checks, in order: the process exists; it is a Python interpreter of a version memwatch's engine
-plugin runs on; it belongs to this user (or we are root); the kernel lets us trace it (Yama's
-``ptrace_scope``, the ``CAP_SYS_PTRACE`` capability a container may lack, no other debugger attached);
-and the tool that does the injection is installed (``gdb`` before Python 3.14).
+The checks, in order: the process exists and belongs to this user (every one of its uids; root
+too must run as the process's user); it is a Python interpreter of a version memwatch's engine
+plugin runs on, learnt by reading its files, never by running them (:mod:`.pyversion`); the kernel
+lets us trace it (Yama's ``ptrace_scope``, the ``CAP_SYS_PTRACE`` capability a container may lack,
+no other debugger attached); and the tool that does the injection is installed (``gdb`` before
+Python 3.14) where no user could have planted it (:mod:`.programs`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import MemwatchError, NotFoundError, PermissionDeniedError, UnavailableError, UsageError
+from .programs import process_ids, trusted_tool
+from .pyversion import embedded_version, mapped_libpython, named_version
 
 MIN_VERSION = (3, 11)
 REMOTE_EXEC_VERSION = (3, 14)
 YAMA_PATH = Path("/proc/sys/kernel/yama/ptrace_scope")
 CAP_SYS_PTRACE = 19
 _PYTHON_NAME = re.compile(r"python[0-9.]*[a-z]?$")
-_LIBPYTHON = re.compile(r"/libpython(\d+)\.(\d+)[a-z]*\.so")
 
 
 @dataclass(frozen=True)
@@ -39,62 +40,57 @@ class Target:
 
 
 def python_target(pid: int) -> Target:
-    """The process as an injection target, or a clear refusal when it is not a Python process."""
+    """The process as an injection target, or a clear refusal when it is not a Python process.
+
+    Nothing of the process is executed: the version comes from the files it maps.
+    """
     proc = Path(f"/proc/{pid}")
     try:
         exe = os.readlink(proc / "exe")
     except FileNotFoundError:
         raise NotFoundError(f"no process {pid}; check the pid with ps") from None
     except PermissionError:
+        if _owner(pid) in (None, os.geteuid()) or os.geteuid() == 0:
+            raise PermissionDeniedError(f"the kernel does not let memwatch read process {pid}'s executable (a "
+                                        "protected process, such as pid 1, a kernel thread or one that is not "
+                                        "dumpable); memwatch cannot inject into it") from None
         raise PermissionDeniedError(f"cannot inspect process {pid}: it belongs to another user; "
                                     "run memwatch as that user (or as root)") from None
-    version = _libpython_version(proc) if not _PYTHON_NAME.search(os.path.basename(exe)) else None
-    if version is None and not _PYTHON_NAME.search(os.path.basename(exe)):
-        raise UsageError(f"process {pid} is not a Python process ({os.path.basename(exe)}); "
-                         "--inject works on Python engines only")
+    name = os.path.basename(exe.removesuffix(" (deleted)"))
+    version = mapped_libpython(pid) or named_version(name)
+    if version is None and _PYTHON_NAME.search(name):
+        version = embedded_version(pid)
+        if version is None:
+            raise UsageError(f"process {pid} runs {exe}, whose Python version could not be read from its name or "
+                             "its bytes; --inject works on CPython 3.11 or newer")
     if version is None:
-        version = _interpreter_version(pid, exe)
+        raise UsageError(f"process {pid} is not a Python process ({name}); --inject works on Python engines only")
     if version < MIN_VERSION:
         raise UsageError(f"process {pid} runs Python {version[0]}.{version[1]}; memwatch's engine plugin "
                          f"needs Python {MIN_VERSION[0]}.{MIN_VERSION[1]} or newer")
     return Target(pid=pid, exe=exe, version=version)
 
 
-def _libpython_version(proc: Path) -> tuple[int, int] | None:
-    try:
-        maps = (proc / "maps").read_text()
-    except OSError:
-        return None
-    found = _LIBPYTHON.search(maps)
-    return (int(found.group(1)), int(found.group(2))) if found else None
-
-
-def _interpreter_version(pid: int, exe: str) -> tuple[int, int]:
-    """Ask the target's own interpreter binary (isolated, no site) which version it is."""
-    try:
-        done = subprocess.run([f"/proc/{pid}/exe", "-I", "-S", "-c", "import sys; print(*sys.version_info[:2])"],
-                              capture_output=True, text=True, timeout=10)
-        major, minor = (int(part) for part in done.stdout.split())
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        raise UsageError(f"process {pid} runs {exe}, whose Python version could not be read; "
-                         "--inject works on CPython 3.11 or newer") from None
-    return major, minor
+def _owner(pid: int) -> int | None:
+    uids, _ = process_ids(pid)
+    return uids[0] if uids else None
 
 
 def check_user(pid: int, euid: int | None = None) -> None:
-    """The process must be ours, or we must be root."""
+    """The process must be ours, every uid of it (real, effective, saved, filesystem); root is no exception."""
     euid = os.geteuid() if euid is None else euid
-    field = _status_field(pid, "Uid")
-    uid = int(field.split()[0]) if field else euid
-    if uid == euid:
+    uids, _ = process_ids(pid)
+    other = next((uid for uid in uids if uid != euid), None)
+    if other is None:
         return
     if euid != 0:
-        raise PermissionDeniedError(f"process {pid} belongs to uid {uid}, not to you (uid {euid}); "
+        raise PermissionDeniedError(f"process {pid} belongs to uid {other}, not to you (uid {euid}); "
                                     "run memwatch attach --inject as that user or as root")
-    # Root may trace anyone, but the rings must belong to the process's own user for its sidecar to trust them.
-    raise PermissionDeniedError(f"process {pid} belongs to uid {uid}, whose rings must live in that user's runtime "
-                                f"directory; run memwatch as that user: sudo -u '#{uid}' memwatch attach --inject "
-                                f"{pid}")
+    # Root may trace anyone, but the rings must belong to the process's own user for its sidecar to trust them,
+    # and nothing of another user's process may run with root's privileges.
+    raise PermissionDeniedError(f"process {pid} belongs to uid {other}, whose rings must live in that user's "
+                                f"runtime directory; run memwatch as that user: sudo -u '#{other}' memwatch attach "
+                                f"--inject {pid}")
 
 
 def check_ptrace(pid: int, yama_path: Path = YAMA_PATH, capabilities: int | None = None) -> None:
@@ -125,17 +121,19 @@ def check_tool(target: Target) -> str | None:
     """The injecting tool's path: gdb before Python 3.14; ``None`` when the interpreter does it itself."""
     if target.method == "remote_exec":
         return None
-    gdb = shutil.which("gdb")
+    gdb = trusted_tool("gdb")
     if gdb is None:
-        raise UnavailableError(f"gdb is not installed, and process {target.pid} runs Python "
+        raise UnavailableError(f"gdb is not installed (or only where another user could have put it), and process "
+                               f"{target.pid} runs Python "
                                f"{target.version[0]}.{target.version[1]} (before 3.14 injection goes through gdb); "
                                "install it: apt-get install gdb")
     return gdb
 
 
 def check_all(pid: int) -> tuple[Target, str | None]:
-    target = python_target(pid)
+    """Every check, the owner first: nothing is read from another user's process before that passes."""
     check_user(pid)
+    target = python_target(pid)
     check_ptrace(pid)
     return target, check_tool(target)
 
@@ -156,6 +154,7 @@ def inject_hint(pid: int) -> str | None:
     from .ring_source import find_rings
 
     try:
+        check_user(pid)  # root watching another user's process gets no hint: it could not inject as root
         python_target(pid)
         if find_rings({pid, *HostWatcher(pid).children()}):
             return None

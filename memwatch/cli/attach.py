@@ -57,6 +57,9 @@ def attach(
     """
     if inject and detach_:
         raise UsageError("--inject and --detach contradict each other; pass one of them")
+    # Every option is checked before anything is done to the process.
+    if not record and click.get_current_context().get_parameter_source("db_path") is ParameterSource.COMMANDLINE:
+        raise UsageError("--db only says where --record stores samples; add --record or drop --db")
     if detach_:
         from ..attach.inject import detach
 
@@ -68,8 +71,6 @@ def attach(
         _inject(pid, interval, inject_timeout)
     else:
         _hint(pid)
-    if not record and click.get_current_context().get_parameter_source("db_path") is ParameterSource.COMMANDLINE:
-        raise UsageError("--db only says where --record stores samples; add --record or drop --db")
     with closing(open_source(pid)) as source:
         _whose_ring(pid, source)
         recorder = RunRecorder(db_path) if record else None
