@@ -9,6 +9,7 @@ import click
 
 from ..snapshot import import_snapshot
 from ..store import open_store
+from ..terminal import printable
 from ..units import format_bytes
 from .options import db_option, json_option
 
@@ -28,7 +29,9 @@ def command(file: Path, run: str, rank: int | None, db_path: Path | None, as_jso
     Adds events to the run: the largest live allocations with their top frames, the segments the
     allocator grew by, and the trace's out-of-memory entry (with the requested bytes and what CUDA
     still had free). The file is read with a loader that builds plain data only: nothing in it is
-    executed. Importing the same file twice adds nothing the second time.
+    executed. Importing the same file twice adds nothing the second time. The file must be a regular
+    file of at most 256 MiB; it is read in a child process limited to 60 s of CPU, 4 GiB of memory
+    and 120 s in all. An entry holding a number out of range is set aside, and counted.
     """
     result = import_snapshot(open_store(db_path), run, file, rank=rank)
     if as_json:
@@ -37,13 +40,17 @@ def command(file: Path, run: str, rank: int | None, db_path: Path | None, as_jso
     if result.already_imported:
         click.echo(f"{file} was already imported into run {result.run_id} (rank {result.rank}); nothing added")
         return
-    click.echo(f"imported {file} into run {result.run_id} rank {result.rank}: {len(result.events)} events")
+    click.echo(printable(f"imported {file} into run {result.run_id} rank {result.rank}: {len(result.events)} events"))
+    set_aside = result.events[0].data.get("set_aside", 0) if result.events else 0
+    if set_aside:
+        click.echo(f"  {set_aside} {'entry' if set_aside == 1 else 'entries'} set aside: a number in "
+                   f"{'it' if set_aside == 1 else 'them'} was out of range")
     for event in result.events:
         data = event.data
         if event.kind == "snapshot_allocation":
             frame = (data.get("frames") or [{}])[0]
             where = f" at {frame.get('name')} ({frame.get('filename')}:{frame.get('line')})" if frame else ""
-            click.echo(f"  live allocation #{data['place']}: {format_bytes(data['size_bytes'])}{where}")
+            click.echo(f"  live allocation #{data['place']}: {format_bytes(data['size_bytes'])}{printable(where)}")
         elif event.kind == "snapshot_segments":
             click.echo(f"  {data['segments']} segments, {format_bytes(data['reserved_bytes'])} reserved; the trace "
                        f"grew {data['segment_allocs']} segments ({format_bytes(data['segment_alloc_bytes'])}) and "

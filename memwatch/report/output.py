@@ -44,7 +44,8 @@ def write_report(db: Database, ref: str, path: str | os.PathLike[str], *,
             from memwatch.report.page import render_page
 
             text = render_explanation(explain_run(db, data.run.run_id))
-            tmp.write_text(render_page(data, text), encoding="utf-8")
+            # Text stored before imports cleaned it may hold lone surrogates, which UTF-8 cannot encode.
+            tmp.write_text(render_page(data, text), encoding="utf-8", errors="replace")
         os.replace(tmp, path)
     except PermissionError:
         raise PermissionDeniedError(f"no permission to write {path}; pick another -o") from None

@@ -2,7 +2,8 @@
 
 Events written (their ``data`` is JSON):
 
-* ``snapshot_imported``: the file, its SHA-256, segment and trace-entry counts, reserved and allocated bytes.
+* ``snapshot_imported``: the file, its SHA-256, segment and trace-entry counts, reserved and allocated bytes,
+  and ``set_aside``: entries left out for a number out of range.
 * ``snapshot_allocation``: one per largest live allocation (:data:`TOP_ALLOCATIONS`), with its
   requested size, segment and top :data:`TOP_FRAMES` frames.
 * ``snapshot_segments``: segment growth in the trace (``segment_alloc``/``segment_free`` counts and
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from memwatch.errors import UsageError
 from memwatch.records import Event
-from memwatch.snapshot.reader import Frame, MemorySnapshot, TraceEntry, read_snapshot
+from memwatch.snapshot.reader import Frame, MemorySnapshot, TraceEntry
+from memwatch.snapshot.untrusted import read_snapshot
 from memwatch.store.queries import Run, events, get_run
 from memwatch.store.writer import INSERT_EVENT
 
@@ -95,7 +97,7 @@ def snapshot_events(db: Database, run_id: str, rank: int, snapshot: MemorySnapsh
     out = [event("snapshot_imported", {
         "path": path, "sha256": sha256, "devices": list(snapshot.devices), "segments": len(snapshot.segments),
         "reserved_bytes": snapshot.reserved_bytes, "allocated_bytes": snapshot.allocated_bytes,
-        "trace_entries": len(snapshot.traces), "trace_actions": actions,
+        "trace_entries": len(snapshot.traces), "trace_actions": actions, "set_aside": snapshot.set_aside,
     })]
     live = snapshot.live_blocks()
     for place, block in enumerate(live[:TOP_ALLOCATIONS], start=1):
