@@ -24,8 +24,13 @@ def pick_format(as_json: bool, as_csv: bool) -> str:
     return "json" if as_json else "csv" if as_csv else "text"
 
 
-def write_rows(columns: Sequence[str], rows: Iterable[Sequence[Any]], fmt: str, *, empty: str = "(no rows)") -> int:
-    """Write ``rows`` as JSON lines (one object per row), CSV, or a text table; returns how many."""
+def write_rows(columns: Sequence[str], rows: Iterable[Sequence[Any]], fmt: str, *, empty: str = "(no rows)",
+               limit: int | None = None) -> int:
+    """Write ``rows`` as JSON lines (one object per row), CSV, or a text table; returns how many.
+
+    JSON and CSV stream every row. The table must see its rows to align them, so with ``limit`` it keeps
+    only that many and ends with a note counting the rest.
+    """
     count = 0
     out = sys.stdout
     if fmt == "json":
@@ -40,14 +45,23 @@ def write_rows(columns: Sequence[str], rows: Iterable[Sequence[Any]], fmt: str, 
             writer.writerow(row)
             count += 1
         return count
-    buffered = [["" if value is None else str(value) for value in row] for row in rows]
+    buffered: list[list[str]] = []
+    more = 0
+    for row in rows:
+        if limit is not None and len(buffered) >= limit:
+            more += 1
+            continue
+        buffered.append(["" if value is None else str(value) for value in row])
     widths = [max([len(column), *(len(row[i]) for row in buffered)]) for i, column in enumerate(columns)]
     out.write("  ".join(column.ljust(width) for column, width in zip(columns, widths, strict=True)).rstrip() + "\n")
     for row in buffered:
         out.write("  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True)).rstrip() + "\n")
     if not buffered:
         out.write(empty + "\n")
-    return len(buffered)
+    if more:
+        out.write(f"({more:,} more row{'s' if more > 1 else ''} not shown: the table stops at {limit:,}; "
+                  "--csv or --json print every row)\n")
+    return len(buffered) + more
 
 
 def where_kinds_rank(sql: str, params: list[Any], kinds: Sequence[str], rank: int | None) -> str:

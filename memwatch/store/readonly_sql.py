@@ -5,17 +5,39 @@ Three locks, each enough on its own for writes to the file: the connection is op
 (INSERT, UPDATE, DELETE, CREATE, DROP, ALTER), ATTACH/DETACH, and pragmas that set a value. The
 authorizer also gives the user one plain reason instead of SQLite's "attempt to write a readonly
 database". Only one statement runs, and it must start with SELECT, WITH, VALUES, EXPLAIN or PRAGMA.
+What cannot write is allowed: a table-valued pragma (``pragma_table_info('runs')``) reads the schema,
+which SQLite asks the authorizer about as an UPDATE of ``sqlite_master``'s columns (that table cannot
+be written here at all).
+
+A query runs under a progress handler that stops it past ``timeout_s`` or once Ctrl-C was pressed:
+SQLite never returns to Python during one long step (an endless recursive CTE), so a plain
+KeyboardInterrupt would wait for ever.
 """
 
 from __future__ import annotations
 
 import re
+import signal
 import sqlite3
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import NotFoundError, StoreError, UsageError
+from ..errors import MemwatchError, NotFoundError, StoreError, UsageError
+
+DEFAULT_TIMEOUT_S = 60.0
+PROGRESS_STEPS = 1000
+"""SQLite virtual-machine steps between two looks at the clock and the Ctrl-C flag."""
+_SCHEMA_TABLES = frozenset({"sqlite_master", "sqlite_schema", "sqlite_temp_master", "sqlite_temp_schema"})
+_SCHEMA_COLUMNS = frozenset({"type", "name", "tbl_name", "rootpage", "sql"})
+
+
+class QueryInterrupted(MemwatchError):
+    """Ctrl-C stopped the query: the shell's convention, 128 + SIGINT."""
+
+    exit_code = 130
 
 _STARTS = ("select", "with", "values", "explain", "pragma")
 _READ_PRAGMAS_WITH_ARGUMENT = frozenset({
@@ -39,6 +61,8 @@ class _Guard:
         self.refused: str | None = None
 
     def __call__(self, action: int, arg1: str | None, arg2: str | None, _db: str | None, _trigger: str | None) -> int:
+        if action == sqlite3.SQLITE_UPDATE and arg1 in _SCHEMA_TABLES and arg2 in _SCHEMA_COLUMNS:
+            return sqlite3.SQLITE_OK  # a table-valued pragma reading the schema; sqlite_master is never writable
         if action in _WRITES:
             self.refused = self.refused or _WRITES[action]
             return sqlite3.SQLITE_DENY
@@ -49,13 +73,51 @@ class _Guard:
         return sqlite3.SQLITE_OK
 
 
+class _Stopper:
+    """The progress handler: non-zero (SQLite stops the statement) past the deadline or after Ctrl-C."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.deadline = None if not timeout_s else time.monotonic() + timeout_s
+        self.interrupted = False
+        self.why: str | None = None
+
+    def __call__(self) -> int:
+        if self.interrupted:
+            self.why = "interrupted"
+        elif self.deadline is not None and time.monotonic() > self.deadline:
+            self.why = "timeout"
+        return 1 if self.why else 0
+
+    def on_sigint(self, _signum: int, _frame: Any) -> None:
+        self.interrupted = True
+
+    def error(self) -> MemwatchError:
+        if self.why == "interrupted":
+            return QueryInterrupted("the query was stopped by Ctrl-C; nothing was changed")
+        return UsageError(f"the query ran longer than {self.timeout_s:g}s (the --timeout limit) and was stopped; "
+                          "narrow it (a WHERE on run_id, a LIMIT) or raise --timeout (0: no limit)")
+
+
+def _catch_sigint(stopper: _Stopper) -> Callable[[], None]:
+    """Ctrl-C sets the stopper's flag while the query runs; returns what puts the previous handler back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGINT, stopper.on_sigint)
+    return lambda: signal.signal(signal.SIGINT, previous)
+
+
 def _first_word(sql: str) -> str:
     text = re.sub(r"(--[^\n]*\n?|/\*.*?\*/|\s)+", " ", sql, flags=re.S).strip()
     return text.split(" ", 1)[0].split("(", 1)[0].lower() if text else ""
 
 
-def run_query(db_path: Path, sql: str, params: tuple[Any, ...] = ()) -> tuple[list[str], Iterator[tuple[Any, ...]]]:
-    """Column names and rows of one read-only statement; :class:`UsageError` for anything that would write."""
+def run_query(db_path: Path, sql: str, params: tuple[Any, ...] = (), *,
+              timeout_s: float | None = DEFAULT_TIMEOUT_S) -> tuple[list[str], Iterator[tuple[Any, ...]]]:
+    """Column names and rows (streamed) of one read-only statement; :class:`UsageError` for anything that would write.
+
+    ``timeout_s`` bounds the whole query, rows included (``None`` or 0: no bound); Ctrl-C stops it.
+    """
     word = _first_word(sql)
     if word not in _STARTS:
         what = word.upper() or "an empty statement"
@@ -67,10 +129,16 @@ def run_query(db_path: Path, sql: str, params: tuple[Any, ...] = ()) -> tuple[li
     conn.execute("PRAGMA busy_timeout = 5000")
     guard = _Guard()
     conn.set_authorizer(guard)
+    stopper = _Stopper(timeout_s)
+    conn.set_progress_handler(stopper, PROGRESS_STEPS)
+    restore = _catch_sigint(stopper)
     try:
         cursor = conn.execute(sql, params)
     except sqlite3.DatabaseError as exc:
         conn.close()
+        restore()
+        if stopper.why is not None:
+            raise stopper.error() from None
         if guard.refused is not None:
             raise UsageError(f"memwatch sql is read-only: {guard.refused} is refused and nothing was changed; "
                              "copy the database to change a copy") from None
@@ -84,10 +152,16 @@ def run_query(db_path: Path, sql: str, params: tuple[Any, ...] = ()) -> tuple[li
 
     def rows() -> Iterator[tuple[Any, ...]]:
         try:
-            yield from cursor
+            for row in cursor:
+                if stopper():
+                    raise stopper.error()
+                yield row
         except sqlite3.DatabaseError as exc:
+            if stopper.why is not None:
+                raise stopper.error() from None
             raise UsageError(f"the query failed while reading: {exc}") from None
         finally:
             conn.close()
+            restore()
 
     return columns, rows()
