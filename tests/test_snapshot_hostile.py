@@ -120,13 +120,14 @@ def test_a_reader_past_its_memory_limit_stops_with_a_reason() -> None:
 def test_a_5000_digit_size_sets_one_entry_aside(oom_run: str, db_path: Path, tmp_path: Path) -> None:
     data = snapshot(1, 1)
     data["segments"][1]["blocks"][0]["size"] = 10 ** 5000  # the 20 MiB block of the sampler
+    data["device_traces"][0][1]["time_us"] = 1 << 62  # a time no nanosecond column can hold
     path = tmp_path / "huge-number.pickle"
     path.write_bytes(pickle.dumps(data, protocol=5))
     done = _cli(db_path, "import-snapshot", str(path), "--run", oom_run)
     assert done.returncode == 0, done.stderr
-    assert "  1 entry set aside: a number in it was out of range\n" in done.stdout
+    assert "  2 entries set aside: a number in them was out of range\n" in done.stdout
     [imported] = _events(db_path, "snapshot_imported")
-    assert imported["set_aside"] == 1
+    assert (imported["set_aside"], imported["trace_entries"]) == (2, 4)
     assert [a["size_bytes"] for a in _events(db_path, "snapshot_allocation")] == [GiB, 256 * MiB]
 
 

@@ -48,6 +48,9 @@ def python_target(pid: int) -> Target:
     try:
         exe = os.readlink(proc / "exe")
     except FileNotFoundError:
+        if proc.exists():
+            raise UsageError(f"process {pid} has no executable (a kernel thread); --inject works on Python engines "
+                             "only") from None
         raise NotFoundError(f"no process {pid}; check the pid with ps") from None
     except PermissionError:
         if _owner(pid) in (None, os.geteuid()) or os.geteuid() == 0:

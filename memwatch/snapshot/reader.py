@@ -31,7 +31,9 @@ MAX_ITEMS = 5_000_000
 MAX_TEXT = 4096
 """Characters kept of a file name, function name, state or action."""
 MAX_INT = 1 << 64
-"""Sizes, addresses, times, streams and line numbers are below this (and not negative)."""
+"""Sizes, addresses, streams and line numbers are within plus or minus this."""
+MAX_TIME_US = (1 << 63) // 1000
+"""A trace time becomes a nanosecond column, a 64-bit SQLite integer."""
 
 
 class _PlainDataUnpickler(pickle.Unpickler):
@@ -226,7 +228,7 @@ class _Walk:
         return TraceEntry(device, _text(e["action"], "a trace entry's action"),
                           _optional_int(e.get("addr"), "a trace entry's addr"),
                           _int(e["size"], "a trace entry's size"), _optional_int(e.get("stream"), "a stream"),
-                          _optional_int(e.get("time_us"), "a trace entry's time_us"),
+                          _time_us(e.get("time_us")),
                           _optional_int(e.get("device_free"), "a trace entry's device_free"),
                           self.frames(e.get("frames")))
 
@@ -260,6 +262,13 @@ def _optional_int(value: Any, what: str = "a number") -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         return None
     return _int(value, what)
+
+
+def _time_us(value: Any) -> int | None:
+    time_us = _optional_int(value, "a trace entry's time_us")
+    if time_us is not None and not -MAX_TIME_US < time_us < MAX_TIME_US:
+        raise _OutOfRange("a trace entry's time_us")
+    return time_us
 
 
 def _text(value: Any, what: str) -> str:
