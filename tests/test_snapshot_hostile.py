@@ -220,3 +220,29 @@ def test_a_restarted_importer_never_retries_a_failure(db_path: Path, tmp_path: P
         outcomes.append((importer.failed, importer.skipped))
     assert outcomes == [(1, 0), (0, 1)]
     assert _events(db_path, "snapshot_failed") == [{"path": str(path), "reason": f"{path} is not a regular file"}]
+
+
+def test_sigterm_during_a_long_import_stops_the_sidecar_at_once_and_records_no_failure(
+        runtime_dir: Path, db_path: Path, tmp_path: Path) -> None:
+    path = tmp_path / "long.pickle"
+    path.write_bytes(_long_to_read(3_000_000))  # tens of seconds of CPU to walk
+    path.chmod(0o644)
+    with SidecarProcess(runtime_dir, db_path) as sidecar:
+        _engine(runtime_dir, db_path, "long", 0, 3, str(path))
+        wait_for(lambda: query(db_path, "SELECT 1 FROM events WHERE kind = 'oom'"), timeout=15, what="the oom event")
+        wait_for(lambda: _reader_running(sidecar.proc.pid), timeout=15, what="the reading child")
+        started = time.monotonic()
+        output = sidecar.stop(timeout=15)
+        assert time.monotonic() - started < 5
+    assert f"the import of the memory snapshot {path} was stopped with the sidecar" in output
+    assert _events(db_path, "snapshot_failed") == [] and _events(db_path, "snapshot_imported") == []
+
+
+def _reader_running(parent: int) -> bool:
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"PPid:\t{parent}\n" in (entry / "status").read_text():
+                return b"memwatch.snapshot.child" in (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+    return False
