@@ -196,3 +196,33 @@ def test_inject_with_an_option_it_refuses_injects_nothing(tmp_path: Path) -> Non
     assert (out.splitlines()[-1], err) == ("threads ['MainThread']", "")
     assert not list(runtime_dir.glob("*.ring"))
 
+
+
+def test_gdb_runs_in_root_with_a_scrubbed_environment_and_loads_nothing_from_the_target(
+        shared_dir: Path, tmp_path: Path) -> None:
+    system_gdb = shutil.which("gdb", path="/usr/local/bin:/usr/bin:/bin")
+    seen = shared_dir / "seen.txt"
+    wrapper = shared_dir / "gdb"  # root's own file in root's own folder: trusted, and it tells what gdb got
+    wrapper.write_text(f'#!/bin/sh\n{{ env; echo "cwd=$(pwd)"; printf "arg=%s\\n" "$@"; }} > {seen}\n'
+                       f'exec {system_gdb} "$@"\n')
+    wrapper.chmod(0o755)
+    runtime_dir, db_path = tmp_path / "runtime", tmp_path / "db.sqlite"
+    runtime_dir.mkdir(mode=0o700)
+    script = tmp_path / "loop.py"
+    script.write_text(LIGHT)
+    env = target_env(runtime_dir, db_path)
+    target = Target(script, env)
+    done = subprocess.run([sys.executable, "-m", "memwatch", "attach", "--inject", str(target.proc.pid), "--once"],
+                          env={**env, "PATH": f"{shared_dir}:{env['PATH']}", "LD_PRELOAD": "", "GDBHISTFILE": "x",
+                               "PYTHONPATH": str(tmp_path)},
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    memwatch(env, "attach", "--detach", str(target.proc.pid), timeout=60)
+    target.finish()
+    assert done.returncode == 0, done.stderr
+    lines = seen.read_text().splitlines()
+    variables = {line.split("=", 1)[0] for line in lines if not line.startswith(("cwd=", "arg="))}
+    assert variables <= {"PATH", "LC_ALL", "HOME", "PWD", "SHLVL", "_"}, variables  # the last three: /bin/sh's own
+    assert "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" in lines
+    assert "cwd=/" in lines
+    args = [line[4:] for line in lines if line.startswith("arg=")]
+    assert {"-nx", "set auto-load off", "set debuginfod enabled off"} <= set(args)
