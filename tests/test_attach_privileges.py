@@ -18,8 +18,11 @@ from pathlib import Path
 import pytest
 from injection import LIGHT, Target, memwatch, reap, target_env
 
+from memwatch.attach.inject import remote_exec_interpreter
+from memwatch.attach.inject_checks import Target as CheckedTarget
 from memwatch.attach.inject_checks import python_target
 from memwatch.attach.programs import trusted_tool
+from memwatch.errors import UnavailableError
 
 from processes import wait_for
 
@@ -226,3 +229,21 @@ def test_gdb_runs_in_root_with_a_scrubbed_environment_and_loads_nothing_from_the
     assert "cwd=/" in lines
     args = [line[4:] for line in lines if line.startswith("arg=")]
     assert {"-nx", "set auto-load off", "set debuginfod enabled off"} <= set(args)
+
+
+def test_sys_remote_exec_runs_the_targets_interpreter_only_when_no_other_user_may_change_it(
+        shared_dir: Path, started: list[subprocess.Popen[bytes]]) -> None:
+    system = _static_python()
+    if system is None:
+        pytest.skip("this machine's python3 loads libpython, so a copy of it does not run elsewhere")
+    interpreter = shared_dir / "python3"
+    shutil.copy(system, interpreter)
+    proc = subprocess.Popen([str(interpreter), "-I", "-S", "-c", "import time; time.sleep(30)"],
+                            stdin=subprocess.DEVNULL)
+    started.append(proc)
+    wait_for(lambda: os.readlink(f"/proc/{proc.pid}/exe") == str(interpreter), timeout=10, what="the exec")
+    other_version = CheckedTarget(proc.pid, str(interpreter), (3, 99))
+    assert remote_exec_interpreter(other_version) == f"/proc/{proc.pid}/exe"  # root's file in root's folder
+    shared_dir.chmod(0o777)
+    with pytest.raises(UnavailableError, match="which another user may change"):
+        remote_exec_interpreter(other_version)

@@ -40,7 +40,7 @@ from memwatch_engine.runtime import ensure_runtime_dir
 
 from ..errors import MemwatchError, NotFoundError, UnavailableError, UsageError
 from .inject_checks import Target, check_all
-from .programs import as_target, trusted_file
+from .programs import as_target, process_ids, trusted_file
 from .ring_source import find_rings
 
 DEFAULT_TIMEOUT_S = 20.0
@@ -256,8 +256,6 @@ def remote_exec_interpreter(target: Target) -> str:
     """
     if sys.version_info[:2] == target.version and hasattr(sys, "remote_exec"):
         return sys.executable
-    from .programs import process_ids
-
     uids, _ = process_ids(target.pid)
     exe = f"/proc/{target.pid}/exe"
     if not trusted_file(exe, owners=(0, *uids[:1])):
