@@ -23,7 +23,9 @@ Byte layout (version 2, little-endian)::
      56   u64  published        number of records written so far; record n lives in slot n % capacity
      64   u32  meta_len         length of the JSON metadata below
      96   16s  run_id           ASCII, NUL-padded
-    112   ...  meta             UTF-8 JSON: engine, model, hostname, device, config (written once)
+    112   ...  meta             UTF-8 JSON: engine, model, hostname, device, config (written once);
+                                ``pid_ns`` (the writer's pid namespace inode) and ``writer_lock`` (1: the
+                                writer holds an OFD lock on the file while it lives, see .liveness)
 
     record slot i at HEADER_SIZE + i * 128; every record starts with
       0   u64  seq              the record's sequence number (detects a slot overwritten mid-read)
@@ -80,6 +82,8 @@ import re
 import struct
 from pathlib import Path
 from typing import Any
+
+from .liveness import pid_namespace, release_writer_lock, take_writer_lock
 
 MAGIC = b"MEMWATCH"
 VERSION = 2
@@ -159,12 +163,15 @@ class RingWriter:
         world_size: int = 1,
         meta: dict[str, Any] | None = None,
         capacity: int = DEFAULT_CAPACITY,
+        mode: int = 0o600,
     ) -> None:
         if capacity <= 0 or capacity & (capacity - 1):
             raise ValueError(f"ring capacity must be a power of two, got {capacity}")
         if not RUN_ID_PATTERN.match(run_id):
             raise ValueError(f"run id {run_id!r} must be 1-16 letters, digits, '.', '_' or '-'")
-        meta_bytes = json.dumps(meta or {}, separators=(",", ":")).encode()
+        # How a reader tells this writer is alive: its lock on the ring, and its pid namespace (see .liveness).
+        meta = {**(meta or {}), "pid_ns": pid_namespace(), "writer_lock": 1}
+        meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
         if len(meta_bytes) > META_MAX:
             raise ValueError(f"ring metadata is {len(meta_bytes)} bytes; at most {META_MAX} fit")
         self.path = Path(path)
@@ -173,12 +180,22 @@ class RingWriter:
         # directory never meets a ring without its header; linking fails if the ring exists.
         building = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(building, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        self._lock_fd: int | None = None
         try:
+            os.fchmod(fd, mode)  # exactly this mode, whatever the umask (0640 in a shared group directory)
             os.ftruncate(fd, size)
             # Take the disk pages now: on a full filesystem this fails here, where the Monitor can turn
             # itself off, instead of a SIGBUS in the engine at the first write to a page with no space.
             os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # The lock lives on an open of its own: the mapping's open is shared with forked children,
+            # the lock's is closed in them, so the lock goes when this process goes.
+            self._lock_fd = os.open(building, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            if not take_writer_lock(self._lock_fd):
+                os.close(self._lock_fd)
+                self._lock_fd = None
+                del meta["writer_lock"]  # a reader falls back to the pid, where it can see it
+                meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
             pid = os.getpid()
             _HEADER.pack_into(
                 self._map, 0, MAGIC, VERSION, HEADER_SIZE, RECORD_SIZE, capacity, pid, rank, world_size, 0,
@@ -186,6 +203,9 @@ class RingWriter:
             )
             self._map[META_OFFSET : META_OFFSET + len(meta_bytes)] = meta_bytes
             os.link(building, self.path)
+        except BaseException:
+            self._drop_lock()
+            raise
         finally:
             os.close(fd)
             os.unlink(building)
@@ -240,6 +260,15 @@ class RingWriter:
         _FLAGS.pack_into(self._map, _FLAGS_AT, FLAG_CLOSED)
         self._map.flush()
         self._map.close()
+        self._drop_lock()
+
+    def _drop_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None and release_writer_lock(fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _now_ns() -> int:

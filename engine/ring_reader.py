@@ -134,6 +134,10 @@ class RingReader:
             raise RingFormatError(f"{self.path} was truncated while being read (to less than {offset + size} bytes)")
         return data
 
+    def fileno(self) -> int:
+        """The reader's own open of the ring (asked for the writer's lock: :mod:`.liveness`)."""
+        return self._fd
+
     @property
     def published(self) -> int:
         return _PUBLISHED.unpack(self._pread(8, _PUBLISHED_AT))[0]

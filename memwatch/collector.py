@@ -24,6 +24,7 @@ from memwatch_engine.ring import RUN_ID_PATTERN, RingFormatError
 from memwatch_engine.ring_reader import RingHeader, RingReader
 from memwatch_engine.runtime import RING_SUFFIX, is_private_file
 
+from .liveness import ring_writer_alive, writer_alive
 from .records import Event, Sample
 from .ring_records import typed_records
 from .store.writer import Batch, StoreWriter, WriterStalled, raw_sample_insert
@@ -33,7 +34,9 @@ log = logging.getLogger("memwatch.collector")
 DRAIN_LIMIT = 8192
 """Records read from one ring per poll, so one busy ring cannot starve the others (and memory stays bounded)."""
 ALIVE_CHECK_S = 1.0
-"""How often a caught-up ring's writer is checked for life (one /proc read)."""
+"""How often a caught-up ring's writer is checked for life (a lock query and one /proc read)."""
+
+__all__ = ["Collector", "Observer", "RingState", "writer_alive"]
 
 Observer = Callable[[RingHeader, list[Sample | Event]], Iterable[tuple[Any, ...]]]
 """Called with every drained record of a ring, in order; returns flag rows to store."""
@@ -64,28 +67,6 @@ class RingState:
         return self.reader.header
 
 
-def writer_alive(pid: int, start_ticks: int) -> bool:
-    """Whether the ring's writer still runs: the pid exists, is not a zombie, and is the same process.
-
-    One read of ``/proc/PID/stat`` gives both the state and the start time.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    try:
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        state, started = fields[0], int(fields[19])
-    except (ValueError, IndexError):
-        return True
-    if state in (b"Z", b"X"):
-        return False
-    return not (start_ticks and started != start_ticks)
-
-
 class Collector:
     """Drains every trusted ring of one runtime directory into the store."""
 
@@ -96,7 +77,7 @@ class Collector:
         writer: StoreWriter,
         *,
         observers: Iterable[Observer] = (),
-        is_alive: Callable[[int, int], bool] = writer_alive,
+        is_alive: Callable[[int, int], bool] | None = None,
     ) -> None:
         self.runtime_dir = Path(runtime_dir)
         self._writer = writer
@@ -195,7 +176,10 @@ class Collector:
         alive = True
         now = time.monotonic()
         if state.caught_up and not (closed and state.end_status is not None) and now >= state.next_alive_check:
-            alive = self._is_alive(header.writer_pid, header.writer_start)
+            if self._is_alive is not None:
+                alive = self._is_alive(header.writer_pid, header.writer_start)
+            else:  # the writer's lock, and its pid where it shares our pid namespace (.liveness)
+                alive = ring_writer_alive(reader.fileno(), header.writer_pid, header.writer_start, header.meta)
             state.next_alive_check = now + ALIVE_CHECK_S
         drained = reader.drain(state.cursor, DRAIN_LIMIT)
         count = len(drained.samples) + len(drained.events)

@@ -30,7 +30,8 @@ def test_header_and_file_mode(tmp_path: Path) -> None:
     header = RingReader(path).header
     assert (header.run_id, header.rank, header.world_size, header.capacity) == ("r1", 1, 2, 64)
     assert header.writer_pid == os.getpid()
-    assert header.meta == {"engine": "nano-vllm", "model": "Qwen"}
+    own_ns = os.stat("/proc/self/ns/pid").st_ino
+    assert header.meta == {"engine": "nano-vllm", "model": "Qwen", "pid_ns": own_ns, "writer_lock": 1}
     assert header.writer_start > 0
 
 

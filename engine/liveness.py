@@ -1,0 +1,74 @@
+"""How a sidecar can tell a ring's writer is alive without seeing its pid.
+
+The engine is often in a pid namespace of its own (its container) while the sidecar is in another, so
+the writer pid in a ring's header may name nothing, or another process, in the sidecar's ``/proc``.
+Instead the writer holds an open-file-description lock (``F_OFD_SETLK``, a write lock on the whole
+ring) from the ring's creation to its close. The kernel drops it when the process dies, however it
+dies, and it is visible to any process that opens the same file on the same kernel, whatever its
+namespaces. The sidecar asks with ``F_OFD_GETLK``, which never takes a lock, so it cannot get in the
+writer's way. The lock is taken once, when the ring is created: the hot path never touches it.
+
+The writer also records its pid namespace (the inode of ``/proc/self/ns/pid``); a sidecar checks the
+pid as well only where that namespace is its own.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+
+_FLOCK = struct.Struct("hhqqi4x")
+"""``struct flock`` on 64-bit Linux: type, whence, start, len, pid (and padding)."""
+
+_LOCK_FDS: set[int] = set()
+"""Descriptors holding a writer lock; closed in a forked child so that only the writer keeps the lock."""
+
+
+def take_writer_lock(fd: int) -> bool:
+    """Hold a write lock on the whole file of ``fd`` until ``fd`` is closed; False where locks are refused."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    except (OSError, AttributeError, ValueError):
+        return False
+    _LOCK_FDS.add(fd)
+    return True
+
+
+def release_writer_lock(fd: int) -> bool:
+    """Forget ``fd``; True when the caller should close it (False: a forked child already closed it)."""
+    if fd not in _LOCK_FDS:
+        return False
+    _LOCK_FDS.discard(fd)
+    return True
+
+
+def writer_lock_held(fd: int) -> bool | None:
+    """Whether another open of the file holds a lock on it: True, False, or None when locks cannot be asked."""
+    try:
+        result = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0))
+        kind = _FLOCK.unpack(result)[0]
+    except (OSError, AttributeError, ValueError, struct.error):
+        return None
+    return kind != fcntl.F_UNLCK
+
+
+def pid_namespace(pid: int | str = "self") -> int | None:
+    """The inode of a process's pid namespace (None when /proc does not say)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _close_in_child() -> None:
+    # A forked child shares the lock's open file description: keeping it would keep a dead writer "alive".
+    for fd in tuple(_LOCK_FDS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
