@@ -38,7 +38,7 @@ from .ring import (
     EventTooLarge,
     RingWriter,
 )
-from .runtime import ensure_runtime_dir, ring_path
+from .runtime import ensure_runtime_dir, ring_mode, ring_path
 
 log = logging.getLogger("memwatch")
 
@@ -103,13 +103,14 @@ class Monitor:
                 "probe": self.probe.name, "probe_unavailable": reason,
             })
             self.ring_path = ring_path(directory, self.run_id, self.rank)
+            mode = ring_mode(directory)
             self._writer = RingWriter(
                 self.ring_path, run_id=self.run_id, rank=self.rank, world_size=self.world_size,
-                meta=meta, capacity=capacity,
+                meta=meta, capacity=capacity, mode=mode,
             )
             self._enabled = True
-            if spawn_sidecar is None:
-                spawn_sidecar = os.environ.get("MEMWATCH_SPAWN", "1") != "0"
+            if spawn_sidecar is None:  # a shared directory has its agent already: never start one there
+                spawn_sidecar = os.environ.get("MEMWATCH_SPAWN", "1") != "0" and mode == 0o600
             if spawn_sidecar:
                 from .spawn import ensure_sidecar
 

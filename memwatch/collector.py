@@ -78,11 +78,14 @@ class Collector:
         *,
         observers: Iterable[Observer] = (),
         is_alive: Callable[[int, int], bool] | None = None,
+        trust: Iterable[int] = (),
     ) -> None:
         self.runtime_dir = Path(runtime_dir)
         self._writer = writer
         self._observers = list(observers)
         self._is_alive = is_alive
+        self._trust = frozenset(trust)
+        """Uids whose rings are stored besides our own (and ``$MEMWATCH_TRUST_UIDS``)."""
         self._read = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, check_same_thread=False)
         self.rings: dict[Path, RingState] = {}
         self._rejected: set[Path] = set()
@@ -116,7 +119,7 @@ class Collector:
             self._open(path)
 
     def _open(self, path: Path) -> None:
-        trusted, why = is_private_file(path)
+        trusted, why = is_private_file(path, self._trust)
         if not trusted:
             log.warning("ignoring ring %s: %s", path, why)
             self._rejected.add(path)

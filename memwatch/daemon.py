@@ -65,9 +65,12 @@ class Sidecar:
         retention: Retention | None = None,
         retention_interval: float = 30.0,
         exporters: Exporters | None = None,
+        trust_uids: Iterable[int] = (),
+        runtime_group: int | None = None,
     ) -> None:
+        self.trust_uids = frozenset(trust_uids)
         try:
-            self.runtime_dir = ensure_runtime_dir(runtime_dir)
+            self.runtime_dir = ensure_runtime_dir(runtime_dir, trust=self.trust_uids, group=runtime_group)
         except RuntimeDirError as exc:
             raise PermissionDeniedError(str(exc)) from None
         self.db_path = Path(db_path) if db_path is not None else default_db_path()
@@ -111,7 +114,8 @@ class Sidecar:
                 exporters.state.set_terms_source(live.last_terms)  # the detectors' ledger, not a second one
         self.snapshots = SnapshotImporter(self.writer, lambda: open_store(self.db_path, readonly=True))
         observers = [*observers, self.snapshots]
-        self.collector = Collector(self.runtime_dir, self.db_path, self.writer, observers=observers)
+        self.collector = Collector(self.runtime_dir, self.db_path, self.writer, observers=observers,
+                                   trust=self.trust_uids)
         if exporters is not None:
             rings = self.collector.rings
             exporters.watch_losses(lambda: [(s.header.run_id, s.header.rank, s.lost) for s in tuple(rings.values())])

@@ -41,10 +41,18 @@ from .options import Seconds, db_option, thresholds_option
                    "(env MEMWATCH_OTLP).")
 @click.option("--console", "console", is_flag=True, default=False,
               help="Print metrics and flag log records to stdout every export period (env MEMWATCH_CONSOLE=1).")
+@click.option("--trust-uid", "trust_uids", type=click.IntRange(0, 2**32 - 2), multiple=True, metavar="UID",
+              help="Also store the rings written by this uid (repeatable; env MEMWATCH_TRUST_UIDS, a comma list). "
+                   "Rings of other uids are ignored with a log line naming the uid.")
+@click.option("--runtime-group", type=click.IntRange(0, 2**32 - 2), metavar="GID", default=None,
+              envvar="MEMWATCH_RUNTIME_GROUP",
+              help="Create a missing runtime directory shared with this group (mode 3770: setgid, sticky, no "
+                   "access for others), for engines running as other uids (env MEMWATCH_RUNTIME_GROUP).")
 def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float,
             exit_when_idle: float | None, give_up_after: float, quiet_if_running: bool, no_detect: bool,
             detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str,
-            prometheus: str | None, otlp: str | None, console: bool) -> None:
+            prometheus: str | None, otlp: str | None, console: bool, trust_uids: tuple[int, ...],
+            runtime_group: int | None) -> None:
     """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).
 
     With --prometheus, --otlp or --console (or their MEMWATCH_* variables, or OTEL_METRICS_EXPORTER)
@@ -61,7 +69,7 @@ def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float
         exporters = Exporters(config)
     sidecar = Sidecar(runtime_dir, db_path, poll_interval=poll_interval, exit_when_idle=exit_when_idle,
                       give_up_after=give_up_after, detect=not no_detect, detector_config=detector_config,
-                      retention=retention, exporters=exporters)
+                      retention=retention, exporters=exporters, trust_uids=trust_uids, runtime_group=runtime_group)
     sidecar.install_signal_handlers()  # before the lock: whoever sees the lock may signal us at once
     try:
         sidecar.start()
