@@ -16,6 +16,7 @@ global peak counter away from other code in the process during serving; pass
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -28,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from .clean import clean, clean_data, text
+from .identity import where
 from .probes.base import UNKNOWN, Probe
 from .ring import (
     DEFAULT_CAPACITY,
     FIRST_CUSTOM_PHASE,
+    META_MAX,
     PHASE_CODES,
     SAMPLE_PEAK_IS_STEP,
     STEP_KIND_CODES,
@@ -102,6 +105,9 @@ class Monitor:
                 "gpu_total_bytes": device.total_bytes, "config": config or {},
                 "probe": self.probe.name, "probe_unavailable": reason,
             })
+            place = where()  # the container and pod, when the engine runs in one
+            if place and len(json.dumps(meta)) + len(json.dumps(place)) < META_MAX - 64:
+                meta["where"] = place
             self.ring_path = ring_path(directory, self.run_id, self.rank)
             mode = ring_mode(directory)
             self._writer = RingWriter(

@@ -24,6 +24,8 @@ from memwatch_engine.ring import RUN_ID_PATTERN, RingFormatError
 from memwatch_engine.ring_reader import RingHeader, RingReader
 from memwatch_engine.runtime import RING_SUFFIX, is_private_file
 
+from .identity import COLUMNS as PLACE_COLUMNS
+from .identity import place_from_meta
 from .liveness import ring_writer_alive, writer_alive
 from .records import Event, Sample
 from .ring_records import typed_records
@@ -352,17 +354,19 @@ WHERE run_id = ? AND (SELECT count(*) FROM ranks WHERE run_id = ?) > 0
 def _register(header: RingHeader) -> list[tuple[str, tuple[Any, ...]]]:
     """Statements that create the run (first rank seen) and the rank rows for a new ring."""
     meta = header.meta
+    place = place_from_meta(meta)
     return [
         (
             "INSERT INTO runs (run_id, pid, hostname, engine, model, rank_count, started_ns, status,"
-            " gpu_name, gpu_total_bytes, config, source) VALUES (?, ?, ?, ?, ?, ?, ?, 'running', ?, ?, ?, ?)"
+            f" gpu_name, gpu_total_bytes, config, source, {', '.join(PLACE_COLUMNS)})"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(run_id) DO UPDATE SET started_ns = min(started_ns, excluded.started_ns),"
             " status = 'running', pid = CASE WHEN ? = 0 THEN excluded.pid ELSE pid END",
             (
                 header.run_id, meta.get("pid", header.writer_pid), meta.get("hostname"), meta.get("engine"),
                 meta.get("model"), header.world_size, header.created_ns, meta.get("gpu_name"),
                 meta.get("gpu_total_bytes"), json.dumps(meta.get("config") or {}),
-                meta.get("source", "engine"), header.rank,
+                meta.get("source", "engine"), *(place.get(column) for column in PLACE_COLUMNS), header.rank,
             ),
         ),
         (

@@ -32,6 +32,7 @@ def _isolated_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
     monkeypatch.setenv("MEMWATCH_SPAWN", "0")
     monkeypatch.delenv("MEMWATCH_RUN_ID", raising=False)
     monkeypatch.delenv("MEMWATCH", raising=False)
+    monkeypatch.setenv("MEMWATCH_WHERE", "0")  # the machine running the tests may be a container or a pod
     os.umask(0o022)
 
 

@@ -7,9 +7,11 @@ from pathlib import Path
 import click
 
 from ..detectors import DetectorConfig
+from ..identity import describe, stored_places
 from ..report import explain_run, render_explanation
 from ..store import open_store
 from ..store.queries import get_run
+from ..terminal import printable
 from .options import db_option, json_option, thresholds_option
 from .output import echo_report
 
@@ -30,4 +32,9 @@ def command(run: str, db_path: Path | None, as_json: bool, detector_config: Dete
     db = open_store(db_path, readonly=True)
     explanation = explain_run(db, run, detector_config)
     info = get_run(db, run)
-    echo_report(db, info.run_id, info.started_ns, explanation.to_dict(), render_explanation(explanation), as_json)
+    report, text = explanation.to_dict(), render_explanation(explanation)
+    place = stored_places(db, info.run_id).get(info.run_id)
+    if place:  # which container and pod it was, for a fleet's post-mortem
+        report["where"] = place
+        text += f"\nIt ran in {printable(describe(place))}."
+    echo_report(db, info.run_id, info.started_ns, report, text, as_json)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from ..identity import describe, stored_places
 from ..losses import lost_per_run
 from ..store import open_store
 from ..store.queries import list_runs
@@ -26,8 +27,10 @@ def command(db_path: Path | None, as_json: bool, limit: int) -> None:
     db = open_store(db_path, readonly=True)
     runs = list_runs(db, limit)
     lost = lost_per_run(db)
+    places = stored_places(db)
     if as_json:
-        click.echo(json.dumps([{**run.to_dict(), "lost_samples": lost.get(run.run_id, 0)} for run in runs], indent=2))
+        click.echo(json.dumps([{**run.to_dict(), "lost_samples": lost.get(run.run_id, 0),
+                                "where": places.get(run.run_id, {})} for run in runs], indent=2))
         return
     if not runs:
         click.echo("no runs recorded yet; try `memwatch demo`")
@@ -43,6 +46,8 @@ def command(db_path: Path | None, as_json: bool, limit: int) -> None:
             f"{lost.get(run.run_id, 0):>7}  {printable(run.engine or '-'):<10} {printable(run.model or '-')}"
             + (f" / {printable(gpu)}" if gpu else "")
         )
+        if run.run_id in places:  # the container and pod it ran in
+            click.echo(f"{'':<13} in {printable(describe(places[run.run_id]))}")
 
 
 _SIZE_IN_NAME = re.compile(r"\d+(\.\d+)?\s*(GiB|GB|TiB|TB)\b", re.IGNORECASE)

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ..errors import UnavailableError
+from ..identity import prometheus_labels
 from .instruments import FLAGS_METRIC, METRICS
 from .state import ExportState
 
@@ -48,8 +49,9 @@ def _number(value: float) -> str:
 def render(state: ExportState, resource: dict[str, Any] | None = None) -> str:
     """Every metric of every live rank in the Prometheus text format."""
     ranks = state.snapshot()
-    labels = {id(series): render_labels(series.attributes) for series in ranks}
-    hw_labels = {id(series): render_labels({**series.attributes, **series.hardware}) for series in ranks}
+    labels = {id(series): render_labels(prometheus_labels(series.attributes)) for series in ranks}
+    hw_labels = {id(series): render_labels(prometheus_labels({**series.attributes, **series.hardware}))
+                 for series in ranks}
     out: list[str] = []
     if resource:
         out += ["# HELP target_info Target metadata", "# TYPE target_info gauge",

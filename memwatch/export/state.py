@@ -24,6 +24,7 @@ from typing import Any
 from memwatch_engine.ring_reader import RingHeader
 
 from ..flags import FLAG_KINDS, SEVERITIES, Flag
+from ..identity import otel_attributes, place_from_meta
 from ..ledger import Ledger, LedgerTerms
 from ..records import Event, Sample
 
@@ -32,7 +33,7 @@ DEFAULT_LINGER_SECONDS = 60.0
 
 
 def run_attributes(header: RingHeader) -> dict[str, Any]:
-    """The attributes every series of one rank carries: run id, rank, engine, model, host, pid."""
+    """The attributes every series of one rank carries: run id, rank, engine, model, host, pid, pod."""
     meta = header.meta
     return {
         "run_id": header.run_id,
@@ -41,6 +42,7 @@ def run_attributes(header: RingHeader) -> dict[str, Any]:
         "model": str(meta.get("model") or "unknown"),
         "host": str(meta.get("hostname") or "unknown"),
         "pid": header.writer_pid,
+        **otel_attributes(place_from_meta(meta)),  # k8s.pod.name, container.id, ... where the engine saw them
     }
 
 

@@ -25,7 +25,7 @@ from ..errors import StoreError
 if TYPE_CHECKING:
     from memwatch.store.db import Database
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 ROLLUP_COLUMNS: tuple[str, ...] = (
     "allocated_bytes", "peak_bytes", "reserved_bytes", "driver_used_bytes", "driver_free_bytes",
@@ -203,7 +203,14 @@ def _v7(db: Database) -> None:
                " raw BLOB, stored_ns INTEGER)")
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7]
+def _v8(db: Database) -> None:
+    """Where a run ran: its Kubernetes namespace, pod, container and node, and its container's id (NULL
+    outside a container and for older runs)."""
+    for column in ("k8s_namespace", "k8s_pod", "k8s_container", "k8s_node", "container_id"):
+        db.execute(f"ALTER TABLE runs ADD COLUMN {column} TEXT")
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8]
 """MIGRATIONS[i] takes a database from version i to i + 1."""
 
 
