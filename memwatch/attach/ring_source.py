@@ -3,7 +3,8 @@
 ``memwatch attach`` opens the rings in the runtime directory whose writer is the process or one of
 its descendants (tensor-parallel workers), reads them from their oldest record, and runs the same
 ledger and detectors the sidecar runs. It only ever reads the shared memory: the engine's per-step
-cost does not change while someone watches (``bench/bench_attach.py`` measures it).
+cost does not change while someone watches (``bench/bench_attach.py`` measures it). An engine in a
+container of its own wrote its pid there, not ours: it is translated (:mod:`memwatch.hostpids`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from memwatch_engine.ring import RingFormatError
-from memwatch_engine.ring_reader import RingReader
+from memwatch_engine.ring_reader import RingHeader, RingReader
 from memwatch_engine.runtime import RING_SUFFIX, default_runtime_dir, is_private_file
 
 from ..detectors import DetectorSet
 from ..errors import NotFoundError
 from ..hostinfo import HostWatcher
+from ..hostpids import host_pid
+from ..liveness import same_pid_namespace
 from ..records import Sample
 from ..ring_records import typed_records
 from .snapshot import GpuUsage, RankLedger, Snapshot
@@ -57,10 +60,17 @@ def find_rings(pids: set[int], runtime_dir: Path | None = None) -> list[Path]:
             reader = RingReader(path)
         except (RingFormatError, OSError):
             continue
-        if reader.header.writer_pid in pids:
+        if host_writer_pid(reader.header) in pids:
             found.append(path)
         reader.close()
     return found
+
+
+def host_writer_pid(header: RingHeader) -> int | None:
+    """The ring writer's pid as this process sees it: translated when it wrote from another pid namespace."""
+    if same_pid_namespace(header.meta):
+        return header.writer_pid
+    return host_pid(header.writer_pid, header.meta["pid_ns"])
 
 
 class RingSource:
@@ -94,7 +104,8 @@ class RingSource:
     @property
     def writer_pids(self) -> list[int]:
         """The processes whose rings are shown: ``pid`` itself, or its descendants (tensor-parallel workers)."""
-        return sorted({view.reader.header.writer_pid for view in self._ranks.values()})
+        return sorted({host_writer_pid(view.reader.header) or view.reader.header.writer_pid
+                       for view in self._ranks.values()})
 
     def poll(self) -> Snapshot:
         """Read what the rings gained since the last poll; raises ProcessExited once the process is gone."""
