@@ -86,6 +86,8 @@ class Sidecar:
         self._retained: set[str] = set()
         self.exporters = exporters
         self._stop = threading.Event()
+        self.heartbeat = 0.0
+        """When the loop last came round (monotonic seconds; 0 before it runs): what /healthz looks at."""
         self._lock_fd: int | None = None
         self.took_over_from: int | None = None
         """The pid of the auto-started sidecar this one asked to stop, to take its place."""
@@ -201,7 +203,7 @@ class Sidecar:
         next_retention = idle_since + self.retention_interval
         try:
             while not self._stop.is_set():
-                now = time.monotonic()
+                now = self.heartbeat = time.monotonic()
                 if now >= next_scan:
                     self.collector.scan()
                     next_scan = now + self.scan_interval
@@ -222,6 +224,21 @@ class Sidecar:
             self._last_drain()
         finally:
             self.close()
+
+    def health(self, stale_after: float = 30.0) -> tuple[bool, bool, str]:
+        """(alive, ready, why not) for ``/healthz`` and ``/readyz`` (:mod:`memwatch.health`)."""
+        writer = getattr(self, "writer", None)
+        if writer is not None and (writer.error is not None or not writer.is_alive()):
+            return False, False, f"the store writer stopped: {writer.error}"
+        if self.heartbeat and time.monotonic() - self.heartbeat > stale_after and not self._stop.is_set():
+            return False, False, f"the sidecar's loop has not come round for {stale_after:.0f} s"
+        if not self.heartbeat:
+            return True, False, "starting"
+        if self._stop.is_set():
+            return True, False, "stopping: draining the rings"
+        if writer is not None and writer.paused is not None:
+            return True, False, f"the database is not taking records ({writer.paused}); they wait in the rings"
+        return True, True, ""
 
     def apply_retention(self) -> None:
         """Queue the roll-up of old samples of the runs being stored (and those that just finished)."""

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from memwatch_engine.runtime import trusted_uids
+
 from ..daemon import Sidecar, SidecarRunning
 from ..detectors import DetectorConfig
 from ..store.moments import parse_duration_ns
@@ -48,20 +50,24 @@ from .options import Seconds, db_option, thresholds_option
               envvar="MEMWATCH_RUNTIME_GROUP",
               help="Create a missing runtime directory shared with this group (mode 3770: setgid, sticky, no "
                    "access for others), for engines running as other uids (env MEMWATCH_RUNTIME_GROUP).")
+@click.option("--health", metavar="[HOST:]PORT", default=None, envvar="MEMWATCH_HEALTH",
+              help="Answer GET /healthz (the loop and store writer run) and /readyz (storing now) on this port, "
+                   "for liveness and readiness probes (host 127.0.0.1 unless given; env MEMWATCH_HEALTH).")
 def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float,
             exit_when_idle: float | None, give_up_after: float, quiet_if_running: bool, no_detect: bool,
             detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str,
             prometheus: str | None, otlp: str | None, console: bool, trust_uids: tuple[int, ...],
-            runtime_group: int | None) -> None:
+            runtime_group: int | None, health: str | None) -> None:
     """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).
 
     With --prometheus, --otlp or --console (or their MEMWATCH_* variables, or OTEL_METRICS_EXPORTER)
     it also exports each live rank's GPU memory, ledger and flags as OpenTelemetry metrics.
     """
-    from ..export.config import export_config
+    from ..export.config import export_config, parse_listen
 
     retention = Retention(parse_duration_ns(keep_full), parse_duration_ns(keep_evidence))
     config = export_config(prometheus, otlp, console)
+    health_at = parse_listen(health, "--health") if health is not None else None
     exporters = None
     if config.enabled:
         from ..export.pipeline import Exporters
@@ -82,10 +88,28 @@ def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float
         click.echo(f"memwatch serve: took over from the auto-started sidecar (pid {sidecar.took_over_from})",
                    err=True)
     click.echo(f"memwatch serve: rings in {sidecar.runtime_dir}, database {sidecar.db_path}", err=True)
+    trusted = sorted(trusted_uids(trust_uids))
+    if trusted:
+        click.echo(f"memwatch serve: also storing the rings of uid {', '.join(map(str, trusted))}", err=True)
     if exporters is not None:
         where = exporters.describe()
         click.echo(f"memwatch serve: exporting to {', '.join(where)}", err=True)
-    sidecar.run()
+    endpoint = None
+    if health_at is not None:
+        from ..health import STALE_AFTER_S, HealthEndpoint
+
+        endpoint = HealthEndpoint(*health_at, lambda: sidecar.health(STALE_AFTER_S))
+        try:
+            endpoint.start()
+        except BaseException:
+            sidecar.close()
+            raise
+        click.echo(f"memwatch serve: health on http://{endpoint.host}:{endpoint.port}/healthz and /readyz", err=True)
+    try:
+        sidecar.run()
+    finally:
+        if endpoint is not None:
+            endpoint.close()
     c = sidecar.collector
     click.echo(f"memwatch serve: stopped after {c.records_total} records ({c.lost_total} lost, "
                f"{c.set_aside_total} set aside)", err=True)
