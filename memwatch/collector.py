@@ -144,7 +144,8 @@ class Collector:
         ).fetchone()
         if row is not None and row[2]:
             reader.close()
-            _unlink(path)
+            if not _unlink(path):
+                self._rejected.add(path)  # stored already: not opened again, nor warned about at every scan
             return
         cursor, lost = (row[0], row[1]) if row else (0, 0)
         self.rings[path] = RingState(path, key, reader, cursor, lost)
@@ -315,8 +316,8 @@ class Collector:
 
     def _committed_end(self, path: Path, header: RingHeader, keep_file: bool) -> None:
         """In the writer thread, once a ring's end has committed: remove the file; the observers hear later."""
-        if not keep_file:
-            _unlink(path)
+        if not keep_file and not _unlink(path):
+            self._rejected.add(path)  # before it leaves _finishing: a scan never opens the stored ring again
         self._finishing.discard(path)
         self._committed.append(header)
 
@@ -380,8 +381,14 @@ def _register(header: RingHeader) -> list[tuple[str, tuple[Any, ...]]]:
     ]
 
 
-def _unlink(path: Path) -> None:
+def _unlink(path: Path) -> bool:
+    """Remove a stored ring; False (and one log line) where the directory does not let us."""
     try:
         path.unlink()
     except FileNotFoundError:
         pass
+    except OSError as exc:  # a shared sticky directory: only the ring's writer or the directory's owner may
+        log.warning("cannot remove the stored ring %s: %s; run the sidecar as the runtime directory's owner "
+                    "(or root) so that it can", path, exc.strerror or exc)
+        return False
+    return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,3 +153,21 @@ def test_sigterm_drains_every_ring_before_the_sidecar_exits(pod: Pod) -> None:
         assert _stored(pod, run_id) == (600, 600)
         assert _status(pod, run_id) == ("ok", "ok", 0)
     assert not list(pod.rings.glob("*.ring"))
+
+
+def test_an_agent_that_does_not_own_the_shared_directory_stores_once_and_says_why_rings_stay(
+        shared_pod: Pod) -> None:
+    # A non-root agent in the group, not the directory's owner: the sticky bit keeps it from removing rings.
+    shared_pod.base.chmod(0o1777)  # its database lives beside the volume
+    agent = Shape(pid_ns=True, uid=1000, gid=NOBODY)
+    sidecar = shared_pod.sidecar(agent, "--trust-uid", str(NOBODY))
+    engine = shared_pod.engine(Shape(pid_ns=True, uid=NOBODY, gid=NOBODY), run_id="stays", steps=300)
+    assert engine.finish()[0] == 0
+    wait_until(lambda: (_status(shared_pod, "stays") or ("",))[0] == "ok", 30, "the run to end")
+    time.sleep(1.0)  # several scans of the directory with the stored ring still in it
+    sidecar.signal(signal.SIGTERM)
+    rc, output = sidecar.finish()
+    assert rc == 0, output
+    assert _stored(shared_pod, "stays") == (300, 300)
+    assert output.count("cannot remove the stored ring") == 1, output
+    assert (shared_pod.rings / "stays-r0.ring").exists()
