@@ -133,6 +133,8 @@ def is_private_file(path: Path, trust: Iterable[int] = ()) -> tuple[bool, str]:
     if info.st_uid != os.getuid() and info.st_uid not in trusted_uids(trust):
         return False, (f"owned by uid {info.st_uid}, which this sidecar does not trust; to store it, run "
                        f"memwatch serve --trust-uid {info.st_uid} (or set MEMWATCH_TRUST_UIDS={info.st_uid})")
-    if info.st_mode & 0o037:
-        return False, f"mode {info.st_mode & 0o777:o} lets other users write or read it"
+    if info.st_mode & 0o033:
+        return False, f"mode {info.st_mode & 0o777:o} lets other users write it"
+    if info.st_mode & 0o004:
+        return False, f"mode {info.st_mode & 0o777:o} lets every user read it"
     return True, ""

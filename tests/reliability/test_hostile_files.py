@@ -48,7 +48,8 @@ def test_foreign_writable_and_linked_rings_are_ignored_and_the_good_one_stored(
     assert "open-r0.ring: mode 666 lets other users write it" in ignored
     assert "link-r0.ring: not a regular file" in ignored
     if os.getuid() == 0:
-        assert "theirs-r0.ring: owned by uid 65534, not by this user" in ignored
+        assert ("theirs-r0.ring: owned by uid 65534, which this sidecar does not trust; to store it, run "
+                "memwatch serve --trust-uid 65534") in ignored
     assert (tmp_path / "elsewhere.ring").exists()  # never followed, never removed
 
 
