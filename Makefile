@@ -42,7 +42,8 @@ test: $(TESTENV) test-deps engines
 
 # The tests compile a fake NVML library with a C compiler, open the HTML report in headless Chromium,
 # scrape the sidecar with a real Prometheus (promtool checks the alert rules), and inject into processes
-# through gdb; install what the machine lacks.
+# through gdb, and run engine and sidecar in namespaces of their own with unshare and setpriv; install what the
+# machine lacks.
 test-deps:
 	@command -v gcc >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
@@ -60,6 +61,10 @@ test-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq --no-install-recommends gdb >/dev/null; \
 	  else echo "no gdb: install it (the attach --inject tests inject through gdb)"; exit 1; fi; }
+	@{ command -v unshare && command -v setpriv && command -v mount; } >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends util-linux mount >/dev/null; \
+	  else echo "no unshare/setpriv: install util-linux (the container tests build namespaces with them)"; exit 1; fi; }
 
 # The released engines the adapters are tested against, each in a folder of its own that only the tests
 # put on a child process's path (the mirrors in tests/mirrors use the same module names). --no-deps:
