@@ -25,7 +25,8 @@ Byte layout (version 2, little-endian)::
      96   16s  run_id           ASCII, NUL-padded
     112   ...  meta             UTF-8 JSON: engine, model, hostname, device, config (written once);
                                 ``pid_ns`` (the writer's pid namespace inode) and ``writer_lock`` (1: the
-                                writer holds an OFD lock on the file while it lives, see .liveness)
+                                writer holds an OFD lock on the file while it lives, see .liveness);
+                                ``where``: the container id and Kubernetes names it ran under (.identity)
 
     record slot i at HEADER_SIZE + i * 128; every record starts with
       0   u64  seq              the record's sequence number (detects a slot overwritten mid-read)
