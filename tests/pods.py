@@ -15,6 +15,7 @@ Each side runs the real ``memwatch serve`` or a real Monitor writing a real ring
 from __future__ import annotations
 
 import os
+import select
 import shlex
 import signal
 import subprocess
@@ -181,7 +182,8 @@ class Pod:
         env = memwatch_env(rings, self.db_path, PYTHONDONTWRITEBYTECODE="1")
         side = Side([sys.executable, "-c", script], shape, self.volume, view, env)
         self.sides.append(side)
-        line = side.proc.stdout.readline()  # "ready PID" once the ring exists
+        readable, _, _ = select.select([side.proc.stdout], [], [], 30)  # bounded: a stuck start fails the test
+        line = side.proc.stdout.readline() if readable else "no output within 30 s\n"  # "ready PID": the ring exists
         assert line.startswith("ready"), line + side.finish()[1]
         return side
 
