@@ -244,7 +244,7 @@ class RingReader:
     ) -> tuple[int, int, int, str, dict[str, Any]] | str:
         """The event, or why it cannot be taken (strict UTF-8 JSON ``[kind, {data}]``, finite numbers)."""
         try:
-            decoded = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
+            decoded = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
         except (ValueError, RecursionError) as exc:
             return f"undecodable event: {type(exc).__name__}: {str(exc)[:200]}"
         if (not isinstance(decoded, list) or len(decoded) != 2 or not isinstance(decoded[0], str)
@@ -281,6 +281,17 @@ class RingReader:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number as a float, refused when it overflows to infinity (``1e999``)."""
+    value = float(text)
+    if value in (_INF, -_INF):
+        raise ValueError(f"{text[:40]} is not a finite number")
+    return value
+
+
+_INF = float("inf")
 
 
 def _has_surrogates(payload: bytes, decoded: Any) -> bool:

@@ -27,6 +27,7 @@ from memwatch_engine.runtime import RING_SUFFIX, is_private_file
 from .identity import COLUMNS as PLACE_COLUMNS
 from .identity import place_from_meta
 from .liveness import ring_writer_alive, writer_alive
+from .record_checks import screen
 from .records import Event, Sample
 from .ring_records import typed_records
 from .store.writer import Batch, StoreWriter, WriterStalled, raw_sample_insert
@@ -171,7 +172,7 @@ class Collector:
                 break
             try:
                 total += self._drain(state)
-            except (RingFormatError, OSError, ValueError, TypeError, KeyError, IndexError) as exc:
+            except (RingFormatError, OSError, ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
                 self._give_up(state, exc)
         return total
 
@@ -187,7 +188,7 @@ class Collector:
             else:  # the writer's lock, and its pid where it shares our pid namespace (.liveness)
                 alive = ring_writer_alive(reader.fileno(), header.writer_pid, header.writer_start, header.meta)
             state.next_alive_check = now + ALIVE_CHECK_S
-        drained = reader.drain(state.cursor, DRAIN_LIMIT)
+        drained = screen(reader.drain(state.cursor, DRAIN_LIMIT))  # what fails its checks goes to drained.bad
         count = len(drained.samples) + len(drained.events)
         if count or drained.lost or drained.bad or drained.next_cursor != state.cursor:
             batch = self._rows(state, drained)
@@ -211,8 +212,8 @@ class Collector:
                 log.warning("ring %s: %d records overwritten before they were read", state.path.name,
                             drained.lost)
             if drained.bad:
-                log.warning("ring %s: %d records could not be decoded; set aside in the set_aside table",
-                            state.path.name, len(drained.bad))
+                log.warning("ring %s: %d records could not be decoded or failed their checks (%s); set aside in "
+                            "the set_aside table", state.path.name, len(drained.bad), drained.bad[0][2][:200])
         state.caught_up = state.cursor >= reader.last_published
         self.behind = self.behind or not state.caught_up
         if not state.caught_up:
