@@ -22,3 +22,32 @@ def _escape(match: re.Match[str]) -> str:
 def printable(value: Any) -> str:
     """``value`` as text with every control (and bidi override) character written as ``\\xNN``/``\\uNNNN``."""
     return _CONTROL.sub(_escape, value if isinstance(value, str) else str(value))
+
+
+_UNSAFE = re.compile("\r(?!\n|$)|[\x00-\x08\x0b-\x0c\x0e-\x1f\x7f-\x9f"
+                     "\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+"""What may not reach a terminal as it is: every control character but newline, tab and a line-ending CR."""
+
+
+class EscapingStream:
+    """A text stream that writes control characters as visible escapes: the one place every command's text goes.
+
+    Names come from engines, files and databases and are printed by tables, CSV, timelines and
+    messages alike; escaping each at the call site missed some (an OSC title or clipboard sequence
+    passes even when piped). So the command's stdout and stderr are wrapped: whatever is written, the
+    terminal never sees a control byte. JSON output is unchanged (the encoder already escapes them).
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def write(self, text: str) -> int:
+        self._inner.write(_UNSAFE.sub(_escape, text) if _UNSAFE.search(text) else text)
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, fileno, encoding, errors: the inner stream's
+        return getattr(self._inner, name)

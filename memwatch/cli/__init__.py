@@ -23,6 +23,7 @@ from typing import Any
 import click
 
 from ..errors import MemwatchError
+from ..terminal import EscapingStream, printable
 
 COMMANDS: dict[str, str] = {
     "serve": "Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).",
@@ -76,11 +77,11 @@ class MemwatchGroup(click.Group):
             result = super().main(*args, standalone_mode=False, **kwargs)
         except click.UsageError as exc:
             where = exc.ctx.command_path if exc.ctx is not None else "memwatch"
-            message = exc.format_message().rstrip(".")
+            message = printable(exc.format_message().rstrip("."))  # it may quote a hostile argument
             click.echo(f"error: {message[:1].lower()}{message[1:]}; see `{where} --help`", err=True)
             sys.exit(2)
         except click.ClickException as exc:
-            click.echo(f"error: {exc.format_message()}", err=True)
+            click.echo(f"error: {printable(exc.format_message())}", err=True)
             sys.exit(exc.exit_code)
         except click.Abort:
             click.echo("error: aborted", err=True)
@@ -129,12 +130,30 @@ def _explain(ctx: click.Context, exc: BaseException) -> None:
 @click.group(cls=MemwatchGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="memwatch")
 @click.option("-v", "--verbose", count=True, help="More log output (repeat for debug).")
-def main(verbose: int) -> None:
+@click.pass_context
+def main(ctx: click.Context, verbose: int) -> None:
     """GPU memory observability for LLM inference engines.
 
     Record with the engine plugin (MEMWATCH=1 or memwatch_engine.Monitor), keep timelines with
     `memwatch serve`, and ask questions afterwards with runs, timeline, check, explain and plan.
     Try `memwatch demo` to see it all on a simulated GPU.
     """
+    if ctx.invoked_subcommand not in _DRAWS_ITS_OWN:
+        _escape_output(ctx)
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+_DRAWS_ITS_OWN = frozenset({"attach"})
+"""Commands that draw the terminal themselves (colours, redraws) and escape the names they print one by one."""
+
+
+def _escape_output(ctx: click.Context) -> None:
+    """Every byte a command writes to stdout and stderr goes through :class:`EscapingStream`, until it ends."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = EscapingStream(sys.stdout), EscapingStream(sys.stderr)
+
+    def restore() -> None:
+        sys.stdout, sys.stderr = saved
+
+    ctx.call_on_close(restore)
