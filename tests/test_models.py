@@ -93,7 +93,7 @@ def test_malformed_json_and_bad_values_are_refused(tmp_path: Path) -> None:
     broken.write_text("{not json")
     with pytest.raises(ModelConfigError, match="not valid JSON at line 1"):
         ModelSpec.load(broken)
-    with pytest.raises(ModelConfigError, match="'hidden_size' must be a non-negative integer"):
+    with pytest.raises(ModelConfigError, match="hidden_size is 'big'; it must be a number from 0 to 1,048,576"):
         ModelSpec.from_config({"hidden_size": "big", "num_attention_heads": 4, "num_hidden_layers": 2,
                                "intermediate_size": 8, "vocab_size": 10})
     with pytest.raises(ModelConfigError, match="unsupported torch_dtype 'int4'"):

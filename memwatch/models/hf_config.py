@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from memwatch.errors import UsageError
+from memwatch.models.bounds import check_bounds, parse_int
 from memwatch.models.families import moe_and_hybrid, normalize
 from memwatch.models.quantization import from_config as quantization_from_config
 from memwatch.models.vision import vision_parameters
@@ -73,11 +74,13 @@ def canonical_dtype(dtype: str) -> str:
 def read_config_file(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``, or a one-line error saying what is wrong with the file."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"), parse_int=parse_int)
     except (OSError, UnicodeDecodeError) as exc:
         raise ModelConfigError(f"{path}: cannot read the model config ({exc})") from None
     except json.JSONDecodeError as exc:
         raise ModelConfigError(f"{path}: not valid JSON at line {exc.lineno} ({exc.msg})") from None
+    except (ValueError, RecursionError) as exc:
+        raise ModelConfigError(f"{path}: not a usable model config ({str(exc)[:100]})") from None
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path}: a model config must be a JSON object")
     return data
@@ -146,6 +149,7 @@ def config_fields(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
     """ModelSpec's fields from a parsed ``config.json`` (multimodal configs: their ``text_config``)."""
     if not isinstance(raw, Mapping):
         raise ModelConfigError(f"model config {name!r} must be a JSON object")
+    check_bounds(raw, name)  # before anything loops over layers or multiplies widths
     config = normalize(_text_config(raw))
     model_type = str(config.get("model_type") or raw.get("model_type") or "")
     if config.get("_unsupported"):
