@@ -5,7 +5,8 @@ become underscores, unit ``By`` adds ``_bytes``, a monotonic sum adds ``_total``
 becomes ``target_info``). The lines are built directly from the :class:`ExportState` snapshot, with
 each rank's label set rendered once: going through the SDK's aggregation and a generic exposition
 library costs twenty times as much per series, and a scrape of 64 ranks must stay cheap for the
-sidecar. It listens on 127.0.0.1 unless a host is given, in its own named daemon thread.
+sidecar. It listens on 127.0.0.1 unless a host is given, in its own named daemon threads, bounded in
+number, sockets and time by :mod:`.http_serving`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from __future__ import annotations
 import logging
 import re
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 from ..errors import UnavailableError
 from ..identity import prometheus_labels
+from .http_serving import BoundedServing
 from .instruments import FLAGS_METRIC, METRICS
 from .state import ExportState
 
@@ -84,8 +85,8 @@ class PrometheusEndpoint:
         self.state = state
         self.resource = resource
         self._requested_port = port
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._server: HTTPServer | None = None
+        self._serving: BoundedServing | None = None
 
     def start(self) -> None:
         endpoint = self
@@ -110,7 +111,7 @@ class PrometheusEndpoint:
             def log_message(self, *args: object) -> None:
                 pass  # a scrape every few seconds is not news
 
-        server_class = type("Server", (ThreadingHTTPServer,), {"daemon_threads": True})
+        server_class = type("Server", (HTTPServer,), {"request_queue_size": 128})
         if ":" in self.host:
             server_class.address_family = socket.AF_INET6
         try:
@@ -118,8 +119,8 @@ class PrometheusEndpoint:
         except OSError as exc:
             raise UnavailableError(f"cannot listen on {self.host}:{self._requested_port} for --prometheus: "
                                    f"{exc.strerror or exc}; pass another [HOST:]PORT") from None
-        self._thread = threading.Thread(target=self._server.serve_forever, name="memwatch-prometheus", daemon=True)
-        self._thread.start()
+        self._serving = BoundedServing(self._server)  # bounded threads and sockets, idle connections timed out
+        self._serving.start()
 
     @property
     def port(self) -> int:
@@ -128,8 +129,7 @@ class PrometheusEndpoint:
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
+            if self._serving is not None:
+                self._serving.close()
             self._server.server_close()
-            if self._thread is not None:
-                self._thread.join(timeout=5)
             self._server = None
