@@ -105,10 +105,15 @@ class RingReader:
         magic, version, header_size, record_size, capacity = fields[:5]
         if magic != MAGIC:
             raise RingFormatError(f"{self.path} is not a memwatch ring (bad magic)")
-        if version not in READABLE_VERSIONS or header_size != HEADER_SIZE or record_size != RECORD_SIZE:
+        if version not in READABLE_VERSIONS:
             raise RingFormatError(
                 f"{self.path} is ring format version {version}; this memwatch reads versions "
                 f"{', '.join(map(str, READABLE_VERSIONS))}"
+            )
+        if header_size != HEADER_SIZE or record_size != RECORD_SIZE:
+            raise RingFormatError(
+                f"{self.path} has a bad header: header size {header_size} and record size {record_size} "
+                f"(format version {version} has {HEADER_SIZE} and {RECORD_SIZE})"
             )
         self.version = version
         self._slot = _SAMPLE_SLOT if version >= 2 else _SAMPLE_SLOT_V1

@@ -27,8 +27,10 @@ from memwatch_engine.runtime import RING_SUFFIX, is_private_file
 from .identity import COLUMNS as PLACE_COLUMNS
 from .identity import place_from_meta
 from .liveness import ring_writer_alive, writer_alive
-from .record_checks import screen
+
+from .record_checks import check_meta, screen
 from .records import Event, Sample
+from .rejected_rings import set_aside_ring
 from .ring_records import typed_records
 from .store.writer import Batch, StoreWriter, WriterStalled, raw_sample_insert
 
@@ -99,6 +101,7 @@ class Collector:
         self.records_total = 0
         self.lost_total = 0
         self.set_aside_total = 0
+        self.rings_set_aside = 0
         self.backlogged = False
         """The last poll stopped early: the writer's queue was full."""
         self.behind = False
@@ -129,15 +132,19 @@ class Collector:
             return
         try:
             reader = RingReader(path)
-        except (RingFormatError, OSError) as exc:
+        except RingFormatError as exc:
+            self._set_aside_ring(path, str(exc).removeprefix(f"{path} "))
+            return
+        except OSError as exc:
             log.warning("ignoring ring %s: %s", path, exc)
             self._rejected.add(path)
             return
         header = reader.header
-        if not RUN_ID_PATTERN.match(header.run_id):
-            log.warning("ignoring ring %s: run id %r is not 1-16 letters, digits, '.', '_' or '-'", path, header.run_id)
+        why = check_meta(header.meta) if RUN_ID_PATTERN.match(header.run_id) else (
+            f"run id {header.run_id!r} is not 1-16 letters, digits, '.', '_' or '-'")
+        if why:
             reader.close()
-            self._rejected.add(path)
+            self._set_aside_ring(path, why, header)
             return
         key = f"{header.run_id}/{header.rank}/{header.created_ns}"
         row = self._read.execute(
@@ -154,6 +161,12 @@ class Collector:
             self._writer.submit(Batch(statements=_register(header)))
         log.info("draining %s (run %s rank %d, pid %d)", path.name, header.run_id, header.rank,
                  header.writer_pid)
+
+    def _set_aside_ring(self, path: Path, why: str, header: RingHeader | None = None) -> None:
+        """A ring that cannot be taken: moved to ``rejected/``, its reason stored in ``set_aside`` for ``runs``."""
+        self._rejected.add(path)
+        self.rings_set_aside += 1
+        set_aside_ring(self._writer, self.runtime_dir, path, why, header)
 
     # -- draining -------------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import click
 
 from ..identity import describe, stored_places
 from ..losses import lost_per_run
+from ..rejected_rings import set_aside_notes
 from ..store import open_store
 from ..store.queries import list_runs
 from ..terminal import printable
@@ -34,6 +35,8 @@ def command(db_path: Path | None, as_json: bool, limit: int) -> None:
         return
     if not runs:
         click.echo("no runs recorded yet; try `memwatch demo`")
+        for line in set_aside_notes(db):
+            click.echo(line)
         return
     click.echo(f"{'RUN':<13} {'STARTED':<19} {'DURATION':>9} {'STATUS':<8} {'RANKS':>5} {'LOST':>7}  {'ENGINE':<10} "
                "MODEL / GPU")
@@ -48,6 +51,8 @@ def command(db_path: Path | None, as_json: bool, limit: int) -> None:
         )
         if run.run_id in places:  # the container and pod it ran in
             click.echo(f"{'':<13} in {printable(describe(places[run.run_id]))}")
+    for line in set_aside_notes(db):
+        click.echo(line)
 
 
 _SIZE_IN_NAME = re.compile(r"\d+(\.\d+)?\s*(GiB|GB|TiB|TB)\b", re.IGNORECASE)

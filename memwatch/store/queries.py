@@ -58,12 +58,36 @@ _RUN_COLUMNS = (
 
 
 def _run(row: tuple[Any, ...]) -> Run:
+    """A ``runs`` row as :class:`Run`; a value of the wrong type (stored before the sidecar checked ring
+    metadata, or by hand) reads as unknown instead of failing every command that lists the run."""
     values = list(row)
+    for at in _RUN_INTS:
+        values[at] = _int_or_none(values[at])
+    for at in _RUN_TEXTS:
+        values[at] = _text_or_none(values[at])
     try:
-        values[11] = json.loads(values[11] or "{}")
-    except ValueError:
-        values[11] = {}
+        config = json.loads(values[11] or "{}")
+    except (ValueError, TypeError, RecursionError):
+        config = {}
+    values[11] = config if isinstance(config, dict) else {}
     return Run(*values)
+
+
+_RUN_INTS = (1, 5, 6, 7, 10)
+"""pid, rank_count, started_ns, ended_ns, gpu_total_bytes."""
+_RUN_TEXTS = (2, 3, 4, 8, 9, 12)
+"""hostname, engine, model, status, gpu_name, source."""
+_RANK_INTS = ("pid", "device_index", "gpu_total_bytes", "started_ns", "ended_ns", "records", "lost_records")
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text_or_none(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def list_runs(db: Database, limit: int | None = None) -> list[Run]:
@@ -100,7 +124,15 @@ def get_run(db: Database, ref: str) -> Run:
 
 
 def run_ranks(db: Database, run_id: str) -> list[dict[str, Any]]:
-    return list(db.query("SELECT * FROM ranks WHERE run_id = ? ORDER BY rank", (run_id,)))
+    """A run's ``ranks`` rows; integer columns holding anything else read as unknown (``None``)."""
+    ranks = list(db.query("SELECT * FROM ranks WHERE run_id = ? ORDER BY rank", (run_id,)))
+    for rank in ranks:
+        for column in _RANK_INTS:
+            if column in rank:
+                rank[column] = _int_or_none(rank[column])
+        if isinstance(rank.get("gpu_name"), (bytes, int, float)):
+            rank["gpu_name"] = _text_or_none(rank["gpu_name"])
+    return ranks
 
 
 def samples(
