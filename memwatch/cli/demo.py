@@ -23,6 +23,9 @@ def command(db_path: Path | None, as_json: bool, scenario: str) -> None:
     plugin and ring, stops the sidecar, and reports what the database holds: phases, the KV budget
     and its check, how many requests fit at once, preemptions and flags.
     """
+    from ..sim.scenario import Scenario
+
+    Scenario.load(scenario)  # a bad name or file is refused before anything starts
     if not as_json:
         click.echo("Starting the sidecar and the simulated engine...", err=True)
     summary = run_demo(db_path, scenario)

@@ -71,6 +71,7 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: i
     if around is not None:
         centre, half = find_moment(db, info, around, rank), parse_duration_ns(window) // 2
         since_ns, until_ns = centre - half, centre + half
+    since_ns, until_ns = _in_range(since_ns), _in_range(until_ns)  # a window around a stored extreme overflows
     if not (as_json or as_csv or ledger) and _write_lines(db, info, rank, since_ns, until_ns):
         return
     rows = window_rows(db, info.run_id, rank=rank, since_ns=since_ns, until_ns=until_ns)
@@ -81,6 +82,11 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: i
         _write_csv(with_terms, ledger)
     else:
         _write_table(info, with_terms, ledger, _gaps(db, info, rank))
+
+
+def _in_range(ns: int | None) -> int | None:
+    """``ns`` within SQLite's integers."""
+    return None if ns is None else min(max(ns, -(1 << 63)), (1 << 63) - 1)
 
 
 def _gaps(db: Database, info: Run, rank: int | None) -> list[Gap]:

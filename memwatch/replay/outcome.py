@@ -9,7 +9,7 @@ from typing import Any
 from memwatch.collector import Collector
 from memwatch.live import LiveDetectors
 from memwatch.records import Event
-from memwatch.replay.workload import ARRIVED, FINISHED, scheduler_ranks, workload_rank
+from memwatch.replay.workload import ARRIVED, FINISHED, request_key, scheduler_ranks, workload_rank
 from memwatch.report.check import check_run
 from memwatch.store import open_store
 from memwatch.store.db import Database
@@ -78,8 +78,8 @@ def _batch_and_steps(db: Database, run_id: str, lead: int) -> tuple[int, int]:
 
 def _drain_s(events: list[Event]) -> float | None:
     lead = workload_rank(events)
-    arrivals = {e.data.get("request_id"): e.ts_ns for e in events if e.rank == lead and e.kind == ARRIVED}
-    finishes = {e.data.get("request_id"): e.ts_ns for e in events if e.rank == lead and e.kind == FINISHED}
+    arrivals = {request_key(e.data.get("request_id")): e.ts_ns for e in events if e.rank == lead and e.kind == ARRIVED}
+    finishes = {request_key(e.data.get("request_id")): e.ts_ns for e in events if e.rank == lead and e.kind == FINISHED}
     if not arrivals or set(arrivals) - set(finishes):
         return None
     return (max(finishes.values()) - min(arrivals.values())) / 1e9

@@ -12,6 +12,7 @@ those that finished.
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -87,9 +88,10 @@ def recorded_workload(events: Iterable[Event], run_id: str) -> RecordedWorkload:
         if event.rank != rank:
             continue
         if event.kind == ARRIVED:
-            arrivals.setdefault(_key(event), event)
+            if _count(event.data.get("prompt_tokens")) is not None:
+                arrivals.setdefault(_key(event), event)
         elif event.kind == FINISHED:
-            outputs[_key(event)] = int(event.data.get("output_tokens", 0))
+            outputs[_key(event)] = _count(event.data.get("output_tokens")) or 0
             last_finish = event.ts_ns if last_finish is None else max(last_finish, event.ts_ns)
     if not arrivals:
         raise NotFoundError(f"run {run_id} recorded no request events, so it cannot be replayed; record it with "
@@ -102,11 +104,24 @@ def recorded_workload(events: Iterable[Event], run_id: str) -> RecordedWorkload:
     for event in ordered:
         key = _key(event)
         done = outputs.get(key, 0) > 0
-        output = outputs[key] if done else int(event.data.get("max_tokens") or fallback)
-        requests.append(RecordedRequest(event.ts_ns - first, max(1, int(event.data["prompt_tokens"])),
+        output = outputs[key] if done else (_count(event.data.get("max_tokens")) or fallback)
+        requests.append(RecordedRequest(event.ts_ns - first, max(1, _count(event.data["prompt_tokens"]) or 1),
                                         max(1, output), done))
     return RecordedWorkload(tuple(requests), first, last_finish)
 
 
 def _key(event: Event) -> object:
-    return event.data.get("request_id")
+    return request_key(event.data.get("request_id"))
+
+
+def request_key(value: object) -> object:
+    """A request id as a dict key: ids are integers or text, but a run stored before the sidecar checked
+    them may hold a list or an object, which is keyed by its JSON text instead of failing the replay."""
+    if isinstance(value, (int, str)) or value is None:
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _count(value: object) -> int | None:
+    """A token count as recorded, or None when it is not a non-negative integer."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

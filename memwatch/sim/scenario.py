@@ -83,12 +83,16 @@ class Scenario:
     @classmethod
     def load(cls, name_or_path: str | Path) -> Scenario:
         """A scenario file (``.toml`` or ``.json``) or the name of a shipped scenario."""
+        text = str(name_or_path)
+        if len(text) > MAX_SCENARIO_REF:
+            raise UsageError(f"the scenario name or path is {len(text):,} characters (at most {MAX_SCENARIO_REF:,}); "
+                             f"give a shipped scenario ({', '.join(shipped_scenarios())}) or a scenario file")
         path = Path(name_or_path)
-        if path.is_file():
+        if _is_file(path):
             return cls.from_text(path.read_text(encoding="utf-8"), source=str(path), json_format=path.suffix == ".json")
         shipped = _scenarios_dir().joinpath(f"{name_or_path}.toml")
-        if not shipped.is_file():
-            raise UsageError(f"unknown scenario {str(name_or_path)!r}: not a file and not a shipped scenario "
+        if "/" in text or not _is_file(shipped):
+            raise UsageError(f"unknown scenario {text[:200]!r}: not a file and not a shipped scenario "
                              f"({', '.join(shipped_scenarios())})")
         return cls.from_text(shipped.read_text(encoding="utf-8"), source=f"{name_or_path}.toml")
 
@@ -220,3 +224,15 @@ def _parse_toml(text: str) -> dict[str, Any]:
 
 def _scenarios_dir() -> Any:
     return resources.files("memwatch.sim").joinpath("scenarios")
+
+
+MAX_SCENARIO_REF = 4096
+"""The longest scenario name or path taken (a path longer than the system's limit is no file)."""
+
+
+def _is_file(path: Any) -> bool:
+    """Whether ``path`` is a file; a name the system refuses (too long, a NUL) is not one."""
+    try:
+        return bool(path.is_file())
+    except (OSError, ValueError):
+        return False

@@ -84,7 +84,11 @@ def offset_s_sql(column: str, start_ns: int) -> str:
     d = f"({column} - {int(start_ns)})"
     whole, rest = f"(abs({d}) / 1000000)", f"(abs({d}) % 1000000)"
     negative = f"({whole} + ({rest} > 500000 OR ({rest} = 500000 AND {whole} % 2 = 1)))"
-    return (f"(CASE WHEN {column} >= {int(start_ns)} THEN {usual} "
+    # An offset beyond 2^62 ns (a time stored before the sidecar checked its range) would overflow the integer
+    # arithmetic above: it is computed in floating point instead, to the millisecond it can still tell.
+    low, high = max(-(1 << 63), int(start_ns) - (1 << 62)), min((1 << 63) - 1, int(start_ns) + (1 << 62))
+    return (f"(CASE WHEN {column} NOT BETWEEN {low} AND {high} THEN printf('%.3f', ({column} - 0.0 - {int(start_ns)})"
+            f" / 1e9) WHEN {column} >= {int(start_ns)} THEN {usual} "
             f"ELSE '-' || ({negative} / 1000) || '.' || substr(1000 + ({negative} % 1000), 2) END)")
 
 
