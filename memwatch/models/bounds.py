@@ -61,7 +61,7 @@ def check_bounds(config: Mapping[str, Any], name: str, depth: int = 0) -> None:
     from memwatch.models.hf_config import ModelConfigError
 
     for key, value in config.items():
-        if isinstance(value, Mapping) and depth < 4:
+        if isinstance(value, Mapping) and depth < 4 and key not in FIELD_BOUNDS:
             check_bounds(value, name, depth + 1)
             continue
         bounds = FIELD_BOUNDS.get(key)

@@ -144,6 +144,14 @@ class CapacityPlan:
         return data
 
 
+MAX_BLOCK_TOKENS = 1 << 20
+"""The largest KV block taken (engines use 16 to 256 tokens); beyond it the arithmetic leaves floating point."""
+
+
+MAX_TARGET = 1 << 40
+"""The largest target taken (sequences, tokens per sequence, tokens): far past any device, inside exact floats."""
+
+
 def _check_inputs(inputs: PlanInputs) -> None:
     if inputs.utilization is not None and inputs.kv_cache_memory_bytes is not None:
         raise PlanError("--utilization and --kv-cache-memory-bytes are mutually exclusive: the explicit "
@@ -153,8 +161,9 @@ def _check_inputs(inputs: PlanInputs) -> None:
                         "25769803776) or an explicit --kv-cache-memory-bytes")
     if inputs.utilization is not None and not 0 < inputs.utilization <= 1:
         raise PlanError(f"utilization must be in (0, 1], got {inputs.utilization}")
-    if inputs.block_size is not None and inputs.block_size < 1:
-        raise PlanError(f"block size must be at least 1 token, got {inputs.block_size}")
+    if inputs.block_size is not None and not 1 <= inputs.block_size <= MAX_BLOCK_TOKENS:
+        shown = inputs.block_size if inputs.block_size < 10**30 else "a number that large"
+        raise PlanError(f"block size must be at least 1 token and at most {MAX_BLOCK_TOKENS:,}, got {shown}")
     if inputs.engine not in engines.ENGINES:
         raise PlanError(f"unknown engine {inputs.engine!r}; use one of {', '.join(engines.ENGINES)}")
     if inputs.tokens is not None and (inputs.seqs is not None or inputs.seq_len is not None):
@@ -163,8 +172,9 @@ def _check_inputs(inputs: PlanInputs) -> None:
         raise PlanError("--seqs needs --seq-len, the cached tokens of each sequence")
     for name in ("seqs", "seq_len", "tokens"):
         value = getattr(inputs, name)
-        if value is not None and value < 1:
-            raise PlanError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if value is not None and not 1 <= value <= MAX_TARGET:
+            shown = value if value < 10**30 else "a number that large"
+            raise PlanError(f"--{name.replace('_', '-')} must be at least 1 and at most {MAX_TARGET:,}, got {shown}")
 
 
 def _sequence_kv_bytes(spec: ModelSpec, inputs: PlanInputs, kv_dtype: str, seq_len: int,
