@@ -111,5 +111,6 @@ def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float
         if endpoint is not None:
             endpoint.close()
     c = sidecar.collector
+    refused = f"; {c.rings_set_aside} ring(s) refused and moved to rejected/" if c.rings_set_aside else ""
     click.echo(f"memwatch serve: stopped after {c.records_total} records ({c.lost_total} lost, "
-               f"{c.set_aside_total} set aside)", err=True)
+               f"{c.set_aside_total} set aside){refused}", err=True)

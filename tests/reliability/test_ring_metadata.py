@@ -127,3 +127,18 @@ def test_metadata_of_the_wrong_type_already_stored_reads_as_unknown(runtime_dir:
         result = CliRunner().invoke(main, [*args, "--db", str(db_path)])
         assert result.exit_code == 0, (args, result.output)  # before: runs and report failed on the text
     assert "H100" in CliRunner().invoke(main, ["runs", "--db", str(db_path)]).output
+
+
+def test_the_sidecar_says_it_refused_a_ring_and_moved_it(runtime_dir: Path, db_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from processes import memwatch_env
+
+    _ring(runtime_dir, "badmeta", {**GOOD_META, "gpu_total_bytes": "x"})
+    done = subprocess.run([sys.executable, "-m", "memwatch", "serve", "--exit-when-idle", "1", "--db", str(db_path)],
+                          env=memwatch_env(runtime_dir, db_path), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "ignoring ring badmeta-r0.ring: metadata gpu_total_bytes is str, not an integer; moved to" in done.stderr
+    assert "1 ring(s) refused and moved to rejected/" in done.stderr, done.stderr
+    assert (runtime_dir / "rejected" / "badmeta-r0.ring").is_file() and not list(runtime_dir.glob("*.ring"))
