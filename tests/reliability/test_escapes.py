@@ -88,3 +88,21 @@ def test_json_output_stays_json_and_keeps_the_name(hostile_db: tuple[Path, str])
     events = [json.loads(line) for line in _run(db_path, ["events", run_id, "--json"]).splitlines()]
     hostile = [event["data"] for event in events if event["kind"] == HOSTILE and event["run_id"] == run_id]
     assert hostile == [{"name": HOSTILE}]
+
+
+def test_the_sidecar_log_and_run_escape_names_they_were_handed(runtime_dir: Path, db_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from processes import memwatch_env
+
+    hostile_ring = runtime_dir / f"x{HOSTILE}-r0.ring"
+    hostile_ring.write_bytes(b"\0" * 64)
+    hostile_ring.chmod(0o666)  # open to others: refused, and the refusal names the file
+    done = subprocess.run([sys.executable, "-m", "memwatch", "serve", "--exit-when-idle", "1", "--db", str(db_path)],
+                          env=memwatch_env(runtime_dir, db_path), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert not FORBIDDEN.search(done.stderr), repr(done.stderr)
+    assert f"x{SHOWN}-r0.ring" in done.stderr, done.stderr
+    result = CliRunner().invoke(main, ["run", f"nope{HOSTILE}"])
+    assert result.exit_code == 3 and not FORBIDDEN.search(result.output), repr(result.output)
