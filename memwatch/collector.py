@@ -27,7 +27,6 @@ from memwatch_engine.runtime import RING_SUFFIX, is_private_file
 from .identity import COLUMNS as PLACE_COLUMNS
 from .identity import place_from_meta
 from .liveness import ring_writer_alive, writer_alive
-
 from .record_checks import check_meta, screen
 from .records import Event, Sample
 from .rejected_rings import set_aside_ring
