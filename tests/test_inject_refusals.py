@@ -25,8 +25,9 @@ def _no_target_outlives_its_test() -> Iterator[None]:
     reap()
 
 
-def test_a_process_that_is_not_python_is_refused(sleeper: subprocess.Popen[bytes]) -> None:
-    done = memwatch(memwatch_env(Path("/nonexistent"), Path("/nonexistent")), "attach", "--inject",
+def test_a_process_that_is_not_python_is_refused(sleeper: subprocess.Popen[bytes], tmp_path: Path) -> None:
+    absent = tmp_path / "absent"  # a path of this test's own that nothing creates, unlike a shared /nonexistent
+    done = memwatch(memwatch_env(absent / "x.db", absent), "attach", "--inject",
                      str(sleeper.pid))
     assert done.returncode == 2
     assert done.stderr == (f"error: process {sleeper.pid} is not a Python process (sleep); "
