@@ -69,7 +69,7 @@ test-deps:
 # The released engines the adapters are tested against, each in a folder of its own that only the tests
 # put on a child process's path (the mirrors in tests/mirrors use the same module names). --no-deps:
 # CPU torch stays the one in .venv; pip keeps the downloaded wheels in its cache between runs.
-engines: $(ENGINES)/vllm/.installed $(ENGINES)/nanovllm/.installed
+engines: $(ENGINES)/vllm/.installed $(ENGINES)/nanovllm/.installed $(ENGINES)/sglang/.installed
 
 $(ENGINES)/%/.installed: tests/released/requirements-%.txt | $(TESTENV)
 	@echo "== installing the released $* into $(ENGINES)/$* (the first time: downloads, and minutes of unpacking)"

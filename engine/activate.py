@@ -8,7 +8,7 @@ calls :func:`autoload`, which
 * makes sure ``MEMWATCH_RUN_ID`` is set in this process's environment, so that every process started
   from it inherits the id and joins the same run (tensor-parallel workers are *spawned*: fresh
   interpreters that inherit the environment, run the same line, and write one ring per rank);
-* installs import hooks that instrument nano-vllm and vLLM if and when they are imported.
+* installs import hooks that instrument nano-vllm, SGLang and vLLM if and when they are imported.
 
 Nothing else happens: no ring, thread or sidecar exists until an engine starts a rank, so helper
 processes (tokenizers, compile workers) that inherit ``MEMWATCH=1`` cost almost nothing.

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from memwatch import sglang_rule
 from memwatch.records import Event, Sample
 
 KV_ALLOCATED = "kv_allocated"
@@ -98,7 +99,7 @@ class LedgerTerms(NamedTuple):
     """Cache slack in partly used segments (``inactive_split_bytes``): fragments nothing can release."""
 
 
-KNOWN_BUDGET_RULES = (None, "nano-vllm")
+KNOWN_BUDGET_RULES = (None, "nano-vllm", sglang_rule.RULE)
 """Rules whose block count :attr:`Sizing.formula_blocks` re-derives from the recorded readings."""
 
 
@@ -120,16 +121,23 @@ class Sizing(NamedTuple):
     """``kv_cache_memory_bytes`` when the engine was given the KV size instead of a utilization."""
     budget_rule: str | None = None
     """The sizing rule the adapter claims the engine used; ``None`` (older records) is nano-vllm's."""
+    rule_inputs: dict[str, Any] | None = None
+    """The event's data, for a rule that reads more than the fields above (SGLang's, in tokens)."""
+    kv_unit: str = "block"
+    """What ``num_blocks`` counts: KV blocks, or tokens (SGLang sizes a token pool: one cell per token)."""
 
     @property
     def formula_blocks(self) -> int | None:
         """The block count the engine's own rule gives on its own readings, ``None`` if unknowable.
 
-        Only for a rule memwatch knows and the adapter claimed: an explicit KV size, or nano-vllm's
+        Only for a rule memwatch knows and the adapter claimed: SGLang's token rule
+        (:mod:`memwatch.sglang_rule`), an explicit KV size, or nano-vllm's
         ``total × utilization − used − peak + current``. Any other rule (a fork's) has no check here.
         """
         if self.block_bytes is None or self.block_bytes <= 0:
             return None
+        if self.budget_rule == sglang_rule.RULE:
+            return sglang_rule.derived_tokens(self.rule_inputs or {})
         if self.explicit_kv_bytes is not None:
             return self.explicit_kv_bytes // self.block_bytes
         if self.budget_rule not in KNOWN_BUDGET_RULES:
@@ -214,6 +222,7 @@ class Ledger:
             num_blocks=_integer(data, "num_blocks"), reserved_bytes=_integer(data, "reserved_bytes"),
             explicit_kv_bytes=_integer(data, "kv_cache_memory_bytes"),
             budget_rule=data.get("budget_rule") if isinstance(data.get("budget_rule"), str) else None,
+            rule_inputs=data, kv_unit="token" if data.get("kv_unit") == "token" else "block",
         )
         self._declared_after_sizing = 0
         self._set_sizing_terms(self.sizing)

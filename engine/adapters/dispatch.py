@@ -10,12 +10,13 @@ from __future__ import annotations
 import sys
 
 from ..monitor import Monitor
-from . import nanovllm, vllm
+from . import nanovllm, sglang, vllm
 
 
 def install() -> None:
     """Patch every known engine when (and if) its modules are imported."""
     nanovllm.install()
+    sglang.install()
     vllm.install()
 
 

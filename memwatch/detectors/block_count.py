@@ -56,11 +56,13 @@ class BlockCountCheck:
             return None
         difference = actual - expected
         block_bytes: int = sizing.block_bytes  # type: ignore[assignment]  # formula_blocks needs it
-        rule = "its explicit KV size" if sizing.explicit_kv_bytes is not None else "its own sizing rule"
+        explicit = sizing.explicit_kv_bytes is not None and sizing.budget_rule != "sglang"
+        rule = "its explicit KV size" if explicit else "its own sizing rule"
+        unit = "tokens" if sizing.kv_unit == "token" else "blocks"
         return make_flag(
             event, BLOCK_COUNT_MISMATCH, WARNING,
-            f"rank {event.rank} sized {format_count(actual)} KV blocks but {rule} gives "
-            f"{format_count(expected)} on its own readings ({difference:+,} blocks, "
+            f"rank {event.rank} sized {format_count(actual)} KV {unit} but {rule} gives "
+            f"{format_count(expected)} on its own readings ({difference:+,} {unit}, "
             f"{format_bytes(difference * block_bytes)})",
             {"num_blocks": actual, "formula_blocks": expected, "difference_blocks": difference,
              "difference_bytes": difference * block_bytes, "block_bytes": block_bytes},

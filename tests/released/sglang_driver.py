@@ -1,0 +1,231 @@
+"""Drive the released SGLang 0.5.23 (installed by ``make engines``) with memwatch, on CPU.
+
+Run as ``python sglang_driver.py MODE MODEL_DIR``; prints one JSON line of what it saw. SGLang's own
+code runs throughout: ``ServerArgs``, ``runtime_context.publish`` (a scheduler process's placement),
+``ModelConfig``, ``ModelRunner.__init__``/``initialize``/``alloc_memory_pool``, the
+``KVCacheConfigurator`` that profiles the free memory and the ``DefaultPoolConfigurator`` that turns
+it into ``max_total_num_tokens``, the real token pools and allocator (their tensors on the CPU).
+What stands in for the GPU:
+
+* ``torch.cuda``'s memory API answers from ``fake_cuda``; a tensor asked for on ``cuda`` is made on
+  the CPU and its bytes are taken from the fake device (a ``TorchFunctionMode``), so SGLang's own
+  pools fill the device memory memwatch reads; ``torch.cuda.Stream`` is inert;
+* ``ModelRunner.init_torch_distributed`` (device bring-up: NCCL groups, the gated launch) is replaced
+  by one that measures ``pre_model_load_memory`` as SGLang's does (``get_available_gpu_memory``, the
+  minimum over the ranks through a gloo group when there are several) and states the groups;
+* ``ModelRunner.load_model`` (the weights) is replaced by one that takes ``WEIGHTS_BYTES`` of the
+  device and sets what SGLang's sets (model, dtype, sliding window);
+* torchvision's two operator schemas its CUDA-built ``_C`` library would define are declared, since
+  that library cannot load next to CPU PyTorch.
+
+The seams are applied before memwatch activates (``memwatch_engine.activate.autoload`` with
+``MEMWATCH=1``, what the ``.pth`` line runs), so memwatch wraps the methods SGLang's process runs.
+
+Modes: ``off`` sizes one rank with memwatch off; ``on`` the same with memwatch on; ``tp2`` sizes two
+tensor-parallel ranks in processes of their own (rank 1's device has other memory on it, so SGLang's
+minimum over the ranks decides both pools).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import weakref
+from types import SimpleNamespace
+from typing import Any
+
+from fake_device import load_fake_cuda
+
+MiB = 1 << 20
+WEIGHTS_BYTES = 24 * MiB
+WRAPPED = "__memwatch_wrapped__"
+
+
+def _cuda_seams() -> None:
+    import fake_cuda
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    def properties(index: Any = None) -> Any:
+        return SimpleNamespace(name="Fake GPU", total_memory=fake_cuda.device(index).total, is_integrated=False,
+                               major=9, minor=0, multi_processor_count=132)
+
+    class Stream:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def wait_stream(self, *args: Any) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    def is_cuda(device: Any) -> bool:
+        try:
+            return device is not None and not isinstance(device, bool) and torch.device(device).type == "cuda"
+        except (RuntimeError, TypeError):
+            return False
+
+    class CudaOnCpu(TorchFunctionMode):
+        """Tensors asked for on ``cuda`` live on the CPU; their bytes are taken from the fake device."""
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = dict(kwargs or {})
+            moved = False
+            if is_cuda(kwargs.get("device")):
+                kwargs["device"], moved = "cpu", True
+            if func is torch.Tensor.to and args[1:] and is_cuda(args[1]):
+                args, moved = (args[0], "cpu", *args[2:]), True
+            out = func(*args, **kwargs)
+            if moved and isinstance(out, torch.Tensor) and out.numel():
+                weakref.finalize(out, fake_cuda.empty(out.untyped_storage().nbytes()).free)
+            return out
+
+    torch.cuda.get_device_properties = properties
+    torch.cuda.Stream = Stream
+    torch.cuda.current_stream = lambda *args, **kwargs: Stream()
+    CudaOnCpu().__enter__()
+    library = torch.library.Library("torchvision", "DEF")
+    library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    library.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    _keep.append(library)
+
+
+_keep: list[Any] = []
+
+
+def _group(size: int, rank: int, cpu_group: Any = None) -> Any:
+    return SimpleNamespace(world_size=size, rank_in_group=rank, rank=rank, is_first_rank=rank == 0,
+                           is_last_rank=rank == size - 1, cpu_group=cpu_group, device_group=cpu_group,
+                           ranks=list(range(size)))
+
+
+def _runner_seams() -> None:
+    import fake_cuda
+    import torch
+    from sglang.srt.model_executor import model_runner
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.utils.common import get_available_gpu_memory
+
+    class Model(torch.nn.Module):
+        def __init__(self, layers: int) -> None:
+            super().__init__()
+            self.start_layer, self.end_layer = 0, layers
+
+        def forward(self, input_ids: Any, positions: Any, forward_batch: Any) -> Any:
+            raise NotImplementedError("the driver's scheduler runs the model's output itself")
+
+    def init_torch_distributed(self: Any) -> None:
+        parallel = get_parallel()
+        world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        self.pre_model_load_memory = get_available_gpu_memory(
+            self.device, self.gpu_id, distributed=parallel.tp_size > 1, cpu_group=world)
+        tp = _group(parallel.tp_size, parallel.tp_rank, world)
+        parallel.override_permanently(tp_group=tp, pp_group=_group(1, 0), attn_tp_group=tp,
+                                      attn_cp_group=_group(1, 0), moe_ep_group=_group(1, 0), world_group=tp)
+        self.pp_group = parallel.pp_group
+
+    def load_model(self: Any) -> None:
+        self.weights = fake_cuda.empty(WEIGHTS_BYTES)
+        self.model = Model(self.model_config.num_hidden_layers)
+        self.loader = self.startup_weight_load = self.sliding_window_size = None
+        self.prefill_aware_swa = False
+        self.dtype = self.model_config.dtype
+
+    model_runner.ModelRunner.init_torch_distributed = init_torch_distributed
+    model_runner.ModelRunner.load_model = load_model
+
+
+def _server_args(model: str, tp: int, **overrides: Any) -> Any:
+    from sglang.srt.server_args import ServerArgs
+
+    settings = {"mem_fraction_static": 0.8, "page_size": 16, **overrides}
+    return ServerArgs(model_path=model, device="cuda", tp_size=tp, skip_tokenizer_init=True, **settings)
+
+
+def _size_rank(model: str, tp: int, tp_rank: int, **overrides: Any) -> dict[str, Any]:
+    """One scheduler process's model runner, up to its KV pool, as ``run_scheduler_process`` places it."""
+    import fake_cuda
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.runtime_context import SpawnRanks, publish
+
+    args = _server_args(model, tp, **overrides)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank, dp_rank=None, gpu_id=tp_rank))
+    fake_cuda._set_device(tp_rank)
+    runner = ModelRunner(model_config=ModelConfig.from_server_args(args), mem_fraction_static=args.mem_fraction_static,
+                         gpu_id=tp_rank, nccl_port=1, server_args=args)
+    runner.alloc_memory_pool()
+    allocator = runner.token_to_kv_pool_allocator
+    return {"max_total_num_tokens": runner.max_total_num_tokens, "available_size": allocator.available_size(),
+            "pre_model_load_memory": runner.pre_model_load_memory, "page_size": runner.page_size,
+            "mem_fraction_static": args.mem_fraction_static, "max_running_requests": runner.max_running_requests}
+
+
+def _activate() -> None:
+    os.environ["MEMWATCH"] = "1"
+    from memwatch_engine.activate import autoload
+
+    autoload()
+
+
+def _tp_rank(model: str, tp_rank: int, port: int, queue: Any) -> None:
+    import torch
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=tp_rank, world_size=2)
+    queue.put((tp_rank, _size_rank(model, 2, tp_rank)))
+    torch.distributed.barrier()
+    from memwatch_engine.adapters.sglang import runner
+
+    if runner.process.rank is not None:
+        runner.process.rank.monitor.close()
+
+
+def main() -> None:
+    mode, model = sys.argv[1], sys.argv[2]
+    load_fake_cuda()
+    _cuda_seams()
+    _runner_seams()
+    environment = dict(os.environ)
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    if mode in ("on", "tp2"):
+        _activate()
+    facts: dict[str, Any] = {
+        "environment_changed": sorted(name for name in set(os.environ) | set(environment)
+                                      if os.environ.get(name) != environment.get(name)),
+        "meta_path": [type(finder).__module__ for finder in sys.meta_path],
+        "runner_wrapped": sorted(n for n, v in vars(ModelRunner).items() if getattr(v, WRAPPED, False)),
+        "configurator_wrapped": sorted(n for n, v in vars(KVCacheConfigurator).items()
+                                       if getattr(v, WRAPPED, False)),
+    }
+    if mode in ("off", "on"):
+        facts["ranks"] = [_size_rank(model, 1, 0)]
+        from memwatch_engine.adapters.sglang import runner
+
+        if runner.process.rank is not None:
+            runner.process.rank.monitor.close()
+    elif mode == "tp2":
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        processes = [context.Process(target=_tp_rank, args=(model, rank, port, queue)) for rank in range(2)]
+        for process in processes:
+            process.start()
+        results = dict(queue.get(timeout=240) for _ in processes)
+        for process in processes:
+            process.join(timeout=120)
+            if process.exitcode != 0:
+                raise RuntimeError(f"rank process exited with {process.exitcode}")
+        facts["ranks"] = [results[0], results[1]]
+    print(json.dumps(facts))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The SGLang adapter against the released SGLang 0.5.23 (PyPI wheel, installed by ``make engines``), on CPU.
+
+``released/sglang_driver.py`` runs SGLang's own ``ServerArgs``, ``publish``, ``ModelConfig``,
+``ModelRunner``, ``KVCacheConfigurator`` and pool configurator, and allocates the real token pools
+(what stands in for the GPU is described there). Expected numbers are derived by hand below from the
+fake device's sizes and the model's config; the memwatch side is read back from a real store.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mirrors.zero_code import ROOT
+
+from memwatch.ledger import Ledger
+from memwatch.records import Event
+
+from processes import memwatch_env, query
+from stored_runs import store_rings
+
+ENGINE = ROOT / ".engines" / "sglang"
+DRIVER = Path(__file__).resolve().parent / "released" / "sglang_driver.py"
+MiB = 1 << 20
+GiB = 1 << 30
+TOTAL, CONTEXT, WEIGHTS = GiB, 64 * MiB, 24 * MiB  # the fake device, its CUDA context, the driver's weights
+QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 512,
+    "vocab_size": 1024, "max_position_embeddings": 2048, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "tie_word_embeddings": False,
+}
+RUNNER_WRAPPED = ["__init__", "alloc_memory_pool", "init_cuda_graphs", "init_torch_distributed", "load_model"]
+
+
+def _drive(mode: str, tmp_path: Path, env: dict[str, str], other: str = "0") -> dict[str, Any]:
+    if not (ENGINE / ".installed").exists():
+        pytest.fail(f"the released SGLang is not installed in {ENGINE}: run `make engines`")
+    model = tmp_path / "qwen3-tiny"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(QWEN3))
+    env = {**env, "PYTHONPATH": str(ENGINE), "FAKE_CUDA_TOTAL_BYTES": str(TOTAL),
+           "FAKE_CUDA_CONTEXT_BYTES": str(CONTEXT), "FAKE_CUDA_OTHER_BYTES": other}
+    env.pop("MEMWATCH", None)
+    done = subprocess.run([sys.executable, str(DRIVER), mode, str(model)], env=env, capture_output=True, text=True,
+                          timeout=400, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "memwatch:" not in done.stderr, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _events(db_path: Path, kind: str) -> list[tuple[int, dict]]:
+    rows = query(db_path, "SELECT rank, data FROM events WHERE kind = ? ORDER BY rank, rowid", (kind,))
+    return [(rank, json.loads(data)) for rank, data in rows]
+
+
+def _tokens(available_gb: float, pre_model_load_gb: float, fraction: float, cell: int, page: int) -> int:
+    """SGLang's rule written out here: free − pre-load free × (1 − fraction), in GiB, then whole pages of cells."""
+    budget = int((available_gb - pre_model_load_gb * (1 - fraction)) * GiB)
+    return budget // cell // page * page
+
+
+# 4 layers × 4 KV heads × (64 + 64) × 2 bytes (bfloat16) = 4 KiB a token; pages of 16 tokens.
+CELL = 4 * 4 * (64 + 64) * 2
+
+
+def test_memwatch_off_changes_nothing_in_sglang(tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    off = _drive("off", tmp_path, memwatch_env(runtime_dir, db_path))
+    assert off["runner_wrapped"] == [] and off["configurator_wrapped"] == []
+    assert "memwatch_engine.adapters.hooks" not in off["meta_path"] and off["environment_changed"] == []
+    assert not list(runtime_dir.glob("*.ring"))
+    on = _drive("on", tmp_path, memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000001"))
+    # The same pool, the same request slots: memwatch changes no number SGLang computes.
+    assert on["ranks"] == off["ranks"]
+    assert on["runner_wrapped"] == RUNNER_WRAPPED
+    assert on["configurator_wrapped"] == ["_profile_available_bytes", "configure"]
+
+
+def test_the_configurator_sizes_a_token_pool_that_memwatch_records_and_re_derives(
+        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    facts = _drive("on", tmp_path, memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000002"))
+    store_rings(runtime_dir, db_path)
+    [rank] = facts["ranks"]
+
+    # Before the weights SGLang read TOTAL − CONTEXT free; at sizing that less the weights' 24 MiB.
+    pre_gb, available_gb = (TOTAL - CONTEXT) / GiB, (TOTAL - CONTEXT - WEIGHTS) / GiB
+    expected = _tokens(available_gb, pre_gb, 0.8, CELL, 16)
+    assert expected == (936 - 192) * MiB // CELL == 190464  # 936 MiB free less 20 % of 960 MiB: 744 MiB
+    assert rank["max_total_num_tokens"] == expected and rank["available_size"] == expected
+
+    [(sized_rank, sizing)] = _events(db_path, "kv_allocated")
+    assert sized_rank == 0
+    assert (sizing["available_gb"], sizing["pre_model_load_gb"], sizing["mem_fraction_static"]) == (
+        available_gb, pre_gb, 0.8)
+    assert (sizing["cell_size_bytes"], sizing["page_size"], sizing["fixed_overhead_bytes"]) == (CELL, 16, 0)
+    assert (sizing["num_blocks"], sizing["block_bytes"], sizing["kv_unit"], sizing["budget_rule"]) == (
+        expected, CELL, "token", "sglang")
+    # Re-derived from the recorded readings alone (the test's rule, then the ledger's), and no flag.
+    assert _tokens(sizing["available_gb"], sizing["pre_model_load_gb"], sizing["mem_fraction_static"],
+                   sizing["cell_size_bytes"], sizing["page_size"]) == sizing["max_total_num_tokens"] == expected
+    ledger = Ledger()
+    ledger.on_event(Event("5a1a00000002", 0, 0, 0, "kv_allocated", sizing))
+    assert ledger.sizing.formula_blocks == expected and ledger.sizing.kv_unit == "token"
+    assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
+
+    # Phases in order, the profile inside the pool allocation; the baseline SGLang measured before the weights.
+    phases = [data["phase"] for _, data in _events(db_path, "phase_start")]
+    assert phases == ["load", "kv_alloc", "profile"]
+    assert _events(db_path, "sglang_memory_baseline") == [(0, {"pre_model_load_gb": pre_gb})]
+    [(_, weights)] = _events(db_path, "weights_loaded")
+    assert weights["weights_bytes"] == WEIGHTS
+    [(_, identity)] = _events(db_path, "rank_identity")
+    assert (identity["tp_rank"], identity["dp_rank"], identity["pp_rank"]) == (0, 0, 0)
+    [(engine, config)] = query(db_path, "SELECT engine, config FROM runs")
+    assert engine == "sglang" and json.loads(config)["page_size"] == 16
+
+
+def test_a_disagreeing_count_is_flagged_in_tokens() -> None:
+    """Readings whose budget is not a whole number of pages: SGLang's count (whole pages) raises no flag, one
+    page more does, and the flag says by how much in tokens."""
+    from memwatch.detectors.block_count import BlockCountCheck
+
+    budget = int((0.91 - 0.9375 * (1 - 0.8)) * GiB)
+    tokens = _tokens(0.91, 0.9375, 0.8, CELL, 16)
+    assert budget // CELL - tokens == 7  # the page floor takes 7 tokens off the cells the budget holds
+    data = {"available_gb": 0.91, "pre_model_load_gb": 0.9375, "mem_fraction_static": 0.8,
+            "cell_size_bytes": CELL, "page_size": 16, "fixed_overhead_bytes": 0, "block_bytes": CELL,
+            "budget_rule": "sglang", "kv_unit": "token", "kv_cache_memory_bytes": budget}
+    right = Event("r", 0, 1, 0, "kv_allocated", {**data, "num_blocks": tokens})
+    wrong = Event("r", 1, 1, 0, "kv_allocated", {**data, "num_blocks": tokens + 16})
+    check = BlockCountCheck()
+    ledger = Ledger()
+    ledger.on_event(right)
+    assert ledger.sizing.formula_blocks == tokens and check.on_sizing(right, ledger.sizing) == []
+    ledger.on_event(wrong)
+    formula, ranks = check.on_sizing(wrong, ledger.sizing)
+    assert formula.data["difference_blocks"] == 16 and formula.data["difference_bytes"] == 16 * CELL
+    assert f"{tokens + 16:,} KV tokens" in formula.message and "+16 tokens" in formula.message
+    assert ranks.data["spread_blocks"] == 16
+
+
+def test_tp2_ranks_are_two_rings_sized_on_the_smallest_free_memory(tmp_path: Path, runtime_dir: Path,
+                                                                   db_path: Path) -> None:
+    """Rank 1's device has 40 MiB of another process on it; SGLang sizes both pools on the minimum."""
+    facts = _drive("tp2", tmp_path, memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000003"),
+                   other=f"0,{40 * MiB}")
+    store_rings(runtime_dir, db_path)
+    cell = 4 * 2 * (64 + 64) * 2  # 2 KV heads per rank
+    pre_gb, available_gb = (TOTAL - CONTEXT - 40 * MiB) / GiB, (TOTAL - CONTEXT - 40 * MiB - WEIGHTS) / GiB
+    expected = _tokens(available_gb, pre_gb, 0.8, cell, 16)
+    assert expected == (896 - 184) * MiB // cell
+    assert [rank["max_total_num_tokens"] for rank in facts["ranks"]] == [expected, expected]
+    identities = {rank: (data["tp_rank"], data["dp_rank"]) for rank, data in _events(db_path, "rank_identity")}
+    assert identities == {0: (0, 0), 1: (1, 0)}
+    assert query(db_path, "SELECT rank_count FROM runs") == [(2,)]
+    sizings = {rank: (data["num_blocks"], data["available_gb"], data["cell_size_bytes"])
+               for rank, data in _events(db_path, "kv_allocated")}
+    assert sizings == {0: (expected, available_gb, cell), 1: (expected, available_gb, cell)}
+    assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
