@@ -44,7 +44,10 @@ def _drive(mode: str, tmp_path: Path, env: dict[str, str], other: str = "0") -> 
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(QWEN3))
     env = {**env, "PYTHONPATH": str(ENGINE), "FAKE_CUDA_TOTAL_BYTES": str(TOTAL),
-           "FAKE_CUDA_CONTEXT_BYTES": str(CONTEXT), "FAKE_CUDA_OTHER_BYTES": other}
+           "FAKE_CUDA_CONTEXT_BYTES": str(CONTEXT), "FAKE_CUDA_OTHER_BYTES": other,
+           # SGLang's Python radix tree (its Rust one allocates device tensors natively); admission that counts
+           # 10 of a new request's output tokens, so that decoding outgrows the pool and SGLang retracts.
+           "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python", "SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION": "10"}
     env.pop("MEMWATCH", None)
     done = subprocess.run([sys.executable, str(DRIVER), mode, str(model)], env=env, capture_output=True, text=True,
                           timeout=400, cwd=tmp_path)
@@ -161,3 +164,55 @@ def test_tp2_ranks_are_two_rings_sized_on_the_smallest_free_memory(tmp_path: Pat
                for rank, data in _events(db_path, "kv_allocated")}
     assert sizings == {0: (expected, available_gb, cell), 1: (expected, available_gb, cell)}
     assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
+
+
+def _kind(mode: str) -> str | None:
+    """By hand from SGLang's forward mode: an extend is prefill work, a decode is decode."""
+    return {"EXTEND": "prefill", "DECODE": "decode"}.get(mode)
+
+
+def test_the_scheduler_records_its_steps_token_usage_retractions_and_requests(tmp_path: Path, runtime_dir: Path,
+                                                                              db_path: Path) -> None:
+    """SGLang's own Scheduler serves four 50-token prompts, 80 output tokens each, from a pool capped at 320 tokens:
+    all four fit at admission, their decoding does not, and SGLang retracts."""
+    facts = _drive("serve", tmp_path, memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000004"))
+    store_rings(runtime_dir, db_path)
+    steps, total = facts["steps"], 320
+    assert facts["max_total_num_tokens"] == total
+    # The user's cap is part of SGLang's rule: min(190464 the memory gives, 320), recorded and re-derived.
+    [(_, sizing)] = _events(db_path, "kv_allocated")
+    assert (sizing["max_total_tokens"], sizing["num_blocks"], sizing["page_size"]) == (total, total, 1)
+    ledger = Ledger()
+    ledger.on_event(Event("5a1a00000004", 0, 0, 0, "kv_allocated", sizing))
+    assert ledger.sizing.formula_blocks == total
+    assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
+
+    # One sample per run_batch, in the serve phase: kind, requests, tokens (the extend's, or one per decoding
+    # request) and the pool as SGLang counts it: used = total − available − evictable.
+    rows = query(db_path, "SELECT step_kind, num_seqs, num_tokens, kv_blocks_used, kv_blocks_total FROM samples "
+                          "WHERE kv_blocks_total IS NOT NULL ORDER BY step")
+    assert rows == [(_kind(s["mode"]), s["num_seqs"], s["extend_tokens"] if s["mode"] == "EXTEND" else s["num_seqs"],
+                     total - s["available"] - s["evictable"], total) for s in steps]
+    assert rows[0][:3] == ("prefill", 4, 200)  # all four admitted at once
+    # Finished requests' tokens stay in the radix cache as evictable: counted apart, never as used.
+    assert any(s["evictable"] for s in steps)
+    [(_, first)] = _events(db_path, "kv_evictable")[:1]
+    assert first["evictable_tokens"] == next(s["evictable"] for s in steps if s["evictable"])
+
+    # Retractions are preemptions, one event per retracting step with SGLang's own count.
+    retracted = [s["retracted"] for s in steps if s["retracted"]]
+    assert retracted and sum(retracted) >= 1
+    assert [data["count"] for _, data in _events(db_path, "preemption")] == retracted
+
+    # The workload: one arrival per request (a retracted request coming back is not a new one), one finish each.
+    arrived = [(d["request_id"], d["prompt_tokens"], d["max_tokens"]) for _, d in _events(db_path, "request_arrived")]
+    assert arrived == [(rid, length, 80) for rid, length in facts["prompts"].items()]
+    finished = sorted((d["request_id"], d["output_tokens"]) for _, d in _events(db_path, "request_finished"))
+    assert finished == [(rid, 80) for rid in facts["prompts"]]
+    phases = [data["phase"] for _, data in _events(db_path, "phase_start")]
+    assert phases == ["load", "kv_alloc", "profile", "cudagraph", "serve"]
+    assert query(db_path, "SELECT status FROM runs") == [("ok",)]
+
+    # memwatch off: SGLang schedules exactly the same steps.
+    off = _drive("serve-off", tmp_path, memwatch_env(runtime_dir, db_path))
+    assert off["steps"] == steps and off["runner_wrapped"] == []

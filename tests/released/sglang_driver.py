@@ -21,13 +21,21 @@ What stands in for the GPU:
 The seams are applied before memwatch activates (``memwatch_engine.activate.autoload`` with
 ``MEMWATCH=1``, what the ``.pth`` line runs), so memwatch wraps the methods SGLang's process runs.
 
+* ``TpModelWorker.forward_batch_generation`` (the model's forward and sampling) returns token 7 for
+  every request; ``init_cuda_graphs`` (graph capture) takes ``GRAPHS_BYTES`` and captures nothing.
+  The token pool is SGLang's unpaged one (``page_size`` 1): the paged allocator runs a Triton kernel;
+  the radix tree is SGLang's Python one (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``): its Rust
+  one makes its tensors on the device from native code.
+
 Modes: ``off`` sizes one rank with memwatch off; ``on`` the same with memwatch on; ``tp2`` sizes two
 tensor-parallel ranks in processes of their own (rank 1's device has other memory on it, so SGLang's
-minimum over the ranks decides both pools).
+minimum over the ranks decides both pools); ``serve`` (``serve-off``: memwatch off) runs a real
+``Scheduler`` through four requests that retract (:func:`_serve`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -41,6 +49,7 @@ from fake_device import load_fake_cuda
 
 MiB = 1 << 20
 WEIGHTS_BYTES = 24 * MiB
+GRAPHS_BYTES = 4 * MiB
 WRAPPED = "__memwatch_wrapped__"
 
 
@@ -70,10 +79,15 @@ def _cuda_seams() -> None:
             return False
 
     class CudaOnCpu(TorchFunctionMode):
-        """Tensors asked for on ``cuda`` live on the CPU; their bytes are taken from the fake device."""
+        """Tensors asked for on ``cuda`` live on the CPU, their bytes taken from the fake device; no host memory is
+        page-locked."""
 
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = dict(kwargs or {})
+            if func is torch.Tensor.pin_memory:  # page-locked host memory is the driver's
+                return args[0]
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
             moved = False
             if is_cuda(kwargs.get("device")):
                 kwargs["device"], moved = "cpu", True
@@ -87,6 +101,7 @@ def _cuda_seams() -> None:
     torch.cuda.get_device_properties = properties
     torch.cuda.Stream = Stream
     torch.cuda.current_stream = lambda *args, **kwargs: Stream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
     CudaOnCpu().__enter__()
     library = torch.library.Library("torchvision", "DEF")
     library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
@@ -97,15 +112,22 @@ def _cuda_seams() -> None:
 _keep: list[Any] = []
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def _group(size: int, rank: int, cpu_group: Any = None) -> Any:
     return SimpleNamespace(world_size=size, rank_in_group=rank, rank=rank, is_first_rank=rank == 0,
                            is_last_rank=rank == size - 1, cpu_group=cpu_group, device_group=cpu_group,
-                           ranks=list(range(size)))
+                           ranks=list(range(size)), first_rank=0, last_rank=size - 1, local_rank=rank)
 
 
 def _runner_seams() -> None:
     import fake_cuda
     import torch
+    from sglang.srt.distributed import bootstrap
     from sglang.srt.model_executor import model_runner
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils.common import get_available_gpu_memory
@@ -118,23 +140,39 @@ def _runner_seams() -> None:
         def forward(self, input_ids: Any, positions: Any, forward_batch: Any) -> Any:
             raise NotImplementedError("the driver's scheduler runs the model's output itself")
 
-    def init_torch_distributed(self: Any) -> None:
+    def init_parallel_runtime(**settings: Any) -> None:
         parallel = get_parallel()
-        world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
-        self.pre_model_load_memory = get_available_gpu_memory(
-            self.device, self.gpu_id, distributed=parallel.tp_size > 1, cpu_group=world)
+        if not torch.distributed.is_initialized():  # one rank: its own gloo group (TP ranks start theirs first)
+            torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                                 world_size=1)
+        world = torch.distributed.group.WORLD
         tp = _group(parallel.tp_size, parallel.tp_rank, world)
         parallel.override_permanently(tp_group=tp, pp_group=_group(1, 0), attn_tp_group=tp,
                                       attn_cp_group=_group(1, 0), moe_ep_group=_group(1, 0), world_group=tp)
+
+    def init_torch_distributed(self: Any) -> None:
+        parallel = get_parallel()
+        init_parallel_runtime()
+        self.pre_model_load_memory = get_available_gpu_memory(
+            self.device, self.gpu_id, distributed=parallel.tp_size > 1, cpu_group=torch.distributed.group.WORLD)
         self.pp_group = parallel.pp_group
 
     def load_model(self: Any) -> None:
         self.weights = fake_cuda.empty(WEIGHTS_BYTES)
         self.model = Model(self.model_config.num_hidden_layers)
-        self.loader = self.startup_weight_load = self.sliding_window_size = None
+        self.loader = SimpleNamespace(preloaded_weights_bytes=0)  # nothing loaded ahead of the runner
+        self.startup_weight_load = self.sliding_window_size = None
         self.prefill_aware_swa = False
         self.dtype = self.model_config.dtype
 
+    def init_cuda_graphs(self: Any, capture_decode_cuda_graph: bool = True) -> None:
+        self.graphs = fake_cuda.empty(GRAPHS_BYTES)  # the graph pool; the driver's forward runs eagerly
+        self.eager_runner = self.prefill_cuda_graph_runner = self.decode_cuda_graph_runner = None
+        self.decode_cuda_graph_captured, self.decode_cuda_graph_capture_bs = False, []
+        self.graph_memory_usage, self.graph_time_usage = {}, {}
+
+    bootstrap.init_parallel_runtime = init_parallel_runtime
+    model_runner.ModelRunner.init_cuda_graphs = init_cuda_graphs
     model_runner.ModelRunner.init_torch_distributed = init_torch_distributed
     model_runner.ModelRunner.load_model = load_model
 
@@ -165,6 +203,76 @@ def _size_rank(model: str, tp: int, tp_rank: int, **overrides: Any) -> dict[str,
             "mem_fraction_static": args.mem_fraction_static, "max_running_requests": runner.max_running_requests}
 
 
+SERVE_PROMPTS = {f"r{i}": 50 for i in range(4)}
+SERVE_MAX_NEW_TOKENS = 80
+SERVE_POOL_TOKENS = 320
+
+
+def _forward_seam() -> None:
+    """The model's forward and sampling: token 7 for every request of a batch."""
+    import torch
+    from sglang.srt.managers import tp_worker
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    def forward_batch_generation(self: Any, batch: Any = None, forward_batch: Any = None, *args: Any,
+                                 **kwargs: Any) -> Any:
+        return GenerationBatchResult(next_token_ids=torch.full((batch.batch_size(),), 7, dtype=torch.int64),
+                                     can_run_cuda_graph=False)
+
+    tp_worker.TpModelWorker.forward_batch_generation = forward_batch_generation
+
+
+def _serve(model: str) -> dict[str, Any]:
+    """A real ``Scheduler`` (its model worker, pools, radix cache, policy) serving four requests that cannot
+    all keep their KV tokens: the body of ``event_loop_normal``, with requests handed to
+    ``handle_generate_request`` as the tokenizer manager's ``TokenizedGenerateReqInput``.
+
+    Returns, per ``run_batch``, what SGLang itself says: the batch's forward mode, requests and extend tokens,
+    the pool's available and evictable tokens right after the batch ran, and the requests retracted to
+    make room for it (``metrics_reporter.num_retracted_reqs``)."""
+    from array import array
+
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import PortArgs
+
+    args = _server_args(model, 1, disable_cuda_graph=True, disable_overlap_schedule=True, page_size=1,
+                        attention_backend="torch_native", sampling_backend="pytorch", grammar_backend="none",
+                        max_total_tokens=SERVE_POOL_TOKENS, schedule_conservativeness=0.1)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    scheduler = Scheduler(args, PortArgs.init_new(args))
+    for number, (rid, length) in enumerate(SERVE_PROMPTS.items()):
+        params = SamplingParams(max_new_tokens=SERVE_MAX_NEW_TOKENS, ignore_eos=True)
+        params.normalize(None)
+        first = 1 + number * 100  # no two prompts share a prefix
+        scheduler.handle_generate_request(TokenizedGenerateReqInput(
+            rid=rid, input_text=None, input_ids=array("q", range(first, first + length)), mm_inputs=None,
+            input_embeds=None, token_type_ids=None, sampling_params=params, return_logprob=False,
+            logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False))
+    steps: list[dict[str, Any]] = []
+    for _ in range(2000):
+        scheduler.metrics_reporter.num_retracted_reqs = 0
+        plan = scheduler.get_next_batch_to_run(running_batch=scheduler.running_batch,
+                                               last_batch=scheduler.last_batch)
+        scheduler.running_batch = plan.running_batch
+        batch = plan.batch_to_run
+        if batch:
+            result = scheduler.run_batch(batch)
+            allocator = scheduler.token_to_kv_pool_allocator
+            steps.append({"mode": batch.forward_mode.name, "num_seqs": batch.batch_size(),
+                          "extend_tokens": batch.extend_num_tokens, "available": allocator.available_size(),
+                          "evictable": scheduler.tree_cache.evictable_size(),
+                          "retracted": scheduler.metrics_reporter.num_retracted_reqs})
+            scheduler.process_batch_result(batch, result)
+        scheduler.last_batch = batch
+        if not batch and not scheduler.waiting_queue and scheduler.running_batch.is_empty():
+            break
+    return {"max_total_num_tokens": scheduler.max_total_num_tokens, "steps": steps,
+            "prompts": SERVE_PROMPTS, "max_new_tokens": SERVE_MAX_NEW_TOKENS}
+
+
 def _activate() -> None:
     os.environ["MEMWATCH"] = "1"
     from memwatch_engine.activate import autoload
@@ -180,8 +288,7 @@ def _tp_rank(model: str, tp_rank: int, port: int, queue: Any) -> None:
     torch.distributed.barrier()
     from memwatch_engine.adapters.sglang import runner
 
-    if runner.process.rank is not None:
-        runner.process.rank.monitor.close()
+    runner.finish()  # a multiprocessing child exits without running atexit
 
 
 def main() -> None:
@@ -189,11 +296,12 @@ def main() -> None:
     load_fake_cuda()
     _cuda_seams()
     _runner_seams()
+    _forward_seam()
     environment = dict(os.environ)
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    if mode in ("on", "tp2"):
+    if mode in ("on", "tp2", "serve"):
         _activate()
     facts: dict[str, Any] = {
         "environment_changed": sorted(name for name in set(os.environ) | set(environment)
@@ -205,14 +313,10 @@ def main() -> None:
     }
     if mode in ("off", "on"):
         facts["ranks"] = [_size_rank(model, 1, 0)]
-        from memwatch_engine.adapters.sglang import runner
-
-        if runner.process.rank is not None:
-            runner.process.rank.monitor.close()
+    elif mode in ("serve", "serve-off"):
+        facts.update(_serve(model))
     elif mode == "tp2":
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = _free_port()
         context = multiprocessing.get_context("fork")
         queue = context.Queue()
         processes = [context.Process(target=_tp_rank, args=(model, rank, port, queue)) for rank in range(2)]

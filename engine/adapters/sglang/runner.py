@@ -22,6 +22,7 @@ Upstream interface followed: SGLang 0.5.23 (``model_executor/model_runner.py``,
 
 from __future__ import annotations
 
+import atexit
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -54,6 +55,9 @@ class Rank:
         self.sizing: dict[str, Any] = {}
         self.profiling = False
         self.sized_on: tuple[int, int, int, int, int] | None = None
+        self.records_requests = False
+        self.evictable = 0
+        self.evictable_at = 0
 
 
 class _Process:
@@ -145,8 +149,19 @@ def _start_rank(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                       world_size=identity.world_size, probe=CudaProbe(int(given.get("gpu_id") or 0)),
                       config={**settings, "data_parallel_size": identity.dp_size})
     process.rank = Rank(monitor, identity)
+    attn_tp_rank = getattr(get_parallel(), "attn_tp_rank", 0) or 0
+    process.rank.records_requests = identity.pp_rank == 0 and int(attn_tp_rank) == 0
     monitor.event("rank_identity", identity.event())
     capture_oom(monitor)
+    atexit.register(finish)  # a scheduler process ends by exiting: nothing else closes the rank
+
+
+def finish() -> None:
+    """Close this process's rank: its open phases, then its ring."""
+    state, process.rank = process.rank, None
+    if state is not None:
+        guard.call(state.phases.close)
+        state.monitor.close("ok")
 
 
 def _in_phase(original: Callable[..., Any], phase: str) -> Callable[..., Any]:
