@@ -112,6 +112,21 @@ def test_decode_takes_a_block_only_when_its_token_starts_one() -> None:
     assert seq.block_table == [0, 1] and manager.num_used == 2
 
 
+def test_with_blocks_of_one_token_every_decoded_token_takes_a_block() -> None:
+    """SGLang's token pool (and vLLM's block size 1): each token is a block of its own."""
+    manager = BlockManager(8, 1)
+    seq = Sequence(0, 5, 3)
+    manager.allocate(seq, manager.can_allocate(seq))
+    assert seq.block_table == [0, 1, 2, 3, 4]
+    for _ in range(3):
+        seq.append_token()
+        assert manager.can_append(seq)
+        manager.may_append(seq)
+    assert seq.block_table == list(range(8)) and manager.num_free == 0
+    seq.append_token()
+    assert not manager.can_append(seq)
+
+
 def test_freed_blocks_keep_their_content_until_reused() -> None:
     manager = BlockManager(6, 16)
     seq = Sequence(7, 40, 1)                      # 3 blocks (0, 1, 2), two of them full

@@ -106,12 +106,16 @@ class BlockManager:
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
+    def _starts_block(self, seq: Sequence) -> bool:
+        """The sequence's newest token is the first of a block (every token is, with blocks of one token)."""
+        return (len(seq) - 1) % self.block_size == 0
+
     def can_append(self, seq: Sequence) -> bool:
         """A decode step needs a new block only when its token starts one."""
-        return len(self.free_block_ids) >= (len(seq) % self.block_size == 1)
+        return len(self.free_block_ids) >= self._starts_block(seq)
 
     def may_append(self, seq: Sequence) -> None:
-        if len(seq) % self.block_size == 1:
+        if self._starts_block(seq):
             seq.block_table.append(self._allocate_block())
 
     def hash_blocks(self, seq: Sequence) -> None:

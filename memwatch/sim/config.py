@@ -14,7 +14,7 @@ from memwatch.errors import UsageError
 from memwatch.sim.gpu import DEFAULT_CONTEXT_BYTES, MiB
 
 ATTENTION_IMPLEMENTATIONS = ("flash", "eager")
-ENGINE_RULES = ("nano-vllm", "vllm")
+ENGINE_RULES = ("nano-vllm", "vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,16 @@ class EngineConfig:
     nccl_bytes: int = 128 * MiB
     """NCCL buffers each rank takes outside the allocator on its first all-reduce (only when TP > 1)."""
     rules: str = "nano-vllm"
-    """Whose checks the settings pass: ``"vllm"`` for a replay of a vLLM run, whose ``CacheConfig`` takes
-    any block size above 0 (its default is 16) where nano-vllm asserts a multiple of 256."""
+    """Whose checks the settings pass and whose KV rule sizes the cache: ``"vllm"`` for a replay of a vLLM
+    run, whose ``CacheConfig`` takes any block size above 0 (its default is 16) where nano-vllm asserts a
+    multiple of 256; ``"sglang"`` for SGLang's token pool (:mod:`memwatch.sglang_rule`): a block is one
+    token (``block_size = 1``), ``gpu_memory_utilization`` is SGLang's ``mem_fraction_static``, and no
+    profiling forward runs before sizing (SGLang keeps ``1 − mem_fraction_static`` of the memory free
+    before the weights for activations instead)."""
+    page_size: int = 1
+    """SGLang's ``page_size``: its pool holds a whole number of pages (``"sglang"`` rules only)."""
+    max_total_tokens: int | None = None
+    """SGLang's ``max_total_tokens``: a cap on the pool (``"sglang"`` rules only)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -57,6 +65,10 @@ class EngineConfig:
         if self.rules == "vllm" and self.block_size < 1:
             raise UsageError(f"[engine] block_size must be above 0 (vLLM's CacheConfig checks it), "
                              f"got {self.block_size}")
+        if self.rules == "sglang" and (self.block_size != 1 or self.page_size < 1
+                                       or (self.max_total_tokens is not None and self.max_total_tokens < 1)):
+            raise UsageError("[engine] SGLang's pool counts tokens: block_size must be 1, page_size and "
+                             "max_total_tokens at least 1")
         if self.rules == "nano-vllm" and (self.block_size < 256 or self.block_size % 256):
             raise UsageError(f"[engine] block_size must be a multiple of 256 (nano-vllm asserts it), "
                              f"got {self.block_size}")

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from memwatch import sglang_rule
 from memwatch.errors import MemwatchError
 from memwatch.models import ModelSpec, forward_activation_bytes, warmup_batch
 from memwatch.models.spec import dtype_itemsize
@@ -90,6 +91,8 @@ class RankRunner:
         self.weights_bytes: int | None = None
         self.kv_sizing: KVSizing | None = None
         self.graph_batch_limit = 0
+        self.pre_load_free_bytes: int | None = None
+        """Free device memory before the weights (SGLang's ``pre_model_load_memory``)."""
         self.oom_details: dict[str, Any] | None = None
         self.crash_details: dict[str, Any] | None = None
         self._persistent: list[int] = []
@@ -131,6 +134,7 @@ class RankRunner:
 
     def load_weights(self) -> None:
         """Create every parameter on the device, with a one-layer staging spike, then report."""
+        self.pre_load_free_bytes = self.gpu.mem_get_info()[0]
         itemsize = dtype_itemsize(self.spec.dtype)
         parts = self.spec.parameter_breakdown(self.tp)
         layers = self.spec.num_hidden_layers
@@ -155,6 +159,8 @@ class RankRunner:
         """nano-vllm's ``warmup_model``: the worst-case prefill after a peak reset, between two empty_cache."""
         behaviour = self.behaviour
         self.gpu.empty_cache()
+        if self.engine.rules == "sglang":  # SGLang sizes without a profiling forward
+            return
         if behaviour.reset_peak_before_warmup:
             self.gpu.reset_peak_memory_stats()
         num_seqs, seq_len = self.warmup_shape()
@@ -201,8 +207,24 @@ class RankRunner:
         return self.kv_sizing
 
     def kv_budget(self, total: int, used: int, peak: int, current: int) -> tuple[int, dict[str, Any]]:
-        """nano-vllm's KV budget from the readings, and what ``kv_allocated`` adds to say whose rule it was."""
+        """nano-vllm's KV budget from the readings (SGLang's with its rules), and what ``kv_allocated`` adds to
+        say whose rule it was."""
+        if self.engine.rules == "sglang":
+            return self.sglang_budget(total - used, self.pre_load_free_bytes or 0)
         return int(total * self.engine.gpu_memory_utilization - used - peak + current), {}
+
+    def sglang_budget(self, free: int, pre_load_free: int, mm_reservation_gb: float = 0.0,
+                      fixed_overhead: int = 0) -> tuple[int, dict[str, Any]]:
+        """SGLang's pool (:mod:`memwatch.sglang_rule`) on these readings, as bytes of whole tokens, and its inputs."""
+        engine, cell = self.engine, self.block_bytes()
+        inputs = {"available_gb": free / sglang_rule.GIB, "pre_model_load_gb": pre_load_free / sglang_rule.GIB,
+                  "mem_fraction_static": engine.gpu_memory_utilization, "mm_reservation_gb": mm_reservation_gb}
+        budget = sglang_rule.kv_budget_bytes(*inputs.values())
+        tokens = sglang_rule.pool_tokens(budget, cell, engine.page_size, fixed_overhead_bytes=fixed_overhead,
+                                         max_total_tokens=engine.max_total_tokens)
+        return tokens * cell, {**inputs, "budget_rule": sglang_rule.RULE, "kv_unit": "token", "cell_size_bytes": cell,
+                               "page_size": engine.page_size, "fixed_overhead_bytes": fixed_overhead,
+                               "max_total_tokens": engine.max_total_tokens, "kv_cache_memory_bytes": budget}
 
     def block_bytes(self) -> int:
         """Bytes of one KV block on this rank."""
