@@ -37,13 +37,13 @@ QWEN3 = {
 RUNNER_WRAPPED = ["__init__", "alloc_memory_pool", "init_cuda_graphs", "init_torch_distributed", "load_model"]
 
 
-def _drive(mode: str, tmp_path: Path, env: dict[str, str], other: str = "0") -> dict[str, Any]:
+def _drive(mode: str, tmp_path: Path, env: dict[str, str], other: str = "0", total: int = TOTAL) -> dict[str, Any]:
     if not (ENGINE / ".installed").exists():
         pytest.fail(f"the released SGLang is not installed in {ENGINE}: run `make engines`")
     model = tmp_path / "qwen3-tiny"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(QWEN3))
-    env = {**env, "PYTHONPATH": str(ENGINE), "FAKE_CUDA_TOTAL_BYTES": str(TOTAL),
+    env = {**env, "PYTHONPATH": str(ENGINE), "FAKE_CUDA_TOTAL_BYTES": str(total),
            "FAKE_CUDA_CONTEXT_BYTES": str(CONTEXT), "FAKE_CUDA_OTHER_BYTES": other,
            # SGLang's Python radix tree (its Rust one allocates device tensors natively); admission that counts
            # 10 of a new request's output tokens, so that decoding outgrows the pool and SGLang retracts.
@@ -171,20 +171,22 @@ def _kind(mode: str) -> str | None:
     return {"EXTEND": "prefill", "DECODE": "decode"}.get(mode)
 
 
+SMALL = 160 * MiB  # the serving test's device: 72 MiB free at sizing, 96 MiB before the weights
+
+
 def test_the_scheduler_records_its_steps_token_usage_retractions_and_requests(tmp_path: Path, runtime_dir: Path,
                                                                               db_path: Path) -> None:
-    """SGLang's own Scheduler serves four 50-token prompts, 80 output tokens each, from a pool capped at 320 tokens:
-    all four fit at admission, their decoding does not, and SGLang retracts."""
-    facts = _drive("serve", tmp_path, memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000004"))
+    """SGLang's own Scheduler serves four 50-token prompts, 80 output tokens each, at mem_fraction_static 0.264
+    on a 160 MiB device: all four fit at admission, their decoding does not, and SGLang retracts."""
+    facts = _drive("serve", tmp_path, memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000004"),
+                   total=SMALL)
     store_rings(runtime_dir, db_path)
-    steps, total = facts["steps"], 320
-    assert facts["max_total_num_tokens"] == total
-    # The user's cap is part of SGLang's rule: min(190464 the memory gives, 320), recorded and re-derived.
+    steps = facts["steps"]
+    # 72 MiB free less 73.6 % of 96 MiB is 1.344 MiB: 344 tokens of 4 KiB (pages of one token).
+    total = _tokens((SMALL - CONTEXT - WEIGHTS) / GiB, (SMALL - CONTEXT) / GiB, 0.264, CELL, 1)
+    assert total == 344 and facts["max_total_num_tokens"] == total
     [(_, sizing)] = _events(db_path, "kv_allocated")
-    assert (sizing["max_total_tokens"], sizing["num_blocks"], sizing["page_size"]) == (total, total, 1)
-    ledger = Ledger()
-    ledger.on_event(Event("5a1a00000004", 0, 0, 0, "kv_allocated", sizing))
-    assert ledger.sizing.formula_blocks == total
+    assert (sizing["num_blocks"], sizing["page_size"], sizing["gpu_memory_utilization"]) == (total, 1, 0.264)
     assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
 
     # One sample per run_batch, in the serve phase: kind, requests, tokens (the extend's, or one per decoding
@@ -213,6 +215,24 @@ def test_the_scheduler_records_its_steps_token_usage_retractions_and_requests(tm
     assert phases == ["load", "kv_alloc", "profile", "cudagraph", "serve"]
     assert query(db_path, "SELECT status FROM runs") == [("ok",)]
 
+    # replay sizes the token pool by SGLang's rule: the recorded readings give the recorded 344 tokens; a device
+    # 8 MiB larger has 8 MiB more free at both readings (80 and 104 MiB); mem_fraction_static 0.27 keeps 73 %.
+    assert _replay_tokens(runtime_dir, db_path) == (344, 344)
+    larger = _tokens(80 * MiB / GiB, 104 * MiB / GiB, 0.264, CELL, 1)
+    assert larger == 884 and _replay_tokens(runtime_dir, db_path, "--gpu-memory", str(168 * MiB))[1] == larger
+    fraction = _tokens(72 * MiB / GiB, 96 * MiB / GiB, 0.27, CELL, 1)
+    assert fraction == 491 and _replay_tokens(runtime_dir, db_path, "--utilization", "0.27")[1] == fraction
+
     # memwatch off: SGLang schedules exactly the same steps.
-    off = _drive("serve-off", tmp_path, memwatch_env(runtime_dir, db_path))
+    off = _drive("serve-off", tmp_path, memwatch_env(runtime_dir, db_path), total=SMALL)
     assert off["steps"] == steps and off["runner_wrapped"] == []
+
+
+def _replay_tokens(runtime_dir: Path, db_path: Path, *args: str) -> tuple[int, int]:
+    """``memwatch replay`` of the SGLang run: the recorded and the replayed token pool of rank 0."""
+    done = subprocess.run([sys.executable, "-m", "memwatch", "replay", "5a1a00000004", "--json", *args],
+                          env=memwatch_env(runtime_dir, db_path), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    compared = json.loads(done.stdout)
+    assert compared["replay"]["oom"] is False
+    return compared["original"]["kv_blocks"], compared["replay"]["kv_blocks"]

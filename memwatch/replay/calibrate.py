@@ -22,6 +22,7 @@ from typing import Any
 
 from memwatch.errors import NotFoundError
 from memwatch.records import Event, Sample
+from memwatch.replay.sglang_budget import SGLangSizing, sglang_sizing
 from memwatch.replay.transients import NO_TRANSIENTS, TransientSeries, transients
 from memwatch.replay.vllm_budget import vllm_non_kv
 from memwatch.replay.workload import workload_rank
@@ -98,6 +99,8 @@ class RankModel:
     with ``requested = ceil(total × utilization)``; ``None``: nano-vllm's rule."""
     vllm_fixed_kv_bytes: int | None = None
     """vLLM's ``kv_cache_memory_bytes`` when the run set it: the budget whatever the utilization."""
+    sglang: SGLangSizing | None = None
+    """SGLang's rule (``budget_rule: sglang``): the readings it sized its token pool on."""
 
     @property
     def non_torch_bytes(self) -> int:
@@ -122,7 +125,9 @@ class Calibration:
 
     @property
     def budget_rule(self) -> str:
-        """``"vllm"`` when vLLM sized the run's KV cache, else ``"nano-vllm"``."""
+        """``"vllm"`` or ``"sglang"`` when that engine sized the run's KV cache, else ``"nano-vllm"``."""
+        if any(rank.sglang is not None for rank in self.ranks):
+            return "sglang"
         return "vllm" if any(rank.vllm_non_kv_bytes is not None for rank in self.ranks) else "nano-vllm"
 
     def to_dict(self) -> dict[str, Any]:
@@ -231,6 +236,7 @@ def _rank_model(rank: int, data: dict[str, Any], settings: EngineSettings, event
         fit_mean_error_bytes=round(sum(errors) / len(errors)) if errors else 0,
         vllm_non_kv_bytes=vllm_non_kv(rank, data, events),
         vllm_fixed_kv_bytes=fixed_kv_bytes if data.get("budget_rule") == "vllm" else None,
+        sglang=sglang_sizing(data),
     )
 
 

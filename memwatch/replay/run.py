@@ -152,8 +152,15 @@ class CalibratedRunner(RankRunner):
         return warmup_batch(engine.max_num_batched_tokens, engine.max_model_len, engine.max_num_seqs)
 
     def kv_budget(self, total: int, used: int, peak: int, current: int) -> tuple[int, dict[str, Any]]:
-        """vLLM's rule for a run vLLM sized (:mod:`memwatch.replay.vllm_budget`), else nano-vllm's."""
+        """vLLM's rule for a run vLLM sized (:mod:`memwatch.replay.vllm_budget`), SGLang's for a run SGLang
+        sized (:mod:`memwatch.replay.sglang_budget`), else nano-vllm's."""
         model = self.model
+        if model.sglang is not None:
+            recorded = model.sglang
+            device = total - model.total_bytes
+            weights = round(model.current_bytes * self.tp_scale.weights) - model.current_bytes
+            return self.sglang_budget(recorded.free_bytes + device - weights, recorded.pre_load_free_bytes + device,
+                                      recorded.mm_reservation_gb, recorded.fixed_overhead_bytes)
         if model.vllm_non_kv_bytes is None:
             return super().kv_budget(total, used, peak, current)
         weights = round(model.current_bytes * self.tp_scale.weights) - model.current_bytes
@@ -261,6 +268,9 @@ def replay(calibration: Calibration, workload: RecordedWorkload, change: Setting
            runtime_dir: str | Path, start_ns: int | None = None, run_id: str | None = None) -> ReplayResult:
     """Serve ``workload`` on simulated ranks calibrated from a run, under ``change``; rings go to ``runtime_dir``."""
     engine = engine_config(calibration.settings, change, calibration.budget_rule)
+    sglang = calibration.ranks[0].sglang
+    if sglang is not None:  # SGLang's own page size and cap, as recorded
+        engine = replace(engine, page_size=sglang.page_size, max_total_tokens=sglang.max_total_tokens)
     if change.gpu_memory_bytes is not None and change.gpu_memory_bytes <= 0:
         raise UsageError("--gpu-memory must be a positive number of bytes")
     run_id = run_id or new_run_id()

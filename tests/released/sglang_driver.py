@@ -205,7 +205,7 @@ def _size_rank(model: str, tp: int, tp_rank: int, **overrides: Any) -> dict[str,
 
 SERVE_PROMPTS = {f"r{i}": 50 for i in range(4)}
 SERVE_MAX_NEW_TOKENS = 80
-SERVE_POOL_TOKENS = 320
+SERVE_MEM_FRACTION = 0.264
 
 
 def _forward_seam() -> None:
@@ -224,7 +224,8 @@ def _forward_seam() -> None:
 
 def _serve(model: str) -> dict[str, Any]:
     """A real ``Scheduler`` (its model worker, pools, radix cache, policy) serving four requests that cannot
-    all keep their KV tokens: the body of ``event_loop_normal``, with requests handed to
+    all keep their KV tokens (on a small device at ``mem_fraction_static`` 0.264 SGLang sizes a pool of a few
+    hundred tokens): the body of ``event_loop_normal``, with requests handed to
     ``handle_generate_request`` as the tokenizer manager's ``TokenizedGenerateReqInput``.
 
     Returns, per ``run_batch``, what SGLang itself says: the batch's forward mode, requests and extend tokens,
@@ -240,7 +241,7 @@ def _serve(model: str) -> dict[str, Any]:
 
     args = _server_args(model, 1, disable_cuda_graph=True, disable_overlap_schedule=True, page_size=1,
                         attention_backend="torch_native", sampling_backend="pytorch", grammar_backend="none",
-                        max_total_tokens=SERVE_POOL_TOKENS, schedule_conservativeness=0.1)
+                        mem_fraction_static=SERVE_MEM_FRACTION)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
     scheduler = Scheduler(args, PortArgs.init_new(args))
     for number, (rid, length) in enumerate(SERVE_PROMPTS.items()):

@@ -276,16 +276,27 @@ def _record_sizing(state: Rank, configurator: Any, result: Any) -> None:
     cell = sizing.get("cell_size_bytes") or 0
     rule = sizing_rule(configurator, sizing.get("pool_configurator"), int(configurator.pp_size),
                        bool(getattr(get_memory(), "enable_unified_memory", False)))
-    cap = get_schedule().max_total_tokens
+    schedule = get_schedule()
+    cap = schedule.max_total_tokens
     current, peak, reserved, used, free = state.sized_on or (UNKNOWN,) * 5
     known = UNKNOWN not in (current, peak, used, free)
+    fraction = sizing.get("mem_fraction_static")
     state.monitor.kv_allocated(
         tokens, int(cell),
         total_bytes=used + free if known else None, used_bytes=used if known else None,
         peak_bytes=peak if known else None, current_bytes=current if known else None,
-        reserved_bytes=reserved if known and reserved != UNKNOWN else None,
+        reserved_bytes=reserved if known and reserved != UNKNOWN else None, gpu_memory_utilization=fraction,
         block_size=1, kv_cache_memory_bytes=sizing.get("profiled_kv_bytes"), budget_rule=rule, kv_unit="token",
         max_total_num_tokens=tokens, max_running_requests=int(result.max_running_requests),
         max_total_tokens=None if cap is None else int(cap), page_size=int(configurator.page_size),
         **{key: value for key, value in sizing.items() if key not in ("page_size",)},
+    )
+    # The settings in the names every engine's runs share (what ``replay`` reads): a KV block is one token,
+    # the utilization is mem_fraction_static, the running-request limit is the one SGLang resolved.
+    chunk = schedule.chunked_prefill_size
+    state.monitor.set_config(
+        gpu_memory_utilization=fraction, block_size=1, max_num_seqs=int(result.max_running_requests),
+        max_model_len=int(configurator.model_config.context_len),
+        max_num_batched_tokens=int(chunk if chunk and chunk > 0 else schedule.max_prefill_tokens),
+        enforce_eager=bool(getattr(configurator.server_args, "disable_cuda_graph", False)),
     )
