@@ -236,3 +236,30 @@ def _replay_tokens(runtime_dir: Path, db_path: Path, *args: str) -> tuple[int, i
     compared = json.loads(done.stdout)
     assert compared["replay"]["oom"] is False
     return compared["original"]["kv_blocks"], compared["replay"]["kv_blocks"]
+
+
+def test_data_parallel_replicas_and_dp_attention_groups_are_distinct_ranks(tmp_path: Path, runtime_dir: Path,
+                                                                           db_path: Path) -> None:
+    """dp_size 2 × TP 2: four GPUs, two KV pools of two ranks each. DP attention over TP 2: two GPUs, each its
+    own attention group with a pool of whole KV heads."""
+    facts = _drive("dp2", tmp_path, memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000005"))
+    store_rings(runtime_dir, db_path)
+    pre_gb, available_gb = (TOTAL - CONTEXT) / GiB, (TOTAL - CONTEXT - WEIGHTS) / GiB
+    half = _tokens(available_gb, pre_gb, 0.8, CELL // 2, 16)  # 2 KV heads per rank
+    assert half == 2 * 190464 and [rank["max_total_num_tokens"] for rank in facts["ranks"]] == [half] * 4
+    identities = {rank: (data["replica"], data["tp_rank"], data["dp_rank"])
+                  for rank, data in _events(db_path, "rank_identity")}
+    assert identities == {0: (0, 0, 0), 1: (0, 1, 0), 2: (1, 0, 1), 3: (1, 1, 1)}
+    assert query(db_path, "SELECT rank_count FROM runs WHERE run_id = '5a1a00000005'") == [(4,)]
+    assert {rank: data["num_blocks"] for rank, data in _events(db_path, "kv_allocated")} == dict.fromkeys(range(4), half)
+
+    facts = _drive("dp-attention", tmp_path, memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000006"))
+    store_rings(runtime_dir, db_path)
+    whole = _tokens(available_gb, pre_gb, 0.8, CELL, 16)  # attention TP 1: all 4 KV heads on each rank
+    assert [rank["max_total_num_tokens"] for rank in facts["ranks"]] == [whole, whole]
+    rows = query(db_path, "SELECT rank, data FROM events WHERE kind = 'rank_identity' AND run_id = '5a1a00000006' "
+                          "ORDER BY rank")
+    assert [(rank, json.loads(data)["attn_dp_rank"], json.loads(data)["dp_rank"], json.loads(data)["tp_rank"])
+            for rank, data in rows] == [(0, 0, 0, 0), (1, 1, 1, 1)]
+    assert query(db_path, "SELECT rank_count FROM runs WHERE run_id = '5a1a00000006'") == [(2,)]
+    assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]

@@ -29,7 +29,8 @@ The seams are applied before memwatch activates (``memwatch_engine.activate.auto
 
 Modes: ``off`` sizes one rank with memwatch off; ``on`` the same with memwatch on; ``tp2`` sizes two
 tensor-parallel ranks in processes of their own (rank 1's device has other memory on it, so SGLang's
-minimum over the ranks decides both pools); ``serve`` (``serve-off``: memwatch off) runs a real
+minimum over the ranks decides both pools); ``dp2`` two data-parallel replicas of TP 2 on four GPUs;
+``dp-attention`` TP 2 with data-parallel attention (:data:`LAYOUTS`); ``serve`` (``serve-off``: memwatch off) runs a real
 ``Scheduler`` through four requests that retract (:func:`_serve`).
 """
 
@@ -147,7 +148,9 @@ def _runner_seams() -> None:
                                                  world_size=1)
         world = torch.distributed.group.WORLD
         tp = _group(parallel.tp_size, parallel.tp_rank, world)
-        parallel.override_permanently(tp_group=tp, pp_group=_group(1, 0), attn_tp_group=tp,
+        attn_tp = tp if parallel.attn_tp_size == parallel.tp_size else _group(parallel.attn_tp_size,
+                                                                                parallel.attn_tp_rank)
+        parallel.override_permanently(tp_group=tp, pp_group=_group(1, 0), attn_tp_group=attn_tp,
                                       attn_cp_group=_group(1, 0), moe_ep_group=_group(1, 0), world_group=tp)
 
     def init_torch_distributed(self: Any) -> None:
@@ -184,7 +187,8 @@ def _server_args(model: str, tp: int, **overrides: Any) -> Any:
     return ServerArgs(model_path=model, device="cuda", tp_size=tp, skip_tokenizer_init=True, **settings)
 
 
-def _size_rank(model: str, tp: int, tp_rank: int, **overrides: Any) -> dict[str, Any]:
+def _size_rank(model: str, tp: int, tp_rank: int, dp_rank: int | None = None, gpu_id: int | None = None,
+               **overrides: Any) -> dict[str, Any]:
     """One scheduler process's model runner, up to its KV pool, as ``run_scheduler_process`` places it."""
     import fake_cuda
     from sglang.srt.configs.model_config import ModelConfig
@@ -192,10 +196,11 @@ def _size_rank(model: str, tp: int, tp_rank: int, **overrides: Any) -> dict[str,
     from sglang.srt.runtime_context import SpawnRanks, publish
 
     args = _server_args(model, tp, **overrides)
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank, dp_rank=None, gpu_id=tp_rank))
-    fake_cuda._set_device(tp_rank)
+    gpu_id = tp_rank if gpu_id is None else gpu_id
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank, dp_rank=dp_rank, gpu_id=gpu_id))
+    fake_cuda._set_device(gpu_id)
     runner = ModelRunner(model_config=ModelConfig.from_server_args(args), mem_fraction_static=args.mem_fraction_static,
-                         gpu_id=tp_rank, nccl_port=1, server_args=args)
+                         gpu_id=gpu_id, nccl_port=1, server_args=args)
     runner.alloc_memory_pool()
     allocator = runner.token_to_kv_pool_allocator
     return {"max_total_num_tokens": runner.max_total_num_tokens, "available_size": allocator.available_size(),
@@ -281,15 +286,47 @@ def _activate() -> None:
     autoload()
 
 
-def _tp_rank(model: str, tp_rank: int, port: int, queue: Any) -> None:
+def _rank_process(model: str, tp_rank: int, dp_rank: int | None, gpu_id: int, port: int, overrides: dict[str, Any],
+                  queue: Any) -> None:
+    """One scheduler process of a TP group (its gloo group on ``port``) as the launcher places it."""
     import torch
 
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=tp_rank, world_size=2)
-    queue.put((tp_rank, _size_rank(model, 2, tp_rank)))
+    queue.put((gpu_id, _size_rank(model, 2, tp_rank, dp_rank, gpu_id, **overrides)))
     torch.distributed.barrier()
     from memwatch_engine.adapters.sglang import runner
 
     runner.finish()  # a multiprocessing child exits without running atexit
+
+
+# (tp_rank, dp_rank the launcher passes, GPU, TP group) of each scheduler process, and the settings.
+LAYOUTS: dict[str, tuple[list[tuple[int, int | None, int, int]], dict[str, Any]]] = {
+    "tp2": ([(0, None, 0, 0), (1, None, 1, 0)], {}),
+    # Two replicas of TP 2 (run_data_parallel_controller_process passes each replica's dp_rank).
+    "dp2": ([(0, 0, 0, 0), (1, 0, 1, 0), (0, 1, 2, 1), (1, 1, 3, 1)], {"dp_size": 2}),
+    # DP attention: one TP group of 2 whose attention runs data parallel (the controller passes the attention
+    # DP rank as dp_rank); SGLang resolves it to attn_dp_size 2, dp_size 1.
+    "dp-attention": ([(0, 0, 0, 0), (1, 1, 1, 0)], {"dp_size": 2, "enable_dp_attention": True}),
+}
+
+
+def _ranks(model: str, mode: str) -> list[dict[str, Any]]:
+    """Every scheduler process of ``LAYOUTS[mode]`` in a process of its own, up to its KV pool."""
+    layout, overrides = LAYOUTS[mode]
+    ports = {group: _free_port() for *_, group in layout}
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    processes = [context.Process(target=_rank_process,
+                                 args=(model, tp_rank, dp_rank, gpu, ports[group], overrides, queue))
+                 for tp_rank, dp_rank, gpu, group in layout]
+    for process in processes:
+        process.start()
+    results = dict(queue.get(timeout=240) for _ in processes)
+    for process in processes:
+        process.join(timeout=120)
+        if process.exitcode != 0:
+            raise RuntimeError(f"rank process exited with {process.exitcode}")
+    return [results[gpu] for gpu in sorted(results)]
 
 
 def main() -> None:
@@ -302,7 +339,7 @@ def main() -> None:
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    if mode in ("on", "tp2", "serve"):
+    if mode in ("on", "serve", *LAYOUTS):
         _activate()
     facts: dict[str, Any] = {
         "environment_changed": sorted(name for name in set(os.environ) | set(environment)
@@ -316,19 +353,8 @@ def main() -> None:
         facts["ranks"] = [_size_rank(model, 1, 0)]
     elif mode in ("serve", "serve-off"):
         facts.update(_serve(model))
-    elif mode == "tp2":
-        port = _free_port()
-        context = multiprocessing.get_context("fork")
-        queue = context.Queue()
-        processes = [context.Process(target=_tp_rank, args=(model, rank, port, queue)) for rank in range(2)]
-        for process in processes:
-            process.start()
-        results = dict(queue.get(timeout=240) for _ in processes)
-        for process in processes:
-            process.join(timeout=120)
-            if process.exitcode != 0:
-                raise RuntimeError(f"rank process exited with {process.exitcode}")
-        facts["ranks"] = [results[0], results[1]]
+    elif mode in LAYOUTS:
+        facts["ranks"] = _ranks(model, mode)
     print(json.dumps(facts))
 
 

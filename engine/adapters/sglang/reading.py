@@ -5,8 +5,10 @@ and the scheduler hooks (:mod:`.scheduler`).
 
 * **Rank identity.** SGLang runs one scheduler process per GPU; ``runtime_context.publish`` records
   its placement in ``get_parallel()``: ``tp_rank``/``tp_size``, ``pp_rank``/``pp_size``, the
-  replica ``dp_rank`` (None without a data-parallel controller) of ``dp_size``, and with
-  DP attention the attention group ``attn_dp_rank`` of ``attn_dp_size`` inside one TP group.
+  launcher's ``dp_rank`` (None without a data-parallel controller) and ``dp_size`` replicas, and with
+  DP attention the attention group ``attn_dp_rank`` of ``attn_dp_size`` inside one TP group (the
+  launcher's ``dp_rank`` then counts the groups of every replica: ``replica × attn_dp_size +
+  attn_dp_rank``).
   memwatch numbers a GPU ``replica × tp × pp + pp_rank × tp + tp_rank`` in a run of
   ``dp_size × tp × pp``. Each KV pool with a scheduler batch of its own (a replica, or one
   attention-DP group of it) is one "engine" for the per-engine block-count check: its
@@ -53,11 +55,13 @@ def rank_identity(parallel: Any) -> RankIdentity:
     """The memwatch rank of this process, from SGLang's ``get_parallel()``."""
     tp, pp = _int(parallel, "tp_size", 1), _int(parallel, "pp_size", 1)
     tp_rank, pp_rank = _int(parallel, "tp_rank", 0), _int(parallel, "pp_rank", 0)
-    replica, dp_size = _int(parallel, "dp_rank", 0), max(_int(parallel, "dp_size", 1), 1)
+    attn_dp_size = max(_int(parallel, "attn_dp_size", 1), 1)
+    # The launcher's dp_rank counts every scheduler group: replica × attn_dp_size + attention DP rank.
+    replica, dp_size = _int(parallel, "dp_rank", 0) // attn_dp_size, max(_int(parallel, "dp_size", 1), 1)
     return RankIdentity(
         rank=replica * tp * pp + pp_rank * tp + tp_rank, world_size=dp_size * tp * pp, replica=replica,
         dp_size=dp_size, tp_rank=tp_rank, pp_rank=pp_rank, attn_dp_rank=_int(parallel, "attn_dp_rank", 0),
-        attn_dp_size=max(_int(parallel, "attn_dp_size", 1), 1),
+        attn_dp_size=attn_dp_size,
     )
 
 
