@@ -30,8 +30,8 @@ The seams are applied before memwatch activates (``memwatch_engine.activate.auto
 Modes: ``off`` sizes one rank with memwatch off; ``on`` the same with memwatch on; ``tp2`` sizes two
 tensor-parallel ranks in processes of their own (rank 1's device has other memory on it, so SGLang's
 minimum over the ranks decides both pools); ``dp2`` two data-parallel replicas of TP 2 on four GPUs;
-``dp-attention`` TP 2 with data-parallel attention (:data:`LAYOUTS`); ``serve`` (``serve-off``: memwatch off) runs a real
-``Scheduler`` through four requests that retract (:func:`_serve`).
+``dp-attention`` TP 2 with data-parallel attention (:data:`LAYOUTS`); ``serve`` (``serve-off``: memwatch
+off) runs a real ``Scheduler`` through four requests that retract (:func:`_serve`).
 """
 
 from __future__ import annotations
