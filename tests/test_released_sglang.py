@@ -121,6 +121,21 @@ def test_the_configurator_sizes_a_token_pool_that_memwatch_records_and_re_derive
     [(engine, config)] = query(db_path, "SELECT engine, config FROM runs")
     assert engine == "sglang" and json.loads(config)["page_size"] == 16
 
+    # plan --run applies SGLang's rule to the plan's terms: weights from the parameter count (embedding and LM
+    # head 2 × 1024 × 256, per layer q/k/v/o 4 × 256², MLP 3 × 256 × 512, norms 2 × 256 + 2 × 64, a final norm),
+    # memory outside PyTorch from its estimate; the measured side is what SGLang recorded.
+    from memwatch.plan.non_torch import non_torch_terms
+
+    plan = _plan(runtime_dir, db_path, "5a1a00000002")
+    weights = (2 * 1024 * 256 + 4 * (4 * 256 * 256 + 3 * 256 * 512 + 2 * 256 + 2 * 64) + 256) * 2
+    before_load = TOTAL - sum(non_torch_terms(1, engine="sglang").values())
+    planned = _tokens((before_load - weights) / GiB, before_load / GiB, 0.8, CELL, 16)
+    rows = {term["term"]: term for term in plan["terms"]}
+    assert (rows["weights"]["predicted_bytes"], rows["weights"]["measured_bytes"]) == (weights, WEIGHTS)
+    assert (rows["KV tokens"]["predicted_blocks"], rows["KV tokens"]["measured_blocks"]) == (planned, expected)
+    assert rows["kept for activations"]["measured_bytes"] == int((TOTAL - CONTEXT) * (1 - 0.8))
+    assert "activation reserve" not in rows and plan["warmup_seqs"] == 0
+
 
 def test_a_disagreeing_count_is_flagged_in_tokens() -> None:
     """Readings whose budget is not a whole number of pages: SGLang's count (whole pages) raises no flag, one
@@ -226,6 +241,14 @@ def test_the_scheduler_records_its_steps_token_usage_retractions_and_requests(tm
     # memwatch off: SGLang schedules exactly the same steps.
     off = _drive("serve-off", tmp_path, memwatch_env(runtime_dir, db_path), total=SMALL)
     assert off["steps"] == steps and off["runner_wrapped"] == []
+
+
+def _plan(runtime_dir: Path, db_path: Path, run_id: str) -> dict[str, Any]:
+    """``memwatch plan --run`` of an SGLang run, rank 0."""
+    done = subprocess.run([sys.executable, "-m", "memwatch", "plan", "--run", run_id, "--json"],
+                          env=memwatch_env(runtime_dir, db_path), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)[0]
 
 
 def _replay_tokens(runtime_dir: Path, db_path: Path, *args: str) -> tuple[int, int]:

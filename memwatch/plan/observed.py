@@ -119,6 +119,10 @@ def compare_rank(run: Mapping[str, Any], kv_event: Mapping[str, Any]) -> PlanVsO
     """Compare one rank's ``kv_allocated`` readings with the plan for the run's recorded config."""
     config = _as_dict(run.get("config"), "config")
     data = _as_dict(kv_event.get("data"), "kv_allocated event")
+    if data.get("budget_rule") == "sglang":
+        from memwatch.plan.observed_sglang import compare_sglang_rank
+
+        return compare_sglang_rank(run, config, data, int(kv_event.get("rank") or 0))
     missing = [key for key in ("total_bytes", "used_bytes", "peak_bytes", "current_bytes",
                                "block_bytes", "num_blocks") if key not in data]
     if missing:

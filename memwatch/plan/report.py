@@ -90,10 +90,11 @@ def render_observed(comparisons: Sequence[PlanVsObserved]) -> str:
     for comparison in comparisons:
         if lines:
             lines.append("")
+        warmup = (f"warmup {comparison.warmup_seqs} × {comparison.warmup_seq_len:,} tokens" if comparison.warmup_seqs
+                  else "no warmup forward before sizing")
         lines += [
             f"run {comparison.run_id} rank {comparison.rank}: {comparison.model}, "
-            f"{format_bytes(comparison.total_bytes)} × {comparison.utilization:g}; warmup "
-            f"{comparison.warmup_seqs} × {comparison.warmup_seq_len:,} tokens",
+            f"{format_bytes(comparison.total_bytes)} × {comparison.utilization:g}; {warmup}",
             "",
             f"{'term':<20}{'predicted':>13}{'measured':>13}{'difference':>13}",
         ]
@@ -101,7 +102,8 @@ def render_observed(comparisons: Sequence[PlanVsObserved]) -> str:
             lines.append(f"{term.term:<20}{format_bytes(term.predicted_bytes):>13}"
                          f"{format_bytes(term.measured_bytes):>13}{format_bytes(term.diff_bytes):>13}")
             if term.predicted_blocks is not None:
-                predicted, measured = f"{term.predicted_blocks:,} blocks", f"{term.measured_blocks or 0:,} blocks"
+                unit = "tokens" if term.term == "KV tokens" else "blocks"
+                predicted, measured = f"{term.predicted_blocks:,} {unit}", f"{term.measured_blocks or 0:,} {unit}"
                 lines.append(f"{'':<20}{predicted:>13}{measured:>13}")
             lines += textwrap.wrap(term.cause, width=78, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(lines)
