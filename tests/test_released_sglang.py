@@ -137,6 +137,16 @@ def test_the_configurator_sizes_a_token_pool_that_memwatch_records_and_re_derive
     assert "activation reserve" not in rows and plan["warmup_seqs"] == 0
 
 
+def test_an_out_of_memory_in_an_sglang_rank_is_recorded(tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    facts = _drive("oom", tmp_path, memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000007"))
+    store_rings(runtime_dir, db_path)
+    assert facts["error"] == "OutOfMemoryError"
+    # The pool took 744 MiB of the 936 MiB free after the weights: 512 MiB (one 512 MiB segment) does not fit.
+    [(rank, oom)] = _events(db_path, "oom")
+    assert rank == 0 and oom["requested_bytes"] == 512 * MiB and oom["device_limit_bytes"] == TOTAL
+    assert oom["device_free_bytes"] < 512 * MiB
+
+
 def test_a_disagreeing_count_is_flagged_in_tokens() -> None:
     """Readings whose budget is not a whole number of pages: SGLang's count (whole pages) raises no flag, one
     page more does, and the flag says by how much in tokens."""

@@ -31,7 +31,8 @@ Modes: ``off`` sizes one rank with memwatch off; ``on`` the same with memwatch o
 tensor-parallel ranks in processes of their own (rank 1's device has other memory on it, so SGLang's
 minimum over the ranks decides both pools); ``dp2`` two data-parallel replicas of TP 2 on four GPUs;
 ``dp-attention`` TP 2 with data-parallel attention (:data:`LAYOUTS`); ``serve`` (``serve-off``: memwatch
-off) runs a real ``Scheduler`` through four requests that retract (:func:`_serve`).
+off) runs a real ``Scheduler`` through four requests that retract (:func:`_serve`); ``oom`` sizes one
+rank and then asks the device for more than it has left.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from fake_device import load_fake_cuda
 MiB = 1 << 20
 WEIGHTS_BYTES = 24 * MiB
 GRAPHS_BYTES = 4 * MiB
+OOM_REQUEST_BYTES = 512 * MiB
 WRAPPED = "__memwatch_wrapped__"
 
 
@@ -339,7 +341,7 @@ def main() -> None:
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    if mode in ("on", "serve", *LAYOUTS):
+    if mode in ("on", "oom", "serve", *LAYOUTS):
         _activate()
     facts: dict[str, Any] = {
         "environment_changed": sorted(name for name in set(os.environ) | set(environment)
@@ -351,6 +353,14 @@ def main() -> None:
     }
     if mode in ("off", "on"):
         facts["ranks"] = [_size_rank(model, 1, 0)]
+    elif mode == "oom":  # a rank that sized its pool, then a request for more than the device has left
+        import torch
+
+        facts["ranks"] = [_size_rank(model, 1, 0)]
+        try:
+            torch.empty(OOM_REQUEST_BYTES, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as exc:
+            facts["error"] = type(exc).__name__
     elif mode in ("serve", "serve-off"):
         facts.update(_serve(model))
     elif mode in LAYOUTS:
