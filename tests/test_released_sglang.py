@@ -297,3 +297,31 @@ def test_data_parallel_replicas_and_dp_attention_groups_are_distinct_ranks(tmp_p
             for rank, data in rows] == [(0, 0, 0, 0), (1, 1, 1, 1)]
     assert query(db_path, "SELECT rank_count FROM runs WHERE run_id = '5a1a00000006'") == [(2,)]
     assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
+
+
+def test_memwatch_injected_into_a_serving_scheduler_records_until_it_detaches(tmp_path: Path, runtime_dir: Path,
+                                                                              db_path: Path) -> None:
+    """SGLang started without memwatch; what ``attach --inject`` runs in the target attaches to the live
+    scheduler process between two rounds of requests and detaches after the second."""
+    facts = _drive("late", tmp_path, memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000008"),
+                   total=SMALL)
+    store_rings(runtime_dir, db_path)
+    assert facts["attached"]["engine"] == "sglang" and facts["attached"]["ranks"] == [0]
+    assert facts["detached"]["detached"] is True and facts["originals"] is True
+    assert query(db_path, "SELECT status FROM runs") == [("detached",)]
+    # Startup was not seen: the pool is read from the live runner (344 tokens of 4 KiB, as in the serving test),
+    # and the readings SGLang sized on are named unknown; nothing to re-derive, so nothing to flag.
+    [(_, sizing)] = _events(db_path, "kv_allocated")
+    assert (sizing["num_blocks"], sizing["block_bytes"], sizing["kv_unit"]) == (344, CELL, "token")
+    assert sizing["used_bytes"] is None and facts["max_total_num_tokens"] == 344
+    [(_, late)] = _events(db_path, "attached_late")
+    assert "activation_reserve_bytes" in late["unknown_terms"]
+    assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
+    # Only the second round's batches, as SGLang ran them; only its requests.
+    second = facts["rounds"][1]
+    rows = query(db_path, "SELECT step_kind, num_seqs, kv_blocks_used FROM samples WHERE kv_blocks_total IS NOT NULL "
+                          "ORDER BY step")
+    assert rows == [(_kind(s["mode"]), s["num_seqs"], 344 - s["available"] - s["evictable"]) for s in second]
+    arrived = [d["request_id"] for _, d in _events(db_path, "request_arrived")]
+    finished = sorted(d["request_id"] for _, d in _events(db_path, "request_finished"))
+    assert arrived == ["b0", "b1", "b2"] and finished == ["b0", "b1", "b2"]

@@ -11,6 +11,7 @@ import sys
 
 from ..monitor import Monitor
 from . import nanovllm, sglang, vllm
+from .late import SOURCE
 
 
 def install() -> None:
@@ -22,6 +23,12 @@ def install() -> None:
 
 def attach_engines(*, run_id: str, runtime_dir: str | None) -> tuple[str, list[Monitor]] | None:
     """Patch and attach to the engine loaded in this process: (engine name, one monitor per rank), or None."""
+    if "sglang" in sys.modules:
+        from .sglang import late as sglang_late
+
+        monitors = sglang_late.attach(run_id=run_id, runtime_dir=runtime_dir, source=SOURCE)
+        if monitors is not None:
+            return "sglang", monitors
     if nanovllm.MODEL_RUNNER in sys.modules:
         from .nanovllm import late as nanovllm_late
 
@@ -37,6 +44,10 @@ def attach_engines(*, run_id: str, runtime_dir: str | None) -> tuple[str, list[M
 
 def detach_engines() -> None:
     """Put every attached engine's own methods back and forget its state (the monitors close apart)."""
+    if "sglang" in sys.modules:
+        from .sglang import late as sglang_late
+
+        sglang_late.detach()
     if "vllm" in sys.modules:
         from .vllm import late as vllm_late
 

@@ -32,7 +32,8 @@ tensor-parallel ranks in processes of their own (rank 1's device has other memor
 minimum over the ranks decides both pools); ``dp2`` two data-parallel replicas of TP 2 on four GPUs;
 ``dp-attention`` TP 2 with data-parallel attention (:data:`LAYOUTS`); ``serve`` (``serve-off``: memwatch
 off) runs a real ``Scheduler`` through four requests that retract (:func:`_serve`); ``oom`` sizes one
-rank and then asks the device for more than it has left.
+rank and then asks the device for more than it has left; ``late`` injects memwatch into a scheduler that
+started without it (:func:`_late`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import os
 import socket
 import sys
 import weakref
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -229,10 +231,22 @@ def _forward_seam() -> None:
     tp_worker.TpModelWorker.forward_batch_generation = forward_batch_generation
 
 
-def _serve(model: str) -> dict[str, Any]:
-    """A real ``Scheduler`` (its model worker, pools, radix cache, policy) serving four requests that cannot
-    all keep their KV tokens (on a small device at ``mem_fraction_static`` 0.264 SGLang sizes a pool of a few
-    hundred tokens): the body of ``event_loop_normal``, with requests handed to
+def _scheduler(model: str) -> Any:
+    """A real ``Scheduler`` (its model worker, pools, radix cache, policy) on one GPU, as
+    ``run_scheduler_process`` builds it."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import PortArgs
+
+    args = _server_args(model, 1, disable_cuda_graph=True, disable_overlap_schedule=True, page_size=1,
+                        attention_backend="torch_native", sampling_backend="pytorch", grammar_backend="none",
+                        mem_fraction_static=SERVE_MEM_FRACTION)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    return Scheduler(args, PortArgs.init_new(args))
+
+
+def _serve_round(scheduler: Any, prompts: dict[str, int], max_new_tokens: int) -> list[dict[str, Any]]:
+    """The body of ``event_loop_normal`` until every request finished, with requests handed to
     ``handle_generate_request`` as the tokenizer manager's ``TokenizedGenerateReqInput``.
 
     Returns, per ``run_batch``, what SGLang itself says: the batch's forward mode, requests and extend tokens,
@@ -241,20 +255,12 @@ def _serve(model: str) -> dict[str, Any]:
     from array import array
 
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.server_args import PortArgs
 
-    args = _server_args(model, 1, disable_cuda_graph=True, disable_overlap_schedule=True, page_size=1,
-                        attention_backend="torch_native", sampling_backend="pytorch", grammar_backend="none",
-                        mem_fraction_static=SERVE_MEM_FRACTION)
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
-    scheduler = Scheduler(args, PortArgs.init_new(args))
-    for number, (rid, length) in enumerate(SERVE_PROMPTS.items()):
-        params = SamplingParams(max_new_tokens=SERVE_MAX_NEW_TOKENS, ignore_eos=True)
+    for rid, length in prompts.items():
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
         params.normalize(None)
-        first = 1 + number * 100  # no two prompts share a prefix
+        first = 1 + 100 * (sum(map(ord, rid)) % 9)  # prompts of one round share no prefix
         scheduler.handle_generate_request(TokenizedGenerateReqInput(
             rid=rid, input_text=None, input_ids=array("q", range(first, first + length)), mm_inputs=None,
             input_embeds=None, token_type_ids=None, sampling_params=params, return_logprob=False,
@@ -277,8 +283,41 @@ def _serve(model: str) -> dict[str, Any]:
         scheduler.last_batch = batch
         if not batch and not scheduler.waiting_queue and scheduler.running_batch.is_empty():
             break
+    return steps
+
+
+def _serve(model: str) -> dict[str, Any]:
+    """Four requests that cannot all keep their KV tokens (on a small device at ``mem_fraction_static`` 0.264
+    SGLang sizes a pool of a few hundred tokens)."""
+    scheduler = _scheduler(model)
+    steps = _serve_round(scheduler, SERVE_PROMPTS, SERVE_MAX_NEW_TOKENS)
     return {"max_total_num_tokens": scheduler.max_total_num_tokens, "steps": steps,
             "prompts": SERVE_PROMPTS, "max_new_tokens": SERVE_MAX_NEW_TOKENS}
+
+
+def _late(model: str, runtime_dir: str) -> dict[str, Any]:
+    """A scheduler started with memwatch off serves a round; memwatch is injected (the request
+    ``attach --inject`` makes the target run, handed to ``memwatch_engine.inject.handle``), a second round
+    runs, memwatch detaches, a third round runs."""
+    import tempfile
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+    originals = dict(vars(Scheduler))
+    scheduler = _scheduler(model)
+    rounds = [_serve_round(scheduler, {"a0": 40, "a1": 60}, 8)]
+    status = Path(tempfile.mkdtemp()) / "status.json"
+    from memwatch_engine import inject
+
+    inject.handle(json.dumps({"run_id": os.environ["MEMWATCH_RUN_ID"], "runtime_dir": runtime_dir,
+                              "status": str(status)}))
+    attached = json.loads(status.read_text())
+    rounds.append(_serve_round(scheduler, {"b0": 30, "b1": 50, "b2": 70}, 8))
+    inject.handle(json.dumps({"action": "detach", "status": str(status)}))
+    detached = json.loads(status.read_text())
+    rounds.append(_serve_round(scheduler, {"c0": 20}, 4))
+    return {"attached": attached, "detached": detached, "rounds": rounds,
+            "max_total_num_tokens": scheduler.max_total_num_tokens, "originals": dict(vars(Scheduler)) == originals}
 
 
 def _activate() -> None:
@@ -363,6 +402,8 @@ def main() -> None:
             facts["error"] = type(exc).__name__
     elif mode in ("serve", "serve-off"):
         facts.update(_serve(model))
+    elif mode == "late":
+        facts.update(_late(model, os.environ["MEMWATCH_RUNTIME_DIR"]))
     elif mode in LAYOUTS:
         facts["ranks"] = _ranks(model, mode)
     print(json.dumps(facts))
