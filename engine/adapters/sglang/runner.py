@@ -288,8 +288,7 @@ def _record_sizing(state: Rank, configurator: Any, result: Any) -> None:
         reserved_bytes=reserved if known and reserved != UNKNOWN else None, gpu_memory_utilization=fraction,
         block_size=1, kv_cache_memory_bytes=sizing.get("profiled_kv_bytes"), budget_rule=rule, kv_unit="token",
         max_total_num_tokens=tokens, max_running_requests=int(result.max_running_requests),
-        max_total_tokens=None if cap is None else int(cap), page_size=int(configurator.page_size),
-        **{key: value for key, value in sizing.items() if key not in ("page_size",)},
+        max_total_tokens=None if cap is None else int(cap), **{"page_size": int(configurator.page_size), **sizing},
     )
     # The settings in the names every engine's runs share (what ``replay`` reads): a KV block is one token,
     # the utilization is mem_fraction_static, the running-request limit is the one SGLang resolved.
