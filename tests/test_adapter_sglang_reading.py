@@ -1,0 +1,62 @@
+"""How the SGLang adapter reads SGLang's placement and batches: pure functions, worked by hand."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from memwatch_engine.adapters.sglang.reading import rank_identity, sizing_rule
+from memwatch_engine.adapters.sglang.scheduler import step_kind
+
+
+def parallel(**values: int | None) -> SimpleNamespace:
+    base = {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1, "dp_rank": None,
+            "attn_dp_size": 1, "attn_dp_rank": 0}
+    return SimpleNamespace(**{**base, **values})
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    # One GPU, no data-parallel controller (dp_rank None).
+    ({}, (0, 1, 0, 0)),
+    # Replica 1 of dp_size 2, TP 2 rank 1: GPU 1 × 2 + 1 of 4; its pool is engine 1.
+    ({"tp_size": 2, "tp_rank": 1, "dp_size": 2, "dp_rank": 1}, (3, 4, 1, 1)),
+    # TP 2, PP 2: stage 1's TP rank 0 is GPU 2 of 4.
+    ({"tp_size": 2, "pp_size": 2, "pp_rank": 1}, (2, 4, 0, 0)),
+    # DP attention over TP 4 (SGLang resolves dp_size 1, attn_dp_size 4): the launcher's dp_rank is the
+    # attention group, not a replica, so TP rank 3 is GPU 3 of 4 and its pool engine 3.
+    ({"tp_size": 4, "tp_rank": 3, "attn_dp_size": 4, "attn_dp_rank": 3, "dp_rank": 3}, (3, 4, 0, 3)),
+    # Two replicas of DP attention over TP 2: the launcher counts groups across replicas (2 × 1 + 1).
+    ({"tp_size": 2, "tp_rank": 1, "dp_size": 2, "attn_dp_size": 2, "attn_dp_rank": 1, "dp_rank": 3},
+     (3, 4, 1, 3)),
+])
+def test_rank_identity(values: dict, expected: tuple[int, int, int, int]) -> None:
+    identity = rank_identity(parallel(**values))
+    assert (identity.rank, identity.world_size, identity.replica, identity.event()["dp_rank"]) == expected
+
+
+def test_a_parallel_name_sglang_has_not_written_counts_as_its_default() -> None:
+    class Unpublished:
+        def __getattr__(self, name: str) -> int:
+            raise RuntimeError(f"parallel name {name!r} has not been written in this process")
+
+    assert rank_identity(Unpublished()).rank == 0
+
+
+@pytest.mark.parametrize(("mode", "kind"), [("EXTEND", "prefill"), ("MIXED", "prefill"), ("DECODE", "decode"),
+                                            ("TARGET_VERIFY", "decode"), ("IDLE", None)])
+def test_step_kind_from_the_forward_mode(mode: str, kind: str | None) -> None:
+    assert step_kind(SimpleNamespace(name=mode)) == kind
+
+
+@pytest.mark.parametrize(("configurator", "pool", "pp", "unified", "rule"), [
+    ({}, "DefaultPoolConfigurator", 1, False, "sglang"),
+    ({"is_hybrid_swa": True}, "HybridSWAPoolConfigurator", 1, False, "sglang-hybrid-swa"),
+    ({"mambaish_config": object()}, "DefaultPoolConfigurator", 1, False, "sglang-mamba"),
+    ({}, "DefaultPoolConfigurator", 1, True, "sglang-unified"),
+    ({}, "DefaultPoolConfigurator", 2, False, "sglang-pipeline"),
+])
+def test_only_sglangs_default_pool_claims_the_rule_the_ledger_re_derives(configurator: dict, pool: str, pp: int,
+                                                                         unified: bool, rule: str) -> None:
+    values = {"is_hybrid_swa": False, "mambaish_config": None, **configurator}
+    assert sizing_rule(SimpleNamespace(**values), pool, pp, unified) == rule
