@@ -102,6 +102,8 @@ def test_the_configurator_sizes_a_token_pool_that_memwatch_records_and_re_derive
     assert (sizing["cell_size_bytes"], sizing["page_size"], sizing["fixed_overhead_bytes"]) == (CELL, 16, 0)
     assert (sizing["num_blocks"], sizing["block_bytes"], sizing["kv_unit"], sizing["budget_rule"]) == (
         expected, CELL, "token", "sglang")
+    # The K and V buffers SGLang allocated hold one page more than the pool hands out (its padding slots).
+    assert sizing["kv_cache_bytes"] == (expected + 16) * CELL
     # Re-derived from the recorded readings alone (the test's rule, then the ledger's), and no flag.
     assert _tokens(sizing["available_gb"], sizing["pre_model_load_gb"], sizing["mem_fraction_static"],
                    sizing["cell_size_bytes"], sizing["page_size"]) == sizing["max_total_num_tokens"] == expected

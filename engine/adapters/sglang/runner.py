@@ -273,7 +273,8 @@ def _record_sizing(state: Rank, configurator: Any, result: Any) -> None:
 
     sizing = state.sizing
     tokens = int(result.max_total_num_tokens)
-    cell = sizing.get("cell_size_bytes") or 0
+    kv_bytes = _pool_bytes(result.token_to_kv_pool)
+    cell = sizing.get("cell_size_bytes") or (kv_bytes // tokens if kv_bytes and tokens else 0)
     rule = sizing_rule(configurator, sizing.get("pool_configurator"), int(configurator.pp_size),
                        bool(getattr(get_memory(), "enable_unified_memory", False)))
     schedule = get_schedule()
@@ -287,6 +288,7 @@ def _record_sizing(state: Rank, configurator: Any, result: Any) -> None:
         peak_bytes=peak if known else None, current_bytes=current if known else None,
         reserved_bytes=reserved if known and reserved != UNKNOWN else None, gpu_memory_utilization=fraction,
         block_size=1, kv_cache_memory_bytes=sizing.get("profiled_kv_bytes"), budget_rule=rule, kv_unit="token",
+        kv_cache_bytes=kv_bytes,
         max_total_num_tokens=tokens, max_running_requests=int(result.max_running_requests),
         max_total_tokens=None if cap is None else int(cap), **{"page_size": int(configurator.page_size), **sizing},
     )
@@ -299,3 +301,17 @@ def _record_sizing(state: Rank, configurator: Any, result: Any) -> None:
         max_num_batched_tokens=int(chunk if chunk and chunk > 0 else schedule.max_prefill_tokens),
         enforce_eager=bool(getattr(configurator.server_args, "disable_cuda_graph", False)),
     )
+
+
+def _pool_bytes(pool: Any) -> int | None:
+    """Device bytes of SGLang's token pool (``get_kv_size_bytes``: its K and V buffers), None if it cannot say.
+
+    The bytes a token of a pool the rule does not cover (hybrid sliding-window, Mamba) come from these."""
+    measure = getattr(pool, "get_kv_size_bytes", None)
+    if measure is None:
+        return None
+    try:
+        sizes = measure()
+    except (AssertionError, AttributeError, NotImplementedError):
+        return None
+    return int(sum(sizes)) if isinstance(sizes, (tuple, list)) else int(sizes)
