@@ -5,27 +5,13 @@ code runs throughout: ``ServerArgs``, ``runtime_context.publish`` (a scheduler p
 ``ModelConfig``, ``ModelRunner.__init__``/``initialize``/``alloc_memory_pool``, the
 ``KVCacheConfigurator`` that profiles the free memory and the ``DefaultPoolConfigurator`` that turns
 it into ``max_total_num_tokens``, the real token pools and allocator (their tensors on the CPU).
-What stands in for the GPU:
+What stands in for the GPU is in ``sglang_seams.py``. The seams are applied before memwatch activates
+(``memwatch_engine.activate.autoload`` with ``MEMWATCH=1``, what the ``.pth`` line runs), so memwatch
+wraps the methods SGLang's process runs.
 
-* ``torch.cuda``'s memory API answers from ``fake_cuda``; a tensor asked for on ``cuda`` is made on
-  the CPU and its bytes are taken from the fake device (a ``TorchFunctionMode``), so SGLang's own
-  pools fill the device memory memwatch reads; ``torch.cuda.Stream`` is inert;
-* ``ModelRunner.init_torch_distributed`` (device bring-up: NCCL groups, the gated launch) is replaced
-  by one that measures ``pre_model_load_memory`` as SGLang's does (``get_available_gpu_memory``, the
-  minimum over the ranks through a gloo group when there are several) and states the groups;
-* ``ModelRunner.load_model`` (the weights) is replaced by one that takes ``WEIGHTS_BYTES`` of the
-  device and sets what SGLang's sets (model, dtype, sliding window);
-* torchvision's two operator schemas its CUDA-built ``_C`` library would define are declared, since
-  that library cannot load next to CPU PyTorch.
-
-The seams are applied before memwatch activates (``memwatch_engine.activate.autoload`` with
-``MEMWATCH=1``, what the ``.pth`` line runs), so memwatch wraps the methods SGLang's process runs.
-
-* ``TpModelWorker.forward_batch_generation`` (the model's forward and sampling) returns token 7 for
-  every request; ``init_cuda_graphs`` (graph capture) takes ``GRAPHS_BYTES`` and captures nothing.
-  The token pool is SGLang's unpaged one (``page_size`` 1): the paged allocator runs a Triton kernel;
-  the radix tree is SGLang's Python one (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``): its Rust
-  one makes its tensors on the device from native code.
+The token pool is SGLang's unpaged one (``page_size`` 1) when the scheduler runs: the paged allocator
+runs a Triton kernel; the radix tree is SGLang's Python one (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``):
+its Rust one makes its tensors on the device from native code.
 
 Modes: ``off`` sizes one rank with memwatch off; ``on`` the same with memwatch on; ``tp2`` sizes two
 tensor-parallel ranks in processes of their own (rank 1's device has other memory on it, so SGLang's
@@ -38,150 +24,19 @@ started without it (:func:`_late`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
 import os
-import socket
 import sys
-import weakref
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from fake_device import load_fake_cuda
+from sglang_seams import cuda_seams, forward_seam, free_port, runner_seams
 
 MiB = 1 << 20
-WEIGHTS_BYTES = 24 * MiB
-GRAPHS_BYTES = 4 * MiB
 OOM_REQUEST_BYTES = 512 * MiB
 WRAPPED = "__memwatch_wrapped__"
-
-
-def _cuda_seams() -> None:
-    import fake_cuda
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    def properties(index: Any = None) -> Any:
-        return SimpleNamespace(name="Fake GPU", total_memory=fake_cuda.device(index).total, is_integrated=False,
-                               major=9, minor=0, multi_processor_count=132)
-
-    class Stream:
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def wait_stream(self, *args: Any) -> None:
-            pass
-
-        def synchronize(self) -> None:
-            pass
-
-    def is_cuda(device: Any) -> bool:
-        try:
-            return device is not None and not isinstance(device, bool) and torch.device(device).type == "cuda"
-        except (RuntimeError, TypeError):
-            return False
-
-    class CudaOnCpu(TorchFunctionMode):
-        """Tensors asked for on ``cuda`` live on the CPU, their bytes taken from the fake device; no host memory is
-        page-locked."""
-
-        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            kwargs = dict(kwargs or {})
-            if func is torch.Tensor.pin_memory:  # page-locked host memory is the driver's
-                return args[0]
-            if kwargs.get("pin_memory"):
-                kwargs["pin_memory"] = False
-            moved = False
-            if is_cuda(kwargs.get("device")):
-                kwargs["device"], moved = "cpu", True
-            if func is torch.Tensor.to and args[1:] and is_cuda(args[1]):
-                args, moved = (args[0], "cpu", *args[2:]), True
-            out = func(*args, **kwargs)
-            if moved and isinstance(out, torch.Tensor) and out.numel():
-                weakref.finalize(out, fake_cuda.empty(out.untyped_storage().nbytes()).free)
-            return out
-
-    torch.cuda.get_device_properties = properties
-    torch.cuda.Stream = Stream
-    torch.cuda.current_stream = lambda *args, **kwargs: Stream()
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    CudaOnCpu().__enter__()
-    library = torch.library.Library("torchvision", "DEF")
-    library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    library.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    _keep.append(library)
-
-
-_keep: list[Any] = []
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _group(size: int, rank: int, cpu_group: Any = None) -> Any:
-    return SimpleNamespace(world_size=size, rank_in_group=rank, rank=rank, is_first_rank=rank == 0,
-                           is_last_rank=rank == size - 1, cpu_group=cpu_group, device_group=cpu_group,
-                           ranks=list(range(size)), first_rank=0, last_rank=size - 1, local_rank=rank)
-
-
-def _runner_seams() -> None:
-    import fake_cuda
-    import torch
-    from sglang.srt.distributed import bootstrap
-    from sglang.srt.model_executor import model_runner
-    from sglang.srt.runtime_context import get_parallel
-    from sglang.srt.utils.common import get_available_gpu_memory
-
-    class Model(torch.nn.Module):
-        def __init__(self, layers: int) -> None:
-            super().__init__()
-            self.start_layer, self.end_layer = 0, layers
-
-        def forward(self, input_ids: Any, positions: Any, forward_batch: Any) -> Any:
-            raise NotImplementedError("the driver's scheduler runs the model's output itself")
-
-    def init_parallel_runtime(**settings: Any) -> None:
-        parallel = get_parallel()
-        if not torch.distributed.is_initialized():  # one rank: its own gloo group (TP ranks start theirs first)
-            torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                                 world_size=1)
-        world = torch.distributed.group.WORLD
-        tp = _group(parallel.tp_size, parallel.tp_rank, world)
-        attn_tp = tp if parallel.attn_tp_size == parallel.tp_size else _group(parallel.attn_tp_size,
-                                                                                parallel.attn_tp_rank)
-        parallel.override_permanently(tp_group=tp, pp_group=_group(1, 0), attn_tp_group=attn_tp,
-                                      attn_cp_group=_group(1, 0), moe_ep_group=_group(1, 0), world_group=tp)
-
-    def init_torch_distributed(self: Any) -> None:
-        parallel = get_parallel()
-        init_parallel_runtime()
-        self.pre_model_load_memory = get_available_gpu_memory(
-            self.device, self.gpu_id, distributed=parallel.tp_size > 1, cpu_group=torch.distributed.group.WORLD)
-        self.pp_group = parallel.pp_group
-
-    def load_model(self: Any) -> None:
-        self.weights = fake_cuda.empty(WEIGHTS_BYTES)
-        self.model = Model(self.model_config.num_hidden_layers)
-        self.loader = SimpleNamespace(preloaded_weights_bytes=0)  # nothing loaded ahead of the runner
-        self.startup_weight_load = self.sliding_window_size = None
-        self.prefill_aware_swa = False
-        self.dtype = self.model_config.dtype
-
-    def init_cuda_graphs(self: Any, capture_decode_cuda_graph: bool = True) -> None:
-        self.graphs = fake_cuda.empty(GRAPHS_BYTES)  # the graph pool; the driver's forward runs eagerly
-        self.eager_runner = self.prefill_cuda_graph_runner = self.decode_cuda_graph_runner = None
-        self.decode_cuda_graph_captured, self.decode_cuda_graph_capture_bs = False, []
-        self.graph_memory_usage, self.graph_time_usage = {}, {}
-
-    bootstrap.init_parallel_runtime = init_parallel_runtime
-    model_runner.ModelRunner.init_cuda_graphs = init_cuda_graphs
-    model_runner.ModelRunner.init_torch_distributed = init_torch_distributed
-    model_runner.ModelRunner.load_model = load_model
 
 
 def _server_args(model: str, tp: int, **overrides: Any) -> Any:
@@ -215,20 +70,6 @@ def _size_rank(model: str, tp: int, tp_rank: int, dp_rank: int | None = None, gp
 SERVE_PROMPTS = {f"r{i}": 50 for i in range(4)}
 SERVE_MAX_NEW_TOKENS = 80
 SERVE_MEM_FRACTION = 0.264
-
-
-def _forward_seam() -> None:
-    """The model's forward and sampling: token 7 for every request of a batch."""
-    import torch
-    from sglang.srt.managers import tp_worker
-    from sglang.srt.managers.utils import GenerationBatchResult
-
-    def forward_batch_generation(self: Any, batch: Any = None, forward_batch: Any = None, *args: Any,
-                                 **kwargs: Any) -> Any:
-        return GenerationBatchResult(next_token_ids=torch.full((batch.batch_size(),), 7, dtype=torch.int64),
-                                     can_run_cuda_graph=False)
-
-    tp_worker.TpModelWorker.forward_batch_generation = forward_batch_generation
 
 
 def _scheduler(model: str) -> Any:
@@ -354,7 +195,7 @@ LAYOUTS: dict[str, tuple[list[tuple[int, int | None, int, int]], dict[str, Any]]
 def _ranks(model: str, mode: str) -> list[dict[str, Any]]:
     """Every scheduler process of ``LAYOUTS[mode]`` in a process of its own, up to its KV pool."""
     layout, overrides = LAYOUTS[mode]
-    ports = {group: _free_port() for *_, group in layout}
+    ports = {group: free_port() for *_, group in layout}
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     processes = [context.Process(target=_rank_process,
@@ -373,9 +214,9 @@ def _ranks(model: str, mode: str) -> list[dict[str, Any]]:
 def main() -> None:
     mode, model = sys.argv[1], sys.argv[2]
     load_fake_cuda()
-    _cuda_seams()
-    _runner_seams()
-    _forward_seam()
+    cuda_seams()
+    runner_seams()
+    forward_seam()
     environment = dict(os.environ)
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.model_executor.model_runner import ModelRunner
