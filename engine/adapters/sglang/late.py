@@ -27,7 +27,7 @@ UNKNOWN_TERMS = ("activation_reserve_bytes", "torch_other_bytes", "headroom_byte
 REASON = "memwatch was injected after SGLang started: the readings it sized its token pool on were never taken"
 
 
-def attach(*, run_id: str, runtime_dir: str | None, source: str) -> list[Monitor] | None:
+def attach(*, run_id: str, runtime_dir: str | None, source: str = "injected") -> list[Monitor] | None:
     """Patch the live classes and start this process's rank; None when it runs no SGLang model runner."""
     module = sys.modules.get(runner.RUNNER_MODULE)
     if module is None:
