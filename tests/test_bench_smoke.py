@@ -101,9 +101,10 @@ def test_attach_benchmark_says_the_snapshot_rate_it_delivered() -> None:
     assert "of 10/s asked (ratio" in out and "ratio watched/alone" in out and "min / median / max" in out
 
 
-def test_plugin_benchmark_measures_the_step_as_served() -> None:
+def test_plugin_benchmark_measures_the_step_against_its_floor() -> None:
     out = _run("bench_plugin.py", "--batches", "20")
-    assert "plugin as served (CUDA probe + peak reset -> ring)" in out and "ratio plugin/baseline" in out
+    assert "floor (pack_into into a mapped ring + a counter)" in out and "ratio plugin/floor" in out
+    assert "Monitor.step with the real CudaProbe" in out
     assert "min / median / max over 20 batches" in out
 
 
