@@ -25,7 +25,7 @@ from memwatch_engine.ring_reader import RingHeader, RingReader
 from memwatch_engine.runtime import RING_SUFFIX, is_private_file
 
 from .records import Event, Sample
-from .ring_records import typed_records
+from .ring_records import RingDrain
 from .store.writer import Batch, StoreWriter, WriterStalled, raw_sample_insert
 
 log = logging.getLogger("memwatch.collector")
@@ -36,7 +36,9 @@ ALIVE_CHECK_S = 1.0
 """How often a caught-up ring's writer is checked for life (one /proc read)."""
 
 Observer = Callable[[RingHeader, list[Sample | Event]], Iterable[tuple[Any, ...]]]
-"""Called with every drained record of a ring, in order; returns flag rows to store."""
+"""Called with every drained record of a ring, in order; returns flag rows to store. An observer with
+``takes_drain = True`` is called with the :class:`~memwatch.ring_records.RingDrain` instead (the ring's own
+tuples: the live detectors, which would otherwise pay for a typed record per sample)."""
 
 
 @dataclass
@@ -281,9 +283,10 @@ class Collector:
         last_event_ts = events[-1][2] if events else 0
         state.last_ts_ns = max(state.last_ts_ns, last_sample_ts, last_event_ts)
         if self._observers:
-            records = typed_records(run_id, rank, drained, names)
+            drain = RingDrain(run_id, rank, drained, names)  # typed records only for observers that want them
             for observer in self._observers:
-                batch.flags.extend(observer(header, records))
+                given = drain if getattr(observer, "takes_drain", False) else drain.records
+                batch.flags.extend(observer(header, given))
                 statements = getattr(observer, "statements", None)  # e.g. per-rank summaries kept live
                 if statements is not None:
                     batch.statements.extend(statements(header))

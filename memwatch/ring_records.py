@@ -7,6 +7,8 @@ the scorecard and the tests read whole ring files.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,50 @@ def typed_records(run_id: str, rank: int, drained: Any, names: dict[int, str | N
     merged += [(seq, Event(run_id, rank, step, ts_ns, kind, data)) for seq, step, ts_ns, kind, data in drained.events]
     merged.sort(key=lambda pair: pair[0])
     return [record for _, record in merged]
+
+
+class RingDrain:
+    """One drain of one ring as the collector hands it to observers that read the ring's own tuples
+    (``takes_drain = True``; the live detectors): typed records are built only if someone asks."""
+
+    __slots__ = ("_records", "drained", "names", "rank", "run_id")
+
+    def __init__(self, run_id: str, rank: int, drained: Any, names: dict[int, str | None]) -> None:
+        self.run_id, self.rank, self.drained, self.names = run_id, rank, drained, names
+        self._records: list[Sample | Event] | None = None
+
+    @property
+    def records(self) -> list[Sample | Event]:
+        """Every record typed, in ring order (built once, on the first ask)."""
+        if self._records is None:
+            self._records = typed_records(self.run_id, self.rank, self.drained, self.names)
+        return self._records
+
+    def in_order(self, inert: frozenset[str] = frozenset()) -> Iterator[list[tuple[Any, ...]] | Event]:
+        """In ring order: runs of consecutive sample tuples (lists), and each event typed between them.
+
+        Events whose kind is in ``inert`` (the reader ignores them, e.g. requests) do not cut a run of
+        samples: they come after everything else.
+        """
+        samples, events = self.drained.samples, self.drained.events
+        held = []
+        start = 0
+        seqs: list[int] | None = None
+        for seq, step, ts_ns, kind, data in events:
+            event = Event(self.run_id, self.rank, step, ts_ns, kind, data)
+            if kind in inert:
+                held.append(event)
+                continue
+            if seqs is None:
+                seqs = [row[0] for row in samples]
+            end = bisect_left(seqs, seq, start)
+            if end > start:
+                yield samples[start:end]
+            start = end
+            yield event
+        if start < len(samples):
+            yield samples[start:] if start else samples
+        yield from held
 
 
 _MEASURED = itemgetter(7, 8, 9, 10, 11, 13, 14, 15, 12)

@@ -17,12 +17,19 @@ that it measures what warmup measured: the forward's own rise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from memwatch.detectors.base import Detector, Episode, make_flag
+from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, SKIP, apply_episode, episode_plan
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_bytes, format_count
 from memwatch.flags import ACTIVATION_OVER_RESERVE, INFO, RESERVE_OVERSTATED, WARNING, Flag
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Sample
+
+if TYPE_CHECKING:
+    from memwatch.detectors.batch import Columns
 
 
 class ActivationOverReserveDetector(Detector):
@@ -60,6 +67,17 @@ class ActivationOverReserveDetector(Detector):
              "settled_activation_bytes": self._settled, "activation_reserve_bytes": reserve, "over_bytes": over,
              "step_kind": sample.step_kind, "num_tokens": sample.num_tokens, "num_seqs": sample.num_seqs},
         )
+
+
+    def plan(self, batch: Columns) -> Callable[[], None] | int:
+        np = batch.np
+        over = batch.step_activation - self._settled - batch.reserve
+        actions = np.where(batch.peak_is_step, np.where(over <= self._tolerance, np.where(over <= 0, CLEAR, NOT_CLEAR),
+                                                        FIRE), SKIP)
+        episode = episode_plan(np, self._episode, actions)
+        if isinstance(episode, int):
+            return episode
+        return lambda: apply_episode(self._episode, episode)
 
 
 class ReserveOverstatedDetector(Detector):
@@ -108,6 +126,26 @@ class ReserveOverstatedDetector(Detector):
              "regainable_bytes": regainable, "regainable_blocks": blocks, "block_bytes": block_bytes,
              "settled_activation_bytes": self._settled, "steps": self._steps},
         )
+
+
+    def plan(self, batch: Columns) -> Callable[[], None] | int:
+        if self._steps >= self._judge_steps:
+            return _nothing
+        activations = batch.step_activation[batch.peak_is_step] - self._settled
+        if self._steps + len(activations) >= self._judge_steps:  # the judgement falls in this batch, there
+            return int(batch.np.flatnonzero(batch.peak_is_step)[self._judge_steps - self._steps - 1])
+        if not len(activations):
+            return _nothing
+
+        def commit() -> None:
+            self._steps += len(activations)
+            self._largest = max(self._largest, int(activations.max()))
+
+        return commit
+
+
+def _nothing() -> None:
+    """A plan with nothing to change."""
 
 
 def _settled_activation(terms: LedgerTerms) -> int:

@@ -26,14 +26,28 @@ the level rule; the sustain keeps a single noisy reading from raising anything.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors.base import Detector, Episode, make_flag
+from memwatch.detectors.batch import (
+    CLEAR,
+    FIRE,
+    NOT_CLEAR,
+    SKIP,
+    active_after,
+    apply_episode,
+    consecutive,
+    episode_plan,
+)
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
 from memwatch.flags import CRITICAL, OOM, OOM_RISK, WARNING, Flag
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
+
+if TYPE_CHECKING:
+    from memwatch.detectors.batch import Columns
 
 FREE_AND_RECLAIMABLE = "free_and_reclaimable"
 """``margin`` of a flag judged on ``oom_margin_bytes``: free memory plus wholly free cached segments."""
@@ -134,6 +148,57 @@ class OomRiskDetector(Detector):
             {**_margin_data(sample, terms, judged, outside), "slope_bytes_per_step": slope,
              "steps_to_zero": steps_to_zero, "ns_to_zero": ns_to_zero, "trend_steps": steps},
         )
+
+    def plan(self, batch: Columns) -> Callable[[], None] | int:
+        window = len(self._margins)
+        if self._filled < window or any(value is None for value in self._non_torch):
+            return 0  # the window fills sample by sample
+        np, n, index = batch.np, batch.n, self._index
+        order = [(index + k) % window for k in range(window)]  # oldest first
+
+        def history(values: list[Any], new: Any) -> Any:
+            return np.concatenate((np.array([values[k] for k in order], dtype=np.int64), new))
+
+        margins, steps = history(self._margins, batch.margin), history(self._steps, batch.step)
+        times, non_torch = history(self._times, batch.ts), history(self._non_torch, batch.non_torch)
+        margin, free, nt = batch.margin, batch.driver_free, batch.non_torch
+        old_margin, middle_margin = margins[:n], margins[window // 2: window // 2 + n]
+        driver_margin = np.where(free >= margin, margin, free)
+        drop = old_margin - margin
+        outside = (driver_margin < margin) & (drop > 0) & (2 * (nt - non_torch[:n]) >= drop)
+        judged = np.where(outside, driver_margin, margin)
+        low = judged < self._min_margin
+        level_actions = np.where(low, FIRE, np.where(judged >= 2 * self._min_margin, CLEAR, NOT_CLEAR))
+        level = episode_plan(np, self._level, level_actions)
+        if isinstance(level, int):
+            return level  # the forecast's actions before it hold whatever the level does there
+        trend_steps = batch.step - steps[:n]
+        share = drop >> 2
+        no_trend = ((trend_steps <= 0) | (drop <= 0) | (old_margin - middle_margin < share)
+                    | (middle_margin - margin < share))
+        to_zero = judged * trend_steps // np.where(drop > 0, drop, 1)
+        beyond = ~no_trend & (to_zero > self._horizon)
+        rising = ~low & ~no_trend & ~beyond
+        runs = consecutive(np, rising, self._run)
+        level_active = active_after(np, self._level, level, n)
+        actions = np.where(low, SKIP, np.where(no_trend, CLEAR, np.where(
+            beyond, np.where(to_zero > 2 * self._horizon, CLEAR, NOT_CLEAR),
+            np.where((runs < self._sustain) | level_active, NOT_CLEAR, FIRE))))
+        forecast = episode_plan(np, self._forecast, actions)
+        if isinstance(forecast, int):
+            return forecast
+
+        def commit() -> None:
+            for k in range(window):
+                slot = (index + n + k) % window
+                self._margins[slot], self._steps[slot] = int(margins[n + k]), int(steps[n + k])
+                self._times[slot], self._non_torch[slot] = int(times[n + k]), int(non_torch[n + k])
+            self._index = (index + n) % window
+            self._run = int(runs[-1])
+            apply_episode(self._level, level)
+            apply_episode(self._forecast, forecast)
+
+        return commit
 
     def _level_flag(self, sample: Sample, terms: LedgerTerms, margin: int, outside: bool) -> Flag:
         if outside:
