@@ -125,7 +125,7 @@ def test_every_flag_of_every_shipped_scenario_is_raised_at_the_same_step_in_time
         detectors, summaries, flags = DetectorSet(), {}, []
         i = 0
         while i < len(merged):
-            record, row = merged[i]
+            record, _row = merged[i]
             if isinstance(record, Event):
                 flags += detectors.on_event(record)
                 i += 1
