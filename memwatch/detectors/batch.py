@@ -52,17 +52,23 @@ def numpy_or_none() -> Any:
     return numpy
 
 
-def ring_columns(np: Any, rows: list[tuple[int, ...]]) -> list[numpy.ndarray] | None:
-    """A version 2 ring's sample tuples as one int64 array per field; ``None`` for a version 1 ring."""
+_READ = (2, 3, 5, 6, 7, 8, 9, 10, 11, 13, 14, 17, 18, 19, 20)
+"""The ring fields the ledger, detectors and summaries read (flags, phase, step, time, readings, KV blocks)."""
+
+
+def ring_columns(np: Any, rows: list[tuple[int, ...]]) -> list[numpy.ndarray | None] | None:
+    """A version 2 ring's sample tuples as one int64 array per field read (others ``None``); ``None`` for a
+    version 1 ring."""
     if len(rows[0]) != _RING_FIELDS:
         return None
-    return [np.array(column, dtype=np.int64) for column in zip(*rows, strict=True)]
+    columns = list(zip(*rows, strict=True))
+    return [np.array(columns[at], dtype=np.int64) if at in _READ else None for at in range(_RING_FIELDS)]
 
 
-def batchable(np: Any, fields: list[numpy.ndarray], ledger: Ledger, startup_codes: frozenset[int]) -> bool:
+def batchable(np: Any, fields: list[Any], ledger: Ledger, startup_codes: frozenset[int]) -> bool:
     """Whether the fast path covers these samples: enough of them, serving phases, every reading present, and
     a ledger with its sizing terms (else the per-sample path runs, which handles all of it)."""
-    if len(fields[0]) < MIN_BATCH:
+    if len(fields[5]) < MIN_BATCH:
         return False
     if (ledger._forward_need is None or ledger._long_lived is None or ledger._activation_reserve is None
             or ledger._budget is None):
@@ -79,7 +85,7 @@ class Columns:
                  "margin", "n", "need", "need_before", "non_torch", "np", "num_ooms", "peak", "peak_is_step", "pinned",
                  "reclaimable", "reserve", "reserved", "retries", "slack", "step", "step_activation", "ts", "used")
 
-    def __init__(self, np: Any, fields: list[numpy.ndarray], ledger: Ledger) -> None:
+    def __init__(self, np: Any, fields: list[Any], ledger: Ledger) -> None:
         self.np = np
         (_seq, _type, flags, _phase, _kind, step, ts, allocated, peak, reserved, used, free, _tokens, kv_used,
          kv_total, _seqs, _segments, active, pinned, retries, ooms) = fields

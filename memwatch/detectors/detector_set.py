@@ -149,8 +149,8 @@ class DetectorSet:
         while done < len(rows):
             state = self._ranks.get(rank)
             if fields is not None and state is not None and state.serving and state.detectors:
-                covered = self._batches(state, np, [field[done:] for field in fields], startup, run_id, rank,
-                                        rows[done:], names, summary)
+                rest = [None if field is None else field[done:] for field in fields]
+                covered = self._batches(state, np, rest, startup, run_id, rank, rows[done:], names, summary)
                 done += covered
                 if done == len(rows):
                     break
@@ -176,7 +176,7 @@ class DetectorSet:
                 self._finish_batch(state, batch, run_id, rank, rows[:size], names, summary)
                 return size
             size = min(stops)
-            fields = [field[:size] for field in fields]
+            fields = [None if field is None else field[:size] for field in fields]
         return 0
 
     @staticmethod
