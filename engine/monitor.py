@@ -112,7 +112,8 @@ class Monitor:
             # Bound once: the step reads the probe and packs one record, with no attribute chains.
             self._read_step = self.probe.read_step
             self._reset_peak = self.probe.reset_peak
-            self._write_sample = self._writer.write_sample
+            self._write_sample = self._writer.sample_writer()
+            self._acquire, self._release = self._lock.acquire, self._lock.release
             self._enabled = True
             if spawn_sidecar is None:
                 spawn_sidecar = os.environ.get("MEMWATCH_SPAWN", "1") != "0"
@@ -163,7 +164,8 @@ class Monitor:
             if self._per_step_peak:
                 self._reset_peak()
                 flags = SAMPLE_PEAK_IS_STEP
-            with self._lock:
+            self._acquire()
+            try:
                 self._step = step = self._step + 1
                 self._write_sample(
                     step, self._clock(), self._phase, _KIND_CODE(kind, 0), flags,
@@ -174,6 +176,8 @@ class Monitor:
                     UNKNOWN if num_seqs is None else num_seqs,
                     segments, active, pinned, retries, ooms,
                 )
+            finally:
+                self._release()
         except Exception as exc:
             self._disable(exc)
 

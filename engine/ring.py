@@ -78,6 +78,7 @@ import mmap
 import os
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,26 @@ class RingWriter:
         )
         self._seq = seq = seq + 1
         self._published[_PUBLISHED_WORD] = seq
+
+    def sample_writer(self) -> Callable[..., None]:
+        """:meth:`write_sample` as a closure over the map, for the Monitor's step: no attribute lookups.
+
+        It shares the sequence number with :meth:`write_event`; the caller orders the two (the Monitor's lock).
+        """
+        pack, ring, mask, published, writer = _SAMPLE.pack_into, self._map, self._mask, self._published, self
+
+        def write(step: int, ts_ns: int, phase: int, step_kind: int, flags: int, allocated: int, peak: int,
+                  reserved: int, driver_used: int, driver_free: int, num_tokens: int, kv_used: int, kv_total: int,
+                  num_seqs: int, segments: int, active: int, inactive_split: int, alloc_retries: int,
+                  num_ooms: int) -> None:
+            seq = writer._seq
+            pack(ring, HEADER_SIZE + (seq & mask) * RECORD_SIZE, seq, TYPE_SAMPLE, flags, phase, step_kind, step,
+                 ts_ns, allocated, peak, reserved, driver_used, driver_free, num_tokens, kv_used, kv_total, num_seqs,
+                 segments, active, inactive_split, alloc_retries, num_ooms)
+            writer._seq = seq = seq + 1
+            published[_PUBLISHED_WORD] = seq
+
+        return write
 
     def write_event(self, step: int, ts_ns: int, kind: str, data: dict[str, Any]) -> None:
         """Append one event as JSON chunks, published at once so a reader sees all of it or none."""
