@@ -71,6 +71,9 @@ class Drained:
     next_cursor: int
     lost: int
     """Records the writer overwrote before this reader got to them."""
+    slots: bytes = b""
+    """The copied slots the samples were unpacked from (events' too, 128 bytes each; empty when nothing was
+    read): the samples are its slots of type 1, in order, for a reader that views them as columns."""
 
 
 class RingReader:
@@ -209,7 +212,7 @@ class RingReader:
         types = blob[8::RECORD_SIZE]
         next_cursor = start + len(records)
         if types.count(TYPE_SAMPLE) == len(types):
-            return Drained(records, events, bad, next_cursor, lost)
+            return Drained(records, events, bad, next_cursor, lost, blob)
         pending: list[bytes] = []
         taken = 0  # records before this index are handled
         # Only the records that are not samples are visited one by one (found at C speed); the samples
@@ -247,7 +250,7 @@ class RingReader:
             samples += records[taken:]
         if pending:  # an event cut by ``limit`` or still being written: leave it for the next call
             next_cursor = start + len(records) - len(pending)
-        return Drained(samples, events, bad, next_cursor, lost)
+        return Drained(samples, events, bad, next_cursor, lost, blob)
 
     def _decode_event(
         self, payload: bytes, seq: int, step: int, ts_ns: int

@@ -22,6 +22,7 @@ from typing import Any
 from memwatch_engine.ring_reader import RingHeader
 
 from .detectors import INERT_EVENTS, DetectorConfig, DetectorSet, RankSummary
+from .detectors.batch import DrainColumns
 from .flags import EXTERNAL_PROCESS, Flag
 from .ledger import LedgerTerms
 from .nvml import GpuProcess, Nvml
@@ -83,14 +84,15 @@ class LiveDetectors:
         rank = header.rank  # a ring holds one rank's records
         summary = summaries.get(rank)
         if isinstance(records, RingDrain):
+            samples, columns = records.drained.samples, DrainColumns(records.drained)
             for part in records.in_order(INERT_EVENTS):
                 if type(part) is Event:
                     flags: Iterable[Flag] = detectors.on_event(part)
                 else:
                     if summary is None:
                         summary = summaries[rank] = RankSummary(rank)
-                    flags = detectors.on_ring_samples(records.run_id, rank, part, records.names,  # type: ignore[arg-type]
-                                                      summary)
+                    flags = detectors.on_ring_samples(records.run_id, rank, samples[part.start:part.stop],  # type: ignore[union-attr]
+                                                      records.names, summary, columns.part(part))  # type: ignore[arg-type]
                 self._raised(header, flags, rows)
         else:
             for record in records:

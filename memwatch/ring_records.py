@@ -71,8 +71,9 @@ class RingDrain:
             self._records = typed_records(self.run_id, self.rank, self.drained, self.names)
         return self._records
 
-    def in_order(self, inert: frozenset[str] = frozenset()) -> Iterator[list[tuple[Any, ...]] | Event]:
-        """In ring order: runs of consecutive sample tuples (lists), and each event typed between them.
+    def in_order(self, inert: frozenset[str] = frozenset()) -> Iterator[range | Event]:
+        """In ring order: runs of consecutive samples (as ranges of indexes into ``drained.samples``), and
+        each event typed between them.
 
         Events whose kind is in ``inert`` (the reader ignores them, e.g. requests) do not cut a run of
         samples: they come after everything else.
@@ -90,11 +91,11 @@ class RingDrain:
                 seqs = [row[0] for row in samples]
             end = bisect_left(seqs, seq, start)
             if end > start:
-                yield samples[start:end]
+                yield range(start, end)
             start = end
             yield event
         if start < len(samples):
-            yield samples[start:] if start else samples
+            yield range(start, len(samples))
         yield from held
 
 

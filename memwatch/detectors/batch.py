@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from memwatch.detectors.base import Episode
 from memwatch.ledger import Ledger, LedgerTerms
 from memwatch.records import Sample
+from memwatch_engine.ring import RECORD_SIZE, TYPE_SAMPLE
 
 if TYPE_CHECKING:
     import numpy
@@ -58,13 +59,57 @@ _READ = (2, 3, 5, 6, 7, 8, 9, 10, 11, 13, 14, 17, 18, 19, 20)
 """The ring fields the ledger, detectors and summaries read (flags, phase, step, time, readings, KV blocks)."""
 
 
-def ring_columns(np: Any, rows: list[tuple[int, ...]]) -> list[numpy.ndarray | None] | None:
-    """A version 2 ring's sample tuples as one int64 array per field read (others ``None``); ``None`` for a
-    version 1 ring."""
+def ring_columns(np: Any, rows: list[tuple[int, ...]], slots: bytes = b"") -> list[numpy.ndarray | None] | None:
+    """A version 2 ring's samples as one int64 array per field read (others ``None``); ``None`` for a version 1
+    ring. With the drain's ``slots`` (every sample of it, in order, among other records), the columns are read
+    from the bytes at C speed; else from the tuples."""
     if len(rows[0]) != _RING_FIELDS:
         return None
+    if slots:
+        view = np.frombuffer(slots, dtype=_slot_dtype(np))
+        view = view[view["type"] == TYPE_SAMPLE]
+        if len(view) == len(rows):
+            return [view[name].astype(np.int64) if name else None for name in _SLOT_NAMES]
     columns = list(zip(*rows, strict=True))
     return [np.array(columns[at], dtype=np.int64) if at in _READ else None for at in range(_RING_FIELDS)]
+
+
+_SLOT_FIELDS = (("type", "u1", 8), ("flags", "u1", 9), ("phase", "u1", 10), ("step", "<i8", 16), ("ts", "<i8", 24),
+                ("allocated", "<i8", 32), ("peak", "<i8", 40), ("reserved", "<i8", 48), ("used", "<i8", 56),
+                ("free", "<i8", 64), ("kv_used", "<i4", 80), ("kv_total", "<i4", 84), ("active", "<i8", 96),
+                ("pinned", "<i8", 104), ("retries", "<i4", 112), ("ooms", "<i4", 116))
+"""Where the fields read sit in a version 2 sample slot (``memwatch_engine.ring``'s layout)."""
+_SLOT_NAMES = tuple(dict(zip(_READ, [name for name, _, _ in _SLOT_FIELDS[1:]], strict=True)).get(at)
+                    for at in range(_RING_FIELDS))
+
+
+class DrainColumns:
+    """A drain's samples as columns, made once (on the first run of samples long enough to batch) and handed
+    out a run at a time."""
+
+    __slots__ = ("_drained", "_fields")
+
+    def __init__(self, drained: Any) -> None:
+        self._drained = drained
+        self._fields: list[Any] | None = None
+
+    def part(self, run: range) -> Callable[[Any], list[Any] | None]:
+        """The columns of the samples ``run`` (indexes into the drain's samples), for numpy module ``np``."""
+        def columns(np: Any) -> list[Any] | None:
+            if self._fields is None:
+                fields = ring_columns(np, self._drained.samples, self._drained.slots)
+                if fields is None:
+                    return None
+                self._fields = fields
+            return [None if field is None else field[run.start:run.stop] for field in self._fields]
+
+        return columns
+
+
+def _slot_dtype(np: Any) -> Any:
+    return np.dtype({"names": [name for name, _, _ in _SLOT_FIELDS],
+                     "formats": [kind for _, kind, _ in _SLOT_FIELDS],
+                     "offsets": [offset for _, _, offset in _SLOT_FIELDS], "itemsize": RECORD_SIZE})
 
 
 def batchable(np: Any, fields: list[Any], ledger: Ledger, startup_codes: frozenset[int]) -> bool:

@@ -9,6 +9,7 @@ do not report phases), which is the baseline every drift is measured from. Check
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -132,17 +133,18 @@ class DetectorSet:
         )
 
     def on_ring_samples(self, run_id: str, rank: int, rows: list[tuple[int, ...]], names: dict[int, str | None],
-                        summary: RankSummary) -> list[Flag]:
+                        summary: RankSummary, columns: Callable[[Any], list[Any] | None] | None = None) -> list[Flag]:
         """Consecutive samples of one rank as the ring holds them (no event between them), and the rank's
         summary kept up to date: what :meth:`on_sample` and :meth:`RankSummary.observe` on each would do,
         once per batch where :mod:`memwatch.detectors.batch` covers it, else sample by sample.
 
         Where a plan stops (a flag is raised there, a window is still filling, serving has not started),
         the samples before it go as one batch and a stretch from it sample by sample (doubling while
-        batches stay short), then the rest is tried again.
+        batches stay short), then the rest is tried again. ``columns`` gives the rows as numpy columns where
+        the caller has them cheaper (:class:`~memwatch.detectors.batch.DrainColumns`).
         """
         np = numpy_or_none() if len(rows) >= MIN_BATCH and run_id == self._run_id else None
-        fields = None if np is None else ring_columns(np, rows)
+        fields = None if np is None else (ring_columns(np, rows) if columns is None else columns(np))
         startup = frozenset(code for code, name in names.items() if name in STARTUP_PHASES)
         flags: list[Flag] = []
         done, stretch = 0, _FIRST_STRETCH
