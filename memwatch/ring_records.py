@@ -71,21 +71,15 @@ class RingDrain:
             self._records = typed_records(self.run_id, self.rank, self.drained, self.names)
         return self._records
 
-    def in_order(self, inert: frozenset[str] = frozenset()) -> Iterator[range | Event]:
+    def in_order(self, skip: frozenset[str] = frozenset()) -> Iterator[range | Event]:
         """In ring order: runs of consecutive samples (as ranges of indexes into ``drained.samples``), and
-        each event typed between them.
-
-        Events whose kind is in ``inert`` (the reader ignores them, e.g. requests) do not cut a run of
-        samples: they come after everything else.
-        """
-        samples, events = self.drained.samples, self.drained.events
-        held = []
+        each event typed between them, but those whose kind is in ``skip`` (a reader that ignores them, e.g.
+        requests, need not see them, and they do not cut a run of samples)."""
+        samples = self.drained.samples
         start = 0
         seqs: list[int] | None = None
-        for seq, step, ts_ns, kind, data in events:
-            event = Event(self.run_id, self.rank, step, ts_ns, kind, data)
-            if kind in inert:
-                held.append(event)
+        for seq, step, ts_ns, kind, data in self.drained.events:
+            if kind in skip:
                 continue
             if seqs is None:
                 seqs = [row[0] for row in samples]
@@ -93,10 +87,9 @@ class RingDrain:
             if end > start:
                 yield range(start, end)
             start = end
-            yield event
+            yield Event(self.run_id, self.rank, step, ts_ns, kind, data)
         if start < len(samples):
             yield range(start, len(samples))
-        yield from held
 
 
 _MEASURED = itemgetter(7, 8, 9, 10, 11, 13, 14, 15, 12)

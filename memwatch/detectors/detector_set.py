@@ -40,7 +40,7 @@ _FIRST_STRETCH = 8
 
 INERT_EVENTS = frozenset({"request_arrived", "request_finished", "config"})
 """Event kinds neither the ledger nor any detector reads (:meth:`DetectorSet.on_event` changes nothing for
-them once the rank is known): they need not cut a batch of samples."""
+them once the rank is known): the sidecar does not hand them to the detectors, and they do not cut a batch."""
 
 _NO_FLAGS: tuple[Flag, ...] = ()
 
