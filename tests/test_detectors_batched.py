@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from memwatch.detectors import DetectorSet, RankSummary, replay
+from memwatch.detectors import DetectorConfig, DetectorSet, RankSummary, replay
 from memwatch.detectors.base import Episode
 from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, SKIP, apply_episode, consecutive, episode_plan
 from memwatch.live import LiveDetectors
@@ -24,6 +24,7 @@ from memwatch.records import Event
 from memwatch.ring_records import RingDrain, read_ring, typed_records
 from memwatch.sim import run_scenario, shipped_scenarios
 from memwatch.sim.scorecard import START_NS
+from memwatch_engine.ring import RingWriter
 from memwatch_engine.ring_reader import RingReader
 
 np = pytest.importorskip("numpy")
@@ -55,9 +56,10 @@ class _Counting(DetectorSet):
         return covered
 
 
-def _feed(paths: list[Path], chunk: int, typed: bool) -> tuple[list[tuple[Any, ...]], LiveDetectors]:
+def _feed(paths: list[Path], chunk: int, typed: bool,
+          config: DetectorConfig | None = None) -> tuple[list[tuple[Any, ...]], LiveDetectors]:
     """Drain every ring round-robin, ``chunk`` records at a time, into one live observer."""
-    live = LiveDetectors()
+    live = LiveDetectors(config)
     readers = [RingReader(path) for path in paths]
     cursors = [0] * len(readers)
     rows: list[tuple[Any, ...]] = []
@@ -171,3 +173,77 @@ def test_an_episode_plan_matches_the_episode_sample_by_sample() -> None:
 def test_consecutive_counts_runs_carried_in() -> None:
     held = np.array([True, True, False, True, True, True, False])
     assert consecutive(np, held, 2).tolist() == [3, 4, 0, 1, 2, 3, 0]
+
+
+def _random_ring(path: Path, seed: int, steps: int) -> None:
+    """A serving rank whose memory wanders so that every detector fires, re-arms and fires again: memory
+    outside PyTorch drifting and jumping, pinned cache growing and shrinking, activations over the reserve,
+    allocator retries, a full KV cache with preemptions, and the OOM margin falling and recovering."""
+    rng = np.random.default_rng(seed)
+    gib, mib = 1 << 30, 1 << 20
+    total, weights, reserve, block, blocks = 68 * gib, 14 * gib, 4 * gib, 2 * mib, 20_000
+    kv = block * blocks
+    writer = RingWriter(path, run_id="walk", rank=0, capacity=1 << 16)
+    writer.write_event(0, 1, "phase_start", {"phase": "serve", "code": 5})
+    writer.write_event(0, 2, "weights_loaded", {"weights_bytes": weights})
+    writer.write_event(0, 3, "kv_allocated", {
+        "total_bytes": total, "gpu_memory_utilization": 0.9, "used_bytes": gib + weights,
+        "peak_bytes": weights + reserve, "current_bytes": weights, "reserved_bytes": weights, "block_bytes": block,
+        "num_blocks": blocks})
+    outside, pinned, retries, ooms, slack = 4 * gib, 32 * mib, 0, 0, 2 * gib
+    phase = 0
+    for step in range(1, steps + 1):
+        if step % 60 == 0:
+            phase = int(rng.integers(0, 6))  # for 60 steps: 0-1 calm, 2 drift up, 3 drift down, 4 jumps, 5 storms
+        outside += int(rng.integers(-2, 3)) * mib + (8 * mib if phase == 2 else -8 * mib if phase == 3 else 0)
+        if phase == 4 and rng.random() < 0.05:
+            outside += int(rng.choice([-1, 1])) * int(rng.integers(300, 900)) * mib
+        outside = max(outside, 256 * mib)
+        pinned = max(0, pinned + int(rng.integers(-40, 48 if phase == 5 else 41)) * mib)
+        slack = max(0, min(6 * gib, slack + int(rng.integers(-64, 64)) * mib))
+        allocated = weights + kv + int(rng.integers(0, 256)) * mib
+        activation = int(rng.integers(0, 5 * gib)) if phase == 5 else int(rng.integers(0, 3 * gib))
+        reserved = allocated + slack + pinned
+        used = outside + reserved
+        free = max(total - used, 0)
+        if phase == 5 and rng.random() < 0.1:
+            retries += 1
+            if rng.random() < 0.2:
+                ooms += 1
+        kv_used = blocks if phase == 5 else int(rng.integers(0, blocks))
+        writer.write_sample(step, 10 + step * 1000, 5, int(rng.integers(1, 3)), int(rng.random() < 0.95),
+                            allocated, allocated + activation, reserved, used, free, 64, kv_used, blocks, 8,
+                            60, allocated, pinned, retries, ooms)
+        if phase == 5 and rng.random() < 0.05:
+            writer.write_event(step, 10 + step * 1000 + 1, "preemption", {"count": int(rng.integers(1, 3))})
+        if rng.random() < 0.05:
+            writer.write_event(step, 10 + step * 1000 + 2, "request_arrived", {"request_id": step, "prompt_tokens": 9})
+    writer.close()
+
+
+WALK_CONFIG = DetectorConfig(
+    rearm_steps=6, drift_min_bytes=192 << 20, jump_min_bytes=256 << 20, jump_window_steps=3, jump_settle_steps=4,
+    fragmentation_min_bytes=128 << 20, fragmentation_budget_fraction=0.001, fragmentation_reserve_ratio=0.01,
+    fragmentation_sustain_steps=3, alloc_retries_warning_count=2, alloc_retries_window_steps=30,
+    reserve_judge_steps=150, kv_pressure_window_steps=20, oom_margin_min_bytes=3 << 30,
+    oom_forecast_window_steps=16, oom_forecast_min_samples=8, oom_forecast_horizon_steps=400, oom_sustain_steps=2)
+"""Thresholds low enough that the wandering rank raises every kind many times over."""
+
+
+def test_batched_path_equals_the_per_sample_path_on_wandering_ranks(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("memwatch.live.DetectorSet", _Counting)
+    kinds: set[str] = set()
+    for seed in range(4):
+        path = tmp_path / f"walk{seed}-r0.ring"
+        _random_ring(path, seed, 4000)
+        for chunk in (97, 1500):
+            _Counting.batched = 0
+            reference, reference_live = _feed([path], chunk, typed=True, config=WALK_CONFIG)
+            batched, batched_live = _feed([path], chunk, typed=False, config=WALK_CONFIG)
+            assert batched == reference, (seed, chunk)
+            assert _summaries(batched_live) == _summaries(reference_live), (seed, chunk)
+            assert _Counting.batched > 1000, (seed, chunk)  # the batched path took a good part, between flags
+        kinds |= {row[4] for row in reference}
+    assert kinds >= {"non_torch_drift", "external_process", "fragmentation", "activation_over_reserve",
+                     "alloc_retries", "kv_pressure", "oom_risk"}, kinds
