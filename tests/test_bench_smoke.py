@@ -85,15 +85,15 @@ def test_reliability_cpu_is_judged_against_the_bare_reader_of_the_same_run() -> 
     whole = {"samples": 10, "expected_samples": 10, "lost": 0, "duplicates": 0, "integrity": "ok", "running": 0,
              "peak_rss_mb": 40.0}
     # A busy machine: the light load costs 3 % of a core, over the idle machine's 2 %, but so does the bare
-    # reader beside it (2.5 %): 1.2 × is within 1.5 ×. The heavy load: 60 % against 6 %, 10 × within 10 ×.
+    # reader beside it (2.5 %): 1.2 × is within 2 ×. The heavy load: 60 % against 6 %, 10 × within 10 ×.
     busy = judged({**whole, "cpu_percent": 3.0, "baseline_cpu_percent": 2.5},
                   {**whole, "cpu_percent": 60.0, "baseline_cpu_percent": 6.0}, whole, whole)
     assert [ok for *_, ok in busy] == [True, True, True, True]
-    # Under the absolute figures yet twice and 13 × the bare reader: missed; so are 151 MB and a lost sample.
     slow = judged({**whole, "cpu_percent": 1.0, "baseline_cpu_percent": 1.0},
                   {**whole, "cpu_percent": 30.0, "baseline_cpu_percent": 6.0, "level_after_s": 1.5}, whole, whole)
     assert [ok for *_, ok in slow] == [True, False, True, True]  # level 1.5 s after the writers stopped
-    costly = judged({**whole, "cpu_percent": 1.0, "baseline_cpu_percent": 0.5},
+    # Under the absolute figures yet 2.5 and 13 × the bare reader: missed; so are 151 MB and a lost sample.
+    costly = judged({**whole, "cpu_percent": 1.0, "baseline_cpu_percent": 0.4},
                     {**whole, "cpu_percent": 39.0, "baseline_cpu_percent": 3.0, "peak_rss_mb": 40.0},
                     {**whole, "peak_rss_mb": 151.0}, {**whole, "lost": 1})
     assert [ok for *_, ok in costly] == [False, False, False, False]
