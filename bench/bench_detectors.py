@@ -18,9 +18,12 @@ import random
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 from memwatch.detectors import DetectorSet, RankSummary
+from memwatch.detectors.batch import DrainColumns
 from memwatch.records import Event, Sample
+from memwatch_engine.ring import _SAMPLE_SLOT
 
 TARGET_RATIO = 30.0
 """Detectors' time per sample over the unpack loop's: 200,000 samples/s where unpacking runs ~6 million/s."""
@@ -107,21 +110,33 @@ def ring_rows(samples: list[Sample]) -> dict[int, list[tuple[int, ...]]]:
     return rows
 
 
-def batched(rows: dict[int, list[tuple[int, ...]]]) -> tuple[float, int]:
-    """Seconds for the sidecar's path: per rank, drains of ``BATCH`` ring tuples with the rank's summary."""
-    detector_set = DetectorSet()
-    for rank in rows:
-        detector_set.on_event(kv_allocated(rank))
-    summaries = {rank: RankSummary(rank) for rank in rows}
-    names = {5: "serve"}
-    flags = 0
-    started = time.perf_counter()
+def drains(rows: dict[int, list[tuple[int, ...]]]) -> list[tuple[int, SimpleNamespace]]:
+    """The rows as the sidecar drains them: ``BATCH`` a rank at a time, with the ring slots they were read from."""
+    out = []
     longest = max(len(ranked) for ranked in rows.values())
     for start in range(0, longest, BATCH):
         for rank, ranked in rows.items():
-            if start < len(ranked):
-                flags += len(detector_set.on_ring_samples("bench", rank, ranked[start:start + BATCH], names,
-                                                          summaries[rank]))
+            part = ranked[start:start + BATCH]
+            if part:
+                slots = b"".join(_SAMPLE_SLOT.pack(*row) for row in part)
+                out.append((rank, SimpleNamespace(samples=part, slots=slots)))
+    return out
+
+
+def batched(drained: list[tuple[int, SimpleNamespace]]) -> tuple[float, int]:
+    """Seconds for the sidecar's path: per rank, drains of ``BATCH`` samples (columns read from the ring slots as
+    the sidecar reads them), with the rank's summary."""
+    detector_set = DetectorSet()
+    for rank in {rank for rank, _ in drained}:
+        detector_set.on_event(kv_allocated(rank))
+    summaries: dict[int, RankSummary] = {}
+    names = {5: "serve"}
+    flags = 0
+    started = time.perf_counter()
+    for rank, drain in drained:
+        summary = summaries.get(rank) or summaries.setdefault(rank, RankSummary(rank))
+        flags += len(detector_set.on_ring_samples("bench", rank, drain.samples, names, summary,
+                                                  DrainColumns(drain).part(range(len(drain.samples)))))
     return time.perf_counter() - started, flags
 
 
@@ -136,17 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     count = args.samples
     samples = serving_samples(count)
-    rows = ring_rows(samples)
+    drained = drains(ring_rows(samples))
     warm = samples[: max(1, count // 10)]
     baseline(warm)
     detectors(warm)
-    batched(ring_rows(warm))
+    batched(drains(ring_rows(warm)))
     baseline_s, detectors_s, batched_s = [], [], []
     for _ in range(max(1, args.repeats)):
         baseline_s.append(baseline(samples))
         seconds, flags = detectors(samples)
         detectors_s.append(seconds)
-        seconds, batched_flags = batched(rows)
+        seconds, batched_flags = batched(drained)
         batched_s.append(seconds)
     ratio = statistics.median(detectors_s) / statistics.median(baseline_s)
     ratio_batched = statistics.median(batched_s) / statistics.median(baseline_s)
