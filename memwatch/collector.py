@@ -38,7 +38,8 @@ ALIVE_CHECK_S = 1.0
 Observer = Callable[[RingHeader, list[Sample | Event]], Iterable[tuple[Any, ...]]]
 """Called with every drained record of a ring, in order; returns flag rows to store. An observer with
 ``takes_drain = True`` is called with the :class:`~memwatch.ring_records.RingDrain` instead (the ring's own
-tuples: the live detectors, which would otherwise pay for a typed record per sample)."""
+tuples: the live detectors, which would otherwise pay for a typed record per sample), one with
+``events_only = True`` with the drain's events alone."""
 
 
 @dataclass
@@ -285,7 +286,12 @@ class Collector:
         if self._observers:
             drain = RingDrain(run_id, rank, drained, names)  # typed records only for observers that want them
             for observer in self._observers:
-                given = drain if getattr(observer, "takes_drain", False) else drain.records
+                if getattr(observer, "takes_drain", False):
+                    given: Any = drain
+                elif getattr(observer, "events_only", False):
+                    given = drain.events
+                else:
+                    given = drain.records
                 batch.flags.extend(observer(header, given))
                 statements = getattr(observer, "statements", None)  # e.g. per-rank summaries kept live
                 if statements is not None:

@@ -56,7 +56,8 @@ def typed_records(run_id: str, rank: int, drained: Any, names: dict[int, str | N
 
 class RingDrain:
     """One drain of one ring as the collector hands it to observers that read the ring's own tuples
-    (``takes_drain = True``; the live detectors): typed records are built only if someone asks."""
+    (``takes_drain = True``; the live detectors): typed records are built only if someone asks, and observers
+    that read events alone (``events_only = True``) get just those."""
 
     __slots__ = ("_records", "drained", "names", "rank", "run_id")
 
@@ -70,6 +71,12 @@ class RingDrain:
         if self._records is None:
             self._records = typed_records(self.run_id, self.rank, self.drained, self.names)
         return self._records
+
+    @property
+    def events(self) -> list[Event]:
+        """The drain's events typed, in order (for observers that read no sample)."""
+        return [Event(self.run_id, self.rank, step, ts_ns, kind, data)
+                for _seq, step, ts_ns, kind, data in self.drained.events]
 
     def in_order(self, skip: frozenset[str] = frozenset()) -> Iterator[range | Event]:
         """In ring order: runs of consecutive samples (as ranges of indexes into ``drained.samples``), and

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memwatch.errors import MemwatchError
-from memwatch.records import Event
-from memwatch.ring_records import RingDrain
+from memwatch.records import Event, Sample
 from memwatch.snapshot.importer import snapshot_events
 from memwatch.snapshot.reader import read_snapshot
 from memwatch.store.writer import Batch, StoreWriter
@@ -48,8 +47,8 @@ def trusted_snapshot(path: Path) -> str | None:
 class SnapshotImporter:
     """Collector observer: imports the snapshot an ``oom`` event names; stores no flags itself."""
 
-    takes_drain = True
-    """Called with the ring's own tuples: it looks at ``oom`` events only, never at a sample."""
+    events_only = True
+    """The collector hands it a drain's events alone: it never looks at a sample (and typing them costs)."""
 
     def __init__(self, writer: StoreWriter, open_reader: Callable[[], Any]) -> None:
         self._writer = writer
@@ -58,10 +57,9 @@ class SnapshotImporter:
         self._seen: set[str] = set()
         self.imported = 0
 
-    def __call__(self, header: RingHeader, drain: RingDrain) -> list[tuple[Any, ...]]:
-        for _seq, step, ts_ns, kind, data in drain.drained.events:
-            if kind == "oom":
-                record = Event(drain.run_id, drain.rank, step, ts_ns, kind, data)
+    def __call__(self, header: RingHeader, records: list[Sample | Event]) -> list[tuple[Any, ...]]:
+        for record in records:
+            if type(record) is Event and record.kind == "oom":
                 path = record.data.get("snapshot_path")
                 if isinstance(path, str) and path and path not in self._seen:
                     self._seen.add(path)
