@@ -177,7 +177,7 @@ class DetectorSet:
                     plan()  # type: ignore[operator]
                 self._finish_batch(state, batch, run_id, rank, rows[:size], names, summary)
                 return size
-            size = min(stops)
+            size = min(*stops, size - 1)  # a stop covers fewer samples than the batch it was given: progress
             fields = [None if field is None else field[:size] for field in fields]
         return 0
 
