@@ -17,11 +17,10 @@ that it measures what warmup measured: the forward's own rise.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from memwatch.detectors.base import Detector, Episode, make_flag
-from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, SKIP, apply_episode, episode_plan
+from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, SKIP, Plan, apply_episode, episode_plan
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_bytes, format_count
 from memwatch.flags import ACTIVATION_OVER_RESERVE, INFO, RESERVE_OVERSTATED, WARNING, Flag
@@ -69,7 +68,7 @@ class ActivationOverReserveDetector(Detector):
         )
 
 
-    def plan(self, batch: Columns) -> Callable[[], None] | int:
+    def plan(self, batch: Columns) -> Plan:
         np = batch.np
         over = batch.step_activation - self._settled - batch.reserve
         actions = np.where(batch.peak_is_step, np.where(over <= self._tolerance, np.where(over <= 0, CLEAR, NOT_CLEAR),
@@ -128,7 +127,7 @@ class ReserveOverstatedDetector(Detector):
         )
 
 
-    def plan(self, batch: Columns) -> Callable[[], None] | int:
+    def plan(self, batch: Columns) -> Plan:
         if self._steps >= self._judge_steps:
             return _nothing
         activations = batch.step_activation[batch.peak_is_step] - self._settled

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from memwatch.flags import Flag
@@ -11,7 +10,7 @@ from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
 
 if TYPE_CHECKING:
-    from memwatch.detectors.batch import Columns
+    from memwatch.detectors.batch import Columns, Plan
 
 
 class Detector(ABC):
@@ -34,7 +33,7 @@ class Detector(ABC):
     def on_event(self, event: Event) -> None:  # noqa: B027 (optional hook)
         """Take in an event of this rank (most detectors need none)."""
 
-    def plan(self, batch: Columns) -> Callable[[], None] | int:
+    def plan(self, batch: Columns) -> Plan:
         """For a batch of serving samples (:mod:`memwatch.detectors.batch`): a function that leaves this
         detector as :meth:`observe` on each sample would; or, where the batch raises a flag here or holds
         what only :meth:`observe` handles, the number of leading samples before that (a plan of just those

@@ -2,12 +2,13 @@
 
 The sidecar drains a ring a few hundred samples at a time. Fed one by one, the ledger, seven detectors
 and the rank's summary cost more than storing the sample; here they run once per batch, vectorised with
-numpy, on the ring's own tuples (no typed record per sample). Exactness comes from a division of labour:
-each detector's ``plan`` says, from the batch's columns, what its state is after the batch *provided the
-batch raises no flag*; if any detector would raise one, or the batch holds something a plan does not
-cover (start-up phases, missing readings, a step change under way), the batch goes through the
-per-sample code instead, which stays the reference. So the flags are those of the per-sample path, at
-the same steps, with the same words; only their cost changes.
+numpy over columns read straight from the copied ring slots (no typed record per sample). Exactness comes
+from a division of labour: each detector's ``plan`` says, from the batch's columns, what its state is
+after the batch *provided the batch raises no flag there*; where one would, or where the batch holds
+something a plan does not cover (start-up phases, missing readings, a step change under way, a window
+still filling), the plan says how many samples before that it covers. Those go as one batch, and from
+there the per-sample code, which stays the reference, takes over for a stretch. So the flags are those
+of the per-sample path, at the same steps, with the same words; only their cost changes.
 
 numpy is imported here only, and only by the sidecar's batch path (the command line never loads it).
 """

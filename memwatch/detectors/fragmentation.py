@@ -17,11 +17,10 @@ NVML-only runs) are not judged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from memwatch.detectors.base import Detector, Episode, make_flag
-from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, apply_episode, consecutive, episode_plan
+from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, Plan, apply_episode, consecutive, episode_plan
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_bytes
 from memwatch.flags import FRAGMENTATION, WARNING, Flag
@@ -83,7 +82,7 @@ class FragmentationDetector(Detector):
             return None
         return self._flag(sample, terms, pinned, excess, threshold)
 
-    def plan(self, batch: Columns) -> Callable[[], None] | int:
+    def plan(self, batch: Columns) -> Plan:
         if self._baseline is None or self._threshold is None:
             return 0
         np, threshold = batch.np, self._threshold

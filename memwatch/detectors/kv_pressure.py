@@ -10,11 +10,10 @@ preemptions happened within the last ``kv_pressure_window_steps`` steps; it re-a
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from memwatch.detectors.base import Detector, Episode, make_flag
-from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, apply_episode, episode_plan
+from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, Plan, apply_episode, episode_plan
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_count
 from memwatch.flags import KV_PRESSURE, WARNING, Flag
@@ -51,7 +50,7 @@ class KvPressureDetector(Detector):
         self._recent_count += count
         self._total += count
 
-    def plan(self, batch: Columns) -> Callable[[], None] | int:
+    def plan(self, batch: Columns) -> Plan:
         np, recent = batch.np, self._recent
         if not recent:
             counts = np.zeros(batch.n, dtype=np.int64)

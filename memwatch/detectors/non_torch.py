@@ -19,11 +19,10 @@ capture move this number by design.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from memwatch.detectors.base import Detector, Episode, make_flag
-from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, apply_episode, episode_plan
+from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, Plan, apply_episode, episode_plan
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_bytes, format_count
 from memwatch.flags import EXTERNAL_PROCESS, NON_TORCH_DRIFT, WARNING, Flag
@@ -89,7 +88,7 @@ class NonTorchDetector(Detector):
         drift_flag = self._watch_drift(sample, non_torch)
         return jump_flag if jump_flag is not None else drift_flag
 
-    def plan(self, batch: Columns) -> Callable[[], None] | int:
+    def plan(self, batch: Columns) -> Plan:
         if self._baseline is None or self._pending_age != _NO_JUMP:
             return 0
         np, n = batch.np, batch.n

@@ -26,7 +26,6 @@ the level rule; the sustain keeps a single noisy reading from raising anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors.base import Detector, Episode, make_flag
@@ -35,6 +34,7 @@ from memwatch.detectors.batch import (
     FIRE,
     NOT_CLEAR,
     SKIP,
+    Plan,
     active_after,
     apply_episode,
     consecutive,
@@ -149,7 +149,7 @@ class OomRiskDetector(Detector):
              "steps_to_zero": steps_to_zero, "ns_to_zero": ns_to_zero, "trend_steps": steps},
         )
 
-    def plan(self, batch: Columns) -> Callable[[], None] | int:
+    def plan(self, batch: Columns) -> Plan:
         window = len(self._margins)
         if self._filled < window or any(value is None for value in self._non_torch):
             return 0  # the window fills sample by sample

@@ -14,11 +14,10 @@ cache it had built is gone. ``num_alloc_retries`` counts them (cumulative, per p
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from memwatch.detectors.base import Detector, Episode, make_flag
-from memwatch.detectors.batch import CLEAR, NOT_CLEAR, apply_episode, episode_plan
+from memwatch.detectors.batch import CLEAR, NOT_CLEAR, Plan, apply_episode, episode_plan
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_bytes, format_count
 from memwatch.flags import ALLOC_RETRIES, INFO, WARNING, Flag
@@ -80,7 +79,7 @@ class AllocRetriesDetector(Detector):
             return self._flag(sample, terms, retries, INFO)
         return None
 
-    def plan(self, batch: Columns) -> Callable[[], None] | int:
+    def plan(self, batch: Columns) -> Plan:
         if self._last is None or self._last_ooms is None:
             return 0
         np = batch.np
