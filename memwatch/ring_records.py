@@ -11,6 +11,7 @@ from bisect import bisect_left
 from collections.abc import Iterator
 from operator import itemgetter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from memwatch_engine.ring import STEP_KINDS
@@ -52,6 +53,11 @@ def typed_records(run_id: str, rank: int, drained: Any, names: dict[int, str | N
     merged += [(seq, Event(run_id, rank, step, ts_ns, kind, data)) for seq, step, ts_ns, kind, data in drained.events]
     merged.sort(key=lambda pair: pair[0])
     return [record for _, record in merged]
+
+
+def typed_sample(run_id: str, rank: int, row: tuple[Any, ...], names: dict[int, str | None]) -> Sample:
+    """One ring sample tuple as a typed :class:`Sample`, as :func:`typed_records` builds it."""
+    return typed_records(run_id, rank, SimpleNamespace(samples=[row], events=()), names)[0]  # type: ignore[return-value]
 
 
 class RingDrain:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors.base import Episode
@@ -201,13 +200,6 @@ def consecutive(np: Any, condition: numpy.ndarray, before: int) -> numpy.ndarray
     positions = np.arange(len(condition))
     last_break = np.maximum.accumulate(np.where(condition, -1, positions))
     return np.where(condition, np.where(last_break >= 0, positions - last_break, positions + 1 + before), 0)
-
-
-def sample_of(run_id: str, rank: int, row: tuple[int, ...], names: dict[int, str | None]) -> Sample:
-    """One ring tuple as a typed :class:`Sample` (as :func:`memwatch.ring_records.typed_records` builds it)."""
-    from memwatch.ring_records import typed_records
-
-    return typed_records(run_id, rank, SimpleNamespace(samples=[row], events=[]), names)[0]  # type: ignore[return-value]
 
 
 def terms_at(ledger: Ledger, sample: Sample, need_before: int) -> LedgerTerms:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors.activation import ActivationOverReserveDetector, ReserveOverstatedDetector
 from memwatch.detectors.base import Detector
-from memwatch.detectors.batch import MIN_BATCH, Columns, batchable, numpy_or_none, ring_columns, sample_of, terms_at
+from memwatch.detectors.batch import MIN_BATCH, Columns, batchable, numpy_or_none, ring_columns, terms_at
 from memwatch.detectors.block_count import BlockCountCheck
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.fragmentation import FragmentationDetector
@@ -27,7 +27,7 @@ from memwatch.errors import UsageError
 from memwatch.flags import Flag
 from memwatch.ledger import KV_ALLOCATED, Ledger, LedgerTerms
 from memwatch.records import Event, Sample
-from memwatch.ring_records import typed_records
+from memwatch.ring_records import typed_records, typed_sample
 
 if TYPE_CHECKING:
     from memwatch.detectors.summary import RankSummary
@@ -186,14 +186,14 @@ class DetectorSet:
                       names: dict[int, str | None], summary: RankSummary) -> None:
         """The ledger and summary after a batch: the last sample through the ledger's own code."""
         ledger = state.ledger
-        last = sample_of(run_id, rank, rows[-1], names)
+        last = typed_sample(run_id, rank, rows[-1], names)
         ledger._forward_need = int(batch.need_before[-1])
         state.last_terms = terms = ledger.on_sample(last)
 
         def sample_at(index: int) -> tuple[Sample, LedgerTerms]:
             if index == batch.n - 1:
                 return last, terms
-            sample = sample_of(run_id, rank, rows[index], names)
+            sample = typed_sample(run_id, rank, rows[index], names)
             return sample, terms_at(ledger, sample, int(batch.need_before[index]))
 
         summary.observe_batch(batch, sample_at, terms)
