@@ -78,6 +78,7 @@ import mmap
 import os
 import re
 import struct
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,8 @@ class RingWriter:
     ) -> None:
         if capacity <= 0 or capacity & (capacity - 1):
             raise ValueError(f"ring capacity must be a power of two, got {capacity}")
+        if sys.byteorder != "little":
+            raise ValueError("rings are written on little-endian hosts only")
         if not RUN_ID_PATTERN.match(run_id):
             raise ValueError(f"run id {run_id!r} must be 1-16 letters, digits, '.', '_' or '-'")
         meta_bytes = json.dumps(meta or {}, separators=(",", ":")).encode()
@@ -195,7 +198,8 @@ class RingWriter:
         self._seq = 0
         self._pack_sample = _SAMPLE.pack_into
         # The header's ``published`` counter as an aligned 8-byte word: one store (struct's pack_into zero-fills
-        # first, so a reader could see the count at 0).
+        # first, so a reader could see the count at 0). The word is in native order, the ring's own on the
+        # little-endian hosts memwatch runs on (checked above).
         self._published = memoryview(self._map).cast("Q")
 
     @property
