@@ -18,6 +18,7 @@ from memwatch.detectors.kv_pressure import KvPressureDetector
 from memwatch.detectors.non_torch import NonTorchDetector
 from memwatch.detectors.oom import OomRiskDetector, oom_flag
 from memwatch.detectors.retries import AllocRetriesDetector
+from memwatch.detectors.torch_drift import TorchDriftDetector
 from memwatch.errors import UsageError
 from memwatch.flags import Flag
 from memwatch.ledger import KV_ALLOCATED, Ledger, LedgerTerms
@@ -114,6 +115,7 @@ class DetectorSet:
             KvPressureDetector(config, block_bytes),
             OomRiskDetector(config),
             AllocRetriesDetector(config),
+            TorchDriftDetector(config),
         )
 
     def on_sample(self, sample: Sample) -> tuple[Flag, ...]:
