@@ -3,8 +3,9 @@
 Warmup measures the activation reserve as ``peak - current`` around one worst-case forward. Two
 ways it goes wrong are visible once each serving step reports its own allocator peak
 (``Sample.peak_is_step``). A step's activation is its peak above the long-lived memory, less what was
-already allocated above it when serving started (CUDA-graph buffers an engine did not declare), so
-that it measures what warmup measured: the forward's own rise.
+already allocated above it when serving started (CUDA-graph buffers an engine did not declare) or,
+when more, what stayed allocated after the step (tensors kept across steps), so that it measures
+what warmup measured: the forward's own rise, never a leak.
 
 * ``activation_over_reserve``: a step's activation peak above the reserve by more than
   ``activation_tolerance_bytes``: the warmup batch was smaller than the real worst case, or ran as
@@ -49,7 +50,13 @@ class ActivationOverReserveDetector(Detector):
         reserve = terms.activation_reserve_bytes
         if step_peak is None or reserve is None:
             return None
-        activation = step_peak - self._settled
+        # The step's own baseline: what stayed allocated after it, never below the serving start, so that
+        # memory kept across steps (a leak, measured by ``torch_drift``) is not read as activation.
+        baseline = self._settled
+        now = terms.activation_now_bytes
+        if now is not None and now > baseline:
+            baseline = now
+        activation = step_peak - baseline
         over = activation - reserve
         if over <= self._tolerance:
             self._episode.settle(over <= 0)
@@ -63,7 +70,7 @@ class ActivationOverReserveDetector(Detector):
             f"reserve of {format_bytes(reserve)} by {format_bytes(over)}: warmup ran a smaller batch than "
             f"serving (too short, or as decode)",
             {"step_activation_bytes": activation, "step_activation_peak_bytes": step_peak,
-             "settled_activation_bytes": self._settled, "activation_reserve_bytes": reserve, "over_bytes": over,
+             "settled_activation_bytes": baseline, "activation_reserve_bytes": reserve, "over_bytes": over,
              "step_kind": sample.step_kind, "num_tokens": sample.num_tokens, "num_seqs": sample.num_seqs},
         )
 

@@ -23,6 +23,7 @@ from memwatch.detectors.kv_pressure import KvPressureDetector
 from memwatch.detectors.non_torch import NonTorchDetector
 from memwatch.detectors.oom import OomRiskDetector, oom_flag
 from memwatch.detectors.retries import AllocRetriesDetector
+from memwatch.detectors.torch_drift import TorchDriftDetector
 from memwatch.errors import UsageError
 from memwatch.flags import Flag
 from memwatch.ledger import KV_ALLOCATED, Ledger, LedgerTerms
@@ -130,6 +131,7 @@ class DetectorSet:
             KvPressureDetector(config, block_bytes),
             OomRiskDetector(config),
             AllocRetriesDetector(config),
+            TorchDriftDetector(config),
         )
 
     def on_ring_samples(self, run_id: str, rank: int, rows: list[tuple[int, ...]], names: dict[int, str | None],

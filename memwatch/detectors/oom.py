@@ -58,7 +58,7 @@ DRIVER_FREE = "driver_free"
 class OomRiskDetector(Detector):
     """``oom_risk`` for one rank."""
 
-    __slots__ = ("_filled", "_forecast", "_horizon", "_index", "_level", "_margins", "_min_margin",
+    __slots__ = ("_filled", "_forecast", "_horizon", "_index", "_kept", "_level", "_margins", "_min_margin",
                  "_min_samples", "_non_torch", "_run", "_steps", "_sustain", "_times")
 
     def __init__(self, config: DetectorConfig) -> None:
@@ -73,6 +73,7 @@ class OomRiskDetector(Detector):
         self._steps = [0] * window
         self._times = [0] * window
         self._non_torch: list[int | None] = [None] * window
+        self._kept: list[int | None] = [None] * window
         self._index = 0
         self._filled = 0
         self._run = 0
@@ -98,9 +99,11 @@ class OomRiskDetector(Detector):
                 middle -= window
         old_margin, old_step, old_ts = margins[oldest], self._steps[oldest], self._times[oldest]
         old_non_torch = self._non_torch[oldest]
+        old_kept = self._kept[oldest]
         middle_margin = margins[middle]
         margins[index], self._steps[index], self._times[index] = margin, sample.step, sample.ts_ns
         self._non_torch[index] = non_torch
+        self._kept[index] = terms.torch_kept_bytes
         self._index = index + 1 if index + 1 < window else 0
 
         drop = old_margin - margin
@@ -132,10 +135,22 @@ class OomRiskDetector(Detector):
             return None
         if not self._forecast.fire():
             return None
+        # The rate from the onset: a window that reaches back before the fall began would read it low.
+        onset = self._onset(index, old_margin)
+        if onset >= 0:
+            old_margin, old_step, old_ts = margins[onset], self._steps[onset], self._times[onset]
+            drop, steps = old_margin - margin, max(sample.step - self._steps[onset], 1)
+            steps_to_zero = judged * steps // drop if drop > 0 else steps_to_zero
         elapsed_ns = sample.ts_ns - old_ts
-        ns_to_zero = judged * elapsed_ns // drop if elapsed_ns > 0 else None
+        ns_to_zero = judged * elapsed_ns // drop if elapsed_ns > 0 and drop > 0 else None
         slope = drop // steps
         when = "" if ns_to_zero is None else f" ({format_duration_ns(ns_to_zero)})"
+        kept = terms.torch_kept_bytes
+        cause = None
+        if outside:
+            cause = "non_torch_bytes"
+        elif kept is not None and old_kept is not None and 2 * (kept - old_kept) >= old_margin - margin > 0:
+            cause = "torch_kept_bytes"
         if outside:
             words = (f"memory outside PyTorch is growing, and PyTorch's cache is not released for it: the driver's "
                      f"free memory ({format_bytes(judged)} after the next worst-case forward) is falling by "
@@ -143,11 +158,26 @@ class OomRiskDetector(Detector):
         else:
             words = (f"the OOM margin of {format_bytes(judged)} is falling by {format_bytes(slope)}/step: the next "
                      f"worst-case forward will not fit in about {format_count(steps_to_zero)} steps{when}")
-        return make_flag(
-            sample, OOM_RISK, WARNING, words,
-            {**_margin_data(sample, terms, judged, outside), "slope_bytes_per_step": slope,
-             "steps_to_zero": steps_to_zero, "ns_to_zero": ns_to_zero, "trend_steps": steps},
-        )
+        data = {**_margin_data(sample, terms, judged, outside), "slope_bytes_per_step": slope,
+                "steps_to_zero": steps_to_zero, "ns_to_zero": ns_to_zero, "trend_steps": steps}
+        if cause == "torch_kept_bytes":
+            words += "; the cause is PyTorch memory kept across steps, which is growing (see torch_drift)"
+            data["cause"] = cause
+        return make_flag(sample, OOM_RISK, WARNING, words, data)
+
+    def _onset(self, newest: int, start_margin: int) -> int:
+        """The last slot before ``newest`` whose margin had not yet fallen below the window's first, ``-1``
+        when none did (on the flagging path only: a scan of the window)."""
+        margins, window, filled = self._margins, len(self._margins), self._filled
+        onset = -1
+        position = newest + 1 if filled == window else 0
+        for _ in range(filled - 1):
+            if position >= window:
+                position = 0
+            if margins[position] >= start_margin:
+                onset = position
+            position += 1
+        return onset
 
     def plan(self, batch: Columns) -> Plan:
         window = len(self._margins)
