@@ -177,8 +177,9 @@ def test_consecutive_counts_runs_carried_in() -> None:
 
 def _random_ring(path: Path, seed: int, steps: int) -> None:
     """A serving rank whose memory wanders so that every detector fires, re-arms and fires again: memory
-    outside PyTorch drifting and jumping, pinned cache growing and shrinking, activations over the reserve,
-    allocator retries, a full KV cache with preemptions, and the OOM margin falling and recovering."""
+    outside PyTorch drifting and jumping, tensors kept across steps, pinned cache growing and shrinking,
+    activations over the reserve, allocator retries, a full KV cache with preemptions, and the OOM margin
+    falling and recovering."""
     rng = np.random.default_rng(seed)
     gib, mib = 1 << 30, 1 << 20
     total, weights, reserve, block, blocks = 68 * gib, 14 * gib, 4 * gib, 2 * mib, 20_000
@@ -190,18 +191,20 @@ def _random_ring(path: Path, seed: int, steps: int) -> None:
         "total_bytes": total, "gpu_memory_utilization": 0.9, "used_bytes": gib + weights,
         "peak_bytes": weights + reserve, "current_bytes": weights, "reserved_bytes": weights, "block_bytes": block,
         "num_blocks": blocks})
-    outside, pinned, retries, ooms, slack = 4 * gib, 32 * mib, 0, 0, 2 * gib
+    outside, pinned, retries, ooms, slack, kept = 4 * gib, 32 * mib, 0, 0, 2 * gib, 0
     phase = 0
     for step in range(1, steps + 1):
         if step % 60 == 0:
-            phase = int(rng.integers(0, 6))  # for 60 steps: 0-1 calm, 2 drift up, 3 drift down, 4 jumps, 5 storms
+            phase = int(rng.integers(0, 7))  # for 60 steps: 0-1 calm, 2 drift up, 3 drift down, 4 jumps, 5 storms,
+            # 6 tensors kept across steps (a leak inside PyTorch)
         outside += int(rng.integers(-2, 3)) * mib + (8 * mib if phase == 2 else -8 * mib if phase == 3 else 0)
         if phase == 4 and rng.random() < 0.05:
             outside += int(rng.choice([-1, 1])) * int(rng.integers(300, 900)) * mib
         outside = max(outside, 256 * mib)
         pinned = max(0, pinned + int(rng.integers(-40, 48 if phase == 5 else 41)) * mib)
         slack = max(0, min(6 * gib, slack + int(rng.integers(-64, 64)) * mib))
-        allocated = weights + kv + int(rng.integers(0, 256)) * mib
+        kept += 6 * mib if phase == 6 else 0
+        allocated = weights + kv + kept + int(rng.integers(0, 64)) * mib
         activation = int(rng.integers(0, 5 * gib)) if phase == 5 else int(rng.integers(0, 3 * gib))
         reserved = allocated + slack + pinned
         used = outside + reserved
@@ -222,7 +225,8 @@ def _random_ring(path: Path, seed: int, steps: int) -> None:
 
 
 WALK_CONFIG = DetectorConfig(
-    rearm_steps=6, drift_min_bytes=192 << 20, jump_min_bytes=256 << 20, jump_window_steps=3, jump_settle_steps=4,
+    rearm_steps=6, drift_min_bytes=192 << 20, torch_drift_min_bytes=128 << 20, torch_drift_window_steps=40,
+    jump_min_bytes=256 << 20, jump_window_steps=3, jump_settle_steps=4,
     fragmentation_min_bytes=128 << 20, fragmentation_budget_fraction=0.001, fragmentation_reserve_ratio=0.01,
     fragmentation_sustain_steps=3, alloc_retries_warning_count=2, alloc_retries_window_steps=30,
     reserve_judge_steps=150, kv_pressure_window_steps=20, oom_margin_min_bytes=3 << 30,
@@ -246,4 +250,4 @@ def test_batched_path_equals_the_per_sample_path_on_wandering_ranks(tmp_path: Pa
             assert _Counting.batched > 1000, (seed, chunk)  # the batched path took a good part, between flags
         kinds |= {row[4] for row in reference}
     assert kinds >= {"non_torch_drift", "external_process", "fragmentation", "activation_over_reserve",
-                     "alloc_retries", "kv_pressure", "oom_risk"}, kinds
+                     "alloc_retries", "kv_pressure", "oom_risk", "torch_drift"}, kinds

@@ -77,7 +77,8 @@ class ActivationOverReserveDetector(Detector):
 
     def plan(self, batch: Columns) -> Plan:
         np = batch.np
-        over = batch.step_activation - self._settled - batch.reserve
+        # The step's own baseline, as observe() takes it: what stayed allocated after it, never below the start.
+        over = batch.step_activation - np.maximum(batch.activation_now, self._settled) - batch.reserve
         actions = np.where(batch.peak_is_step, np.where(over <= self._tolerance, np.where(over <= 0, CLEAR, NOT_CLEAR),
                                                         FIRE), SKIP)
         episode = episode_plan(np, self._episode, actions)

@@ -128,9 +128,10 @@ def batchable(np: Any, fields: list[Any], ledger: Ledger, startup_codes: frozens
 class Columns:
     """One rank's batch as columns, with the ledger terms the detectors read, computed once."""
 
-    __slots__ = ("active", "allocated", "budget", "driver_free", "headroom", "kv_total", "kv_used", "long_lived",
-                 "margin", "n", "need", "need_before", "non_torch", "np", "num_ooms", "peak", "peak_is_step", "pinned",
-                 "reclaimable", "reserve", "reserved", "retries", "slack", "step", "step_activation", "ts", "used")
+    __slots__ = ("activation_now", "active", "allocated", "budget", "driver_free", "headroom", "kept", "kv_total",
+                 "kv_used", "long_lived", "margin", "n", "need", "need_before", "non_torch", "np", "num_ooms", "peak",
+                 "peak_is_step", "pinned", "reclaimable", "reserve", "reserved", "retries", "slack", "step",
+                 "step_activation", "ts", "used")
 
     def __init__(self, np: Any, fields: list[Any], ledger: Ledger) -> None:
         self.np = np
@@ -154,6 +155,8 @@ class Columns:
         self.reserve: int = ledger._activation_reserve  # type: ignore[assignment]
         self.budget: int = ledger._budget  # type: ignore[assignment]
         self.step_activation = peak - self.long_lived  # meaningful where peak_is_step only
+        self.activation_now = allocated - self.long_lived
+        self.kept = self.activation_now + ledger._torch_other  # torch_kept_bytes
         self.headroom = self.budget - self.non_torch - self.long_lived - self.reserve
 
 

@@ -191,6 +191,7 @@ class OomRiskDetector(Detector):
 
         margins, steps = history(self._margins, batch.margin), history(self._steps, batch.step)
         times, non_torch = history(self._times, batch.ts), history(self._non_torch, batch.non_torch)
+        kept = [self._kept[k] for k in order] + batch.kept.tolist()  # read on the flagging path only
         margin, free, nt = batch.margin, batch.driver_free, batch.non_torch
         old_margin, middle_margin = margins[:n], margins[window // 2: window // 2 + n]
         driver_margin = np.where(free >= margin, margin, free)
@@ -223,6 +224,7 @@ class OomRiskDetector(Detector):
                 slot = (index + n + k) % window
                 self._margins[slot], self._steps[slot] = int(margins[n + k]), int(steps[n + k])
                 self._times[slot], self._non_torch[slot] = int(times[n + k]), int(non_torch[n + k])
+                self._kept[slot] = kept[n + k]
             self._index = (index + n) % window
             self._run = int(runs[-1])
             apply_episode(self._level, level)

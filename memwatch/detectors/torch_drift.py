@@ -25,13 +25,18 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from typing import TYPE_CHECKING
 
 from memwatch.detectors.base import Detector, Episode, make_flag
+from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, Plan, apply_episode, episode_plan
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_bytes, format_count
 from memwatch.flags import CRITICAL, TORCH_DRIFT, WARNING, Flag
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Sample
+
+if TYPE_CHECKING:
+    from memwatch.detectors.batch import Columns
 
 _PARTS = 4
 """Blocks of the window whose floors must each rise."""
@@ -93,6 +98,46 @@ class TorchDriftDetector(Detector):
         if not self._episode.fire():
             return None
         return self._flag(sample, terms, kept, growth)
+
+    def plan(self, batch: Columns) -> Plan:
+        if self._baseline is None:
+            return 0
+        np, n, block_len = batch.np, batch.n, self._block_len
+        kept = batch.kept
+        growth = kept - self._baseline
+        quiet = np.flatnonzero(growth <= self._quiet)
+        block, block_min, rising = self._block, self._block_min, self._rising
+        minima = deque(self._minima, maxlen=_PARTS + 1)
+        actions = np.empty(n, dtype=np.int64)
+        at = 0
+        while at < n:  # block by block: within one, every sample settles on the rise the last block left
+            end = at + block_len - block  # one past the sample that completes this block
+            floor = int(kept[at:min(end, n)].min())
+            block_min = floor if block == 0 else min(block_min, floor)
+            settle = NOT_CLEAR if rising else CLEAR
+            if end > n:
+                actions[at:] = settle
+                block += n - at
+                break
+            actions[at:end - 1] = settle
+            minima.append(block_min)
+            rising = len(minima) > 1 and minima[-1] > minima[-2]
+            last = end - 1
+            fires = growth[last] >= self._min and len(minima) > _PARTS and self._rises_through(minima)
+            actions[last] = FIRE if fires else NOT_CLEAR if rising else CLEAR
+            block, at = 0, end
+        episode = episode_plan(np, self._episode, actions)
+        if isinstance(episode, int):
+            return episode
+
+        def commit() -> None:
+            if len(quiet):
+                last_quiet = int(quiet[-1])
+                self._onset_step, self._onset_kept = int(batch.step[last_quiet]), int(kept[last_quiet])
+            self._block, self._block_min, self._rising, self._minima = block, block_min, rising, minima
+            apply_episode(self._episode, episode)
+
+        return commit
 
     @staticmethod
     def _rises_through(minima: deque[int]) -> bool:
