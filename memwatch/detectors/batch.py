@@ -1,6 +1,6 @@
 """The detectors over a whole drained batch of one rank at once: the sidecar's fast path, same flags.
 
-The sidecar drains a ring a few hundred samples at a time. Fed one by one, the ledger, seven detectors
+The sidecar drains a ring a few hundred samples at a time. Fed one by one, the ledger, every detector
 and the rank's summary cost more than storing the sample; here they run once per batch, vectorised with
 numpy over columns read straight from the copied ring slots (no typed record per sample). Exactness comes
 from a division of labour: each detector's ``plan`` says, from the batch's columns, what its state is
