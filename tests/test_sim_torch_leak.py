@@ -3,16 +3,24 @@ against the fault's own parameters (rate, window, rank), through the real alloca
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from memwatch.cli import main
 from memwatch.detectors import replay
 from memwatch.errors import UsageError
 from memwatch.flags import ACTIVATION_OVER_RESERVE, OOM, OOM_RISK, TORCH_DRIFT, Flag
+from memwatch.report.run_data import load_run_data
 from memwatch.sim import Scenario, run_scenario
 from memwatch.sim.fault_kinds import TorchLeak
 from memwatch.sim.scorecard import START_NS, ring_records
+from memwatch.store import open_store
+
+from stored_runs import store_scenario
 
 
 def _run(name: str, tmp_path: Path) -> tuple[TorchLeak, list[Flag]]:
@@ -70,3 +78,35 @@ def test_kept_bytes_follow_the_window_and_the_period() -> None:
     assert fault.kept_after(199) == fault.kept_after(5_000) == 18 * 8
     with pytest.raises(UsageError, match="torch_leak needs bytes_per_step > 0"):
         TorchLeak(bytes_per_step=0)
+
+
+def test_explain_check_and_the_report_speak_of_the_kept_memory(tmp_path: Path) -> None:
+    runtime_dir = tmp_path / "run"
+    runtime_dir.mkdir(mode=0o700)
+    db_path = tmp_path / "memwatch.db"
+    run_id = store_scenario("torch_leak", runtime_dir, db_path, live=True)
+    fault = Scenario.load("torch_leak").faults[0]
+    assert isinstance(fault, TorchLeak)
+
+    explained = CliRunner().invoke(main, ["explain", run_id, "--db", str(db_path), "--json"])
+    sentences = json.loads(explained.output)["sentences"]
+    growth = next(sentence for sentence in sentences if sentence.startswith("PyTorch-allocated memory grew by"))
+    assert growth.endswith("It stayed allocated between steps beyond the weights and KV: PyTorch memory kept across "
+                           "steps, a leak inside PyTorch; look for tensors kept across steps (outputs, logprobs or "
+                           "metadata held per request).")
+
+    checked = CliRunner().invoke(main, ["check", run_id, "--db", str(db_path), "--json"])
+    assert checked.exit_code == 1
+    assert "torch_drift" in {flag["kind"] for flag in json.loads(checked.output)["flags"]}
+    text = CliRunner().invoke(main, ["check", run_id, "--db", str(db_path)]).output
+    kept_line = next(line for line in text.splitlines() if "other long-lived PyTorch now" in line)
+    assert "allocated − weights − KV after the step; rising is a leak inside PyTorch" in kept_line
+    rank = load_run_data(open_store(db_path), run_id).ranks[0]
+    last = rank.points.step[-1]
+    # The exact bytes: at least everything the fault kept by the last sample (plus what serving started with).
+    exact = int(re.search(r"other long-lived PyTorch now\s+\S+ \S+\s+([\d,]+)", kept_line).group(1).replace(",", ""))
+    assert exact >= fault.kept_after(last)
+    # The report's stack puts the kept memory under other long-lived PyTorch: it grew by what the fault kept
+    # (the stack's first point is at load, before any of it).
+    other = rank.points.stack["torch_other"]
+    assert other[-1] - other[0] >= fault.kept_after(last)

@@ -147,7 +147,7 @@ class OomRiskDetector(Detector):
         data = {**_margin_data(sample, terms, judged, outside), "slope_bytes_per_step": slope,
                 "steps_to_zero": steps_to_zero, "ns_to_zero": ns_to_zero, "trend_steps": steps}
         if cause == "torch_kept_bytes":
-            words += "; the cause is PyTorch memory kept across steps, which is growing (see torch_drift)"
+            words += "; what grows is PyTorch memory kept across steps: a leak inside PyTorch"
             data["cause"] = cause
         return make_flag(sample, OOM_RISK, WARNING, words, data)
 
