@@ -44,8 +44,8 @@ DRIVER_FREE = "driver_free"
 class OomRiskDetector(Detector):
     """``oom_risk`` for one rank."""
 
-    __slots__ = ("_filled", "_forecast", "_horizon", "_index", "_kept", "_level", "_margins", "_min_margin",
-                 "_min_samples", "_non_torch", "_run", "_steps", "_sustain", "_times")
+    __slots__ = ("_filled", "_forecast", "_horizon", "_index", "_level", "_margins", "_min_margin",
+                 "_min_samples", "_non_torch", "_run", "_start_kept", "_start_margin", "_steps", "_sustain", "_times")
 
     def __init__(self, config: DetectorConfig) -> None:
         window = config.oom_forecast_window_steps
@@ -59,10 +59,16 @@ class OomRiskDetector(Detector):
         self._steps = [0] * window
         self._times = [0] * window
         self._non_torch: list[int | None] = [None] * window
-        self._kept: list[int | None] = [None] * window
         self._index = 0
         self._filled = 0
         self._run = 0
+        self._start_kept: int | None = None
+        self._start_margin: int | None = None
+
+    def start(self, sample: Sample, terms: LedgerTerms) -> None:
+        # Where serving began: a forecast names memory kept across steps as its cause when that term grew by at
+        # least half of the margin's fall since then.
+        self._start_kept, self._start_margin = terms.torch_kept_bytes, terms.oom_margin_bytes
 
     def observe(self, sample: Sample, terms: LedgerTerms) -> Flag | None:
         margin = terms.oom_margin_bytes
@@ -85,11 +91,9 @@ class OomRiskDetector(Detector):
                 middle -= window
         old_margin, old_step, old_ts = margins[oldest], self._steps[oldest], self._times[oldest]
         old_non_torch = self._non_torch[oldest]
-        old_kept = self._kept[oldest]
         middle_margin = margins[middle]
         margins[index], self._steps[index], self._times[index] = margin, sample.step, sample.ts_ns
         self._non_torch[index] = non_torch
-        self._kept[index] = terms.torch_kept_bytes
         self._index = index + 1 if index + 1 < window else 0
 
         drop = old_margin - margin
@@ -135,7 +139,8 @@ class OomRiskDetector(Detector):
         cause = None
         if outside:
             cause = "non_torch_bytes"
-        elif kept is not None and old_kept is not None and 2 * (kept - old_kept) >= old_margin - margin > 0:
+        elif (kept is not None and self._start_kept is not None and self._start_margin is not None
+              and 2 * (kept - self._start_kept) >= self._start_margin - margin > 0):
             cause = "torch_kept_bytes"
         if outside:
             words = (f"memory outside PyTorch is growing, and PyTorch's cache is not released for it: the driver's "

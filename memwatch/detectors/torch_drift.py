@@ -15,10 +15,10 @@ shape) make it rise. KV usage never moves it: KV lives inside the preallocated c
   large it was; floors ignore what a step leaves behind for a moment. Judged once per block: O(1) per
   sample.
 
-The rate is measured from the onset (the last sample where the growth was under a quarter of the
-threshold), and the steps left from the ledger's OOM margin at that rate: ``critical`` when they are
-within ``oom_forecast_horizon_steps`` (the leak will end the run), else ``warning``. Re-armed once the
-term has stopped rising for ``rearm_steps`` samples.
+The rate is the rise of the block floors over the window (exact for a steady leak, and blind to the
+steps before it began), and the steps left are the ledger's OOM margin at that rate: ``critical`` when
+they are within ``oom_forecast_horizon_steps`` (the leak will end the run), else ``warning``. Re-armed
+once the floors have stopped rising for ``rearm_steps`` steps.
 """
 
 from __future__ import annotations
@@ -35,60 +35,52 @@ from memwatch.records import Sample
 
 _PARTS = 4
 """Blocks of the window whose floors must each rise."""
+_NO_MIN = 1 << 62
 
 
 class TorchDriftDetector(Detector):
     """``torch_drift`` for one rank."""
 
-    __slots__ = ("_baseline", "_baseline_step", "_block", "_block_len", "_block_min", "_episode", "_horizon",
-                 "_min", "_minima", "_onset_kept", "_onset_step", "_quiet", "_rising")
+    __slots__ = ("_baseline", "_baseline_step", "_block_len", "_block_min", "_episode", "_horizon", "_left",
+                 "_min", "_minima")
 
     def __init__(self, config: DetectorConfig) -> None:
         self._min = config.torch_drift_min_bytes
-        self._quiet = config.torch_drift_min_bytes // 4
         self._horizon = config.oom_forecast_horizon_steps
-        self._episode = Episode(config.rearm_steps)
         self._block_len = max(config.torch_drift_window_steps // _PARTS, 1)
-        self._block = 0
-        self._block_min = 0
+        # Judged once per block, so re-armed after ``rearm_steps`` steps' worth of blocks that did not rise.
+        self._episode = Episode(max(config.rearm_steps // self._block_len, 1))
+        self._left = self._block_len
+        self._block_min = _NO_MIN
         self._minima: deque[int] = deque(maxlen=_PARTS + 1)
-        self._rising = False
         self._baseline: int | None = None
-        self._baseline_step = self._onset_step = self._onset_kept = 0
+        self._baseline_step = 0
 
     def start(self, sample: Sample, terms: LedgerTerms) -> None:
         if terms.torch_kept_bytes is not None:
-            self._begin(terms.torch_kept_bytes, sample.step)
-
-    def _begin(self, kept: int, step: int) -> None:
-        self._baseline = self._onset_kept = kept
-        self._baseline_step = self._onset_step = step
+            self._baseline, self._baseline_step = terms.torch_kept_bytes, sample.step
 
     def observe(self, sample: Sample, terms: LedgerTerms) -> Flag | None:
         kept = terms.torch_kept_bytes
         if kept is None:
             return None
-        baseline = self._baseline
-        if baseline is None:
-            self._begin(kept, sample.step)
-            baseline = kept
-        growth = kept - baseline
-        if growth <= self._quiet:
-            self._onset_step, self._onset_kept = sample.step, kept
         # The floor of each block of the window: noise and a step's leftovers only add to what is kept, so
         # the floor follows the memory that really stays; a one-time rise moves one block's floor only.
-        if self._block == 0 or kept < self._block_min:
+        if kept < self._block_min:
             self._block_min = kept
-        self._block += 1
-        if self._block < self._block_len:
-            self._episode.settle(not self._rising)
+        left = self._left - 1
+        if left:
+            self._left = left
             return None
-        self._block = 0
+        self._left = self._block_len
+        if self._baseline is None:  # serving began without the term: the baseline is this block's floor
+            self._baseline, self._baseline_step = self._block_min, sample.step
         minima = self._minima
         minima.append(self._block_min)
-        self._rising = len(minima) > 1 and minima[-1] > minima[-2]
+        self._block_min = _NO_MIN
+        growth = kept - self._baseline
         if growth < self._min or len(minima) <= _PARTS or not self._rises_through(minima):
-            self._episode.settle(not self._rising)
+            self._episode.settle(minima[-1] <= minima[-2] if len(minima) > 1 else True)
             return None
         if not self._episode.fire():
             return None
@@ -108,21 +100,21 @@ class TorchDriftDetector(Detector):
             previous = value
         return True
     def _flag(self, sample: Sample, terms: LedgerTerms, kept: int, growth: int) -> Flag:
-        steps = max(sample.step - self._onset_step, 1)
-        grown = kept - self._onset_kept
-        rate = grown // steps
+        minima = self._minima
+        steps = self._block_len * _PARTS
+        rate = (minima[-1] - minima[0]) // steps
         margin = terms.oom_margin_bytes
         steps_left = margin // rate if margin is not None and rate > 0 else None
         severity = CRITICAL if steps_left is not None and steps_left <= self._horizon else WARNING
-        words = (f"PyTorch memory that outlives each step grew by {format_bytes(growth)} while serving, "
-                 f"{format_bytes(grown)} of it since step {format_count(self._onset_step)} at "
-                 f"{format_bytes(rate)}/step")
+        words = (f"PyTorch memory that outlives each step grew by {format_bytes(growth)} since step "
+                 f"{format_count(self._baseline_step)}, at {format_bytes(rate)}/step over the last "
+                 f"{format_count(steps)} steps")
         if steps_left is not None:
             words += f"; at this rate the device is full in about {format_count(max(steps_left, 0))} steps"
         words += ": look for tensors kept across steps (outputs, logprobs or metadata held per request)"
         return make_flag(sample, TORCH_DRIFT, severity, words, {
-            "growth_bytes": growth, "grown_bytes": grown, "steps": steps, "slope_bytes_per_step": rate,
-            "onset_step": self._onset_step, "baseline_step": self._baseline_step,
-            "baseline_torch_kept_bytes": self._baseline, "torch_kept_bytes": kept,
+            "growth_bytes": growth, "steps": steps, "slope_bytes_per_step": rate,
+            "baseline_step": self._baseline_step, "baseline_torch_kept_bytes": self._baseline,
+            "torch_kept_bytes": kept,
             "oom_margin_bytes": margin, "steps_left": steps_left,
         })
