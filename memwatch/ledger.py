@@ -290,9 +290,11 @@ class Ledger:
         if long_lived is None:
             return LedgerTerms(self._budget, non_torch, slack, self._weights, self._torch_other, self._kv,
                                reserve, None, None, None, None, margin, reclaimable, pinned)
-        kept = None if allocated is None else allocated - long_lived + self._torch_other  # type: ignore[operator]
-
-        activation_now = None if allocated is None else allocated - long_lived
+        if allocated is None:
+            activation_now = kept = None
+        else:
+            activation_now = allocated - long_lived
+            kept = activation_now + self._torch_other  # type: ignore[operator]
         step_peak = sample.peak_bytes
         step_activation = step_peak - long_lived if sample.peak_is_step and step_peak is not None else None
         headroom = residual = None

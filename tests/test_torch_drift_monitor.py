@@ -13,6 +13,7 @@ import itertools
 from pathlib import Path
 
 from memwatch.detectors import DetectorSet
+from memwatch.detectors.wording import format_bytes
 from memwatch.flags import ACTIVATION_OVER_RESERVE, OOM, OOM_RISK, TORCH_DRIFT, WARNING, Flag, severity_at_least
 from memwatch.ledger import engine_block_count
 from memwatch.records import Event, Sample
@@ -160,18 +161,17 @@ def test_a_leak_inside_pytorch_is_named_while_it_happens(runtime_dir: Path) -> N
     room = TOTAL - CONTEXT - WEIGHTS - KV - WARMUP_ACTIVATION - _leaked(drift[0].step, True)
     expected_left = room // LEAK_PER_STEP
     assert abs(data["steps_left"] - expected_left) <= expected_left // 10
-    # The onset is the last sample where the growth was within a quarter of the 256 MiB threshold.
-    assert data["onset_step"] == LEAK_FROM - 1 + 64 // 4
+    # The serving baseline is the first sample of the serve phase (step 0); the rate is over the window.
+    assert (data["baseline_step"], data["steps"]) == (0, 200)
     assert drift[0].message == (
-        f"PyTorch memory that outlives each step grew by {data['growth_bytes'] / MiB:.1f} MiB while serving, "
-        f"{data['grown_bytes'] / MiB:.1f} MiB of it since step {data['onset_step']} at 4.0 MiB/step; at this rate "
-        f"the device is full in about {data['steps_left']} steps: look for tensors kept across steps (outputs, "
-        f"logprobs or metadata held per request)")
+        f"PyTorch memory that outlives each step grew by {format_bytes(data['growth_bytes'])} since step 0, at "
+        f"4.0 MiB/step over the last 200 steps; at this rate the device is full in about {data['steps_left']:,} "
+        f"steps: look for tensors kept across steps (outputs, logprobs or metadata held per request)")
 
     risk = by_kind[OOM_RISK][0]
     assert risk.step <= oom_step - 50
     assert risk.data["cause"] == "torch_kept_bytes"
-    assert "PyTorch memory kept across steps" in risk.message
+    assert risk.message.endswith("; what grows is PyTorch memory kept across steps: a leak inside PyTorch")
     # The forecast's rate is fitted from the onset: 4 MiB/step, not diluted by the steps before the leak.
     assert abs(risk.data["slope_bytes_per_step"] - LEAK_PER_STEP) <= LEAK_PER_STEP // 10
     risk_room = TOTAL - CONTEXT - WEIGHTS - KV - WARMUP_ACTIVATION - _leaked(risk.step, True)

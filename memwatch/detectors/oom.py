@@ -58,8 +58,8 @@ DRIVER_FREE = "driver_free"
 class OomRiskDetector(Detector):
     """``oom_risk`` for one rank."""
 
-    __slots__ = ("_filled", "_forecast", "_horizon", "_index", "_kept", "_level", "_margins", "_min_margin",
-                 "_min_samples", "_non_torch", "_run", "_steps", "_sustain", "_times")
+    __slots__ = ("_filled", "_forecast", "_horizon", "_index", "_level", "_margins", "_min_margin",
+                 "_min_samples", "_non_torch", "_run", "_start_kept", "_start_margin", "_steps", "_sustain", "_times")
 
     def __init__(self, config: DetectorConfig) -> None:
         window = config.oom_forecast_window_steps
@@ -73,10 +73,16 @@ class OomRiskDetector(Detector):
         self._steps = [0] * window
         self._times = [0] * window
         self._non_torch: list[int | None] = [None] * window
-        self._kept: list[int | None] = [None] * window
         self._index = 0
         self._filled = 0
         self._run = 0
+        self._start_kept: int | None = None
+        self._start_margin: int | None = None
+
+    def start(self, sample: Sample, terms: LedgerTerms) -> None:
+        # Where serving began: a forecast names memory kept across steps as its cause when that term grew by at
+        # least half of the margin's fall since then.
+        self._start_kept, self._start_margin = terms.torch_kept_bytes, terms.oom_margin_bytes
 
     def observe(self, sample: Sample, terms: LedgerTerms) -> Flag | None:
         margin = terms.oom_margin_bytes
@@ -99,11 +105,9 @@ class OomRiskDetector(Detector):
                 middle -= window
         old_margin, old_step, old_ts = margins[oldest], self._steps[oldest], self._times[oldest]
         old_non_torch = self._non_torch[oldest]
-        old_kept = self._kept[oldest]
         middle_margin = margins[middle]
         margins[index], self._steps[index], self._times[index] = margin, sample.step, sample.ts_ns
         self._non_torch[index] = non_torch
-        self._kept[index] = terms.torch_kept_bytes
         self._index = index + 1 if index + 1 < window else 0
 
         drop = old_margin - margin
@@ -149,7 +153,8 @@ class OomRiskDetector(Detector):
         cause = None
         if outside:
             cause = "non_torch_bytes"
-        elif kept is not None and old_kept is not None and 2 * (kept - old_kept) >= old_margin - margin > 0:
+        elif (kept is not None and self._start_kept is not None and self._start_margin is not None
+              and 2 * (kept - self._start_kept) >= self._start_margin - margin > 0):
             cause = "torch_kept_bytes"
         if outside:
             words = (f"memory outside PyTorch is growing, and PyTorch's cache is not released for it: the driver's "
@@ -161,7 +166,7 @@ class OomRiskDetector(Detector):
         data = {**_margin_data(sample, terms, judged, outside), "slope_bytes_per_step": slope,
                 "steps_to_zero": steps_to_zero, "ns_to_zero": ns_to_zero, "trend_steps": steps}
         if cause == "torch_kept_bytes":
-            words += "; the cause is PyTorch memory kept across steps, which is growing (see torch_drift)"
+            words += "; what grows is PyTorch memory kept across steps: a leak inside PyTorch"
             data["cause"] = cause
         return make_flag(sample, OOM_RISK, WARNING, words, data)
 
@@ -191,7 +196,6 @@ class OomRiskDetector(Detector):
 
         margins, steps = history(self._margins, batch.margin), history(self._steps, batch.step)
         times, non_torch = history(self._times, batch.ts), history(self._non_torch, batch.non_torch)
-        kept = [self._kept[k] for k in order] + batch.kept.tolist()  # read on the flagging path only
         margin, free, nt = batch.margin, batch.driver_free, batch.non_torch
         old_margin, middle_margin = margins[:n], margins[window // 2: window // 2 + n]
         driver_margin = np.where(free >= margin, margin, free)
@@ -224,7 +228,6 @@ class OomRiskDetector(Detector):
                 slot = (index + n + k) % window
                 self._margins[slot], self._steps[slot] = int(margins[n + k]), int(steps[n + k])
                 self._times[slot], self._non_torch[slot] = int(times[n + k]), int(non_torch[n + k])
-                self._kept[slot] = kept[n + k]
             self._index = (index + n) % window
             self._run = int(runs[-1])
             apply_episode(self._level, level)

@@ -5,6 +5,7 @@ this module, so every kind below is accepted in scenario files by its ``kind``:
 
 ==================  ==========================================================================
 ``non_torch_leak``  memory outside the allocator grows by ``bytes_per_step`` from ``from_step``
+``torch_leak``      tensors of ``bytes_per_step`` kept alive inside the allocator every ``every_steps``
 ``fragmentation``   the allocator's cache holds more and more memory no tensor uses
 ``skip_peak_reset`` the load-time spike stays in the peak warmup measures (reserve overstated)
 ``warmup_decode``   warmup runs a decode step instead of the worst-case prefill
@@ -32,6 +33,7 @@ __all__ = [
     "OtherProcess",
     "RankImbalance",
     "SkipPeakReset",
+    "TorchLeak",
     "WarmupDecode",
     "WarmupShort",
 ]
@@ -78,6 +80,46 @@ class NonTorchLeak(Fault):
     def before_step(self, runner: FaultTarget, step: int) -> None:
         if _in_window(step, self.from_step, self.until_step):
             runner.gpu.take_non_pytorch(self.name, self.bytes_per_step)
+
+
+@register_fault
+@dataclass(frozen=True)
+class TorchLeak(Fault):
+    """A tensor of ``bytes_per_step`` kept alive every ``every_steps`` steps in ``[from_step, until_step)``.
+
+    What logprobs or outputs held per request, metadata per prefix-cache entry or a graph pool per new
+    batch shape look like: PyTorch memory that outlives the step that made it. Allocated through the
+    caching allocator before the step's forward, so the leak takes the cache first, then the driver,
+    and the forward that no longer fits raises a PyTorch out-of-memory. ``until_step`` makes it level
+    off; with a large ``every_steps`` and a short window it is one-time growth (graphs captured for a
+    few new batch sizes, a buffer allocated once), which is no leak.
+    """
+
+    kind: ClassVar[str] = "torch_leak"
+    bytes_per_step: int = 0
+    from_step: int = 1
+    every_steps: int = 1
+    until_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_step <= 0 or self.every_steps < 1:
+            raise UsageError(f"fault {self.kind} needs bytes_per_step > 0 and every_steps >= 1")
+        _check_window(self.kind, self.from_step, self.until_step)
+
+    @property
+    def start_step(self) -> int:
+        return self.from_step
+
+    def kept_after(self, step: int) -> int:
+        """Bytes this fault keeps alive once serving step ``step`` ran (what the scorecard derives from)."""
+        last = step + 1 if self.until_step is None else min(step + 1, self.until_step)
+        if last <= self.from_step:
+            return 0
+        return self.bytes_per_step * ((last - self.from_step - 1) // self.every_steps + 1)
+
+    def before_step(self, runner: FaultTarget, step: int) -> None:
+        if _in_window(step, self.from_step, self.until_step, self.every_steps):
+            runner.gpu.malloc(self.bytes_per_step)
 
 
 @register_fault
