@@ -8,12 +8,12 @@ shape) make it rise. KV usage never moves it: KV lives inside the preallocated c
 ``torch_drift`` is raised when both hold:
 
 * the term grew by at least ``torch_drift_min_bytes`` since the first serving sample, and
-* it is still rising: the window of ``torch_drift_window_steps`` steps is cut in four blocks, and the
-  floor (smallest value) of each block rose over the block before it by at least an eighth of the
-  rise over five blocks. One-time growth that levels off (a buffer allocated once, graphs captured for
-  a few new batch sizes, a KV cache allocated lazily) moves one block's floor and fails this, however
-  large it was; floors ignore what a step leaves behind for a moment. Judged once per block: O(1) per
-  sample.
+* it is still rising: serving is cut in blocks of a quarter of ``torch_drift_window_steps`` steps, and
+  over the last five blocks the floor (smallest value) of each rose over the one before it by at
+  least an eighth of the rise from the first floor to the last (``torch_drift_window_steps`` apart).
+  One-time growth that levels off (a buffer allocated once, graphs captured for a few new batch
+  sizes, a KV cache allocated lazily) moves one block's floor and fails this, however large it was;
+  floors ignore what a step leaves behind for a moment. Judged once per block: O(1) per sample.
 
 The rate is the rise of the block floors over the window (exact for a steady leak, and blind to the
 steps before it began), and the steps left are the ledger's OOM margin at that rate: ``critical`` when
