@@ -257,7 +257,7 @@ class RingReader:
     ) -> tuple[int, int, int, str, dict[str, Any]] | str:
         """The event, or why it cannot be taken (strict UTF-8 JSON ``[kind, {data}]``, finite numbers)."""
         try:
-            decoded = _DECODER.decode(payload.decode("utf-8"))
+            decoded = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
         except (ValueError, RecursionError) as exc:
             return f"undecodable event: {type(exc).__name__}: {str(exc)[:200]}"
         if (not isinstance(decoded, list) or len(decoded) != 2 or not isinstance(decoded[0], str)
@@ -294,11 +294,6 @@ class RingReader:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
-
-
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
-"""What ``json.loads(text, parse_constant=...)`` builds anew on every call: made once (events are decoded by the
-thousand a second)."""
 
 
 def _has_surrogates(payload: bytes, decoded: Any) -> bool:
