@@ -14,6 +14,7 @@ import heapq
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from memwatch.detectors import DetectorConfig, DetectorSet, RankSummary, replay
@@ -26,8 +27,6 @@ from memwatch.sim import run_scenario, shipped_scenarios
 from memwatch.sim.scorecard import START_NS
 from memwatch_engine.ring import RingWriter
 from memwatch_engine.ring_reader import RingReader
-
-np = pytest.importorskip("numpy")
 
 CHUNKS = (64, 1000, 1 << 20)
 """Records per drain: a sidecar's poll at a low rate, at a high one, and a whole ring at once."""
