@@ -3,6 +3,7 @@ against the fault's own parameters (rate, window, rank), through the real alloca
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -14,6 +15,7 @@ from memwatch.cli import main
 from memwatch.detectors import replay
 from memwatch.errors import UsageError
 from memwatch.flags import ACTIVATION_OVER_RESERVE, OOM, OOM_RISK, TORCH_DRIFT, Flag
+from memwatch.records import Event
 from memwatch.report.run_data import load_run_data
 from memwatch.sim import Scenario, run_scenario
 from memwatch.sim.fault_kinds import TorchLeak
@@ -21,6 +23,8 @@ from memwatch.sim.scorecard import START_NS, ring_records
 from memwatch.store import open_store
 
 from stored_runs import store_scenario
+
+MiB = 1 << 20
 
 
 def _run(name: str, tmp_path: Path) -> tuple[TorchLeak, list[Flag]]:
@@ -76,7 +80,7 @@ def test_kept_bytes_follow_the_window_and_the_period() -> None:
     # steps 20, 30, ..., 190 keep 8 bytes each: 18 of them
     assert (fault.kept_after(19), fault.kept_after(20), fault.kept_after(29), fault.kept_after(30)) == (0, 8, 8, 16)
     assert fault.kept_after(199) == fault.kept_after(5_000) == 18 * 8
-    with pytest.raises(UsageError, match="torch_leak needs bytes_per_step > 0"):
+    with pytest.raises(UsageError, match="torch_leak needs one of bytes_per_step > 0"):
         TorchLeak(bytes_per_step=0)
 
 
@@ -110,3 +114,22 @@ def test_explain_check_and_the_report_speak_of_the_kept_memory(tmp_path: Path) -
     # (the stack's first point is at load, before any of it).
     other = rank.points.stack["torch_other"]
     assert other[-1] - other[0] >= fault.kept_after(last)
+
+
+def test_a_per_request_keep_alive_follows_the_traffic_and_is_named(tmp_path: Path) -> None:
+    # clean_bursty's 300 requests arrive in bursts; from step 100 each finished request leaves 8 MiB behind.
+    fault = TorchLeak(bytes_per_request=8 * MiB, from_step=100)
+    scenario = dataclasses.replace(Scenario.load("clean_bursty"), faults=(fault,))
+    records = ring_records(run_scenario(scenario, runtime_dir=tmp_path, start_ns=START_NS))
+    flags = replay(records).flags
+    assert [flag.kind for flag in flags] == [TORCH_DRIFT]
+    flag = flags[0]
+    finished = sum(1 for record in records if isinstance(record, Event) and record.kind == "request_finished"
+                   and fault.from_step <= record.step <= flag.step)
+    assert flag.data["growth_bytes"] == 8 * MiB * finished
+    assert fault.kept_after(flag.step) == 0  # nothing kept per step
+
+
+def test_a_keep_alive_needs_exactly_one_size() -> None:
+    with pytest.raises(UsageError, match="one of bytes_per_step > 0 or bytes_per_request > 0"):
+        TorchLeak(bytes_per_step=MiB, bytes_per_request=MiB)

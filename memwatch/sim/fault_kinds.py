@@ -5,7 +5,8 @@ this module, so every kind below is accepted in scenario files by its ``kind``:
 
 ==================  ==========================================================================
 ``non_torch_leak``  memory outside the allocator grows by ``bytes_per_step`` from ``from_step``
-``torch_leak``      tensors of ``bytes_per_step`` kept alive inside the allocator every ``every_steps``
+``torch_leak``      tensors kept alive inside the allocator: ``bytes_per_step`` every ``every_steps``, or
+                    ``bytes_per_request`` for each request that finishes
 ``fragmentation``   the allocator's cache holds more and more memory no tensor uses
 ``skip_peak_reset`` the load-time spike stays in the peak warmup measures (reserve overstated)
 ``warmup_decode``   warmup runs a decode step instead of the worst-case prefill
@@ -100,10 +101,14 @@ class TorchLeak(Fault):
     from_step: int = 1
     every_steps: int = 1
     until_step: int | None = None
+    bytes_per_request: int = 0
+    """Kept for each request that finishes in the window instead (outputs held per request): the leak
+    then follows the traffic, not the step count."""
 
     def __post_init__(self) -> None:
-        if self.bytes_per_step <= 0 or self.every_steps < 1:
-            raise UsageError(f"fault {self.kind} needs bytes_per_step > 0 and every_steps >= 1")
+        if (self.bytes_per_step <= 0) == (self.bytes_per_request <= 0) or self.every_steps < 1:
+            raise UsageError(f"fault {self.kind} needs one of bytes_per_step > 0 or bytes_per_request > 0, "
+                             "and every_steps >= 1")
         _check_window(self.kind, self.from_step, self.until_step)
 
     @property
@@ -111,15 +116,20 @@ class TorchLeak(Fault):
         return self.from_step
 
     def kept_after(self, step: int) -> int:
-        """Bytes this fault keeps alive once serving step ``step`` ran (what the scorecard derives from)."""
+        """Bytes this fault keeps alive per step once serving step ``step`` ran (0 for a per-request leak)."""
         last = step + 1 if self.until_step is None else min(step + 1, self.until_step)
-        if last <= self.from_step:
+        if last <= self.from_step or not self.bytes_per_step:
             return 0
         return self.bytes_per_step * ((last - self.from_step - 1) // self.every_steps + 1)
 
     def before_step(self, runner: FaultTarget, step: int) -> None:
-        if _in_window(step, self.from_step, self.until_step, self.every_steps):
+        if self.bytes_per_step and _in_window(step, self.from_step, self.until_step, self.every_steps):
             runner.gpu.malloc(self.bytes_per_step)
+
+    def requests_finished(self, runner: FaultTarget, step: int, count: int) -> None:
+        if self.bytes_per_request and _in_window(step, self.from_step, self.until_step):
+            for _ in range(count):
+                runner.gpu.malloc(self.bytes_per_request)
 
 
 @register_fault
