@@ -1,7 +1,8 @@
 """What exporting costs the sidecar: ingest with the Prometheus and OTLP exporters on, against them off.
 
-Both sides are the sidecar as users run it: rings drained by the real ``Collector`` with the live
-detectors, stored by the real ``StoreWriter``. "On" adds the exporters' observer, a Prometheus
+Both sides are the sidecar as users run it: rings written as an adapter writes them (phases, weights,
+the KV sizing, requests, every column: :mod:`adapter_load`), drained by the real ``Collector`` with the
+live detectors, stored by the real ``StoreWriter``. "On" adds the exporters' observer, a Prometheus
 endpoint scraped every second by a client thread, and an OTLP/HTTP exporter pushing every second to a
 local receiver (15 and 60 times the usual intervals), so their work competes with ingest for the GIL.
 Each "on" run gets exporters of its own, started before and closed after it, so an "off" run shares
@@ -29,6 +30,8 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from adapter_load import AdapterProbe, serve_steps, start_like_adapter
+
 from memwatch.collector import Collector
 from memwatch.export.config import ExportConfig
 from memwatch.export.pipeline import Exporters
@@ -36,7 +39,7 @@ from memwatch.live import LiveDetectors
 from memwatch.records import Event, Sample
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
-from memwatch_engine.ring import RingWriter
+from memwatch_engine import Monitor
 from memwatch_engine.ring_reader import RingHeader
 
 TARGET = 0.9
@@ -51,17 +54,18 @@ EXPORT_EVERY_MS = "1000"
 """The OTLP push interval during ingest: 60 times the OpenTelemetry default."""
 
 
-def fill_rings(runtime: Path, samples: int) -> None:
+def fill_rings(runtime: Path, samples: int) -> int:
+    """Rings of ``RANKS`` ranks as an adapter writes them (:mod:`adapter_load`); returns the samples in them."""
     per_rank = samples // RANKS
     capacity = 1 << (2 * per_rank).bit_length()  # room to spare: nothing is lost before the drain
     for rank in range(RANKS):
-        writer = RingWriter(runtime / f"bench-r{rank}.ring", run_id="bench", rank=rank, world_size=RANKS,
-                            capacity=capacity, meta={"engine": "bench", "model": "m", "gpu_total_bytes": 80 * GiB})
-        writer.write_event(0, 10**18, "kv_allocated", SIZING)
-        for i in range(per_rank - 1):
-            writer.write_sample(i + 1, 10**18 + i * 1000, 5, 2, 1, 60 * GiB, 63 * GiB, 61 * GiB, 66 * GiB,
-                                14 * GiB, 64, i % 20_000, 20_000, 64)
-        writer.close()
+        probe = AdapterProbe()
+        monitor = Monitor(engine="bench", model="m", run_id="bench", rank=rank, world_size=RANKS, probe=probe,
+                          runtime_dir=runtime, capacity=capacity, spawn_sidecar=False)
+        start_like_adapter(monitor, probe)
+        serve_steps(monitor, probe, per_rank)
+        monitor.close()
+    return RANKS * (per_rank + 8)  # the steps, a sample at each of 4 phases' start and 3 ends, and at the close
 
 
 class _Sink(BaseHTTPRequestHandler):
@@ -82,7 +86,7 @@ def ingest(tmp: Path, samples: int, exporters: Exporters | None) -> float:
     """Samples per second through the collector, the detectors and the writer (and the exporters when given)."""
     runtime = Path(tempfile.mkdtemp(dir=tmp))
     os.chmod(runtime, 0o700)
-    fill_rings(runtime, samples)
+    expected = fill_rings(runtime, samples)
     db_path = runtime / "bench.db"
     writer = StoreWriter(open_store(db_path))
     writer.start()
@@ -102,7 +106,7 @@ def ingest(tmp: Path, samples: int, exporters: Exporters | None) -> float:
     collector.close()
     writer.close()
     stored = sqlite3.connect(db_path).execute("SELECT count(*) FROM samples").fetchone()[0]
-    assert stored == (samples // RANKS - 1) * RANKS, f"stored {stored} samples of {(samples // RANKS - 1) * RANKS}"
+    assert stored == expected, f"stored {stored} samples of {expected}"
     return stored / elapsed
 
 

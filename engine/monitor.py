@@ -6,7 +6,7 @@ The rules it keeps, in order of importance:
 * It never raises into the engine. Any internal fault turns the monitor off with one log warning;
   every later call is a no-op.
 * It never blocks and never allocates GPU memory. A step reads the probe and packs one record.
-* It is cheap: a step costs about a microsecond plus whatever the probe costs.
+* It is cheap: a step costs well under a microsecond plus whatever the probe costs (``bench/bench_plugin.py``).
 
 Per-step peaks: once the ``serve`` phase starts, each ``step()`` reads the allocator peak and then
 resets it, so every serving sample carries that step's own peak (``peak_is_step``). This takes the
@@ -44,6 +44,8 @@ from .ring import (
 from .runtime import ensure_runtime_dir, ring_mode, ring_path
 
 log = logging.getLogger("memwatch")
+
+_KIND_CODE = STEP_KIND_CODES.get
 
 STANDARD_PHASES = ("load", "warmup", "kv_alloc", "cudagraph", "serve")
 
@@ -114,6 +116,11 @@ class Monitor:
                 self.ring_path, run_id=self.run_id, rank=self.rank, world_size=self.world_size,
                 meta=meta, capacity=capacity, mode=mode,
             )
+            # Bound once: the step reads the probe and packs one record, with no attribute chains.
+            self._read_step = self.probe.read_step
+            self._reset_peak = self.probe.reset_peak
+            self._write_sample = self._writer.sample_writer()
+            self._acquire, self._release = self._lock.acquire, self._lock.release
             self._enabled = True
             if spawn_sidecar is None:  # a shared directory has its agent already: never start one there
                 spawn_sidecar = os.environ.get("MEMWATCH_SPAWN", "1") != "0" and mode == 0o600
@@ -159,23 +166,25 @@ class Monitor:
         if not self._enabled:
             return
         try:
-            probe = self.probe
-            allocated, peak, reserved, used, free, *signals = probe.read_step()
+            allocated, peak, reserved, used, free, segments, active, pinned, retries, ooms = self._read_step()
             flags = 0
             if self._per_step_peak:
-                probe.reset_peak()
+                self._reset_peak()
                 flags = SAMPLE_PEAK_IS_STEP
-            with self._lock:
-                self._step += 1
-                self._writer.write_sample(
-                    self._step, self._clock(), self._phase, STEP_KIND_CODES.get(kind, 0), flags,
+            self._acquire()
+            try:
+                self._step = step = self._step + 1
+                self._write_sample(
+                    step, self._clock(), self._phase, _KIND_CODE(kind, 0), flags,
                     allocated, peak, reserved, used, free,
                     UNKNOWN if num_tokens is None else num_tokens,
                     UNKNOWN if kv_blocks_used is None else kv_blocks_used,
                     UNKNOWN if kv_blocks_total is None else kv_blocks_total,
                     UNKNOWN if num_seqs is None else num_seqs,
-                    *signals,
+                    segments, active, pinned, retries, ooms,
                 )
+            finally:
+                self._release()
         except Exception as exc:
             self._disable(exc)
 

@@ -81,6 +81,8 @@ import mmap
 import os
 import re
 import struct
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +128,7 @@ SAMPLE_FIELDS = (
 """Field order of a drained sample tuple; version 1 samples stop after ``num_seqs``."""
 _CHUNK = struct.Struct(f"<QBBH4xqq{CHUNK_PAYLOAD}s")
 _PUBLISHED_AT = 56
+_PUBLISHED_WORD = _PUBLISHED_AT // 8
 _FLAGS_AT = 36
 assert _HEADER.size == META_OFFSET and _SAMPLE_SLOT.size == RECORD_SIZE and _CHUNK.size == RECORD_SIZE
 assert _SAMPLE_SLOT_V1.size == RECORD_SIZE and len(SAMPLE_FIELDS) == len(_SAMPLE.unpack(bytes(_SAMPLE.size)))
@@ -168,6 +171,8 @@ class RingWriter:
     ) -> None:
         if capacity <= 0 or capacity & (capacity - 1):
             raise ValueError(f"ring capacity must be a power of two, got {capacity}")
+        if sys.byteorder != "little":
+            raise ValueError("rings are written on little-endian hosts only")
         if not RUN_ID_PATTERN.match(run_id):
             raise ValueError(f"run id {run_id!r} must be 1-16 letters, digits, '.', '_' or '-'")
         # How a reader tells this writer is alive: its lock on the ring, and its pid namespace (see .liveness).
@@ -213,7 +218,10 @@ class RingWriter:
         self._mask = capacity - 1
         self._seq = 0
         self._pack_sample = _SAMPLE.pack_into
-        self._publish_at = slice(_PUBLISHED_AT, _PUBLISHED_AT + 8)
+        # The header's ``published`` counter as an aligned 8-byte word: one store (struct's pack_into zero-fills
+        # first, so a reader could see the count at 0). The word is in native order, the ring's own on the
+        # little-endian hosts memwatch runs on (checked above).
+        self._published = memoryview(self._map).cast("Q")
 
     @property
     def written(self) -> int:
@@ -226,16 +234,35 @@ class RingWriter:
         segments: int = -1, active: int = -1, inactive_split: int = -1, alloc_retries: int = -1,
         num_ooms: int = -1,
     ) -> None:
-        """Append one sample (the hot path: two ``pack_into`` calls, no allocation beyond arguments)."""
+        """Append one sample (the hot path: one ``pack_into`` and one word store, no allocation beyond arguments)."""
         seq = self._seq
         self._pack_sample(
             self._map, HEADER_SIZE + (seq & self._mask) * RECORD_SIZE, seq, TYPE_SAMPLE, flags, phase,
             step_kind, step, ts_ns, allocated, peak, reserved, driver_used, driver_free, num_tokens,
             kv_used, kv_total, num_seqs, segments, active, inactive_split, alloc_retries, num_ooms,
         )
-        self._seq = seq + 1
-        # One 8-byte copy: struct's pack_into zero-fills first, so a reader could see the count at 0.
-        self._map[self._publish_at] = (seq + 1).to_bytes(8, "little")
+        self._seq = seq = seq + 1
+        self._published[_PUBLISHED_WORD] = seq
+
+    def sample_writer(self) -> Callable[..., None]:
+        """:meth:`write_sample` as a closure over the map, for the Monitor's step: no attribute lookups.
+
+        It shares the sequence number with :meth:`write_event`; the caller orders the two (the Monitor's lock).
+        """
+        pack, ring, mask, published, writer = _SAMPLE.pack_into, self._map, self._mask, self._published, self
+
+        def write(step: int, ts_ns: int, phase: int, step_kind: int, flags: int, allocated: int, peak: int,
+                  reserved: int, driver_used: int, driver_free: int, num_tokens: int, kv_used: int, kv_total: int,
+                  num_seqs: int, segments: int, active: int, inactive_split: int, alloc_retries: int,
+                  num_ooms: int) -> None:
+            seq = writer._seq
+            pack(ring, HEADER_SIZE + (seq & mask) * RECORD_SIZE, seq, TYPE_SAMPLE, flags, phase, step_kind, step,
+                 ts_ns, allocated, peak, reserved, driver_used, driver_free, num_tokens, kv_used, kv_total, num_seqs,
+                 segments, active, inactive_split, alloc_retries, num_ooms)
+            writer._seq = seq = seq + 1
+            published[_PUBLISHED_WORD] = seq
+
+        return write
 
     def write_event(self, step: int, ts_ns: int, kind: str, data: dict[str, Any]) -> None:
         """Append one event as JSON chunks, published at once so a reader sees all of it or none."""
@@ -252,7 +279,7 @@ class RingWriter:
                 seq + i, TYPE_EVENT, more, len(chunk), step, ts_ns, chunk,
             )
         self._seq = seq + len(chunks)
-        self._map[self._publish_at] = self._seq.to_bytes(8, "little")
+        self._published[_PUBLISHED_WORD] = self._seq
 
     def close(self) -> None:
         """Mark the ring cleanly closed; the file stays for the reader to finish draining."""
@@ -260,6 +287,7 @@ class RingWriter:
             return
         _FLAGS.pack_into(self._map, _FLAGS_AT, FLAG_CLOSED)
         self._map.flush()
+        self._published.release()  # an mmap with a view on it cannot close
         self._map.close()
         self._drop_lock()
 

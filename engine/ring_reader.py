@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,9 @@ class RingHeader:
     created_ns: int
     meta: dict[str, Any]
 
+_NOT_SAMPLE = re.compile(b"[^" + re.escape(bytes([TYPE_SAMPLE])) + b"]")
+"""Matches the type byte of any record that is not a sample (an event chunk, or a type this reader does not know)."""
+
 
 @dataclass
 class Drained:
@@ -67,6 +71,9 @@ class Drained:
     next_cursor: int
     lost: int
     """Records the writer overwrote before this reader got to them."""
+    slots: bytes = b""
+    """The copied slots the samples were unpacked from (events' too, 128 bytes each; empty when nothing was
+    read): the samples are its slots of type 1, in order, for a reader that views them as columns."""
 
 
 class RingReader:
@@ -214,17 +221,21 @@ class RingReader:
         types = blob[8::RECORD_SIZE]
         next_cursor = start + len(records)
         if types.count(TYPE_SAMPLE) == len(types):
-            return Drained(records, events, bad, next_cursor, lost)
+            return Drained(records, events, bad, next_cursor, lost, blob)
         pending: list[bytes] = []
-        for at, record in enumerate(records):
-            kind = types[at]
-            if kind == TYPE_SAMPLE:
+        taken = 0  # records before this index are handled
+        # Only the records that are not samples are visited one by one (found at C speed); the samples
+        # between them are taken as slices.
+        for match in _NOT_SAMPLE.finditer(types):
+            at = match.start()
+            if at > taken:
                 if pending:  # an event cut short by a sample: its chunks are set aside
-                    bad.append((start + at - len(pending), record[6], "event chunks without an end",
-                                blob[(at - len(pending)) * RECORD_SIZE : at * RECORD_SIZE]))
+                    bad.append((start + taken - len(pending), records[taken][6], "event chunks without an end",
+                                blob[(taken - len(pending)) * RECORD_SIZE : taken * RECORD_SIZE]))
                     pending.clear()
-                samples.append(record)
-                continue
+                samples += records[taken:at]
+            taken = at + 1
+            kind = types[at]
             if kind != TYPE_EVENT:
                 raw = blob[at * RECORD_SIZE : (at + 1) * RECORD_SIZE]
                 bad.append((start + at, 0, f"unknown record type {kind}", raw))
@@ -240,9 +251,15 @@ class RingReader:
                     bad.append((seq, ts_ns, event, raw))
                 else:
                     events.append(event)
+        if taken < len(records):
+            if pending:
+                bad.append((start + taken - len(pending), records[taken][6], "event chunks without an end",
+                            blob[(taken - len(pending)) * RECORD_SIZE : taken * RECORD_SIZE]))
+                pending.clear()
+            samples += records[taken:]
         if pending:  # an event cut by ``limit`` or still being written: leave it for the next call
             next_cursor = start + len(records) - len(pending)
-        return Drained(samples, events, bad, next_cursor, lost)
+        return Drained(samples, events, bad, next_cursor, lost, blob)
 
     def _decode_event(
         self, payload: bytes, seq: int, step: int, ts_ns: int

@@ -30,7 +30,7 @@ from .liveness import ring_writer_alive, writer_alive
 from .record_checks import check_meta, screen
 from .records import Event, Sample
 from .rejected_rings import set_aside_ring
-from .ring_records import typed_records
+from .ring_records import RingDrain
 from .store.writer import Batch, StoreWriter, WriterStalled, raw_sample_insert
 
 log = logging.getLogger("memwatch.collector")
@@ -43,7 +43,10 @@ ALIVE_CHECK_S = 1.0
 __all__ = ["Collector", "Observer", "RingState", "writer_alive"]
 
 Observer = Callable[[RingHeader, list[Sample | Event]], Iterable[tuple[Any, ...]]]
-"""Called with every drained record of a ring, in order; returns flag rows to store."""
+"""Called with every drained record of a ring, in order; returns flag rows to store. An observer with
+``takes_drain = True`` is called with the :class:`~memwatch.ring_records.RingDrain` instead (the ring's own
+tuples: the live detectors, which would otherwise pay for a typed record per sample), one with
+``events_only = True`` with the drain's events alone."""
 
 
 @dataclass
@@ -284,9 +287,15 @@ class Collector:
         last_event_ts = events[-1][2] if events else 0
         state.last_ts_ns = max(state.last_ts_ns, last_sample_ts, last_event_ts)
         if self._observers:
-            records = typed_records(run_id, rank, drained, names)
+            drain = RingDrain(run_id, rank, drained, names)  # typed records only for observers that want them
             for observer in self._observers:
-                batch.flags.extend(observer(header, records))
+                if getattr(observer, "takes_drain", False):
+                    given: Any = drain
+                elif getattr(observer, "events_only", False):
+                    given = drain.events
+                else:
+                    given = drain.records
+                batch.flags.extend(observer(header, given))
                 statements = getattr(observer, "statements", None)  # e.g. per-rank summaries kept live
                 if statements is not None:
                     batch.statements.extend(statements(header))

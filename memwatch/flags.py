@@ -27,6 +27,7 @@ BLOCK_COUNT_MISMATCH = "block_count_mismatch"
 OOM_RISK = "oom_risk"
 OOM = "oom"
 ALLOC_RETRIES = "alloc_retries"
+TORCH_DRIFT = "torch_drift"
 
 FLAG_KINDS: tuple[str, ...] = (
     NON_TORCH_DRIFT,           # memory outside PyTorch growing steadily after serving started
@@ -39,6 +40,7 @@ FLAG_KINDS: tuple[str, ...] = (
     OOM_RISK,                  # little room left for the next forward, or trending to none
     OOM,                       # an out-of-memory error happened
     ALLOC_RETRIES,             # the allocator flushed its cache and retried a failed cudaMalloc
+    TORCH_DRIFT,               # PyTorch memory kept across steps (beyond weights and KV) rising while serving
 )
 
 

@@ -19,6 +19,8 @@ One name per quantity, in every command and in the JSON (these field names are t
 ``weights_bytes``          the weights (``weights_loaded``, else all of ``current`` at sizing)
 ``torch_other_bytes``      other long-lived PyTorch memory: ``current − weights`` at sizing, plus what a
                            later phase declares (``phase_end`` data ``long_lived_bytes``, CUDA graphs)
+``torch_kept_bytes``       the same term as each sample measures it: ``allocated − weights − KV``, what
+                           stays allocated between steps; a leak inside PyTorch is this series rising
 ``kv_bytes``               ``num_blocks × block_bytes``
 ``activation_reserve_bytes``  ``peak − current`` at sizing (the warmup forward)
 ``headroom_bytes``         what the budget has left: budget − non-PyTorch − weights − other − KV − reserve
@@ -97,6 +99,9 @@ class LedgerTerms(NamedTuple):
     """Cache slack in wholly free segments (released before an OOM); ``None`` without allocator signals."""
     pinned_cache_bytes: int | None = None
     """Cache slack in partly used segments (``inactive_split_bytes``): fragments nothing can release."""
+    torch_kept_bytes: int | None = None
+    """Other long-lived PyTorch memory now: what stays allocated after this step beyond weights and KV
+    (``allocated − weights − KV``; a sample is read between steps). Rises with tensors kept across steps."""
 
 
 KNOWN_BUDGET_RULES = (None, "nano-vllm", sglang_rule.RULE)
@@ -294,8 +299,11 @@ class Ledger:
         if long_lived is None:
             return LedgerTerms(self._budget, non_torch, slack, self._weights, self._torch_other, self._kv,
                                reserve, None, None, None, None, margin, reclaimable, pinned)
-
-        activation_now = None if allocated is None else allocated - long_lived
+        if allocated is None:
+            activation_now = kept = None
+        else:
+            activation_now = allocated - long_lived
+            kept = activation_now + self._torch_other  # type: ignore[operator]
         step_peak = sample.peak_bytes
         step_activation = step_peak - long_lived if sample.peak_is_step and step_peak is not None else None
         headroom = residual = None
@@ -305,4 +313,4 @@ class Ledger:
                 residual = headroom - self._headroom_at_sizing
         return LedgerTerms(self._budget, non_torch, slack, self._weights, self._torch_other, self._kv,
                            reserve, activation_now, step_activation, headroom, residual, margin, reclaimable,
-                           pinned)
+                           pinned, kept)

@@ -21,11 +21,13 @@ from typing import Any
 
 from memwatch_engine.ring_reader import RingHeader
 
-from .detectors import DetectorConfig, DetectorSet, RankSummary
+from .detectors import INERT_EVENTS, DetectorConfig, DetectorSet, RankSummary
+from .detectors.batch import DrainColumns
 from .flags import EXTERNAL_PROCESS, Flag
 from .ledger import LedgerTerms
 from .nvml import GpuProcess, Nvml
 from .records import Event, Sample
+from .ring_records import RingDrain
 from .store.summaries import UPSERT_MINUTE, UPSERT_SUMMARY, config_key, minute_rows, summary_params
 from .units import format_bytes
 
@@ -62,7 +64,11 @@ class LiveDetectors:
         self._complete: dict[str, bool] = {}
         self._config_key = config_key(config)
 
-    def __call__(self, header: RingHeader, records: list[Sample | Event]) -> list[tuple[Any, ...]]:
+    takes_drain = True
+    """The collector hands over the ring's own tuples (:class:`~memwatch.ring_records.RingDrain`): batches of
+    serving samples go through the detectors at once, never as a typed record each."""
+
+    def __call__(self, header: RingHeader, records: RingDrain | list[Sample | Event]) -> list[tuple[Any, ...]]:
         detectors = self._runs.get(header.run_id)
         if detectors is None:
             detectors = self._runs[header.run_id] = DetectorSet(self._config)
@@ -75,28 +81,42 @@ class LiveDetectors:
         self._open_ranks.setdefault(header.run_id, set()).add(header.rank)
         self._writer_pids.setdefault(header.run_id, set()).add(header.writer_pid)
         rows: list[tuple[Any, ...]] = []
-        on_sample, on_event = detectors.on_sample, detectors.on_event
-        latest_terms = detectors.latest_terms
         rank = header.rank  # a ring holds one rank's records
         summary = summaries.get(rank)
-        for record in records:
-            if type(record) is Sample:
-                flags = on_sample(record)
-                if summary is None:
-                    summary = summaries[rank] = RankSummary(rank)
-                summary.observe(record, latest_terms(rank))  # type: ignore[arg-type]
-            else:
-                flags = on_event(record)
-            for flag in flags:
-                if flag.kind == EXTERNAL_PROCESS:
-                    flag = self._name_other_processes(header, flag)
-                log.log(_LEVELS.get(flag.severity, logging.WARNING), "run %s rank %d step %d: %s [%s]",
-                        flag.run_id, flag.rank, flag.step, flag.message, flag.kind)
-                rows.append(flag_row(flag))
-                if self._on_flag is not None:
-                    self._on_flag(flag)
+        if isinstance(records, RingDrain):
+            samples, columns = records.drained.samples, DrainColumns(records.drained)
+            for part in records.in_order(INERT_EVENTS):
+                if type(part) is Event:
+                    flags: Iterable[Flag] = detectors.on_event(part)
+                else:
+                    if summary is None:
+                        summary = summaries[rank] = RankSummary(rank)
+                    flags = detectors.on_ring_samples(records.run_id, rank, samples[part.start:part.stop],  # type: ignore[union-attr]
+                                                      records.names, summary, columns.part(part))  # type: ignore[arg-type]
+                self._raised(header, flags, rows)
+        else:
+            for record in records:
+                if type(record) is Sample:
+                    flags = detectors.on_sample(record)
+                    if summary is None:
+                        summary = summaries[rank] = RankSummary(rank)
+                    summary.observe(record, detectors.latest_terms(rank))  # type: ignore[arg-type]
+                else:
+                    flags = detectors.on_event(record)  # type: ignore[arg-type]
+                self._raised(header, flags, rows)
         self.flags_raised += len(rows)
         return rows
+
+    def _raised(self, header: RingHeader, flags: Iterable[Flag], rows: list[tuple[Any, ...]]) -> None:
+        """Log, store and hand on the flags one record or batch raised."""
+        for flag in flags:
+            if flag.kind == EXTERNAL_PROCESS:
+                flag = self._name_other_processes(header, flag)
+            log.log(_LEVELS.get(flag.severity, logging.WARNING), "run %s rank %d step %d: %s [%s]",
+                    flag.run_id, flag.rank, flag.step, flag.message, flag.kind)
+            rows.append(flag_row(flag))
+            if self._on_flag is not None:
+                self._on_flag(flag)
 
     def statements(self, header: RingHeader) -> list[tuple[str, tuple[Any, ...]]]:
         """The rank's summary as it stands after the records just observed, to store with them."""

@@ -7,8 +7,11 @@ the scorecard and the tests read whole ring files.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator
 from operator import itemgetter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from memwatch_engine.ring import STEP_KINDS
@@ -50,6 +53,56 @@ def typed_records(run_id: str, rank: int, drained: Any, names: dict[int, str | N
     merged += [(seq, Event(run_id, rank, step, ts_ns, kind, data)) for seq, step, ts_ns, kind, data in drained.events]
     merged.sort(key=lambda pair: pair[0])
     return [record for _, record in merged]
+
+
+def typed_sample(run_id: str, rank: int, row: tuple[Any, ...], names: dict[int, str | None]) -> Sample:
+    """One ring sample tuple as a typed :class:`Sample`, as :func:`typed_records` builds it."""
+    return typed_records(run_id, rank, SimpleNamespace(samples=[row], events=()), names)[0]  # type: ignore[return-value]
+
+
+class RingDrain:
+    """One drain of one ring as the collector hands it to observers that read the ring's own tuples
+    (``takes_drain = True``; the live detectors): typed records are built only if someone asks, and observers
+    that read events alone (``events_only = True``) get just those."""
+
+    __slots__ = ("_records", "drained", "names", "rank", "run_id")
+
+    def __init__(self, run_id: str, rank: int, drained: Any, names: dict[int, str | None]) -> None:
+        self.run_id, self.rank, self.drained, self.names = run_id, rank, drained, names
+        self._records: list[Sample | Event] | None = None
+
+    @property
+    def records(self) -> list[Sample | Event]:
+        """Every record typed, in ring order (built once, on the first ask)."""
+        if self._records is None:
+            self._records = typed_records(self.run_id, self.rank, self.drained, self.names)
+        return self._records
+
+    @property
+    def events(self) -> list[Event]:
+        """The drain's events typed, in order (for observers that read no sample)."""
+        return [Event(self.run_id, self.rank, step, ts_ns, kind, data)
+                for _seq, step, ts_ns, kind, data in self.drained.events]
+
+    def in_order(self, skip: frozenset[str] = frozenset()) -> Iterator[range | Event]:
+        """In ring order: runs of consecutive samples (as ranges of indexes into ``drained.samples``), and
+        each event typed between them, but those whose kind is in ``skip`` (a reader that ignores them, e.g.
+        requests, need not see them, and they do not cut a run of samples)."""
+        samples = self.drained.samples
+        start = 0
+        seqs: list[int] | None = None
+        for seq, step, ts_ns, kind, data in self.drained.events:
+            if kind in skip:
+                continue
+            if seqs is None:
+                seqs = [row[0] for row in samples]
+            end = bisect_left(seqs, seq, start)
+            if end > start:
+                yield range(start, end)
+            start = end
+            yield Event(self.run_id, self.rank, step, ts_ns, kind, data)
+        if start < len(samples):
+            yield range(start, len(samples))
 
 
 _MEASURED = itemgetter(7, 8, 9, 10, 11, 13, 14, 15, 12)

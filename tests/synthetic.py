@@ -65,6 +65,13 @@ class SyntheticRun:
     spike_at: int | None = None
     spike_bytes: int = 0
     oom_at: int | None = None
+    kept_from: int | None = None
+    """PyTorch memory kept alive across steps: ``kept_per_step`` more each step from here ..."""
+    kept_per_step: int = 0
+    kept_until: int | None = None
+    """... until here (a leak that stops)."""
+    kept_once: tuple[tuple[int, int], ...] = ()
+    """``(step, bytes)``: one-time allocations kept from then on (a buffer, graphs for a new batch size)."""
     serve_phase: str | None = "serve"
     allocator_signals: bool = True
     """Serving samples carry the allocator's signals: the graph pool's free part and the fragments are
@@ -119,7 +126,7 @@ class SyntheticRun:
         base_allocated = self.weights + self.kv + self.graph_allocated
         base_reserved = self.weights + self.kv + self.graph_pool
         cached = 0
-        leaked = external = fragments = retries = 0
+        leaked = external = fragments = retries = kept = 0
         for index in range(self.serve_steps):
             step = 6 + index
             prefill = index % self.prefill_every == 0
@@ -149,7 +156,10 @@ class SyntheticRun:
                 blocks_used = blocks_total - (rng.randrange(0, blocks_total // 100 + 1) if self.jitter else 10)
             else:
                 blocks_used = blocks_total * (40 + index % 45) // 100
-            allocated = base_allocated + (rng.randrange(0, 32 * MiB) if self.jitter else 0)
+            if self.kept_from is not None and self.kept_from <= index < (self.kept_until or 1 << 62):
+                kept += self.kept_per_step
+            kept += sum(size for at, size in self.kept_once if at == index)
+            allocated = base_allocated + kept + (rng.randrange(0, 32 * MiB) if self.jitter else 0)
             retries += index in self.retries_at
             signals = {}
             if self.allocator_signals:
@@ -160,7 +170,7 @@ class SyntheticRun:
             non_torch = self.non_torch + 64 * MiB + leaked + external + noise + spike
             yield self._sample(
                 step, self.serve_phase, allocated, allocated + activation if self.step_peaks else allocated,
-                base_reserved + cached + fragments, non_torch, kv_blocks_used=blocks_used,
+                base_reserved + kept + cached + fragments, non_torch, kv_blocks_used=blocks_used,
                 kv_blocks_total=blocks_total, num_seqs=64, num_tokens=8_192 if prefill else 64,
                 step_kind="prefill" if prefill else "decode", peak_is_step=self.step_peaks, **signals)
 

@@ -23,7 +23,7 @@ DASHBOARD = ROOT / "dashboards" / "memwatch.json"
 
 CHECK_TERMS = ("budget_bytes", "non_torch_bytes", "weights_bytes", "torch_other_bytes", "kv_bytes",
                "activation_reserve_bytes", "headroom_bytes", "cache_slack_bytes", "reclaimable_cache_bytes",
-               "pinned_cache_bytes", "residual_bytes", "oom_margin_bytes")
+               "pinned_cache_bytes", "torch_kept_bytes", "residual_bytes", "oom_margin_bytes")
 """Every ledger term ``memwatch check`` prints."""
 
 INFO_ONLY_KINDS = {RESERVE_OVERSTATED}
@@ -37,7 +37,7 @@ def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_promtool_checks_the_rules() -> None:
     result = _promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 10 rules found" in result.stdout
+    assert "SUCCESS: 11 rules found" in result.stdout
 
 
 def test_promtool_unit_tests_fire_each_alert_and_stay_silent_on_a_clean_run() -> None:
@@ -73,13 +73,14 @@ def test_the_dashboard_imports_with_a_datasource_input_and_shows_every_ledger_te
     first_exprs = " ".join(t["expr"] for t in first["targets"])
     for term in ("non_torch", "weights", "torch_other", "kv", "activation_reserve", "headroom", "budget"):
         assert f"memwatch_{term}_bytes" in first_exprs, term
-    # Then, row by row: drift (non-PyTorch, residual), fragmentation (cache slack), KV and preemptions, OOM margin.
+    # Then, row by row: drift (non-PyTorch and PyTorch kept across steps, residual), fragmentation (cache slack),
+    # KV and preemptions, OOM margin.
     rows = [p["title"].lower() for p in dashboard["panels"] if p["type"] == "row"]
     order = ("the ledger", "drift", "fragmentation", "kv", "oom margin")
     assert [next(i for i, title in enumerate(rows) if title.startswith(row)) for row in order] == list(range(5)), rows
     after = {row: _row_panels(dashboard, row) for row in ("drift", "fragmentation", "kv", "oom margin")}
     assert [t["expr"].split("{")[0] for p in after["drift"] for t in p["targets"]] == [
-        "memwatch_non_torch_bytes", "memwatch_residual_bytes"]
+        "memwatch_non_torch_bytes", "memwatch_torch_kept_bytes", "memwatch_residual_bytes"]
     assert "memwatch_cache_slack_bytes" in [t["expr"].split("{")[0] for t in after["fragmentation"][0]["targets"]]
     kv = " ".join(t["expr"] for p in after["kv"] for t in p["targets"])
     assert "memwatch_kv_blocks_used" in kv and "memwatch_preemptions_total" in kv

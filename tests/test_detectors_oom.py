@@ -49,12 +49,14 @@ def test_gradual_leak_forecast_by_hand() -> None:
     drop = 8 * MiB * (130 - 99)
     margin = MARGIN - drop
     assert warning.data["oom_margin_bytes"] == margin
-    assert warning.data["slope_bytes_per_step"] == drop // 40
-    assert warning.data["steps_to_zero"] == margin * 40 // drop == 1_132
-    assert warning.data["ns_to_zero"] == margin * 40 * 25_000_000 // drop
-    assert warning.data["trend_steps"] == 40
-    assert warning.message == ("the OOM margin of 6.9 GiB is falling by 6.2 MiB/step: the next worst-case forward "
-                               "will not fit in about 1,132 steps (28 s)")
+    # The rate is fitted from the onset (i = 99, the last sample at the window's first margin), not over the
+    # whole window, which would read it 31/40 of the leak: 8 MiB/step over 31 steps.
+    assert warning.data["slope_bytes_per_step"] == 8 * MiB
+    assert warning.data["steps_to_zero"] == margin // (8 * MiB) == 1_008 - 130 - 1
+    assert warning.data["ns_to_zero"] == margin * 31 * 25_000_000 // drop
+    assert warning.data["trend_steps"] == 31
+    assert warning.message == ("the OOM margin of 6.9 GiB is falling by 8.0 MiB/step: the next worst-case forward "
+                               "will not fit in about 877 steps (22 s)")
     # Critical once the margin is under 256 MiB: 8 MiB x (i - 99) > MARGIN - 256 MiB from i = 976.
     assert critical.step == 6 + 976
     assert critical.data["oom_margin_bytes"] == MARGIN - 8 * MiB * 877

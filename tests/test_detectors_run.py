@@ -140,7 +140,7 @@ def test_config_from_mapping_and_its_errors() -> None:
 def test_vocabulary_and_wording() -> None:
     assert FLAG_KINDS == ("non_torch_drift", "fragmentation", "activation_over_reserve", "reserve_overstated",
                           "external_process", "kv_pressure", "block_count_mismatch", "oom_risk", "oom",
-                          "alloc_retries")
+                          "alloc_retries", "torch_drift")
     assert severity_at_least(CRITICAL, WARNING) and not severity_at_least(INFO, WARNING)
     assert format_bytes(3_328_599_654) == "3.1 GiB"  # 3,328,599,654 / 2^30 = 3.0999
     assert format_bytes(-2 * MiB) == "-2.0 MiB"

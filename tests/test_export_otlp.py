@@ -24,7 +24,7 @@ from processes import SidecarProcess, memwatch_env, query, wait_for
 RUN_ATTRIBUTES = ("run_id", "rank", "engine", "model", "host", "pid")
 CHECK_TERMS = ("budget_bytes", "non_torch_bytes", "weights_bytes", "torch_other_bytes", "kv_bytes",
                "activation_reserve_bytes", "headroom_bytes", "cache_slack_bytes", "reclaimable_cache_bytes",
-               "pinned_cache_bytes", "residual_bytes", "oom_margin_bytes")
+               "pinned_cache_bytes", "torch_kept_bytes", "residual_bytes", "oom_margin_bytes")
 """Every ledger term ``memwatch check`` prints."""
 
 

@@ -80,7 +80,7 @@ def test_prometheus_scrapes_the_sidecar_and_every_dashboard_and_rule_expression_
         assert empty == [], "dashboard expressions without data"
 
         rules = [rule for group in prometheus.api("rules")["groups"] for rule in group["rules"]]
-        assert len(rules) == 10 and all(rule["health"] == "ok" for rule in rules), rules
+        assert len(rules) == 11 and all(rule["health"] == "ok" for rule in rules), rules
         for rule in rules:
             # The quantity each alert compares (its threshold cut off) exists for this run.
             quantity = re.fullmatch(r"(.*?)\s*[<>]=?\s*[0-9.e+]+", rule["query"]).group(1)

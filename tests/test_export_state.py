@@ -255,3 +255,35 @@ def test_with_detectors_the_exporters_read_their_ledger_and_get_the_same_terms()
     [terms_shared], [terms_own] = [s.terms for s in shared.snapshot()], [s.terms for s in own.snapshot()]
     assert terms_shared is not None and terms_shared == terms_own
     assert terms_shared.budget_bytes is not None and terms_shared.headroom_bytes is not None
+
+
+def test_wired_as_the_sidecar_wires_them_the_exporters_count_from_the_ring_as_they_do_from_typed_records(
+        runtime_dir: Path, db_path: Path) -> None:
+    """With the detectors' ledger as the terms source, the exporters are handed the ring's own tuples and keep
+    only a drain's last sample and its events: every series equals what typed records of the same drains give."""
+    run_scenario("kv_pressure", runtime_dir=runtime_dir)
+    typed = ExportState()
+
+    class TypedCopy:  # the same drains as typed records, into a second state
+        def __call__(self, header: RingHeader, records: list[Any]) -> tuple[()]:
+            return typed(header, records)
+
+        def finished(self, header: RingHeader) -> None:
+            typed.finished(header)
+
+    live = LiveDetectors()
+    drained = ExportState()
+    drained.set_terms_source(live.last_terms)
+    typed.set_terms_source(live.last_terms)
+    reader, reader_typed = _reader(drained), _reader(typed)
+    store_rings(runtime_dir, db_path, observers=[drained, TypedCopy(), live])
+    points, points_typed = _points(reader), _points(reader_typed)
+    assert points == points_typed
+    ((_, samples),) = points["memwatch.samples"]
+    assert samples == query(db_path, "SELECT count(*) FROM samples")[0][0]
+    ((_, preemptions),) = points["memwatch.preemptions"]
+    assert preemptions == sum(json.loads(data)["count"] for (data,) in query(
+        db_path, "SELECT data FROM events WHERE kind = 'preemption'")) > 0
+    last_kv = query(db_path, "SELECT kv_blocks_used, kv_blocks_total FROM samples WHERE kv_blocks_total IS NOT NULL"
+                             " ORDER BY ts_ns DESC LIMIT 1")[0]
+    assert [value for _, value in points["memwatch.kv.blocks.used"]] == [last_kv[0]]

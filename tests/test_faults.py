@@ -50,7 +50,7 @@ def serve_samples(path: str | None) -> list[Sample]:
 def test_every_documented_kind_is_registered_and_external_process_is_an_alias() -> None:
     assert documented_fault_kinds() == [
         "fragmentation", "long_prefill", "non_torch_leak", "other_process", "rank_imbalance", "skip_peak_reset",
-        "warmup_decode", "warmup_short"]
+        "torch_leak", "warmup_decode", "warmup_short"]
     assert FAULT_KINDS["external_process"] is FAULT_KINDS["other_process"] is OtherProcess is ExternalProcess
     fault = parse_fault({"kind": "external_process", "size_bytes": GiB, "at_step": 3}, "test")
     assert fault == OtherProcess(size_bytes=GiB, at_step=3)

@@ -59,6 +59,7 @@ def test_seed_worked_example_qwen_7b_on_an_80_gb_gpu() -> None:
         headroom_bytes=4_968_960, residual_bytes=0,
         # free = 80 GB - (1 + 14) GB - KV = 12,004,968,960; no cache yet, so the forward needs all 4 GB
         oom_margin_bytes=12_004_968_960 - 4 * GB,
+        torch_kept_bytes=0,  # allocated beyond weights and KV: nothing kept
     )
     # The lines the CLI prints sum to the budget exactly.
     assert (terms.non_torch_bytes + terms.weights_bytes + terms.torch_other_bytes + terms.kv_bytes
@@ -108,6 +109,8 @@ def test_hand_computed_sequence() -> None:
                                    peak=long_lived + 2000 * MiB, peak_is_step=True))
     assert (step.non_torch_bytes, step.cache_slack_bytes) == (552 * MiB, 2900 * MiB)
     assert (step.activation_now_bytes, step.step_activation_peak_bytes) == (100 * MiB, 2000 * MiB)
+    # What stays allocated beyond weights and KV: the 512 MiB at sizing plus the 100 MiB the step left
+    assert (first.torch_kept_bytes, step.torch_kept_bytes) == (512 * MiB, 612 * MiB)
     # headroom 8 - 40 = -32 MiB; residual = -32 - 8 = -40 MiB, the non-torch growth
     assert (step.headroom_bytes, step.residual_bytes) == (-32 * MiB, -40 * MiB)
     # slack 2,900 >= reserve 2,560: the forward fits in the cache; margin = free = 16,384 - 12,760 MiB

@@ -133,6 +133,9 @@ PREDICTIONS = [
     ("non_torch_leak_h200", Settings(utilization=0.9), _engine(gpu_memory_utilization=0.9)),
     ("clean_bursty", Settings(load=2.0), _rate(2.0)),
     ("chunked_prompt", Settings(utilization=0.5), _engine(gpu_memory_utilization=0.5)),
+    ("torch_leak", Settings(utilization=0.5), _engine(gpu_memory_utilization=0.5)),
+    ("torch_leak", Settings(gpu_memory_bytes=12 * GiB), _gpu(12 * GiB)),
+    ("torch_leak_tp4", Settings(utilization=0.5), _engine(gpu_memory_utilization=0.5)),
 ]
 
 

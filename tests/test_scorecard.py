@@ -35,6 +35,8 @@ TABLE = {
     "clean_chat": ((), "ok"),
     "clean_eager": ((), "ok"),
     "clean_h200": ((), "ok"),
+    "clean_late_buffer": ((), "ok"),
+    "clean_lazy_graphs": ((), "ok"),
     "clean_llama_80g": ((), "ok"),
     "clean_ramp": ((), "ok"),
     "clean_sglang": ((), "ok"),
@@ -56,11 +58,14 @@ TABLE = {
     "rank_imbalance": (("block_count_mismatch",), "ok"),
     "sglang_slack_eager": (("oom",), "oom"),
     "skip_peak_reset": (("reserve_overstated",), "ok"),
+    "torch_leak": (("oom_risk", "torch_drift", "oom"), "oom"),
+    "torch_leak_stops": (("torch_drift",), "ok"),
+    "torch_leak_tp4": (("oom_risk", "torch_drift", "oom"), "oom"),
     "warmup_decode": (("activation_over_reserve", "oom_risk", "oom"), "oom"),
     "warmup_short": (("activation_over_reserve", "oom_risk", "oom"), "oom"),
 }
 GRADUAL = {"fragmentation", "fragmentation_80g", "non_torch_leak", "non_torch_leak_bursty",
-           "non_torch_leak_h200", "non_torch_leak_tp2"}
+           "non_torch_leak_h200", "non_torch_leak_tp2", "torch_leak", "torch_leak_tp4"}
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,11 @@ it live and the post-mortem commands can replay a stored timeline through the ve
 """
 
 from memwatch.detectors.config import DetectorConfig
-from memwatch.detectors.detector_set import STARTUP_PHASES, DetectorSet
+from memwatch.detectors.detector_set import INERT_EVENTS, STARTUP_PHASES, DetectorSet
 from memwatch.detectors.replay import RankSummary, ReplayResult, Tightest, interleave, replay
 
 __all__ = [
+    "INERT_EVENTS",
     "STARTUP_PHASES",
     "DetectorConfig",
     "DetectorSet",

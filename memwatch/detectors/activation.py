@@ -3,8 +3,9 @@
 Warmup measures the activation reserve as ``peak - current`` around one worst-case forward. Two
 ways it goes wrong are visible once each serving step reports its own allocator peak
 (``Sample.peak_is_step``). A step's activation is its peak above the long-lived memory, less what was
-already allocated above it when serving started (CUDA-graph buffers an engine did not declare), so
-that it measures what warmup measured: the forward's own rise.
+already allocated above it when serving started (CUDA-graph buffers an engine did not declare) or,
+when more, what stayed allocated after the step (tensors kept across steps), so that it measures
+what warmup measured: the forward's own rise, never a leak.
 
 * ``activation_over_reserve``: a step's activation peak above the reserve by more than
   ``activation_tolerance_bytes``: the warmup batch was smaller than the real worst case, or ran as
@@ -17,12 +18,18 @@ that it measures what warmup measured: the forward's own rise.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from memwatch.detectors.base import Detector, Episode, make_flag
+from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, SKIP, Plan, apply_episode, episode_plan
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_bytes, format_count
 from memwatch.flags import ACTIVATION_OVER_RESERVE, INFO, RESERVE_OVERSTATED, WARNING, Flag
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Sample
+
+if TYPE_CHECKING:
+    from memwatch.detectors.batch import Columns
 
 
 class ActivationOverReserveDetector(Detector):
@@ -43,7 +50,13 @@ class ActivationOverReserveDetector(Detector):
         reserve = terms.activation_reserve_bytes
         if step_peak is None or reserve is None:
             return None
-        activation = step_peak - self._settled
+        # The step's own baseline: what stayed allocated after it, never below the serving start, so that
+        # memory kept across steps (a leak, measured by ``torch_drift``) is not read as activation.
+        baseline = self._settled
+        now = terms.activation_now_bytes
+        if now is not None and now > baseline:
+            baseline = now
+        activation = step_peak - baseline
         over = activation - reserve
         if over <= self._tolerance:
             self._episode.settle(over <= 0)
@@ -57,9 +70,21 @@ class ActivationOverReserveDetector(Detector):
             f"reserve of {format_bytes(reserve)} by {format_bytes(over)}: warmup ran a smaller batch than "
             f"serving (too short, or as decode)",
             {"step_activation_bytes": activation, "step_activation_peak_bytes": step_peak,
-             "settled_activation_bytes": self._settled, "activation_reserve_bytes": reserve, "over_bytes": over,
+             "settled_activation_bytes": baseline, "activation_reserve_bytes": reserve, "over_bytes": over,
              "step_kind": sample.step_kind, "num_tokens": sample.num_tokens, "num_seqs": sample.num_seqs},
         )
+
+
+    def plan(self, batch: Columns) -> Plan:
+        np = batch.np
+        # The step's own baseline, as observe() takes it: what stayed allocated after it, never below the start.
+        over = batch.step_activation - np.maximum(batch.activation_now, self._settled) - batch.reserve
+        actions = np.where(batch.peak_is_step, np.where(over <= self._tolerance, np.where(over <= 0, CLEAR, NOT_CLEAR),
+                                                        FIRE), SKIP)
+        episode = episode_plan(np, self._episode, actions)
+        if isinstance(episode, int):
+            return episode
+        return lambda: apply_episode(self._episode, episode)
 
 
 class ReserveOverstatedDetector(Detector):
@@ -108,6 +133,26 @@ class ReserveOverstatedDetector(Detector):
              "regainable_bytes": regainable, "regainable_blocks": blocks, "block_bytes": block_bytes,
              "settled_activation_bytes": self._settled, "steps": self._steps},
         )
+
+
+    def plan(self, batch: Columns) -> Plan:
+        if self._steps >= self._judge_steps:
+            return _nothing
+        activations = batch.step_activation[batch.peak_is_step] - self._settled
+        if self._steps + len(activations) >= self._judge_steps:  # the judgement falls in this batch, there
+            return int(batch.np.flatnonzero(batch.peak_is_step)[self._judge_steps - self._steps - 1])
+        if not len(activations):
+            return _nothing
+
+        def commit() -> None:
+            self._steps += len(activations)
+            self._largest = max(self._largest, int(activations.max()))
+
+        return commit
+
+
+def _nothing() -> None:
+    """A plan with nothing to change."""
 
 
 def _settled_activation(terms: LedgerTerms) -> int:

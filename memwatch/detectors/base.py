@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memwatch.flags import Flag
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
+
+if TYPE_CHECKING:
+    from memwatch.detectors.batch import Columns, Plan
 
 
 class Detector(ABC):
@@ -29,6 +32,13 @@ class Detector(ABC):
 
     def on_event(self, event: Event) -> None:  # noqa: B027 (optional hook)
         """Take in an event of this rank (most detectors need none)."""
+
+    def plan(self, batch: Columns) -> Plan:
+        """For a batch of serving samples (:mod:`memwatch.detectors.batch`): a function that leaves this
+        detector as :meth:`observe` on each sample would; or, where the batch raises a flag here or holds
+        what only :meth:`observe` handles, the number of leading samples before that (a plan of just those
+        would be a function)."""
+        return 0
 
 
 class Episode:

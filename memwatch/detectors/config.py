@@ -29,6 +29,12 @@ class DetectorConfig:
     drift_min_bytes: int = 256 * MiB
     """``non_torch_drift``: growth of non-PyTorch memory since serving started, step changes excluded."""
 
+    torch_drift_min_bytes: int = 256 * MiB
+    """``torch_drift``: growth of PyTorch memory kept across steps (beyond weights and KV) since serving
+    started, at least this ..."""
+    torch_drift_window_steps: int = 200
+    """... and still rising through each quarter of this many steps (growth that levelled off is not a leak)."""
+
     jump_min_bytes: int = 256 * MiB
     """``external_process``: a rise of non-PyTorch memory this large ..."""
     jump_window_steps: int = 4

@@ -9,8 +9,13 @@ do not report phases), which is the baseline every drift is measured from. Check
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
 from memwatch.detectors.activation import ActivationOverReserveDetector, ReserveOverstatedDetector
 from memwatch.detectors.base import Detector
+from memwatch.detectors.batch import MIN_BATCH, Columns, batchable, numpy_or_none, ring_columns, terms_at
 from memwatch.detectors.block_count import BlockCountCheck
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.fragmentation import FragmentationDetector
@@ -18,13 +23,25 @@ from memwatch.detectors.kv_pressure import KvPressureDetector
 from memwatch.detectors.non_torch import NonTorchDetector
 from memwatch.detectors.oom import OomRiskDetector, oom_flag
 from memwatch.detectors.retries import AllocRetriesDetector
+from memwatch.detectors.torch_drift import TorchDriftDetector
 from memwatch.errors import UsageError
 from memwatch.flags import Flag
 from memwatch.ledger import KV_ALLOCATED, Ledger, LedgerTerms
 from memwatch.records import Event, Sample
+from memwatch.ring_records import typed_records, typed_sample
+
+if TYPE_CHECKING:
+    from memwatch.detectors.summary import RankSummary
 
 STARTUP_PHASES = frozenset({"load", "warmup", "kv_alloc", "cudagraph"})
 """Phases during which memory moves by design; detectors wait for serving."""
+
+_FIRST_STRETCH = 8
+"""Samples taken one by one where a batch's plan stopped, before trying a batch again."""
+
+INERT_EVENTS = frozenset({"request_arrived", "request_finished", "config"})
+"""Event kinds neither the ledger nor any detector reads (:meth:`DetectorSet.on_event` changes nothing for
+them once the rank is known): the sidecar does not hand them to the detectors, and they do not cut a batch."""
 
 _NO_FLAGS: tuple[Flag, ...] = ()
 
@@ -114,7 +131,74 @@ class DetectorSet:
             KvPressureDetector(config, block_bytes),
             OomRiskDetector(config),
             AllocRetriesDetector(config),
+            TorchDriftDetector(config),
         )
+
+    def on_ring_samples(self, run_id: str, rank: int, rows: list[tuple[int, ...]], names: dict[int, str | None],
+                        summary: RankSummary, columns: Callable[[Any], list[Any] | None] | None = None) -> list[Flag]:
+        """Consecutive samples of one rank as the ring holds them (no event between them), and the rank's
+        summary kept up to date: what :meth:`on_sample` and :meth:`RankSummary.observe` on each would do,
+        once per batch where :mod:`memwatch.detectors.batch` covers it, else sample by sample.
+
+        Where a plan stops (a flag is raised there, a window is still filling, serving has not started),
+        the samples before it go as one batch and a stretch from it sample by sample (doubling while
+        batches stay short), then the rest is tried again. ``columns`` gives the rows as numpy columns where
+        the caller has them cheaper (:class:`~memwatch.detectors.batch.DrainColumns`).
+        """
+        np = numpy_or_none() if len(rows) >= MIN_BATCH and run_id == self._run_id else None
+        fields = None if np is None else (ring_columns(np, rows) if columns is None else columns(np))
+        startup = frozenset(code for code, name in names.items() if name in STARTUP_PHASES)
+        flags: list[Flag] = []
+        done, stretch = 0, _FIRST_STRETCH
+        while done < len(rows):
+            state = self._ranks.get(rank)
+            if fields is not None and state is not None and state.serving and state.detectors:
+                rest = [None if field is None else field[done:] for field in fields]
+                covered = self._batches(state, np, rest, startup, run_id, rank, rows[done:], names, summary)
+                done += covered
+                if done == len(rows):
+                    break
+                stretch = _FIRST_STRETCH if covered else stretch * 2
+            for sample in typed_records(run_id, rank, SimpleNamespace(samples=rows[done:done + stretch], events=()),
+                                        names):
+                flags.extend(self.on_sample(sample))  # type: ignore[arg-type]
+                summary.observe(sample, self._ranks[rank].last_terms)  # type: ignore[arg-type]
+            done += stretch
+        return flags
+
+    def _batches(self, state: _Rank, np: Any, fields: list[Any], startup: frozenset[int], run_id: str, rank: int,
+                 rows: list[tuple[int, ...]], names: dict[int, str | None], summary: RankSummary) -> int:
+        """The longest leading batch every detector's plan covers, committed; how many samples it held."""
+        size = len(rows)
+        while batchable(np, fields, state.ledger, startup):
+            batch = Columns(np, fields, state.ledger)
+            plans = [detector.plan(batch) for detector in state.detectors]
+            stops = [plan for plan in plans if isinstance(plan, int)]
+            if not stops:
+                for plan in plans:
+                    plan()  # type: ignore[operator]
+                self._finish_batch(state, batch, run_id, rank, rows[:size], names, summary)
+                return size
+            size = min(*stops, size - 1)  # a stop covers fewer samples than the batch it was given: progress
+            fields = [None if field is None else field[:size] for field in fields]
+        return 0
+
+    @staticmethod
+    def _finish_batch(state: _Rank, batch: Columns, run_id: str, rank: int, rows: list[tuple[int, ...]],
+                      names: dict[int, str | None], summary: RankSummary) -> None:
+        """The ledger and summary after a batch: the last sample through the ledger's own code."""
+        ledger = state.ledger
+        last = typed_sample(run_id, rank, rows[-1], names)
+        ledger._forward_need = int(batch.need_before[-1])
+        state.last_terms = terms = ledger.on_sample(last)
+
+        def sample_at(index: int) -> tuple[Sample, LedgerTerms]:
+            if index == batch.n - 1:
+                return last, terms
+            sample = typed_sample(run_id, rank, rows[index], names)
+            return sample, terms_at(ledger, sample, int(batch.need_before[index]))
+
+        summary.observe_batch(batch, sample_at, terms)
 
     def on_sample(self, sample: Sample) -> tuple[Flag, ...]:
         """Run the rank's ledger on one sample, then every detector; the flags raised (usually none)."""

@@ -17,12 +17,18 @@ NVML-only runs) are not judged.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from memwatch.detectors.base import Detector, Episode, make_flag
+from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, Plan, apply_episode, consecutive, episode_plan
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_bytes
 from memwatch.flags import FRAGMENTATION, WARNING, Flag
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Sample
+
+if TYPE_CHECKING:
+    from memwatch.detectors.batch import Columns
 
 
 def fragmentation_threshold(config: DetectorConfig, budget: int | None, reserve: int | None) -> int:
@@ -75,6 +81,25 @@ class FragmentationDetector(Detector):
         if not self._episode.fire():
             return None
         return self._flag(sample, terms, pinned, excess, threshold)
+
+    def plan(self, batch: Columns) -> Plan:
+        if self._baseline is None or self._threshold is None:
+            return 0
+        np, threshold = batch.np, self._threshold
+        excess = batch.pinned - self._baseline
+        over = excess >= threshold
+        runs = consecutive(np, over, self._run)
+        actions = np.where(over, np.where(runs < self._sustain, NOT_CLEAR, FIRE),
+                           np.where(2 * excess < threshold, CLEAR, NOT_CLEAR))
+        episode = episode_plan(np, self._episode, actions)
+        if isinstance(episode, int):
+            return episode
+
+        def commit() -> None:
+            self._run = int(runs[-1])
+            apply_episode(self._episode, episode)
+
+        return commit
 
     def _flag(self, sample: Sample, terms: LedgerTerms, pinned: int, excess: int, threshold: int) -> Flag:
         free = sample.driver_free_bytes

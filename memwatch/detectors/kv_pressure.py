@@ -10,13 +10,18 @@ preemptions happened within the last ``kv_pressure_window_steps`` steps; it re-a
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from memwatch.detectors.base import Detector, Episode, make_flag
+from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, Plan, apply_episode, episode_plan
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_count
 from memwatch.flags import KV_PRESSURE, WARNING, Flag
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
+
+if TYPE_CHECKING:
+    from memwatch.detectors.batch import Columns
 
 
 class KvPressureDetector(Detector):
@@ -44,6 +49,34 @@ class KvPressureDetector(Detector):
         self._recent.append((event.step, count))
         self._recent_count += count
         self._total += count
+
+    def plan(self, batch: Columns) -> Plan:
+        np, recent = batch.np, self._recent
+        if not recent:
+            counts = np.zeros(batch.n, dtype=np.int64)
+            dropped = 0
+        else:
+            # Preemptions leave the window from the oldest on, once a sample's step is past them; what has left
+            # stays gone, so after sample i everything up to the furthest step seen so far has left.
+            oldest_kept = np.maximum.accumulate(batch.step - self._window)
+            steps = np.maximum.accumulate(np.array([step for step, _ in recent], dtype=np.int64))
+            left = np.searchsorted(steps, oldest_kept, side="right")
+            leaving = np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum([count for _, count in recent])))
+            counts = self._recent_count - leaving[left]
+            dropped = int(left[-1])
+        used, total = batch.kv_used, batch.kv_total
+        full = (used >= 0) & (total > 0) & (used >= total * self._usage)
+        actions = np.where(counts == 0, CLEAR, np.where(full & (counts >= self._min_preemptions), FIRE, NOT_CLEAR))
+        episode = episode_plan(np, self._episode, actions)
+        if isinstance(episode, int):
+            return episode
+
+        def commit() -> None:
+            for _ in range(dropped):
+                self._recent_count -= recent.popleft()[1]
+            apply_episode(self._episode, episode)
+
+        return commit
 
     def observe(self, sample: Sample, terms: LedgerTerms) -> Flag | None:
         recent = self._recent

@@ -19,12 +19,18 @@ capture move this number by design.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from memwatch.detectors.base import Detector, Episode, make_flag
+from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, Plan, apply_episode, episode_plan
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_bytes, format_count
 from memwatch.flags import EXTERNAL_PROCESS, NON_TORCH_DRIFT, WARNING, Flag
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Sample
+
+if TYPE_CHECKING:
+    from memwatch.detectors.batch import Columns
 
 _NO_JUMP = -1
 
@@ -81,6 +87,38 @@ class NonTorchDetector(Detector):
         jump_flag = self._watch_steps(sample, non_torch)
         drift_flag = self._watch_drift(sample, non_torch)
         return jump_flag if jump_flag is not None else drift_flag
+
+    def plan(self, batch: Columns) -> Plan:
+        if self._baseline is None or self._pending_age != _NO_JUMP:
+            return 0
+        np, n = batch.np, batch.n
+        ring, ring_steps, index, width = self._ring, self._ring_steps, self._ring_index, len(self._ring)
+        order = [(index + k) % width for k in range(width)]  # oldest first
+        values = np.concatenate((np.array([ring[k] for k in order], dtype=np.int64), batch.non_torch))
+        jumps = np.flatnonzero(np.abs(batch.non_torch - values[:n]) >= self._jump_min)
+        if len(jumps):
+            return int(jumps[0])  # a step change may start there: sample by sample
+        growth = batch.non_torch - self._baseline - self._jumps
+        quiet = np.flatnonzero(growth <= self._quiet)
+        drift_min = self._drift_min
+        actions = np.where(growth >= drift_min, FIRE, np.where(2 * growth < drift_min, CLEAR, NOT_CLEAR))
+        drift = episode_plan(np, self._drift, actions)
+        if isinstance(drift, int):
+            return drift
+
+        def commit() -> None:
+            steps = [ring_steps[k] for k in order] + batch.step.tolist()
+            for k in range(width):
+                position = (index + n + k) % width
+                ring[position] = int(values[n + k])
+                ring_steps[position] = steps[n + k]
+            self._ring_index = (index + n) % width
+            if len(quiet):
+                last = int(quiet[-1])
+                self._onset_step, self._onset_growth = int(batch.step[last]), int(growth[last])
+            apply_episode(self._drift, drift)
+
+        return commit
 
     def _watch_steps(self, sample: Sample, non_torch: int) -> Flag | None:
         step = sample.step

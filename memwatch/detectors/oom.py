@@ -26,14 +26,28 @@ the level rule; the sustain keeps a single noisy reading from raising anything.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors.base import Detector, Episode, make_flag
+from memwatch.detectors.batch import (
+    CLEAR,
+    FIRE,
+    NOT_CLEAR,
+    SKIP,
+    Plan,
+    active_after,
+    apply_episode,
+    consecutive,
+    episode_plan,
+)
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
 from memwatch.flags import CRITICAL, OOM, OOM_RISK, WARNING, Flag
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
+
+if TYPE_CHECKING:
+    from memwatch.detectors.batch import Columns
 
 FREE_AND_RECLAIMABLE = "free_and_reclaimable"
 """``margin`` of a flag judged on ``oom_margin_bytes``: free memory plus wholly free cached segments."""
@@ -45,7 +59,7 @@ class OomRiskDetector(Detector):
     """``oom_risk`` for one rank."""
 
     __slots__ = ("_filled", "_forecast", "_horizon", "_index", "_level", "_margins", "_min_margin",
-                 "_min_samples", "_non_torch", "_run", "_steps", "_sustain", "_times")
+                 "_min_samples", "_non_torch", "_run", "_start_kept", "_start_margin", "_steps", "_sustain", "_times")
 
     def __init__(self, config: DetectorConfig) -> None:
         window = config.oom_forecast_window_steps
@@ -62,6 +76,13 @@ class OomRiskDetector(Detector):
         self._index = 0
         self._filled = 0
         self._run = 0
+        self._start_kept: int | None = None
+        self._start_margin: int | None = None
+
+    def start(self, sample: Sample, terms: LedgerTerms) -> None:
+        # Where serving began: a forecast names memory kept across steps as its cause when that term grew by at
+        # least half of the margin's fall since then.
+        self._start_kept, self._start_margin = terms.torch_kept_bytes, terms.oom_margin_bytes
 
     def observe(self, sample: Sample, terms: LedgerTerms) -> Flag | None:
         margin = terms.oom_margin_bytes
@@ -118,10 +139,23 @@ class OomRiskDetector(Detector):
             return None
         if not self._forecast.fire():
             return None
+        # The rate from the onset: a window that reaches back before the fall began would read it low.
+        onset = self._onset(index, old_margin)
+        if onset >= 0:
+            old_margin, old_step, old_ts = margins[onset], self._steps[onset], self._times[onset]
+            drop, steps = old_margin - margin, max(sample.step - self._steps[onset], 1)
+            steps_to_zero = judged * steps // drop if drop > 0 else steps_to_zero
         elapsed_ns = sample.ts_ns - old_ts
-        ns_to_zero = judged * elapsed_ns // drop if elapsed_ns > 0 else None
+        ns_to_zero = judged * elapsed_ns // drop if elapsed_ns > 0 and drop > 0 else None
         slope = drop // steps
         when = "" if ns_to_zero is None else f" ({format_duration_ns(ns_to_zero)})"
+        kept = terms.torch_kept_bytes
+        cause = None
+        if outside:
+            cause = "non_torch_bytes"
+        elif (kept is not None and self._start_kept is not None and self._start_margin is not None
+              and 2 * (kept - self._start_kept) >= self._start_margin - margin > 0):
+            cause = "torch_kept_bytes"
         if outside:
             words = (f"memory outside PyTorch is growing, and PyTorch's cache is not released for it: the driver's "
                      f"free memory ({format_bytes(judged)} after the next worst-case forward) is falling by "
@@ -129,11 +163,77 @@ class OomRiskDetector(Detector):
         else:
             words = (f"the OOM margin of {format_bytes(judged)} is falling by {format_bytes(slope)}/step: the next "
                      f"worst-case forward will not fit in about {format_count(steps_to_zero)} steps{when}")
-        return make_flag(
-            sample, OOM_RISK, WARNING, words,
-            {**_margin_data(sample, terms, judged, outside), "slope_bytes_per_step": slope,
-             "steps_to_zero": steps_to_zero, "ns_to_zero": ns_to_zero, "trend_steps": steps},
-        )
+        data = {**_margin_data(sample, terms, judged, outside), "slope_bytes_per_step": slope,
+                "steps_to_zero": steps_to_zero, "ns_to_zero": ns_to_zero, "trend_steps": steps}
+        if cause == "torch_kept_bytes":
+            words += "; what grows is PyTorch memory kept across steps: a leak inside PyTorch"
+            data["cause"] = cause
+        return make_flag(sample, OOM_RISK, WARNING, words, data)
+
+    def _onset(self, newest: int, start_margin: int) -> int:
+        """The last slot before ``newest`` whose margin had not yet fallen below the window's first, ``-1``
+        when none did (on the flagging path only: a scan of the window)."""
+        margins, window, filled = self._margins, len(self._margins), self._filled
+        onset = -1
+        position = newest + 1 if filled == window else 0
+        for _ in range(filled - 1):
+            if position >= window:
+                position = 0
+            if margins[position] >= start_margin:
+                onset = position
+            position += 1
+        return onset
+
+    def plan(self, batch: Columns) -> Plan:
+        window = len(self._margins)
+        if self._filled < window or any(value is None for value in self._non_torch):
+            return 0  # the window fills sample by sample
+        np, n, index = batch.np, batch.n, self._index
+        order = [(index + k) % window for k in range(window)]  # oldest first
+
+        def history(values: list[Any], new: Any) -> Any:
+            return np.concatenate((np.array([values[k] for k in order], dtype=np.int64), new))
+
+        margins, steps = history(self._margins, batch.margin), history(self._steps, batch.step)
+        times, non_torch = history(self._times, batch.ts), history(self._non_torch, batch.non_torch)
+        margin, free, nt = batch.margin, batch.driver_free, batch.non_torch
+        old_margin, middle_margin = margins[:n], margins[window // 2: window // 2 + n]
+        driver_margin = np.where(free >= margin, margin, free)
+        drop = old_margin - margin
+        outside = (driver_margin < margin) & (drop > 0) & (2 * (nt - non_torch[:n]) >= drop)
+        judged = np.where(outside, driver_margin, margin)
+        low = judged < self._min_margin
+        level_actions = np.where(low, FIRE, np.where(judged >= 2 * self._min_margin, CLEAR, NOT_CLEAR))
+        level = episode_plan(np, self._level, level_actions)
+        if isinstance(level, int):
+            return level  # the forecast's actions before it hold whatever the level does there
+        trend_steps = batch.step - steps[:n]
+        share = drop >> 2
+        no_trend = ((trend_steps <= 0) | (drop <= 0) | (old_margin - middle_margin < share)
+                    | (middle_margin - margin < share))
+        to_zero = judged * trend_steps // np.where(drop > 0, drop, 1)
+        beyond = ~no_trend & (to_zero > self._horizon)
+        rising = ~low & ~no_trend & ~beyond
+        runs = consecutive(np, rising, self._run)
+        level_active = active_after(np, self._level, level, n)
+        actions = np.where(low, SKIP, np.where(no_trend, CLEAR, np.where(
+            beyond, np.where(to_zero > 2 * self._horizon, CLEAR, NOT_CLEAR),
+            np.where((runs < self._sustain) | level_active, NOT_CLEAR, FIRE))))
+        forecast = episode_plan(np, self._forecast, actions)
+        if isinstance(forecast, int):
+            return forecast
+
+        def commit() -> None:
+            for k in range(window):
+                slot = (index + n + k) % window
+                self._margins[slot], self._steps[slot] = int(margins[n + k]), int(steps[n + k])
+                self._times[slot], self._non_torch[slot] = int(times[n + k]), int(non_torch[n + k])
+            self._index = (index + n) % window
+            self._run = int(runs[-1])
+            apply_episode(self._level, level)
+            apply_episode(self._forecast, forecast)
+
+        return commit
 
     def _level_flag(self, sample: Sample, terms: LedgerTerms, margin: int, outside: bool) -> Flag:
         if outside:

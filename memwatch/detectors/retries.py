@@ -14,13 +14,18 @@ cache it had built is gone. ``num_alloc_retries`` counts them (cumulative, per p
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from memwatch.detectors.base import Detector, Episode, make_flag
+from memwatch.detectors.batch import CLEAR, NOT_CLEAR, Plan, apply_episode, episode_plan
 from memwatch.detectors.config import DetectorConfig
 from memwatch.detectors.wording import format_bytes, format_count
 from memwatch.flags import ALLOC_RETRIES, INFO, WARNING, Flag
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Sample
+
+if TYPE_CHECKING:
+    from memwatch.detectors.batch import Columns
 
 
 class AllocRetriesDetector(Detector):
@@ -73,6 +78,35 @@ class AllocRetriesDetector(Detector):
         if self._first.fire():
             return self._flag(sample, terms, retries, INFO)
         return None
+
+    def plan(self, batch: Columns) -> Plan:
+        if self._last is None or self._last_ooms is None:
+            return 0
+        np = batch.np
+        retries, ooms = batch.retries, batch.num_ooms
+        new = np.diff(retries, prepend=self._last)
+        ooms_new = np.diff(ooms, prepend=self._last_ooms)
+        new = new - np.where(ooms_new > 0, ooms_new, 0)
+        retried = np.flatnonzero(new > 0)
+        if len(retried):
+            return int(retried[0])  # a retry: sample by sample
+        clear = np.full(batch.n, CLEAR, dtype=np.int64)
+        first = episode_plan(np, self._first, clear)
+        recent = self._recent
+        if len(recent) < self._count:
+            repeated_actions = clear
+        else:
+            repeated_actions = np.where(batch.step - recent[0] > self._window, CLEAR, NOT_CLEAR)
+        repeated = episode_plan(np, self._repeated, repeated_actions)
+        if isinstance(first, int) or isinstance(repeated, int):  # never: a batch without retries only settles
+            return min(value for value in (first, repeated) if isinstance(value, int))
+
+        def commit() -> None:
+            self._last, self._last_ooms = int(retries[-1]), int(ooms[-1])
+            apply_episode(self._first, first)
+            apply_episode(self._repeated, repeated)
+
+        return commit
 
     def _flag(self, sample: Sample, terms: LedgerTerms, retries: int, severity: str) -> Flag:
         since = retries - (self._baseline or 0)

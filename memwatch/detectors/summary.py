@@ -9,12 +9,16 @@ the exact integers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors.detector_set import STARTUP_PHASES
 from memwatch.ledger import LedgerTerms, Sizing
 from memwatch.records import Sample
+
+if TYPE_CHECKING:
+    from memwatch.detectors.batch import Columns
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,50 @@ class RankSummary:
         if margin is not None and (best is None or best.oom_margin_bytes is None or margin < best.oom_margin_bytes):
             self.tightest_serving = point or serving_point(sample, terms)
 
+    def observe_batch(self, batch: Columns, sample_at: Callable[[int], tuple[Sample, LedgerTerms]],
+                      last_terms: LedgerTerms) -> None:
+        """What :meth:`observe` does over a batch of serving samples after sizing (every reading present):
+        ``sample_at(i)`` gives the batch's i-th sample and its terms, asked only where a tightest moment
+        or a first point falls; ``last_terms`` are the last sample's."""
+        np, n = batch.np, batch.n
+        self.samples += n
+        self.last_step, self.last_ts_ns, self.last_terms = int(batch.step[-1]), int(batch.ts[-1]), last_terms
+        self.max_peak_bytes = _larger(self.max_peak_bytes, int(batch.peak.max()))
+        self.max_reserved_bytes = _larger(self.max_reserved_bytes, int(batch.reserved.max()))
+        self.max_driver_used_bytes = _larger(self.max_driver_used_bytes, int(batch.used.max()))
+        if self.first_running is None:
+            self.first_running = sample_at(0)[0]
+        lowest = int(batch.headroom.argmin())
+        if self.min_headroom is None or batch.headroom[lowest] < self.min_headroom.value_bytes:
+            sample, terms = sample_at(lowest)
+            self.min_headroom = Tightest(sample.step, sample.ts_ns, int(batch.headroom[lowest]), terms)
+        tightest = int(batch.margin.argmin())
+        margin = int(batch.margin[tightest])
+        if self.min_oom_margin is None or margin < self.min_oom_margin.value_bytes:
+            sample, terms = sample_at(tightest)
+            self.min_oom_margin = Tightest(sample.step, sample.ts_ns, margin, terms)
+        minutes = batch.ts // MINUTE_NS
+        step_peaks = batch.peak_is_step
+        rises = batch.peak - batch.allocated
+        values = (batch.non_torch, batch.slack, batch.allocated)
+        first, last = int(minutes.min()), int(minutes.max())
+        for key in ([first] if first == last else np.unique(minutes).tolist()):  # a batch mostly sits in one minute
+            here = minutes == key
+            minute = self._minute(key * MINUTE_NS)
+            peaks_here = here & step_peaks
+            if peaks_here.any():
+                minute.add_rise(int(rises[peaks_here].max()))
+            minute.add_point(tuple(int(column[here].min()) for column in values))
+            minute.add_point(tuple(int(column[here].max()) for column in values))
+        if step_peaks.any():
+            self.largest_activation_bytes = max(self.largest_activation_bytes,
+                                                int(batch.step_activation[step_peaks].max()))
+        if self.first_serving is None:
+            self.first_serving = serving_point(*sample_at(0))
+        best = self.tightest_serving
+        if best is None or best.oom_margin_bytes is None or margin < best.oom_margin_bytes:
+            self.tightest_serving = serving_point(*sample_at(tightest))
+
     def _minute(self, ts_ns: int) -> Minute:
         key = ts_ns // MINUTE_NS
         minute = self.minutes.get(key)
@@ -180,6 +228,10 @@ class RankSummary:
             largest_activation_bytes=data["largest_activation_bytes"], max_peak_bytes=data["max_peak_bytes"],
             max_reserved_bytes=data["max_reserved_bytes"], max_driver_used_bytes=data["max_driver_used_bytes"],
         )
+
+
+def _larger(current: int | None, value: int) -> int:
+    return value if current is None or value > current else current
 
 
 def serving_point(sample: Sample, terms: LedgerTerms) -> ServingPoint:

@@ -27,6 +27,7 @@ from ..flags import FLAG_KINDS, SEVERITIES, Flag
 from ..identity import otel_attributes, place_from_meta
 from ..ledger import Ledger, LedgerTerms
 from ..records import Event, Sample
+from ..ring_records import RingDrain, typed_sample
 
 DEFAULT_LINGER_SECONDS = 60.0
 """How long a finished rank's series stay published: one default OTLP export interval and scrape."""
@@ -120,13 +121,17 @@ class ExportState:
 
     # -- fed by the collector's thread -----------------------------------------------------------------
 
-    def __call__(self, header: RingHeader, records: list[Sample | Event]) -> tuple[()]:
-        key = (header.run_id, header.rank)
+    takes_drain = True
+    """The collector hands over the ring's own tuples: with the detectors' ledger as the terms source, a drain
+    costs its last sample and its events, never a typed record per sample."""
+
+    def __call__(self, header: RingHeader, records: RingDrain | list[Sample | Event]) -> tuple[()]:
+        if isinstance(records, RingDrain):
+            if self._terms_source is not None:
+                return self._take_drain(header, records)
+            records = records.records  # its own ledger reads every sample
         with self._lock:
-            series = self._ranks.get(key)
-            if series is None:
-                series = self._ranks[key] = RankSeries(run_attributes(header), hardware_attributes(header),
-                                                       header.meta.get("gpu_total_bytes"))
+            series = self._series(header)
             own_ledger = self._terms_source is None
             ledger = series.ledger
             last = kv = terms = None
@@ -142,11 +147,7 @@ class ExportState:
                     continue
                 if own_ledger:
                     ledger.on_event(record)
-                if record.kind == "preemption":
-                    count = record.data.get("count", 1) if isinstance(record.data, dict) else 1
-                    series.preemptions += count if isinstance(count, int) and count > 0 else 1
-                elif record.kind == "oom":
-                    series.ooms += 1
+                _count(series, record)  # type: ignore[arg-type]
             series.samples += samples
             if kv is not None:
                 series.kv_blocks = (kv.kv_blocks_used, kv.kv_blocks_total)
@@ -155,6 +156,33 @@ class ExportState:
                 if own_ledger:
                     series.terms = terms
         return ()
+
+    def _take_drain(self, header: RingHeader, drain: RingDrain) -> tuple[()]:
+        """What :meth:`__call__` keeps of a drain, from its last samples and its events alone."""
+        rows = drain.drained.samples
+        last = kv = None
+        if rows:
+            last = typed_sample(drain.run_id, drain.rank, rows[-1], drain.names)
+            kv_row = next((row for row in reversed(rows) if row[_KV_TOTAL] >= 0), None)  # the last with a KV view
+            kv = last if kv_row is rows[-1] else None if kv_row is None else typed_sample(
+                drain.run_id, drain.rank, kv_row, drain.names)
+        with self._lock:
+            series = self._series(header)
+            for event in drain.events:
+                _count(series, event)
+            series.samples += len(rows)
+            if kv is not None:
+                series.kv_blocks = (kv.kv_blocks_used, kv.kv_blocks_total)
+            if last is not None:
+                series.last = last
+        return ()
+
+    def _series(self, header: RingHeader) -> RankSeries:
+        series = self._ranks.get((header.run_id, header.rank))
+        if series is None:
+            series = self._ranks[header.run_id, header.rank] = RankSeries(
+                run_attributes(header), hardware_attributes(header), header.meta.get("gpu_total_bytes"))
+        return series
 
     def on_flag(self, flag: Flag) -> None:
         """Count a flag the live detectors raised, then hand it to the listeners."""
@@ -209,3 +237,16 @@ class ExportState:
             counts = dict(series.flags)
         return [(kind, severity, counts.get((kind, severity), 0)) for kind in FLAG_KINDS for severity in SEVERITIES
                 ] + [(kind, severity, n) for (kind, severity), n in counts.items() if kind not in FLAG_KINDS]
+
+
+_KV_TOTAL = 14
+"""Where a ring sample tuple holds ``kv_blocks_total`` (``SAMPLE_FIELDS``)."""
+
+
+def _count(series: RankSeries, event: Event) -> None:
+    """Preemptions and OOMs counted from one event of the rank."""
+    if event.kind == "preemption":
+        count = event.data.get("count", 1) if isinstance(event.data, dict) else 1
+        series.preemptions += count if isinstance(count, int) and count > 0 else 1
+    elif event.kind == "oom":
+        series.ooms += 1

@@ -13,7 +13,9 @@ temporary lives (it lands in the temporary's segment and pins it); when it did n
 a hole that was already there, so it is allocated before the temporary. The slack grows as it grew,
 and an out-of-memory comes where the temporary no longer finds a segment. Past the end of the
 recording a regular series continues: the same period, the temporary growing by its usual step, the
-same long-lived size each time, as a leak keeps leaking.
+same long-lived size each time, as a leak keeps leaking. Tensors of one size kept alive at a regular
+period without a temporary (a leak inside PyTorch) continue the same way when they were still being
+kept as the recording ended.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from memwatch.records import Sample
 
 SERIES_MIN_EVENTS = 3
 """Recorded events, pinning a tensor each time at a regular period, before a series continues past the end."""
+KEEP_ALIVE_MIN_EVENTS = 8
+"""Recorded tensors of one size kept at a regular period (no temporary) before they continue past the end."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,18 @@ def transients(serving: list[Sample], graph_limit: int) -> TransientSeries:
     last = pinning[-SERIES_MIN_EVENTS:]
     gaps = {b.step - a.step for a, b in pairwise(last)}
     if len(last) < SERIES_MIN_EVENTS or len(gaps) != 1:
-        return TransientSeries(tuple(events), 0, 0)
+        return _keep_alive_series(tuple(events), serving[-1].step if serving else 0)
     growths = sorted(b.temporary_bytes - a.temporary_bytes for a, b in pairwise(last))
     return TransientSeries(tuple(events), gaps.pop(), growths[len(growths) // 2], last[-1])
+
+
+def _keep_alive_series(events: tuple[Transient, ...], last_step: int) -> TransientSeries:
+    """Tensors kept alive at a regular period with no temporary beside them (a leak inside PyTorch), still
+    going when the recording ended: the series continues, the same size each period."""
+    keeping = [event for event in events if event.kept_bytes and not event.temporary_bytes]
+    last = keeping[-KEEP_ALIVE_MIN_EVENTS:]
+    gaps = {b.step - a.step for a, b in pairwise(last)}
+    if (len(last) < KEEP_ALIVE_MIN_EVENTS or len(gaps) != 1 or len({event.kept_bytes for event in last}) != 1
+            or last_step - last[-1].step > next(iter(gaps))):
+        return TransientSeries(events, 0, 0)
+    return TransientSeries(events, gaps.pop(), 0, last[-1])

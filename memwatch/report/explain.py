@@ -352,8 +352,16 @@ def _growth_sentence(growth: TermGrowth) -> str:
         return (f"{_capital(growth.label)} jumped by {format_bytes(growth.growth_bytes)} after step "
                 f"{format_count(growth.since_step)} and stayed up, {format_count(growth.steps)} steps ({seconds}) "
                 "before the out-of-memory.")
-    return (f"{_capital(growth.label)} grew by {format_bytes(growth.growth_bytes)} over "
-            f"{format_count(growth.steps)} steps ({seconds}), since step {format_count(growth.since_step)}.")
+    sentence = (f"{_capital(growth.label)} grew by {format_bytes(growth.growth_bytes)} over "
+                f"{format_count(growth.steps)} steps ({seconds}), since step {format_count(growth.since_step)}.")
+    if growth.term == "allocated_bytes":
+        sentence += _KEPT_SENTENCE
+    return sentence
+
+
+_KEPT_SENTENCE = (" It stayed allocated between steps beyond the weights and KV: PyTorch memory kept across steps, "
+                  "a leak inside PyTorch; look for tensors kept across steps (outputs, logprobs or metadata held "
+                  "per request).")
 
 
 def _window(points: Points, oom: Event) -> WindowChange | None:

@@ -27,6 +27,8 @@ OUTSIDE_TERMS: tuple[tuple[str, str, str], ...] = (
      "outside the sum: cached, reused for activations within the reserve"),
     ("reclaimable_cache_bytes", "  of it reclaimable", "whole free segments: released before an OOM"),
     ("pinned_cache_bytes", "  of it pinned", "free splits of used segments: fragmentation"),
+    ("torch_kept_bytes", "other long-lived PyTorch now",
+     "outside the sum: allocated − weights − KV after the step; rising is a leak inside PyTorch"),
     ("residual_bytes", "residual", "outside the sum: headroom now − headroom at sizing"),
     ("oom_margin_bytes", "OOM margin", "outside the sum: free after a worst-case forward"),
 )

@@ -129,7 +129,10 @@ def _points(series: Series, rank_events: list[Event], run_id: str, rank: int) ->
 def _stack(points: Points, allocated: int, reserved: int | None, used: int | None, terms: Any) -> None:
     weights = min(terms.weights_bytes or 0, allocated)
     if terms.kv_bytes is not None:
-        other = min(terms.torch_other_bytes or 0, allocated - weights)
+        # A sample is read between steps, so what is allocated beyond weights and KV then is long-lived: the
+        # term as measured (``torch_kept_bytes``), which shows a leak inside PyTorch rising in this band.
+        other = max(terms.torch_other_bytes or 0, terms.torch_kept_bytes or 0)
+        other = min(other, allocated - weights)
         kv = min(terms.kv_bytes, allocated - weights - other)
     else:
         other = kv = 0

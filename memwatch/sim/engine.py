@@ -152,6 +152,9 @@ class SimulatedEngine:
         stats.finished += len(finished)
         for seq in finished:
             lead.monitor.request_finished(seq.seq_id, seq.num_completion_tokens)
+        if finished:
+            for runner in self.runners:
+                runner.requests_finished(stats.steps, len(finished))
         kind = "prefill" if is_prefill else "decode"
         lead.monitor.step(kind, num_seqs=len(seqs), num_tokens=num_tokens,
                           kv_blocks_used=blocks_used, kv_blocks_total=manager.num_blocks)

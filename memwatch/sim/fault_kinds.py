@@ -5,6 +5,8 @@ this module, so every kind below is accepted in scenario files by its ``kind``:
 
 ==================  ==========================================================================
 ``non_torch_leak``  memory outside the allocator grows by ``bytes_per_step`` from ``from_step``
+``torch_leak``      tensors kept alive inside the allocator: ``bytes_per_step`` every ``every_steps``, or
+                    ``bytes_per_request`` for each request that finishes
 ``fragmentation``   the allocator's cache holds more and more memory no tensor uses
 ``skip_peak_reset`` the load-time spike stays in the peak warmup measures (reserve overstated)
 ``warmup_decode``   warmup runs a decode step instead of the worst-case prefill
@@ -32,6 +34,7 @@ __all__ = [
     "OtherProcess",
     "RankImbalance",
     "SkipPeakReset",
+    "TorchLeak",
     "WarmupDecode",
     "WarmupShort",
 ]
@@ -78,6 +81,55 @@ class NonTorchLeak(Fault):
     def before_step(self, runner: FaultTarget, step: int) -> None:
         if _in_window(step, self.from_step, self.until_step):
             runner.gpu.take_non_pytorch(self.name, self.bytes_per_step)
+
+
+@register_fault
+@dataclass(frozen=True)
+class TorchLeak(Fault):
+    """A tensor of ``bytes_per_step`` kept alive every ``every_steps`` steps in ``[from_step, until_step)``.
+
+    What logprobs or outputs held per request, metadata per prefix-cache entry or a graph pool per new
+    batch shape look like: PyTorch memory that outlives the step that made it. Allocated through the
+    caching allocator before the step's forward, so the leak takes the cache first, then the driver,
+    and the forward that no longer fits raises a PyTorch out-of-memory. ``until_step`` makes it level
+    off; with a large ``every_steps`` and a short window it is one-time growth (graphs captured for a
+    few new batch sizes, a buffer allocated once), which is no leak.
+    """
+
+    kind: ClassVar[str] = "torch_leak"
+    bytes_per_step: int = 0
+    from_step: int = 1
+    every_steps: int = 1
+    until_step: int | None = None
+    bytes_per_request: int = 0
+    """Kept for each request that finishes in the window instead (outputs held per request): the leak
+    then follows the traffic, not the step count."""
+
+    def __post_init__(self) -> None:
+        if (self.bytes_per_step <= 0) == (self.bytes_per_request <= 0) or self.every_steps < 1:
+            raise UsageError(f"fault {self.kind} needs one of bytes_per_step > 0 or bytes_per_request > 0, "
+                             "and every_steps >= 1")
+        _check_window(self.kind, self.from_step, self.until_step)
+
+    @property
+    def start_step(self) -> int:
+        return self.from_step
+
+    def kept_after(self, step: int) -> int:
+        """Bytes this fault keeps alive per step once serving step ``step`` ran (0 for a per-request leak)."""
+        last = step + 1 if self.until_step is None else min(step + 1, self.until_step)
+        if last <= self.from_step or not self.bytes_per_step:
+            return 0
+        return self.bytes_per_step * ((last - self.from_step - 1) // self.every_steps + 1)
+
+    def before_step(self, runner: FaultTarget, step: int) -> None:
+        if self.bytes_per_step and _in_window(step, self.from_step, self.until_step, self.every_steps):
+            runner.gpu.malloc(self.bytes_per_step)
+
+    def requests_finished(self, runner: FaultTarget, step: int, count: int) -> None:
+        if self.bytes_per_request and _in_window(step, self.from_step, self.until_step):
+            for _ in range(count):
+                runner.gpu.malloc(self.bytes_per_request)
 
 
 @register_fault

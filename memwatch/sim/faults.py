@@ -80,6 +80,9 @@ class Fault:
     def before_step(self, runner: FaultTarget, step: int) -> None:
         """Called on each rank it applies to before serving step ``step`` (1-based) runs its forward."""
 
+    def requests_finished(self, runner: FaultTarget, step: int, count: int) -> None:
+        """Called on each rank it applies to when ``count`` requests finished in serving step ``step``."""
+
     def extra_requests(self) -> tuple[ExtraRequest, ...]:
         """Requests this fault adds to the workload (the engine schedules them; ranks do not matter)."""
         return ()

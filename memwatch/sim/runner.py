@@ -256,6 +256,10 @@ class RankRunner:
         for fault in self.faults:
             fault.before_step(self, step)
 
+    def requests_finished(self, step: int, count: int) -> None:
+        for fault in self.faults:
+            fault.requests_finished(self, step, count)
+
     def check_block_ids(self, highest_block: int) -> None:
         """Rank 0 schedules with its own block count; a rank that sized fewer blocks gets block ids its
         KV tensor does not have, and its attention kernel reads and writes past the end: the process dies."""

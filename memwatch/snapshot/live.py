@@ -53,6 +53,9 @@ def trusted_snapshot(path: Path) -> str | None:
 class SnapshotImporter:
     """Collector observer: imports the snapshot an ``oom`` event names; stores no flags itself."""
 
+    events_only = True
+    """The collector hands it a drain's events alone: it never looks at a sample (and typing them costs)."""
+
     def __init__(self, writer: StoreWriter, open_reader: Callable[[], Any]) -> None:
         self._writer = writer
         self._open_reader = open_reader
