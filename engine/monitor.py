@@ -30,6 +30,7 @@ from typing import Any
 
 from .clean import clean, clean_data, text
 from .identity import where
+from .moments import arrival_data, finish_data, known, kv_data, oom_data, weights_data
 from .probes.base import UNKNOWN, Probe
 from .ring import (
     DEFAULT_CAPACITY,
@@ -255,13 +256,7 @@ class Monitor:
         if not self._enabled:
             return
         try:
-            allocated, peak, reserved, _, _ = self.probe.read()
-            if weights_bytes is None and allocated != UNKNOWN:
-                weights_bytes = allocated - (self._load_baseline or 0)
-            self._event("weights_loaded", {
-                "weights_bytes": weights_bytes, "allocated_bytes": _none(allocated),
-                "peak_bytes": _none(peak), "reserved_bytes": _none(reserved),
-            })
+            self._event("weights_loaded", weights_data(self.probe.read(), weights_bytes, self._load_baseline))
         except Exception as exc:
             self._disable(exc)
 
@@ -290,26 +285,12 @@ class Monitor:
         if not self._enabled:
             return
         try:
-            current, peak, reserved, used, free = self.probe.read()
-            if reserved_bytes is None and used_bytes is None:
-                reserved_bytes = _none(reserved)
-            if total_bytes is None and used != UNKNOWN:
-                total_bytes = used + free
-            data = {
-                "total_bytes": total_bytes,
-                "gpu_memory_utilization": gpu_memory_utilization,
-                "used_bytes": used_bytes if used_bytes is not None else _none(used),
-                "peak_bytes": peak_bytes if peak_bytes is not None else _none(peak),
-                "current_bytes": current_bytes if current_bytes is not None else _none(current),
-                "reserved_bytes": reserved_bytes,
-                "block_bytes": int(block_bytes),
-                "num_blocks": int(num_blocks),
-            }
-            if block_size is not None:
-                data["block_size"] = int(block_size)
-            if kv_cache_memory_bytes is not None:
-                data["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
-            data.update(extra)
+            data = kv_data(
+                self.probe.read(), num_blocks, block_bytes, total_bytes=total_bytes, used_bytes=used_bytes,
+                peak_bytes=peak_bytes, current_bytes=current_bytes, reserved_bytes=reserved_bytes,
+                gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes, extra=extra,
+            )
             self._event("kv_allocated", data)
         except Exception as exc:
             self._disable(exc)
@@ -321,9 +302,7 @@ class Monitor:
     def request_arrived(self, request_id: Any, prompt_tokens: int, max_tokens: int | None = None) -> None:
         """A request reached the engine (one event per request, recorded by rank 0): the replayable workload."""
         try:
-            data: dict[str, Any] = {"request_id": _request_key(request_id), "prompt_tokens": int(prompt_tokens)}
-            if max_tokens is not None:
-                data["max_tokens"] = int(max_tokens)
+            data = arrival_data(request_id, prompt_tokens, max_tokens)
         except (TypeError, ValueError):
             return  # a count that is not a number is not worth raising into the engine for
         self.event("request_arrived", data)
@@ -331,7 +310,7 @@ class Monitor:
     def request_finished(self, request_id: Any, output_tokens: int) -> None:
         """A request finished after generating ``output_tokens`` tokens (one event per request)."""
         try:
-            data = {"request_id": _request_key(request_id), "output_tokens": int(output_tokens)}
+            data = finish_data(request_id, output_tokens)
         except (TypeError, ValueError):
             return
         self.event("request_finished", data)
@@ -341,13 +320,7 @@ class Monitor:
         if not self._enabled:
             return
         try:
-            allocated, peak, reserved, used, free = self.probe.read()
-            data = {
-                "requested_bytes": requested_bytes, "allocated_bytes": _none(allocated),
-                "peak_bytes": _none(peak), "reserved_bytes": _none(reserved),
-                "driver_used_bytes": _none(used), "driver_free_bytes": _none(free),
-            }
-            data.update(details)
+            data = oom_data(self.probe.read(), requested_bytes, details)
             self.sample()
             self._event("oom", data)
         except Exception as exc:
@@ -389,22 +362,13 @@ class Monitor:
         self._enabled = False
 
     def _allocated_now(self) -> int | None:
-        return _none(self.probe.read()[0])
+        return known(self.probe.read()[0])
 
     def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self.close("ok" if exc_type is None else "error")
-
-
-def _request_key(request_id: Any) -> int | str:
-    """Request ids as JSON keeps them: integers stay integers, anything else becomes its string."""
-    return request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else str(request_id)
-
-
-def _none(value: int) -> int | None:
-    return None if value == UNKNOWN else value
 
 
 def _default_probe() -> Probe:
