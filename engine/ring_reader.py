@@ -266,7 +266,7 @@ class RingReader:
     ) -> tuple[int, int, int, str, dict[str, Any]] | str:
         """The event, or why it cannot be taken (strict UTF-8 JSON ``[kind, {data}]``, finite numbers)."""
         try:
-            decoded = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
+            decoded = _decode_json(payload.decode("utf-8"))
         except (ValueError, RecursionError) as exc:
             return f"undecodable event: {type(exc).__name__}: {str(exc)[:200]}"
         if (not isinstance(decoded, list) or len(decoded) != 2 or not isinstance(decoded[0], str)
@@ -314,6 +314,14 @@ def _finite_float(text: str) -> float:
 
 
 _INF = float("inf")
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def _decode_json(text: str) -> Any:
+    """``json.loads`` with the finite-number rules, through one decoder built once rather than one per event."""
+    if text.startswith("\ufeff"):  # json.loads refuses a byte-order mark before decoding: so do we, alike
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+    return _DECODER.decode(text)
 
 
 def _has_surrogates(payload: bytes, decoded: Any) -> bool:
