@@ -24,13 +24,12 @@ from memwatch_engine.ring import RUN_ID_PATTERN, RingFormatError
 from memwatch_engine.ring_reader import RingHeader, RingReader
 from memwatch_engine.runtime import RING_SUFFIX, is_private_file
 
-from .identity import COLUMNS as PLACE_COLUMNS
-from .identity import place_from_meta
 from .liveness import ring_writer_alive, writer_alive
 from .record_checks import check_meta, screen
 from .records import Event, Sample
 from .rejected_rings import set_aside_ring
 from .ring_records import RingDrain
+from .run_rows import rank_end, rank_progress, register
 from .store.writer import Batch, StoreWriter, WriterStalled, raw_sample_insert
 
 log = logging.getLogger("memwatch.collector")
@@ -160,7 +159,7 @@ class Collector:
         cursor, lost = (row[0], row[1]) if row else (0, 0)
         self.rings[path] = RingState(path, key, reader, cursor, lost)
         if row is None:
-            self._writer.submit(Batch(statements=_register(header)))
+            self._writer.submit(Batch(statements=register(header)))
         log.info("draining %s (run %s rank %d, pid %d)", path.name, header.run_id, header.rank,
                  header.writer_pid)
 
@@ -208,10 +207,7 @@ class Collector:
         if count or drained.lost or drained.bad or drained.next_cursor != state.cursor:
             batch = self._rows(state, drained)
             lost = state.lost + drained.lost
-            batch.statements.append((
-                "UPDATE ranks SET records = records + ?, lost_records = ? WHERE run_id = ? AND rank = ?",
-                (count, lost, header.run_id, header.rank),
-            ))
+            batch.statements.append(rank_progress(header, count, lost))
             batch.cursors.append((state.key, header.run_id, header.rank, drained.next_cursor, lost, 0))
             try:
                 self._writer.submit(batch)
@@ -319,11 +315,7 @@ class Collector:
                         header.run_id, header.rank, header.writer_pid, status)
         run_id = header.run_id
         ended = state.last_ts_ns or None
-        batch = Batch(statements=[
-            ("UPDATE ranks SET status = ?, ended_ns = ?, lost_records = ? WHERE run_id = ? AND rank = ?",
-             (status, ended, state.lost, run_id, header.rank)),
-            (_RUN_STATUS, (run_id,) * 8),
-        ])
+        batch = Batch(statements=rank_end(header, status, ended, state.lost))
         batch.cursors.append((state.key, run_id, header.rank, state.cursor, state.lost, 1))
         # Once the transaction with its last rows and cursor has committed (never if it fails: the ring
         # then stays for the next sidecar), the ring is removed and the observers hear of the end.
@@ -358,49 +350,6 @@ class Collector:
             state.reader.close()
         self.rings.clear()
         self._read.close()
-
-
-_RUN_STATUS = """
-UPDATE runs SET
-  ended_ns = (SELECT max(ended_ns) FROM ranks WHERE run_id = ?),
-  status = CASE
-    WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status = 'running') THEN 'running'
-    WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status = 'oom') THEN 'oom'
-    WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status = 'crashed') THEN 'crashed'
-    WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status NOT IN ('ok', 'detached')) THEN 'error'
-    WHEN EXISTS (SELECT 1 FROM ranks WHERE run_id = ? AND status = 'detached') THEN 'detached'
-    ELSE 'ok' END
-WHERE run_id = ? AND (SELECT count(*) FROM ranks WHERE run_id = ?) > 0
-"""
-
-
-def _register(header: RingHeader) -> list[tuple[str, tuple[Any, ...]]]:
-    """Statements that create the run (first rank seen) and the rank rows for a new ring."""
-    meta = header.meta
-    place = place_from_meta(meta)
-    return [
-        (
-            "INSERT INTO runs (run_id, pid, hostname, engine, model, rank_count, started_ns, status,"
-            f" gpu_name, gpu_total_bytes, config, source, {', '.join(PLACE_COLUMNS)})"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT(run_id) DO UPDATE SET started_ns = min(started_ns, excluded.started_ns),"
-            " status = 'running', pid = CASE WHEN ? = 0 THEN excluded.pid ELSE pid END",
-            (
-                header.run_id, meta.get("pid", header.writer_pid), meta.get("hostname"), meta.get("engine"),
-                meta.get("model"), header.world_size, header.created_ns, meta.get("gpu_name"),
-                meta.get("gpu_total_bytes"), json.dumps(meta.get("config") or {}),
-                meta.get("source", "engine"), *(place.get(column) for column in PLACE_COLUMNS), header.rank,
-            ),
-        ),
-        (
-            "INSERT OR REPLACE INTO ranks (run_id, rank, pid, device_index, gpu_name, gpu_total_bytes,"
-            " started_ns, status, probe_unavailable) VALUES (?, ?, ?, ?, ?, ?, ?, 'running', ?)",
-            (
-                header.run_id, header.rank, header.writer_pid, meta.get("device_index"), meta.get("gpu_name"),
-                meta.get("gpu_total_bytes"), header.created_ns, meta.get("probe_unavailable"),
-            ),
-        ),
-    ]
 
 
 def _unlink(path: Path) -> bool:
