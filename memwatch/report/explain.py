@@ -5,10 +5,7 @@ much, since when), whether the failing allocation was larger than the warmup's r
 flag raised before it with its lead in steps and seconds. For a run that did not run out: each
 rank's tightest moment, the sample with the smallest OOM margin.
 
-Which term grew is judged on serving samples against the first one. Cache slack is allowed the
-largest activation seen (the allocator keeps what the biggest forward freed); the other terms are
-allowed nothing. A term counts from :data:`MIN_GROWTH_BYTES`; its growth starts at the last sample
-that was still within :data:`ONSET_TOLERANCE_BYTES` of that allowance.
+Which term grew, and how the last window changed, is judged in :mod:`memwatch.report.growth`.
 """
 
 from __future__ import annotations
@@ -22,6 +19,14 @@ from memwatch.detectors.summary import RankSummary, ServingPoint, serving_point
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
 from memwatch.flags import OOM, Flag
 from memwatch.records import Event, Sample
+from memwatch.report.growth import (
+    TermGrowth,
+    WindowChange,
+    growth_sentence,
+    last_window,
+    term_growth,
+    window_sentence,
+)
 from memwatch.report.points import ListPoints, Points
 from memwatch.report.readings import (
     CRASH,
@@ -40,50 +45,10 @@ from memwatch.report.stored_points import StoredPoints
 if TYPE_CHECKING:
     from memwatch.store.db import Database
 
-MiB = 1 << 20
-WINDOW_STEPS = 100
-"""How far back the "last window before the OOM" reaches."""
-MIN_GROWTH_BYTES = 64 * MiB
-ONSET_TOLERANCE_BYTES = 1 * MiB
-JUMP_FRACTION = 0.9
-"""A growth that reached this share of its total within :data:`JUMP_STEPS` steps is a jump, not a slope."""
-JUMP_STEPS = 10
-
-TERMS: tuple[tuple[str, str], ...] = (
-    ("non_torch_bytes", "non-PyTorch memory"),
-    ("cache_slack_bytes", "the allocator's cache slack (reserved but unallocated)"),
-    ("allocated_bytes", "PyTorch-allocated memory"),
-)
-
-
 @dataclass
 class _RankHistory:
     points: list[ServingPoint] = field(default_factory=list)
     oom: Event | None = None
-
-
-@dataclass(frozen=True)
-class TermGrowth:
-    term: str
-    label: str
-    from_bytes: int
-    to_bytes: int
-    growth_bytes: int
-    since_step: int
-    steps: int
-    """From ``since_step`` to the out-of-memory."""
-    seconds: float
-    jump: bool
-    """Most of it came within a few steps (another process, one large allocation) rather than steadily."""
-
-
-@dataclass(frozen=True)
-class WindowChange:
-    from_step: int
-    to_step: int
-    seconds: float
-    start: dict[str, int | None]
-    end: dict[str, int | None]
 
 
 @dataclass(frozen=True)
@@ -280,8 +245,8 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     reserve = last.activation_reserve_bytes if last is not None else None
     over = requested - reserve if requested is not None and reserve is not None else None
     over = over if over is not None and over > tolerance else None
-    growth = _growth(points, largest_activation, oom) if last is not None else None
-    window = _window(points, oom)
+    growth = term_growth(points, largest_activation, oom) if last is not None else None
+    window = last_window(points, oom)
     before = tuple(FlagBefore(flag.kind, flag.severity, flag.step, oom.step - flag.step,
                               (oom.ts_ns - flag.ts_ns) / 1e9, flag.message)
                    for flag in flags if flag.rank == rank and flag.kind != OOM and flag.ts_ns <= oom.ts_ns)
@@ -300,7 +265,7 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     else:
         sentences = [f"rank {rank} ran out of memory at step {format_count(oom.step)}{where}{asked}{left}."]
     if growth is not None:
-        sentences.append(_growth_sentence(growth))
+        sentences.append(growth_sentence(growth))
     if over is not None:
         sentences.append(f"The failing allocation was {format_bytes(over)} larger than the activation reserve "
                          f"warmup measured ({format_bytes(reserve)}): warmup ran a smaller batch than serving needs.")
@@ -312,7 +277,7 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
         else:
             sentences.append(f"No ledger term grew before {end}.")
     if window is not None:
-        sentences.append(_window_sentence(window))
+        sentences.append(window_sentence(window))
     if before:
         sentences.append(f"Flags before {end}: " + "; ".join(
             f"{flag.kind} ({flag.severity}) at step {format_count(flag.step)}, {format_count(flag.steps_before)} "
@@ -321,70 +286,6 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
         sentences.append(f"No flag was raised before {end}.")
     return OomReport(rank, oom.step, oom.ts_ns, phase, requested, free, reserve, over, window, growth, before,
                      tuple(sentences), oom.kind == CRASH)
-
-
-def _growth(points: Points, largest_activation: int, oom: Event) -> TermGrowth | None:
-    first, last = points.first(), points.last()
-    assert first is not None and last is not None
-    best: TermGrowth | None = None
-    best_excess = MIN_GROWTH_BYTES - 1
-    for term, label in TERMS:
-        start, end = getattr(first, term), getattr(last, term)
-        if start is None or end is None:
-            continue
-        allowed = start + (largest_activation if term == "cache_slack_bytes" else 0)
-        excess = end - allowed
-        if excess <= best_excess:
-            continue
-        onset = points.last_at_most(term, allowed + ONSET_TOLERANCE_BYTES) or first
-        from_bytes = getattr(onset, term)
-        grown = end - from_bytes
-        reached = points.first_reaching(term, onset.step, from_bytes + JUMP_FRACTION * grown) or last
-        best_excess = excess
-        best = TermGrowth(term, label, from_bytes, end, grown, onset.step, oom.step - onset.step,
-                          (oom.ts_ns - onset.ts_ns) / 1e9, reached.step - onset.step <= JUMP_STEPS)
-    return best
-
-
-def _growth_sentence(growth: TermGrowth) -> str:
-    seconds = format_duration_ns(round(growth.seconds * 1e9))
-    if growth.jump:
-        return (f"{_capital(growth.label)} jumped by {format_bytes(growth.growth_bytes)} after step "
-                f"{format_count(growth.since_step)} and stayed up, {format_count(growth.steps)} steps ({seconds}) "
-                "before the out-of-memory.")
-    sentence = (f"{_capital(growth.label)} grew by {format_bytes(growth.growth_bytes)} over "
-                f"{format_count(growth.steps)} steps ({seconds}), since step {format_count(growth.since_step)}.")
-    if growth.term == "allocated_bytes":
-        sentence += _KEPT_SENTENCE
-    return sentence
-
-
-_KEPT_SENTENCE = (" It stayed allocated between steps beyond the weights and KV: PyTorch memory kept across steps, "
-                  "a leak inside PyTorch; look for tensors kept across steps (outputs, logprobs or metadata held "
-                  "per request).")
-
-
-def _window(points: Points, oom: Event) -> WindowChange | None:
-    start, end = points.first_from_step(oom.step - WINDOW_STEPS), points.last()
-    if start is None or end is None:
-        return None
-    keys = ("driver_free_bytes", "non_torch_bytes", "cache_slack_bytes", "allocated_bytes", "oom_margin_bytes")
-    return WindowChange(start.step, end.step, (end.ts_ns - start.ts_ns) / 1e9,
-                        {key: getattr(start, key) for key in keys}, {key: getattr(end, key) for key in keys})
-
-
-def _window_sentence(window: WindowChange) -> str:
-    def change(key: str) -> str:
-        start, end = window.start[key], window.end[key]
-        if start is None or end is None:
-            return "-"
-        return f"{'+' if end >= start else '-'}{format_bytes(abs(end - start))}"
-
-    return (f"In the last window, steps {format_count(window.from_step)} to {format_count(window.to_step)} "
-            f"({format_duration_ns(round(window.seconds * 1e9))}): free memory went from "
-            f"{format_bytes(window.start['driver_free_bytes'])} to {format_bytes(window.end['driver_free_bytes'])}; "
-            f"non-PyTorch {change('non_torch_bytes')}, cache slack {change('cache_slack_bytes')}, "
-            f"allocated {change('allocated_bytes')}.")
 
 
 # -- healthy runs ---------------------------------------------------------------------------------
@@ -407,7 +308,3 @@ def _tightest(rank: int, tight: ServingPoint | None) -> Tightest | None:
 
 def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _capital(text: str) -> str:
-    return text[:1].upper() + text[1:]

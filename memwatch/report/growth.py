@@ -1,0 +1,122 @@
+"""Before an out-of-memory: which ledger term grew, and how the last window changed, in numbers and in words.
+
+Which term grew is judged on serving samples against the first one. Cache slack is allowed the
+largest activation seen (the allocator keeps what the biggest forward freed); the other terms are
+allowed nothing. A term counts from :data:`MIN_GROWTH_BYTES`; its growth starts at the last sample
+that was still within :data:`ONSET_TOLERANCE_BYTES` of that allowance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
+from memwatch.records import Event
+from memwatch.report.points import Points
+
+MiB = 1 << 20
+WINDOW_STEPS = 100
+"""How far back the "last window before the OOM" reaches."""
+MIN_GROWTH_BYTES = 64 * MiB
+ONSET_TOLERANCE_BYTES = 1 * MiB
+JUMP_FRACTION = 0.9
+"""A growth that reached this share of its total within :data:`JUMP_STEPS` steps is a jump, not a slope."""
+JUMP_STEPS = 10
+
+TERMS: tuple[tuple[str, str], ...] = (
+    ("non_torch_bytes", "non-PyTorch memory"),
+    ("cache_slack_bytes", "the allocator's cache slack (reserved but unallocated)"),
+    ("allocated_bytes", "PyTorch-allocated memory"),
+)
+
+
+@dataclass(frozen=True)
+class TermGrowth:
+    term: str
+    label: str
+    from_bytes: int
+    to_bytes: int
+    growth_bytes: int
+    since_step: int
+    steps: int
+    """From ``since_step`` to the out-of-memory."""
+    seconds: float
+    jump: bool
+    """Most of it came within a few steps (another process, one large allocation) rather than steadily."""
+
+
+@dataclass(frozen=True)
+class WindowChange:
+    from_step: int
+    to_step: int
+    seconds: float
+    start: dict[str, int | None]
+    end: dict[str, int | None]
+
+
+def term_growth(points: Points, largest_activation: int, oom: Event) -> TermGrowth | None:
+    first, last = points.first(), points.last()
+    assert first is not None and last is not None
+    best: TermGrowth | None = None
+    best_excess = MIN_GROWTH_BYTES - 1
+    for term, label in TERMS:
+        start, end = getattr(first, term), getattr(last, term)
+        if start is None or end is None:
+            continue
+        allowed = start + (largest_activation if term == "cache_slack_bytes" else 0)
+        excess = end - allowed
+        if excess <= best_excess:
+            continue
+        onset = points.last_at_most(term, allowed + ONSET_TOLERANCE_BYTES) or first
+        from_bytes = getattr(onset, term)
+        grown = end - from_bytes
+        reached = points.first_reaching(term, onset.step, from_bytes + JUMP_FRACTION * grown) or last
+        best_excess = excess
+        best = TermGrowth(term, label, from_bytes, end, grown, onset.step, oom.step - onset.step,
+                          (oom.ts_ns - onset.ts_ns) / 1e9, reached.step - onset.step <= JUMP_STEPS)
+    return best
+
+
+def growth_sentence(growth: TermGrowth) -> str:
+    seconds = format_duration_ns(round(growth.seconds * 1e9))
+    if growth.jump:
+        return (f"{capital(growth.label)} jumped by {format_bytes(growth.growth_bytes)} after step "
+                f"{format_count(growth.since_step)} and stayed up, {format_count(growth.steps)} steps ({seconds}) "
+                "before the out-of-memory.")
+    sentence = (f"{capital(growth.label)} grew by {format_bytes(growth.growth_bytes)} over "
+                f"{format_count(growth.steps)} steps ({seconds}), since step {format_count(growth.since_step)}.")
+    if growth.term == "allocated_bytes":
+        sentence += _KEPT_SENTENCE
+    return sentence
+
+
+_KEPT_SENTENCE = (" It stayed allocated between steps beyond the weights and KV: PyTorch memory kept across steps, "
+                  "a leak inside PyTorch; look for tensors kept across steps (outputs, logprobs or metadata held "
+                  "per request).")
+
+
+def last_window(points: Points, oom: Event) -> WindowChange | None:
+    start, end = points.first_from_step(oom.step - WINDOW_STEPS), points.last()
+    if start is None or end is None:
+        return None
+    keys = ("driver_free_bytes", "non_torch_bytes", "cache_slack_bytes", "allocated_bytes", "oom_margin_bytes")
+    return WindowChange(start.step, end.step, (end.ts_ns - start.ts_ns) / 1e9,
+                        {key: getattr(start, key) for key in keys}, {key: getattr(end, key) for key in keys})
+
+
+def window_sentence(window: WindowChange) -> str:
+    def change(key: str) -> str:
+        start, end = window.start[key], window.end[key]
+        if start is None or end is None:
+            return "-"
+        return f"{'+' if end >= start else '-'}{format_bytes(abs(end - start))}"
+
+    return (f"In the last window, steps {format_count(window.from_step)} to {format_count(window.to_step)} "
+            f"({format_duration_ns(round(window.seconds * 1e9))}): free memory went from "
+            f"{format_bytes(window.start['driver_free_bytes'])} to {format_bytes(window.end['driver_free_bytes'])}; "
+            f"non-PyTorch {change('non_torch_bytes')}, cache slack {change('cache_slack_bytes')}, "
+            f"allocated {change('allocated_bytes')}.")
+
+
+def capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
