@@ -9,7 +9,7 @@ code runs throughout: its plugin loader, ``VllmConfig``/``ParallelConfig``, the 
 missing: ``torch.cuda``'s memory API answers from ``fake_cuda``, and ``Worker.init_device`` (device
 bring-up, NCCL, the model runner) is replaced before memwatch patches the class by one that sets what
 vLLM's sets: ``device``, ``init_snapshot``, ``requested_memory`` (vLLM's ``request_memory``) and a
-model runner whose ``initialize_kv_cache`` calls vLLM's ``allocate_kv_cache``.
+model runner whose ``initialize_kv_cache`` calls vLLM's ``allocate_kv_cache`` (both in ``vllm_seams.py``).
 
 "on" runs data parallelism 2 × tensor parallelism 2 of a hybrid model (full and sliding-window
 attention layers, two KV cache groups): engine 0 gets 4 MiB of KV memory per worker, engine 1 gets
@@ -39,110 +39,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, ClassVar
 
 from fake_device import load_fake_cuda
+from vllm_seams import MiB, cpu_init_device, make_config, plan_kv, serve
 
-MiB = 1 << 20
 WRAPPED = "__memwatch_wrapped__"
 
 
 def _wrapped(cls: type) -> list[str]:
     return sorted(name for name, value in vars(cls).items() if getattr(value, WRAPPED, False))
-
-
-class _CpuModelRunner:
-    """The model runner's KV allocation, as ``GPUModelRunner.initialize_kv_cache`` does it, on CPU."""
-
-    model_memory_usage = 0
-
-    def __init__(self, vllm_config: Any) -> None:
-        self.vllm_config = vllm_config
-        self.allocated_bytes = 0
-
-    def initialize_kv_cache(self, kv_cache_config: Any, kv_cache_allocation_context: Any = None) -> None:
-        import torch
-        from vllm.v1.worker.utils import allocate_kv_cache
-
-        self.kv_cache_config = kv_cache_config  # as GPUModelRunner.initialize_kv_cache keeps it
-        layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
-        caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
-        buffers = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in caches.values()}
-        self.allocated_bytes = sum(buffers.values())
-
-    def profile_run(self, randomize_inputs: bool = False) -> None:
-        """The profiling forward: nothing runs on CPU, so nothing is allocated."""
-
-    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
-        """The model's output for a step: one token per request, plus its draft tokens (all accepted)."""
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        req_ids = list(scheduler_output.num_scheduled_tokens)
-        drafts = scheduler_output.scheduled_spec_decode_tokens
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-                                 sampled_token_ids=[[7] * (1 + len(drafts.get(req_id, ()))) for req_id in req_ids])
-
-    def shutdown(self) -> None:
-        pass
-
-
-def _cpu_init_device(self: Any) -> None:
-    import torch
-    from vllm.v1.worker.utils import request_memory
-
-    self.device = torch.device("cuda", self.local_rank)
-    torch.cuda.set_device(self.local_rank)
-    free, total = torch.cuda.mem_get_info(self.local_rank)
-    self.init_snapshot = SimpleNamespace(free_memory=free, total_memory=total)
-    self.requested_memory = request_memory(self.init_snapshot, self.cache_config, 0)
-    self.model_runner = _CpuModelRunner(self.vllm_config)
-
-
-def _config(model: str, dp_rank: int, spec_tokens: int = 0, *, dp: int = 2, tp: int = 2, block_size: int = 16,
-            **cache: Any) -> Any:
-    from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
-
-    speculative = None
-    if spec_tokens:
-        speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=spec_tokens,
-                                        prompt_lookup_max=2, prompt_lookup_min=1)
-    return VllmConfig(
-        model_config=ModelConfig(model=model, skip_tokenizer_init=True, max_model_len=512, dtype="bfloat16"),
-        cache_config=CacheConfig(block_size=block_size, gpu_memory_utilization=0.5, **cache),
-        parallel_config=ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp, data_parallel_rank=dp_rank),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=512,
-                                         is_encoder_decoder=False),
-        speculative_config=speculative,
-    )
-
-
-def _layer_specs(tp: int, block_size: int = 16, hybrid: bool = True) -> dict[str, Any]:
-    """Four layers, full and sliding-window attention in turn (all full when not ``hybrid``); 4 KV heads split
-    over ``tp`` ranks."""
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-    heads = 4 // tp
-    return {f"model.layers.{i}.self_attn.attn":
-            FullAttentionSpec(block_size, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16)
-            if i % 2 == 0 or not hybrid else
-            SlidingWindowSpec(block_size, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16, sliding_window=64)
-            for i in range(4)}
-
-
-def _plan(config: Any, available: list[int], hybrid: bool = True) -> list[Any]:
-    """What ``EngineCore._initialize_kv_caches`` does with the workers' specs and memory."""
-    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-
-    specs = [_layer_specs(config.parallel_config.tensor_parallel_size, config.cache_config.block_size, hybrid)
-             for _ in available]
-    resolve_kv_cache_layout(config, [["LBNHC"]] * len(available), [s for spec in specs for s in spec.values()])
-    groups = get_global_kv_cache_groups(config, specs)
-    kv_cache_configs = get_kv_cache_configs(config, specs, available, groups)
-    config.cache_config.num_gpu_blocks = kv_cache_configs[0].num_blocks
-    return kv_cache_configs
 
 
 class _RendererReached(Exception):
@@ -171,52 +77,13 @@ def _async_llm_log_stats(config: Any) -> bool:
     return engine.log_stats
 
 
-def _serve(scheduler: Any, prompts: dict[str, int], max_tokens: int, drafts: int, stagger: int = 0,
-           worker: Any = None) -> list[dict[str, Any]]:
-    """The engine core's loop: schedule, the model's output (from ``worker.execute_model`` when given, as
-    vLLM's executor runs it; else built the same way here), then ``update_from_output``.
-
-    Every prompt arrives before the first step, or, with ``stagger``, the i-th before step ``i × stagger``.
-    Returns, per step, what vLLM itself says of it: requests and tokens scheduled, draft tokens
-    scheduled, requests preempted, ``kv_cache_manager.usage`` right after ``schedule()``, requests
-    finished, and the ``SchedulerStats.kv_cache_usage`` that ``update_from_output`` hands the front end's
-    stat loggers (None unless the scheduler has ``log_stats``).
-    """
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.outputs import DraftTokenIds
-    from vllm.v1.request import Request
-
-    pending = list(prompts.items())
-    steps: list[dict[str, Any]] = []
-    model = _CpuModelRunner(None)
-    while pending or scheduler.has_requests():
-        while pending and (not stagger or len(prompts) - len(pending) <= len(steps) // stagger):
-            name, length = pending.pop(0)
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            scheduler.add_request(Request(name, list(range(1, length + 1)), params, None))
-        output = scheduler.schedule()
-        steps.append({"num_seqs": len(output.num_scheduled_tokens), "num_tokens": output.total_num_scheduled_tokens,
-                      "drafts": sum(map(len, output.scheduled_spec_decode_tokens.values())),
-                      "new": len(output.scheduled_new_reqs), "preempted": len(output.preempted_req_ids or ()),
-                      "usage": scheduler.kv_cache_manager.usage})
-        result = worker.execute_model(output) if worker is not None else model.execute_model(output)
-        outputs = scheduler.update_from_output(output, result).values()
-        stats = [eco.scheduler_stats for eco in outputs if eco.scheduler_stats is not None]
-        steps[-1]["stats_usage"] = stats[0].kv_cache_usage if stats else None
-        steps[-1]["finished"] = sum(out.finish_reason is not None for eco in outputs for out in eco.outputs)
-        if drafts:
-            running = [request.request_id for request in scheduler.running]
-            scheduler.update_draft_token_ids(DraftTokenIds(running, [[7] * drafts for _ in running]))
-    return steps
-
-
 def main() -> None:
     mode, model = sys.argv[1], sys.argv[2]
     load_fake_cuda()
     facts: dict[str, Any] = {}
     from vllm.v1.worker import gpu_worker
 
-    gpu_worker.Worker.init_device = _cpu_init_device
+    gpu_worker.Worker.init_device = cpu_init_device
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_general_plugins, load_plugins_by_group
     from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
 
@@ -235,7 +102,7 @@ def main() -> None:
     facts["worker_wrapped"] = _wrapped(gpu_worker.Worker)
     facts["scheduler_wrapped"] = _wrapped(Scheduler)
     if mode in ("off", "on"):  # after the environment is compared: AsyncLLM sets variables of vLLM's own
-        facts["async_llm_log_stats"] = _async_llm_log_stats(_config(model, 0, dp=1, tp=1))
+        facts["async_llm_log_stats"] = _async_llm_log_stats(make_config(model, 0, dp=1, tp=1))
     if mode == "on":
         facts["engines"] = [_engine(model, dp_rank) for dp_rank in (0, 1)]
     elif mode == "workload":
@@ -257,21 +124,21 @@ def _engine(model: str, dp_rank: int) -> dict[str, Any]:
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.gpu_worker import Worker
 
-    config = _config(model, dp_rank, spec_tokens=2 if dp_rank == 1 else 0)
+    config = make_config(model, dp_rank, spec_tokens=2 if dp_rank == 1 else 0)
     workers = [Worker(vllm_config=config, local_rank=tp, rank=tp, distributed_init_method="tcp://127.0.0.1:1",
                       is_driver_worker=tp == 0) for tp in range(2)]
     for worker in workers:
         worker.init_device()
-    kv_cache_configs = _plan(config, [(4 * MiB if dp_rank == 0 else 3 * MiB // 2)] * len(workers))
+    kv_cache_configs = plan_kv(config, [(4 * MiB if dp_rank == 0 else 3 * MiB // 2)] * len(workers))
     for worker, kv_cache_config in zip(workers, kv_cache_configs, strict=True):
         worker.initialize_from_config(kv_cache_config)
     # Engine 0 runs as offline LLM(...) does (no stats); engine 1 as a served engine (SchedulerStats each step).
     scheduler = Scheduler(config, kv_cache_configs[0], StructuredOutputManager(config), block_size=16,
                           log_stats=dp_rank == 1)
     if dp_rank == 0:
-        steps = _serve(scheduler, {"a": 100}, max_tokens=3, drafts=0)
+        steps = serve(scheduler, {"a": 100}, max_tokens=3, drafts=0)
     else:
-        steps = _serve(scheduler, {name: 300 for name in "abc"}, max_tokens=180, drafts=2)
+        steps = serve(scheduler, {name: 300 for name in "abc"}, max_tokens=180, drafts=2)
     facts = {"num_blocks": kv_cache_configs[0].num_blocks, "steps": steps,
              "kv_cache_tensors": [tensor.size for tensor in kv_cache_configs[0].kv_cache_tensors],
              "allocated_bytes": [worker.model_runner.allocated_bytes for worker in workers]}
@@ -291,7 +158,7 @@ def _one_gpu_engine(model: str, block_size: int) -> tuple[Any, Any, Any]:
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.gpu_worker import Worker
 
-    config = _config(model, 0, dp=1, tp=1, block_size=block_size)
+    config = make_config(model, 0, dp=1, tp=1, block_size=block_size)
     worker = Worker(vllm_config=config, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:1",
                     is_driver_worker=True)
     worker.init_device()
@@ -304,7 +171,7 @@ def _one_gpu_engine(model: str, block_size: int) -> tuple[Any, Any, Any]:
         port = probe.getsockname()[1]
     with set_current_vllm_config(config):
         init_worker_distributed_environment(config, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
-    [kv_cache_config] = _plan(config, [WORKLOAD_KV_BYTES], hybrid=False)
+    [kv_cache_config] = plan_kv(config, [WORKLOAD_KV_BYTES], hybrid=False)
     worker.initialize_from_config(kv_cache_config)
     scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=block_size,
                           log_stats=False)
@@ -314,7 +181,7 @@ def _one_gpu_engine(model: str, block_size: int) -> tuple[Any, Any, Any]:
 def _workload(model: str, block_size: int) -> dict[str, Any]:
     """Eight requests arriving one every four steps, 20 tokens each, served by one GPU's engine."""
     worker, kv_cache_config, scheduler = _one_gpu_engine(model, block_size)
-    steps = _serve(scheduler, WORKLOAD_PROMPTS, max_tokens=20, drafts=0, stagger=4, worker=worker)
+    steps = serve(scheduler, WORKLOAD_PROMPTS, max_tokens=20, drafts=0, stagger=4, worker=worker)
     worker.shutdown()
     scheduler.shutdown()
     return {"num_blocks": kv_cache_config.num_blocks, "prompts": WORKLOAD_PROMPTS, "steps": steps}
@@ -327,8 +194,8 @@ def _engine_core_alone(model: str) -> dict[str, Any]:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    config = _config(model, 0, dp=1, tp=2, block_size=16)
-    kv_cache_configs = _plan(config, [WORKLOAD_KV_BYTES] * 2, hybrid=False)
+    config = make_config(model, 0, dp=1, tp=2, block_size=16)
+    kv_cache_configs = plan_kv(config, [WORKLOAD_KV_BYTES] * 2, hybrid=False)
     context = multiprocessing.get_context("fork")  # vLLM's plugin already loaded: the children's Worker is patched
     workers = [context.Process(target=_remote_worker, args=(config, tp, kv_cache_configs[tp])) for tp in range(2)]
     for worker in workers:
@@ -339,7 +206,7 @@ def _engine_core_alone(model: str) -> dict[str, Any]:
             raise RuntimeError(f"worker process exited with {worker.exitcode}")
     scheduler = Scheduler(config, kv_cache_configs[0], StructuredOutputManager(config), block_size=16,
                           log_stats=False)
-    steps = _serve(scheduler, WORKLOAD_PROMPTS, max_tokens=20, drafts=0, stagger=4)
+    steps = serve(scheduler, WORKLOAD_PROMPTS, max_tokens=20, drafts=0, stagger=4)
     scheduler.shutdown()
     return {"prompts": WORKLOAD_PROMPTS, "num_blocks": kv_cache_configs[0].num_blocks, "steps": steps}
 
@@ -383,7 +250,7 @@ def _dense_engine_process(model: str, dp_rank: int, results: Any) -> None:
 
     run_engine_core = core.EngineCoreProc.run_engine_core
     core.EngineCoreProc = _InProcessEngineCore
-    config = _config(model, 0, dp=2, tp=2)  # what the front end hands every engine core: DP 2, rank 0
+    config = make_config(model, 0, dp=2, tp=2)  # what the front end hands every engine core: DP 2, rank 0
     run_engine_core(vllm_config=config, log_stats=False, dp_rank=dp_rank, local_dp_rank=dp_rank)
     results.put(_InProcessEngineCore.finished)
 
@@ -410,14 +277,14 @@ class _InProcessEngineCore:
                         for tp in range(2)]
         for worker in self.workers:
             worker.init_device()
-        self.kv_cache_configs = _plan(vllm_config, [DENSE_KV_BYTES[engine_index]] * 2, hybrid=False)
+        self.kv_cache_configs = plan_kv(vllm_config, [DENSE_KV_BYTES[engine_index]] * 2, hybrid=False)
         for worker, kv_cache_config in zip(self.workers, self.kv_cache_configs, strict=True):
             worker.initialize_from_config(kv_cache_config)
         self.scheduler = Scheduler(vllm_config, self.kv_cache_configs[0], StructuredOutputManager(vllm_config),
                                    block_size=16, log_stats=log_stats)
 
     def run_busy_loop(self) -> None:
-        steps = _serve(self.scheduler, DENSE_PROMPTS[self.index], max_tokens=4, drafts=0)
+        steps = serve(self.scheduler, DENSE_PROMPTS[self.index], max_tokens=4, drafts=0)
         self.facts.update(num_blocks=self.kv_cache_configs[0].num_blocks, steps=steps)
 
     def shutdown(self) -> None:
@@ -438,18 +305,18 @@ def _blocks_override(model: str, blocks: int) -> dict[str, Any]:
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.gpu_worker import Worker
 
-    config = _config(model, 0, dp=1, tp=2, kv_cache_memory_bytes=OVERRIDE_KV_BYTES, num_gpu_blocks_override=blocks)
+    config = make_config(model, 0, dp=1, tp=2, kv_cache_memory_bytes=OVERRIDE_KV_BYTES, num_gpu_blocks_override=blocks)
     workers = [Worker(vllm_config=config, local_rank=tp, rank=tp, distributed_init_method="tcp://127.0.0.1:1",
                       is_driver_worker=tp == 0) for tp in range(2)]
     for worker in workers:
         worker.init_device()
     available = [worker.determine_available_memory() for worker in workers]
-    kv_cache_configs = _plan(config, available, hybrid=False)
+    kv_cache_configs = plan_kv(config, available, hybrid=False)
     for worker, kv_cache_config in zip(workers, kv_cache_configs, strict=True):
         worker.initialize_from_config(kv_cache_config)
     scheduler = Scheduler(config, kv_cache_configs[0], StructuredOutputManager(config), block_size=16,
                           log_stats=False)
-    steps = _serve(scheduler, {"a": 100}, max_tokens=3, drafts=0)
+    steps = serve(scheduler, {"a": 100}, max_tokens=3, drafts=0)
     facts = {"available": available, "num_blocks": [c.num_blocks for c in kv_cache_configs], "steps": steps,
              "kv_cache_tensors": [tensor.size for tensor in kv_cache_configs[0].kv_cache_tensors]}
     for worker in workers:
@@ -472,7 +339,7 @@ def _loop(model: str, stop: Path) -> None:
     rounds: list[tuple[tuple[int, int], ...]] = []
     while len(rounds) < 3 or not stop.exists():
         prompts = {f"q{len(rounds)}-{i}": 60 + 20 * i for i in range(3)}
-        steps = _serve(scheduler, prompts, max_tokens=8, drafts=0, worker=worker)
+        steps = serve(scheduler, prompts, max_tokens=8, drafts=0, worker=worker)
         rounds.append(tuple((step["num_seqs"], step["num_tokens"]) for step in steps))
         if len(rounds) == 1:
             print("ready", flush=True)
