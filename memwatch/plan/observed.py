@@ -103,6 +103,24 @@ def _term(term: str, predicted: int, measured: int, over: str, under: str) -> Te
     return TermComparison(term, predicted, measured, diff, cause)
 
 
+def _weights_term(predicted: int, measured: int, dtype: str) -> TermComparison:
+    """The weights term, worded alike for every engine's rule."""
+    return _term("weights", predicted, measured,
+                 f"the engine holds more than parameters × {dtype}: extra buffers (rotary tables, "
+                 "vocabulary padding) or tensors left over from loading",
+                 f"the engine holds less than parameters × {dtype}: quantized weights, another dtype, "
+                 "or a config that does not match the checkpoint")
+
+
+def _non_torch_term(label: str, predicted: int, measured: int) -> TermComparison:
+    """The memory outside PyTorch against the estimate of the CUDA context and NCCL buffers."""
+    return _term(label, predicted, measured,
+              "more than the estimate of the CUDA context and NCCL buffers: cuBLAS workspaces, graph "
+              "pools or other processes on the GPU",
+              "less than the estimate of the CUDA context and NCCL buffers: a smaller context "
+              "(lazily loaded kernels), or readings not taken at the same moment")
+
+
 def _spec_for(run: Mapping[str, Any], config: Mapping[str, Any]) -> ModelSpec:
     source = config.get("model_config") or run.get("model")
     if not source:
@@ -156,21 +174,13 @@ def compare_rank(run: Mapping[str, Any], kv_event: Mapping[str, Any]) -> PlanVsO
     outside = used - (current if reserved is None else int(reserved))
     block_m, blocks_m = int(data["block_bytes"]), int(data["num_blocks"])
     terms = [
-        _term("weights", weights_p, current,
-              f"the engine holds more than parameters × {dtype}: extra buffers (rotary tables, "
-              "vocabulary padding) or tensors left over from loading",
-              f"the engine holds less than parameters × {dtype}: quantized weights, another dtype, "
-              "or a config that does not match the checkpoint"),
+        _weights_term(weights_p, current, dtype),
         _term("activation reserve", reserve_p, peak - current,
               "the warmup peak exceeds the activation model: a load-time spike kept because the peak "
               "was not reset before warmup, eager attention scores, or workspaces the model omits",
               f"the warmup peak is below the model of a {num_seqs} × {seq_len:,}-token prefill: warmup "
               "ran a smaller batch or a decode step, so a real long prefill can run out of memory"),
-        _term("non-PyTorch" if reserved is not None else "non-PyTorch + cache slack", non_torch_p, outside,
-              "more than the estimate of the CUDA context and NCCL buffers: cuBLAS workspaces, graph "
-              "pools or other processes on the GPU",
-              "less than the estimate of the CUDA context and NCCL buffers: a smaller context "
-              "(lazily loaded kernels), or readings not taken at the same moment"),
+        _non_torch_term("non-PyTorch" if reserved is not None else "non-PyTorch + cache slack", non_torch_p, outside),
     ]
     if reserved is not None:
         terms.append(_term("cache slack", 0, int(reserved) - current,

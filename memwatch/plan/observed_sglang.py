@@ -22,7 +22,16 @@ from memwatch.units import format_bytes
 def compare_sglang_rank(run: Mapping[str, Any], config: Mapping[str, Any], data: Mapping[str, Any],
                         rank: int) -> Any:
     """One rank's comparison (a :class:`memwatch.plan.observed.PlanVsObserved`)."""
-    from memwatch.plan.observed import PlanVsObserved, TermComparison, _dtype, _spec_for, _term, _within_tolerance
+    from memwatch.plan.observed import (
+        PlanVsObserved,
+        TermComparison,
+        _dtype,
+        _non_torch_term,
+        _spec_for,
+        _term,
+        _weights_term,
+        _within_tolerance,
+    )
 
     missing = [key for key in ("total_bytes", "used_bytes", "current_bytes", "reserved_bytes", "num_blocks",
                                "block_bytes", *sglang_rule.INPUTS) if data.get(key) is None]
@@ -51,16 +60,8 @@ def compare_sglang_rank(run: Mapping[str, Any], config: Mapping[str, Any], data:
     room_m = int(round(float(data["pre_model_load_gb"]) * sglang_rule.GIB) * (1 - fraction))
     cell_m, tokens_m = int(data["block_bytes"]), int(data["num_blocks"])
     terms = [
-        _term("weights", weights_p, current,
-              f"the engine holds more than parameters × {dtype}: extra buffers (rotary tables, "
-              "vocabulary padding) or tensors left over from loading",
-              f"the engine holds less than parameters × {dtype}: quantized weights, another dtype, "
-              "or a config that does not match the checkpoint"),
-        _term("non-PyTorch", non_torch_p, used - reserved,
-              "more than the estimate of the CUDA context and NCCL buffers: cuBLAS workspaces, graph "
-              "pools or other processes on the GPU",
-              "less than the estimate of the CUDA context and NCCL buffers: a smaller context "
-              "(lazily loaded kernels), or readings not taken at the same moment"),
+        _weights_term(weights_p, current, dtype),
+        _non_torch_term("non-PyTorch", non_torch_p, used - reserved),
         _term("cache slack", 0, reserved - current,
               "the allocator held cached, unallocated memory when the pool was sized; SGLang counts it as used",
               "the allocator reported less reserved than allocated: inconsistent readings"),
