@@ -57,6 +57,7 @@ class FreeProbe(FixedProbe):
     """A probe whose reading costs nothing measurable: a C-level call returning one fixed tuple."""
 
     read_step = staticmethod(itertools.repeat(READING).__next__)  # type: ignore[assignment]
+    read_step_and_reset = read_step  # type: ignore[assignment]  # serving's one call: read, then reset the peak
     reset_peak = staticmethod(itertools.repeat(None).__next__)  # type: ignore[assignment]
 
 

@@ -6,7 +6,10 @@ The rules it keeps, in order of importance:
 * It never raises into the engine. Any internal fault turns the monitor off with one log warning;
   every later call is a no-op.
 * It never blocks and never allocates GPU memory. A step reads the probe and packs one record.
-* It is cheap: a step costs well under a microsecond plus whatever the probe costs (``bench/bench_plugin.py``).
+* It is cheap: a step costs under 1.5 times the bare minimum of packing one record into the ring, plus
+  whatever the probe costs (``bench/bench_plugin.py``); :mod:`.stepper` says how.
+* It is safe to call from several threads, and no call waits for another: writers claim the ring's cursor
+  instead of taking a lock (:mod:`.ring`).
 
 Per-step peaks: once the ``serve`` phase starts, each ``step()`` reads the allocator peak and then
 resets it, so every serving sample carries that step's own peak (``peak_is_step``). This takes the
@@ -21,7 +24,6 @@ import logging
 import os
 import secrets
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,21 +34,11 @@ from .clean import clean, clean_data, text
 from .identity import where
 from .moments import arrival_data, finish_data, known, kv_data, oom_data, weights_data
 from .probes.base import UNKNOWN, Probe
-from .ring import (
-    DEFAULT_CAPACITY,
-    FIRST_CUSTOM_PHASE,
-    META_MAX,
-    PHASE_CODES,
-    SAMPLE_PEAK_IS_STEP,
-    STEP_KIND_CODES,
-    EventTooLarge,
-    RingWriter,
-)
+from .ring import DEFAULT_CAPACITY, FIRST_CUSTOM_PHASE, META_MAX, PHASE_CODES, EventTooLarge, RingWriter
 from .runtime import ensure_runtime_dir, ring_mode, ring_path
+from .stepper import StepPath, build_step
 
 log = logging.getLogger("memwatch")
-
-_KIND_CODE = STEP_KIND_CODES.get
 
 STANDARD_PHASES = ("load", "warmup", "kv_alloc", "cudagraph", "serve")
 
@@ -81,16 +73,14 @@ class Monitor:
         source: str = "engine",
     ) -> None:
         self._enabled = False
-        self._lock = threading.Lock()
         self._clock = clock
-        self._step = 0
         self._phase = 0
         self._phase_stack: list[int] = []
         self._custom_phases: dict[str, int] = {}
         self._per_step_peak_option = per_step_peak
-        self._per_step_peak = False
         self._load_baseline: int | None = None
         self._writer: RingWriter | None = None
+        self._path: StepPath | None = None
         self.rank = int(rank if rank is not None else os.environ.get("RANK", 0))
         self.world_size = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", 1))
         self.run_id = run_id or os.environ.get("MEMWATCH_RUN_ID") or new_run_id()
@@ -117,11 +107,8 @@ class Monitor:
                 self.ring_path, run_id=self.run_id, rank=self.rank, world_size=self.world_size,
                 meta=meta, capacity=capacity, mode=mode,
             )
-            # Bound once: the step reads the probe and packs one record, with no attribute chains.
-            self._read_step = self.probe.read_step
-            self._reset_peak = self.probe.reset_peak
-            self._write_sample = self._writer.sample_writer()
-            self._acquire, self._release = self._lock.acquire, self._lock.release
+            self._path = build_step(self._writer, self.probe, clock, on_fault=self._disable)
+            self.step = self._path.step  # type: ignore[method-assign]  # the instance's own: no method to bind
             self._enabled = True
             if spawn_sidecar is None:  # a shared directory has its agent already: never start one there
                 spawn_sidecar = os.environ.get("MEMWATCH_SPAWN", "1") != "0" and mode == 0o600
@@ -140,7 +127,7 @@ class Monitor:
 
     @property
     def step_count(self) -> int:
-        return self._step
+        return self._path.steps() if self._path is not None else 0
 
     def _disable(self, exc: BaseException) -> None:
         if self._enabled or self._writer is None:
@@ -152,42 +139,26 @@ class Monitor:
                 log.warning("memwatch: monitoring turned off after an internal error: %s: %s",
                             type(exc).__name__, exc)
         self._enabled = False
+        if self._path is not None:
+            self._path.stop()
 
     # -- the hot path --------------------------------------------------------------------------------
 
     def step(
         self,
         kind: str | None = None,
-        num_seqs: int | None = None,
-        num_tokens: int | None = None,
-        kv_blocks_used: int | None = None,
-        kv_blocks_total: int | None = None,
+        num_seqs: int | None = UNKNOWN,
+        num_tokens: int | None = UNKNOWN,
+        kv_blocks_used: int | None = UNKNOWN,
+        kv_blocks_total: int | None = UNKNOWN,
     ) -> None:
-        """Record one engine step, after it ran. ``kind`` is ``"prefill"``, ``"decode"`` or None."""
-        if not self._enabled:
-            return
-        try:
-            allocated, peak, reserved, used, free, segments, active, pinned, retries, ooms = self._read_step()
-            flags = 0
-            if self._per_step_peak:
-                self._reset_peak()
-                flags = SAMPLE_PEAK_IS_STEP
-            self._acquire()
-            try:
-                self._step = step = self._step + 1
-                self._write_sample(
-                    step, self._clock(), self._phase, _KIND_CODE(kind, 0), flags,
-                    allocated, peak, reserved, used, free,
-                    UNKNOWN if num_tokens is None else num_tokens,
-                    UNKNOWN if kv_blocks_used is None else kv_blocks_used,
-                    UNKNOWN if kv_blocks_total is None else kv_blocks_total,
-                    UNKNOWN if num_seqs is None else num_seqs,
-                    segments, active, pinned, retries, ooms,
-                )
-            finally:
-                self._release()
-        except Exception as exc:
-            self._disable(exc)
+        """Record one engine step, after it ran. ``kind`` is ``"prefill"``, ``"decode"`` or None; a count left
+        out, ``None`` or -1 is unknown.
+
+        A monitor that started replaces this method with its own hot path (:mod:`.stepper`), which does the same.
+        """
+        if self._path is not None:
+            self._path.step(kind, num_seqs, num_tokens, kv_blocks_used, kv_blocks_total)
 
     @contextmanager
     def stepping(self, kind: str | None = None, **fields: int | None) -> Iterator[None]:
@@ -201,11 +172,10 @@ class Monitor:
             return
         try:
             allocated, peak, reserved, used, free, *signals = self.probe.read_step()
-            with self._lock:
-                self._writer.write_sample(
-                    self._step, self._clock(), self._phase, 0, 0, allocated, peak, reserved, used, free,
-                    UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN, *signals,
-                )
+            self._writer.write_sample(
+                self.step_count, self._clock(), self._phase, 0, 0, allocated, peak, reserved, used, free,
+                UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN, *signals,
+            )
         except Exception as exc:
             self._disable(exc)
 
@@ -228,12 +198,12 @@ class Monitor:
             if code is None:
                 code = self._custom_phases.setdefault(name, FIRST_CUSTOM_PHASE + len(self._custom_phases))
             self._phase_stack.append(self._phase)
-            self._phase = code
+            self._set_phase(code)
             if name == "load":
                 self._load_baseline = self._allocated_now()
             if name == "serve" and self._per_step_peak_option is not False:
                 self.probe.reset_peak()
-                self._per_step_peak = True
+                self._path.per_step_peak(True)
             self._event("phase_start", {"phase": name, "code": code})
             self.sample()
         except Exception as exc:
@@ -246,10 +216,14 @@ class Monitor:
             self.sample()
             self._event("phase_end", {"phase": name})
             if name == "serve":
-                self._per_step_peak = False
-            self._phase = self._phase_stack.pop() if self._phase_stack else 0
+                self._path.per_step_peak(False)
+            self._set_phase(self._phase_stack.pop() if self._phase_stack else 0)
         except Exception as exc:
             self._disable(exc)
+
+    def _set_phase(self, code: int) -> None:
+        self._phase = code
+        self._path.set_phase(code)
 
     def weights_loaded(self, weights_bytes: int | None = None) -> None:
         """The model's weights are in place. Weights = allocator growth since ``load`` began, unless given."""
@@ -341,12 +315,11 @@ class Monitor:
 
     def _event(self, kind: str, data: Any) -> None:
         kind, data = text(kind), clean_data(data)
-        with self._lock:
-            try:
-                self._writer.write_event(self._step, self._clock(), kind, data)
-            except EventTooLarge as exc:
-                log.warning("memwatch: %s; stored without its data", exc)
-                self._writer.write_event(self._step, self._clock(), kind, {"dropped": "too large"})
+        try:
+            self._writer.write_event(self.step_count, self._clock(), kind, data)
+        except EventTooLarge as exc:
+            log.warning("memwatch: %s; stored without its data", exc)
+            self._writer.write_event(self.step_count, self._clock(), kind, {"dropped": "too large"})
 
     def close(self, status: str = "ok") -> None:
         """End the run for this rank: a ``run_end`` event, then the ring is marked closed."""
@@ -355,8 +328,8 @@ class Monitor:
         try:
             self.sample()
             self._event("run_end", {"status": status})
-            with self._lock:
-                self._writer.close()
+            self._path.stop()
+            self._writer.close()
         except Exception as exc:
             self._disable(exc)
         self._enabled = False

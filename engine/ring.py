@@ -66,6 +66,11 @@ writer may already be filling up to ``MAX_EVENT_CHUNKS`` slots past ``published`
 so the reader keeps that margin clear of its window; a copy torn anyway is read again, never taken
 for a corrupt ring.
 
+Writers in one process: threads share a ring without a lock. A writer pops the ring's cursor (the next
+sequence number), writes and appends the moved cursor; one that finds it gone queues its records for the
+holder to write next, so no writer ever waits (:meth:`RingWriter._write`). A queued record follows the one
+written while it waited, so its time can be a few microseconds before its predecessor's.
+
 Disk space: the writer reserves the whole file with ``posix_fallocate`` when it creates the ring, so
 a full filesystem refuses the ring up front instead of killing the engine with SIGBUS on a later
 write. The reader never maps the file: it reads with ``pread``, so a ring truncated under it is
@@ -82,9 +87,11 @@ import os
 import re
 import struct
 import sys
+import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .liveness import pid_namespace, release_writer_lock, take_writer_lock
 
@@ -106,6 +113,8 @@ CHUNK_PAYLOAD = 96
 MAX_EVENT_CHUNKS = 64
 """An event's JSON is at most this many chunks (6 KiB); the Monitor shortens bigger ones."""
 TORN_READ_RETRIES = 4
+CLOSE_WAIT_S = 0.5
+"""How long closing waits for a write in another thread to finish."""
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,16}$")
 STEP_KINDS = (None, "prefill", "decode")
@@ -128,7 +137,8 @@ SAMPLE_FIELDS = (
 """Field order of a drained sample tuple; version 1 samples stop after ``num_seqs``."""
 _CHUNK = struct.Struct(f"<QBBH4xqq{CHUNK_PAYLOAD}s")
 _PUBLISHED_AT = 56
-_PUBLISHED_WORD = _PUBLISHED_AT // 8
+PUBLISHED_WORD = _PUBLISHED_AT // 8
+_SEQ = struct.Struct("<Q")
 _FLAGS_AT = 36
 assert _HEADER.size == META_OFFSET and _SAMPLE_SLOT.size == RECORD_SIZE and _CHUNK.size == RECORD_SIZE
 assert _SAMPLE_SLOT_V1.size == RECORD_SIZE and len(SAMPLE_FIELDS) == len(_SAMPLE.unpack(bytes(_SAMPLE.size)))
@@ -153,9 +163,9 @@ def process_start_ticks(pid: int) -> int:
 
 
 class RingWriter:
-    """The engine side: appends records, never blocks and never waits for a reader.
+    """The engine side: appends records, never blocks and never waits for a reader or another writer.
 
-    Not thread-safe on its own; :class:`memwatch_engine.Monitor` serialises calls.
+    Safe to call from several threads at once (the cursor is popped, see :meth:`_write`).
     """
 
     def __init__(
@@ -205,7 +215,7 @@ class RingWriter:
             pid = os.getpid()
             _HEADER.pack_into(
                 self._map, 0, MAGIC, VERSION, HEADER_SIZE, RECORD_SIZE, capacity, pid, rank, world_size, 0,
-                process_start_ticks(pid), _now_ns(), 0, len(meta_bytes), run_id.encode("ascii"),
+                process_start_ticks(pid), time.time_ns(), 0, len(meta_bytes), run_id.encode("ascii"),
             )
             self._map[META_OFFSET : META_OFFSET + len(meta_bytes)] = meta_bytes
             os.link(building, self.path)
@@ -216,8 +226,11 @@ class RingWriter:
             os.close(fd)
             os.unlink(building)
         self._mask = capacity - 1
-        self._seq = 0
-        self._pack_sample = _SAMPLE.pack_into
+        self._cursor = [0]
+        """The next record's sequence number, and the right to write: whoever pops it writes, and appends the
+        next one when done (:meth:`_write`). A list, so the Monitor's step (:mod:`.stepper`) shares it."""
+        self._waiting: deque[list[bytes]] = deque()
+        """Records that found the ring busy, written next by whoever holds it."""
         # The header's ``published`` counter as an aligned 8-byte word: one store (struct's pack_into zero-fills
         # first, so a reader could see the count at 0). The word is in native order, the ring's own on the
         # little-endian hosts memwatch runs on (checked above).
@@ -225,7 +238,11 @@ class RingWriter:
 
     @property
     def written(self) -> int:
-        return self._seq
+        """Records written so far (while another thread writes, those published so far)."""
+        cursor = self._cursor
+        if cursor:
+            return cursor[0]
+        return self._closed_at if self._map.closed else self._published[PUBLISHED_WORD]
 
     def write_sample(
         self, step: int, ts_ns: int, phase: int, step_kind: int, flags: int,
@@ -234,57 +251,101 @@ class RingWriter:
         segments: int = -1, active: int = -1, inactive_split: int = -1, alloc_retries: int = -1,
         num_ooms: int = -1,
     ) -> None:
-        """Append one sample (the hot path: one ``pack_into`` and one word store, no allocation beyond arguments)."""
-        seq = self._seq
-        self._pack_sample(
-            self._map, HEADER_SIZE + (seq & self._mask) * RECORD_SIZE, seq, TYPE_SAMPLE, flags, phase,
-            step_kind, step, ts_ns, allocated, peak, reserved, driver_used, driver_free, num_tokens,
-            kv_used, kv_total, num_seqs, segments, active, inactive_split, alloc_retries, num_ooms,
-        )
-        self._seq = seq = seq + 1
-        self._published[_PUBLISHED_WORD] = seq
-
-    def sample_writer(self) -> Callable[..., None]:
-        """:meth:`write_sample` as a closure over the map, for the Monitor's step: no attribute lookups.
-
-        It shares the sequence number with :meth:`write_event`; the caller orders the two (the Monitor's lock).
-        """
-        pack, ring, mask, published, writer = _SAMPLE.pack_into, self._map, self._mask, self._published, self
-
-        def write(step: int, ts_ns: int, phase: int, step_kind: int, flags: int, allocated: int, peak: int,
-                  reserved: int, driver_used: int, driver_free: int, num_tokens: int, kv_used: int, kv_total: int,
-                  num_seqs: int, segments: int, active: int, inactive_split: int, alloc_retries: int,
-                  num_ooms: int) -> None:
-            seq = writer._seq
-            pack(ring, HEADER_SIZE + (seq & mask) * RECORD_SIZE, seq, TYPE_SAMPLE, flags, phase, step_kind, step,
-                 ts_ns, allocated, peak, reserved, driver_used, driver_free, num_tokens, kv_used, kv_total, num_seqs,
-                 segments, active, inactive_split, alloc_retries, num_ooms)
-            writer._seq = seq = seq + 1
-            published[_PUBLISHED_WORD] = seq
-
-        return write
+        """Append one sample (the Monitor's step packs its own straight into the slot: :mod:`.stepper`)."""
+        self._write([_SAMPLE_SLOT.pack(
+            0, TYPE_SAMPLE, flags, phase, step_kind, step, ts_ns, allocated, peak, reserved, driver_used,
+            driver_free, num_tokens, kv_used, kv_total, num_seqs, segments, active, inactive_split, alloc_retries,
+            num_ooms,
+        )])
 
     def write_event(self, step: int, ts_ns: int, kind: str, data: dict[str, Any]) -> None:
         """Append one event as JSON chunks, published at once so a reader sees all of it or none."""
         payload = json.dumps([kind, data], separators=(",", ":"), allow_nan=False).encode()
-        seq = self._seq
         chunks = [payload[i : i + CHUNK_PAYLOAD] for i in range(0, len(payload), CHUNK_PAYLOAD)] or [b""]
         if len(chunks) > MAX_EVENT_CHUNKS:
             raise EventTooLarge(f"event {kind!r} is {len(payload)} bytes of JSON; at most "
                              f"{MAX_EVENT_CHUNKS * CHUNK_PAYLOAD} fit in the ring")
-        for i, chunk in enumerate(chunks):
-            more = CHUNK_MORE if i + 1 < len(chunks) else 0
-            _CHUNK.pack_into(
-                self._map, HEADER_SIZE + ((seq + i) & self._mask) * RECORD_SIZE,
-                seq + i, TYPE_EVENT, more, len(chunk), step, ts_ns, chunk,
-            )
-        self._seq = seq + len(chunks)
-        self._published[_PUBLISHED_WORD] = self._seq
+        last = len(chunks) - 1
+        self._write([_CHUNK.pack(0, TYPE_EVENT, CHUNK_MORE if i < last else 0, len(chunk), step, ts_ns, chunk)
+                     for i, chunk in enumerate(chunks)])
+
+    def hot_path(self) -> RingSlots:
+        """What a writer that packs its own records needs: the map, the cursor, ``published`` and the queue."""
+        return RingSlots(self._map, self._mask, self._cursor, self._published, self._waiting, self.write_waiting)
+
+    def _write(self, records: list[bytes]) -> None:
+        """Write ``records`` (whole slots, their sequence numbers left 0) in consecutive slots, published at once.
+
+        A lock without a wait: the writer pops the cursor, writes, and appends the cursor it moved on; popping
+        is atomic, so two writers never share a slot. A writer that finds the cursor gone — another thread
+        writing, or this thread's own write interrupted by a signal handler that writes too — leaves its
+        records in the waiting queue and returns, and whoever holds the cursor writes them before giving it
+        back. Nobody ever waits, so nothing can deadlock.
+        """
+        if self._map.closed:
+            raise ValueError(f"the ring {self.path} is closed")
+        cursor = self._cursor
+        try:
+            seq = cursor.pop()
+        except IndexError:
+            self._waiting.append(records)
+            self.write_waiting()  # the holder may have given the cursor back before the append
+            return
+        try:
+            seq = self._put(seq, records)
+        finally:
+            cursor.append(seq)
+        if self._waiting:
+            self.write_waiting()
+
+    def write_waiting(self) -> None:
+        """Write the records that found the ring busy, unless another writer holds it (it writes them then).
+
+        Every writer calls this after it gives the cursor back, and a writer that queues records calls it
+        after queueing them, so a queued record is always written by one of the two.
+        """
+        cursor, waiting = self._cursor, self._waiting
+        while waiting:
+            try:
+                seq = cursor.pop()
+            except IndexError:
+                return
+            try:
+                while waiting:
+                    seq = self._put(seq, waiting.popleft())
+            finally:
+                cursor.append(seq)
+
+    def _put(self, seq: int, records: list[bytes]) -> int:
+        """Copy ``records`` into the slots from ``seq`` on, each with its sequence number, and publish them;
+        the next sequence number. The caller holds the cursor."""
+        ring, mask = self._map, self._mask
+        for i, record in enumerate(records):
+            at = HEADER_SIZE + ((seq + i) & mask) * RECORD_SIZE
+            ring[at : at + RECORD_SIZE] = record
+            _SEQ.pack_into(ring, at, seq + i)
+        seq += len(records)
+        self._published[PUBLISHED_WORD] = seq
+        return seq
 
     def close(self) -> None:
-        """Mark the ring cleanly closed; the file stays for the reader to finish draining."""
+        """Mark the ring cleanly closed; the file stays for the reader to finish draining.
+
+        It takes the cursor from a writer in another thread (waiting at most :data:`CLOSE_WAIT_S`) and keeps it:
+        a write after this raises.
+        """
         if self._map.closed:
             return
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while not self._cursor and time.monotonic() < deadline:
+            time.sleep(0.001)
+        try:
+            seq = self._cursor.pop()
+            while self._waiting:
+                seq = self._put(seq, self._waiting.popleft())
+        except IndexError:  # held past the wait by this thread's own interrupted write: that write fails, harmlessly
+            seq = self._published[PUBLISHED_WORD]
+        self._closed_at = seq
         _FLAGS.pack_into(self._map, _FLAGS_AT, FLAG_CLOSED)
         self._map.flush()
         self._published.release()  # an mmap with a view on it cannot close
@@ -300,7 +361,18 @@ class RingWriter:
                 pass
 
 
-def _now_ns() -> int:
-    import time
+class RingSlots(NamedTuple):
+    """A ring writer's state for code that packs records straight into its slots (the Monitor's step).
 
-    return time.time_ns()
+    Such a writer pops ``cursor`` (an ``IndexError`` means the ring is busy: write through
+    :meth:`RingWriter.write_sample` instead), packs record ``seq`` into slot ``seq & mask``, stores ``seq + 1``
+    in ``published[PUBLISHED_WORD]``, appends ``seq + 1`` to ``cursor``, then calls ``write_waiting`` if
+    ``waiting`` holds anything.
+    """
+
+    ring: mmap.mmap
+    mask: int
+    cursor: list[int]
+    published: memoryview
+    waiting: deque[list[bytes]]
+    write_waiting: Callable[[], None]

@@ -52,6 +52,12 @@ class Probe:
     def reset_peak(self) -> None:
         """Reset the allocator's peak so that the next ``read`` reports the peak since now."""
 
+    def read_step_and_reset(self) -> tuple[int, int, int, int, int, int, int, int, int, int]:
+        """:meth:`read_step`, then :meth:`reset_peak`: a serving step's one call, so each step's peak is its own."""
+        reading = self.read_step()
+        self.reset_peak()
+        return reading
+
     def device_info(self) -> DeviceInfo:
         return DeviceInfo(0, None, None)
 

@@ -64,8 +64,8 @@ def _raw_event(writer: RingWriter, payload: bytes) -> None:
     for i, chunk in enumerate(chunks):
         _CHUNK.pack_into(writer._map, HEADER_SIZE + ((seq + i) & writer._mask) * RECORD_SIZE, seq + i, 2,
                          int(i + 1 < len(chunks)), len(chunk), 1, 5, chunk)
-    writer._seq = seq + len(chunks)
-    writer._map[56:64] = writer._seq.to_bytes(8, "little")
+    writer._cursor[0] = end = seq + len(chunks)
+    writer._map[56:64] = end.to_bytes(8, "little")
 
 
 def test_undecodable_records_are_set_aside_with_their_bytes_and_the_rest_flows(runtime_dir: Path,

@@ -42,8 +42,8 @@ def _raw_event(writer: RingWriter, payload: bytes, step: int = 1, ts_ns: int = 5
     for i, chunk in enumerate(chunks):
         _CHUNK.pack_into(writer._map, HEADER_SIZE + ((seq + i) & writer._mask) * RECORD_SIZE, seq + i, 2,
                          int(i + 1 < len(chunks)), len(chunk), step, ts_ns, chunk)
-    writer._seq = seq + len(chunks)
-    writer._map[56:64] = writer._seq.to_bytes(8, "little")
+    writer._cursor[0] = end = seq + len(chunks)
+    writer._map[56:64] = end.to_bytes(8, "little")
 
 
 def _payload(kind: str, fields: dict[str, str]) -> bytes:

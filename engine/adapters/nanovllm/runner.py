@@ -217,7 +217,7 @@ def _record_step(state: Rank, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     is_prefill = bool(args[1] if len(args) > 1 else kwargs["is_prefill"])
     num_seqs = len(seqs)
     num_tokens = sum(_prefill_tokens(seq) for seq in seqs) if is_prefill else num_seqs
-    used = total = None
+    used = total = UNKNOWN
     monitor = state.monitor
     if state.rank == 0 and process.scheduler is not None:
         blocks = process.scheduler.block_manager
