@@ -52,8 +52,9 @@ def test_export_benchmark_runs_with_the_exporters_delivering() -> None:
 
 
 def test_postmortem_benchmark_runs() -> None:
-    out = _run("bench_postmortem.py", "--samples", "40000", "--repeats", "1")
+    out = _run("bench_postmortem.py", "--samples", "40000", "--repeats", "1", "--busy", "1")
     assert "ratio unindexed/indexed" in out and "ratio to --help" in out and "bytes per stored sample" in out
+    assert "1 other processes spinning" in out and "the same, --jobs 1" in out and "the same, --jobs 2" in out
     assert "target: ratio unindexed/indexed >= 100" in out and "ms is aimed at" in out  # judged as a ratio
 
 

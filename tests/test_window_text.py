@@ -180,7 +180,7 @@ def test_a_failing_earlier_half_stops_and_reaps_the_child(
     monkeypatch.setattr(threading, "active_count", lambda: 1)  # threads earlier tests left are not this test's
     begin = time.monotonic()
     with pytest.raises(sqlite3.OperationalError, match="disk I/O"):
-        plan.read()
+        plan.read(2)
     assert time.monotonic() - begin < 10
     [child] = children
     with pytest.raises(ProcessLookupError):  # killed and reaped: no process, not even a zombie
@@ -206,8 +206,26 @@ def test_a_process_with_threads_reads_both_halves_itself(
     other = threading.Thread(target=release.wait, args=(30,))
     other.start()
     try:
-        threaded = plan.read()
+        threaded = plan.read(2)
     finally:
         release.set()
         other.join(timeout=30)
-    assert forks == [] and threaded == plan.read() and forks == [1]
+    assert forks == [] and threaded == plan.read(2) and forks == [1]
+
+
+@pytest.mark.parametrize(("jobs", "spare", "forked"), [("1", True, False), ("2", False, True),
+                                                       ("auto", True, True), ("auto", False, False)])
+def test_jobs_chooses_whether_a_second_process_reads_and_the_table_is_the_same(
+    stored: tuple[Path, str, int, int], monkeypatch: pytest.MonkeyPatch, jobs: str, spare: bool, forked: bool,
+) -> None:
+    """``--jobs 1`` never forks, ``--jobs 2`` always does, ``auto`` only while a CPU is idle for the child."""
+    db_path, run_id, _, _ = stored
+    expected = _python_table(db_path, run_id, None, None, None)
+    forks: list[int] = []
+    real_fork = os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or real_fork())
+    monkeypatch.setattr(text_module, "cpu_to_spare", lambda: spare)
+    real_count, leftover = threading.active_count, threading.active_count() - 1
+    monkeypatch.setattr(threading, "active_count", lambda: real_count() - leftover)  # other tests' threads
+    assert _cli(db_path, run_id, "--jobs", jobs) == expected
+    assert forks == ([1] if forked else [])

@@ -44,8 +44,11 @@ LEDGER_COLUMNS: tuple[str, ...] = LedgerTerms._fields
 @click.option("--around", default=None, help="Centre the window on oom, a flag kind (its first flag), or step:N.")
 @click.option("--window", "window", default="60s", show_default=True, help="The window's width with --around.")
 @click.option("--ledger", is_flag=True, help="Add the ledger terms of every sample as columns.")
+@click.option("--jobs", type=click.Choice(["auto", "1", "2"]), default="auto", show_default=True,
+              help="Processes that read a table of 2 s or more: 2 reads its later half in a second process; "
+                   "auto does so only while a CPU is idle for it.")
 def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: int | None, last: str | None,
-            since: str | None, until: str | None, around: str | None, window: str, ledger: bool) -> None:
+            since: str | None, until: str | None, around: str | None, window: str, ledger: bool, jobs: str) -> None:
     """Show a run's samples in time order. RUN is a run id, a unique prefix, or `latest`.
 
     --json writes one JSON object per sample per line, keyed by the `samples` column names (plus the
@@ -72,7 +75,8 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: i
         centre, half = find_moment(db, info, around, rank), parse_duration_ns(window) // 2
         since_ns, until_ns = centre - half, centre + half
     since_ns, until_ns = _in_range(since_ns), _in_range(until_ns)  # a window around a stored extreme overflows
-    if not (as_json or as_csv or ledger) and _write_lines(db, info, rank, since_ns, until_ns):
+    if not (as_json or as_csv or ledger) and _write_lines(db, info, rank, since_ns, until_ns,
+                                                         None if jobs == "auto" else int(jobs)):
         return
     rows = window_rows(db, info.run_id, rank=rank, since_ns=since_ns, until_ns=until_ns)
     with_terms = _with_ledger(db, info, rows, rank) if ledger else ((row, None) for row in rows)
@@ -156,7 +160,8 @@ def _header(info: Run, ledger: bool) -> bool:
     return nvml
 
 
-def _write_lines(db: Database, info: Run, rank: int | None, since_ns: int | None, until_ns: int | None) -> bool:
+def _write_lines(db: Database, info: Run, rank: int | None, since_ns: int | None, until_ns: int | None,
+                 jobs: int | None) -> bool:
     """:func:`_write_table` without ledger terms, every line computed by SQLite: the same text. False (nothing
     written) when the window holds rolled-up seconds, which only :func:`_write_table` shows."""
     start = info.started_ns or 0
@@ -168,7 +173,7 @@ def _write_lines(db: Database, info: Run, rank: int | None, since_ns: int | None
     if window is None:
         return False
     db.conn.close()  # reading may fork, and no SQLite connection may be carried across a fork
-    text = window.read()
+    text = window.read(jobs)
     _header(info, False)
     if text:  # a note shows only before a sample: the text holds a sample whenever it holds anything
         sys.stdout.write(text)

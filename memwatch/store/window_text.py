@@ -8,7 +8,8 @@ A long window is read in two halves at once, the later one by a forked child pro
 46 ms instead of 81. Threads would not do: two connections in one process contend on SQLite's
 allocator (its memory statistics take a global lock), and gained 12 ms. SQLite forbids carrying a
 connection across a fork, so the window is planned on the caller's connection, which is then closed,
-and each half opens its own.
+and each half opens its own. The child pays only with a CPU idle for it: on a busy machine the halves
+wait for each other, so by default both are read here then (``jobs``, :func:`memwatch.cpus.cpu_to_spare`).
 
 Two things the table needs besides the rows are planned from index probes: notes (lines about lost
 samples) are sorted in with the rows, and rows that repeat the one shown before them at the same
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..cpus import cpu_to_spare
 from ..errors import UnavailableError
 from ..records import Sample
 from .window import RAW_SELECT, key_range_where, run_key, stored_ranks
@@ -52,9 +54,11 @@ class WindowText(NamedTuple):
     path: str
     parts: list[tuple[str, list[Any]]]
 
-    def read(self) -> str:
-        """The window's text. Call it with no connection to the database open in this process (it may fork)."""
-        if len(self.parts) == 1 or not hasattr(os, "fork") or threading.active_count() > 1:
+    def read(self, jobs: int | None = None) -> str:
+        """The window's text, read by ``jobs`` processes: 1, 2 (the later half in a forked child), or ``None``:
+        2 when a CPU is idle for the child. Call it with no connection to the database open here (it may fork)."""
+        if (len(self.parts) == 1 or jobs == 1 or not hasattr(os, "fork") or threading.active_count() > 1
+                or (jobs is None and not cpu_to_spare())):
             # a fork copies only this thread: a lock another thread held would stay held in the child
             return "".join(_text(self.path, *part) for part in self.parts)
         earlier, later = self.parts
