@@ -107,6 +107,8 @@ class Collector:
         """The last poll stopped early: the writer's queue was full."""
         self.behind = False
         """The last poll left records in some ring (a drain limit was hit)."""
+        self.largest_drain = 0
+        """Records read from the busiest ring in the last poll (the sidecar paces its polls by it)."""
 
     # -- discovery ------------------------------------------------------------------------------------
 
@@ -180,14 +182,18 @@ class Collector:
         self._settle_finished()
         total = 0
         self.backlogged = self.behind = False
+        self.largest_drain = 0
         for state in list(self.rings.values()):
             if not self._writer.has_room():
                 self.backlogged = True
                 break
             try:
-                total += self._drain(state)
+                count = self._drain(state)
             except (RingFormatError, OSError, ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
                 self._give_up(state, exc)
+                continue
+            total += count
+            self.largest_drain = max(self.largest_drain, count)
         return total
 
     def _drain(self, state: RingState) -> int:
