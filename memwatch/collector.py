@@ -341,6 +341,11 @@ class Collector:
         self._finishing.discard(path)
         self._committed.append(header)
 
+    @property
+    def settling(self) -> bool:
+        """Rings are finished and wait for their last rows' commit before the next poll removes them."""
+        return bool(self._finishing)
+
     def _settle_finished(self) -> None:
         """Tell the observers (in the collector's thread) of the rings whose end has committed."""
         while self._committed:

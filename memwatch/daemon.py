@@ -52,16 +52,17 @@ LIGHT_LOAD_STRETCH = 4.0
 """Under a light load the sidecar waits up to this many poll intervals between polls (1 s by default)."""
 
 
-def pace(poll_interval: float, largest_drain: int, since_last_poll: float) -> float:
+def pace(poll_interval: float, largest_drain: int, since_last_poll: float, last_wait: float) -> float:
     """How long to wait before the next poll: long enough for the busiest ring to fill a drain the detectors
-    take as one batch, within ``poll_interval`` and ``LIGHT_LOAD_STRETCH`` of it.
+    take as one batch, within ``poll_interval`` and ``LIGHT_LOAD_STRETCH`` of it, and at most twice
+    ``last_wait``: a load that stops (the end of a run) is polled again soon.
 
     A drain of fewer than :data:`~memwatch.detectors.batch.MIN_BATCH` samples goes through the per-sample
     code, about four times the cost a sample, and each poll costs a read and a commit per ring whatever it
-    holds: at 8 ranks of 100 steps/s, polls every 0.25 s spent four times what polls every second do. A
-    busier ring shortens the wait again at once; a ring behind is drained without one.
+    holds: at 8 ranks of 100 steps/s, polls every 0.25 s spent twice what polls every second do. A busier
+    ring shortens the wait again at once; a ring behind is drained without one.
     """
-    longest = poll_interval * LIGHT_LOAD_STRETCH
+    longest = min(poll_interval * LIGHT_LOAD_STRETCH, max(2 * last_wait, poll_interval))
     if largest_drain <= 0 or since_last_poll <= 0:
         return longest
     wanted = 2 * MIN_BATCH * since_last_poll / largest_drain
@@ -222,6 +223,7 @@ class Sidecar:
         """
         next_scan = 0.0
         idle_since = last_poll = time.monotonic()
+        last_wait = self.poll_interval
         next_retention = idle_since + self.retention_interval
         try:
             while not self._stop.is_set():
@@ -239,11 +241,15 @@ class Sidecar:
                 elif self.exit_when_idle is not None and now - idle_since >= self.exit_when_idle:
                     log.info("no engine has written for %.0f s; exiting", self.exit_when_idle)
                     break
+                wait = self.poll_interval
                 if self.collector.backlogged:  # go on as soon as the writer has room again
                     self.writer.wait_for_room(self.poll_interval)
+                elif self.collector.settling:  # a run just ended: its rings go at the next poll, soon
+                    self._stop.wait(self.poll_interval)
                 elif not self.collector.behind:
-                    self._stop.wait(pace(self.poll_interval, self.collector.largest_drain, now - last_poll))
-                last_poll = now
+                    wait = pace(self.poll_interval, self.collector.largest_drain, now - last_poll, last_wait)
+                    self._stop.wait(wait)
+                last_poll, last_wait = now, wait
             self._last_drain()
         finally:
             self.close()

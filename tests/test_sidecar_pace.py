@@ -15,15 +15,18 @@ from memwatch_engine import Monitor
 from probes import ScriptedProbe
 
 
-@pytest.mark.parametrize(("drained", "seconds", "wait"), [
-    (25, 0.25, 1.0),        # 100 steps/s: 2 x 64 samples would take 1.28 s, so the longest wait, 4 x 0.25 s
-    (60, 0.25, 0.5333),     # 240 steps/s: 128 samples in 0.533 s
-    (250, 0.25, 0.25),      # 1,000 steps/s: a batch fills within the poll interval, which stays
-    (0, 0.25, 1.0),         # nothing written: the longest wait
-    (10, 0.0, 1.0),         # no time measured yet
+@pytest.mark.parametrize(("drained", "seconds", "last_wait", "wait"), [
+    (25, 0.25, 1.0, 1.0),      # 100 steps/s: 2 x 64 samples would take 1.28 s, so the longest wait, 4 x 0.25 s
+    (25, 0.25, 0.25, 0.5),     # the same, straight after a wait of 0.25 s: twice that at most
+    (60, 0.25, 1.0, 0.5333),   # 240 steps/s: 128 samples in 0.533 s
+    (250, 0.25, 1.0, 0.25),    # 1,000 steps/s: a batch fills within the poll interval, which stays
+    (0, 0.25, 1.0, 1.0),       # nothing written: the longest wait
+    (0, 0.25, 0.25, 0.5),      # a load that just stopped (a run's end): polled again within 0.5 s
+    (10, 0.0, 1.0, 1.0),       # no time measured yet
 ])
-def test_the_wait_fills_a_batch_within_one_and_four_poll_intervals(drained: int, seconds: float, wait: float) -> None:
-    assert pace(0.25, drained, seconds) == pytest.approx(wait, abs=1e-4)
+def test_the_wait_fills_a_batch_within_one_and_four_poll_intervals(drained: int, seconds: float, last_wait: float,
+                                                                  wait: float) -> None:
+    assert pace(0.25, drained, seconds, last_wait) == pytest.approx(wait, abs=1e-4)
     assert 2 * MIN_BATCH == 128 and LIGHT_LOAD_STRETCH == 4.0  # the two numbers the table above is derived from
 
 
