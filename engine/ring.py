@@ -69,7 +69,8 @@ for a corrupt ring.
 Writers in one process: threads share a ring without a lock. A writer pops the ring's cursor (the next
 sequence number), writes and appends the moved cursor; one that finds it gone queues its records for the
 holder to write next, so no writer ever waits (:meth:`RingWriter._write`). A queued record follows the one
-written while it waited, so its time can be a few microseconds before its predecessor's.
+written while it waited, so its time can be a few microseconds before its predecessor's. A forked child
+never writes its parent's ring: its copies of the writers refuse (a Monitor there turns itself off).
 
 Disk space: the writer reserves the whole file with ``posix_fallocate`` when it creates the ring, so
 a full filesystem refuses the ring up front instead of killing the engine with SIGBUS on a later
@@ -88,6 +89,7 @@ import re
 import struct
 import sys
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -235,6 +237,14 @@ class RingWriter:
         # first, so a reader could see the count at 0). The word is in native order, the ring's own on the
         # little-endian hosts memwatch runs on (checked above).
         self._published = memoryview(self._map).cast("Q")
+        self._orphaned = False
+        _WRITERS.add(self)
+
+    def _orphan(self) -> None:
+        """In a forked child: this process never writes the ring (its parent does), whatever it was doing."""
+        self._orphaned = True
+        self._cursor.clear()  # a claim fails: the Monitor's step takes its slow path, which refuses
+        self._waiting.clear()
 
     @property
     def written(self) -> int:
@@ -282,8 +292,9 @@ class RingWriter:
         records in the waiting queue and returns, and whoever holds the cursor writes them before giving it
         back. Nobody ever waits, so nothing can deadlock.
         """
-        if self._map.closed:
-            raise ValueError(f"the ring {self.path} is closed")
+        if self._map.closed or self._orphaned:
+            raise ValueError(f"the ring {self.path} is closed" if not self._orphaned else
+                             f"the ring {self.path} is written by the process that created it, not a forked child")
         cursor = self._cursor
         try:
             seq = cursor.pop()
@@ -336,6 +347,12 @@ class RingWriter:
         """
         if self._map.closed:
             return
+        if self._orphaned:  # a forked child lets go of its copy of the mapping; the ring stays its parent's
+            self._closed_at = self._published[PUBLISHED_WORD]
+            self._published.release()
+            self._map.close()
+            self._drop_lock()
+            return
         deadline = time.monotonic() + CLOSE_WAIT_S
         while not self._cursor and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -359,6 +376,18 @@ class RingWriter:
                 os.close(fd)
             except OSError:
                 pass
+
+
+_WRITERS: weakref.WeakSet[RingWriter] = weakref.WeakSet()
+"""The writers of this process, orphaned in a forked child: two processes writing one ring would corrupt it."""
+
+
+def _orphan_in_child() -> None:
+    for writer in list(_WRITERS):
+        writer._orphan()
+
+
+os.register_at_fork(after_in_child=_orphan_in_child)
 
 
 class RingSlots(NamedTuple):

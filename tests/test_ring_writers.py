@@ -7,6 +7,7 @@ tests hold it to the promise that no record is torn, lost or duplicated and that
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -171,3 +172,32 @@ def test_close_takes_the_ring_from_a_writer_and_writes_what_waited(runtime_dir: 
     reader = RingReader(monitor.ring_path)
     kinds = [e[3] for e in reader.drain(0).events]
     assert kinds == ["waited", "run_end"] and reader.closed
+
+
+def test_a_forked_child_never_writes_its_parents_ring(runtime_dir: Path) -> None:
+    """Forked in the middle of another thread's write (the cursor popped), or not: the child's Monitor turns
+    itself off instead of writing slots its parent writes too, and the parent's ring stays whole."""
+    monitor = _monitor(runtime_dir)
+    monitor.step("decode", num_seqs=1)
+    writer = monitor._writer
+    assert writer is not None
+    held = writer._cursor.pop()  # a write in progress in another thread while the engine forks
+    pid = os.fork()
+    if pid == 0:  # the child: steps and records as a careless worker would, then reports what it saw
+        code = 1
+        try:
+            monitor.step("decode", num_seqs=99)
+            monitor.event("from_child", {})
+            monitor.close()
+            code = 0 if not monitor.enabled and writer.written == held else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    writer._cursor.append(held)  # the parent's write ends
+    monitor.step("decode", num_seqs=2)
+    monitor.close()
+    reader = RingReader(monitor.ring_path)
+    drained = reader.drain(0)
+    assert [s[15] for s in drained.samples if s[4] == 2] == [1, 2]  # the parent's two steps, nothing of the child
+    assert "from_child" not in [e[3] for e in drained.events] and drained.bad == [] and reader.closed
