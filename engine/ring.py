@@ -69,7 +69,8 @@ for a corrupt ring.
 Writers in one process: threads share a ring without a lock. A writer pops the ring's cursor (the next
 sequence number), writes and appends the moved cursor; one that finds it gone queues its records for the
 holder to write next, so no writer ever waits (:meth:`RingWriter._write`). A queued record follows the one
-written while it waited, so its time can be a few microseconds before its predecessor's. A forked child
+written while it waited (or, where a step held the ring, by the next write), so its time can be a little
+before its predecessor's. A forked child
 never writes its parent's ring: its copies of the writers refuse (a Monitor there turns itself off).
 
 Disk space: the writer reserves the whole file with ``posix_fallocate`` when it creates the ring, so
@@ -91,11 +92,10 @@ import sys
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .liveness import pid_namespace, release_writer_lock, take_writer_lock
+from .liveness import pid_namespace, process_start_ticks, release_writer_lock, take_writer_lock
 
 MAGIC = b"MEMWATCH"
 VERSION = 2
@@ -152,16 +152,6 @@ class RingFormatError(Exception):
 
 class EventTooLarge(ValueError):
     """An event's JSON does not fit in ``MAX_EVENT_CHUNKS`` chunks."""
-
-
-def process_start_ticks(pid: int) -> int:
-    """The process's start time in clock ticks since boot, or 0 when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class RingWriter:
@@ -281,7 +271,7 @@ class RingWriter:
 
     def hot_path(self) -> RingSlots:
         """What a writer that packs its own records needs: the map, the cursor, ``published`` and the queue."""
-        return RingSlots(self._map, self._mask, self._cursor, self._published, self._waiting, self.write_waiting)
+        return RingSlots(self._map, self._mask, self._cursor, self._published, self._waiting)
 
     def _write(self, records: list[bytes]) -> None:
         """Write ``records`` (whole slots, their sequence numbers left 0) in consecutive slots, published at once.
@@ -303,7 +293,7 @@ class RingWriter:
             self.write_waiting()  # the holder may have given the cursor back before the append
             return
         try:
-            seq = self._put(seq, records)
+            seq = self._put(self._put_waiting(seq), records)  # what queued before this claim goes first: in order
         finally:
             cursor.append(seq)
         if self._waiting:
@@ -312,8 +302,9 @@ class RingWriter:
     def write_waiting(self) -> None:
         """Write the records that found the ring busy, unless another writer holds it (it writes them then).
 
-        Every writer calls this after it gives the cursor back, and a writer that queues records calls it
-        after queueing them, so a queued record is always written by one of the two.
+        This writer's methods call it after they give the cursor back, and a writer that queues records calls it
+        after queueing them, so a queued record is written by one of the two, or, behind the Monitor's step
+        (which does not look again), by the next write: every write writes the queue before its own records.
         """
         cursor, waiting = self._cursor, self._waiting
         while waiting:
@@ -322,8 +313,7 @@ class RingWriter:
             except IndexError:
                 return
             try:
-                while waiting:
-                    seq = self._put(seq, waiting.popleft())
+                seq = self._put_waiting(seq)
             finally:
                 cursor.append(seq)
 
@@ -337,6 +327,12 @@ class RingWriter:
             _SEQ.pack_into(ring, at, seq + i)
         seq += len(records)
         self._published[PUBLISHED_WORD] = seq
+        return seq
+
+    def _put_waiting(self, seq: int) -> int:
+        """:meth:`_put` of every queued record, oldest first; the next sequence number. The caller holds the cursor."""
+        while self._waiting:
+            seq = self._put(seq, self._waiting.popleft())
         return seq
 
     def close(self) -> None:
@@ -357,9 +353,7 @@ class RingWriter:
         while not self._cursor and time.monotonic() < deadline:
             time.sleep(0.001)
         try:
-            seq = self._cursor.pop()
-            while self._waiting:
-                seq = self._put(seq, self._waiting.popleft())
+            seq = self._put_waiting(self._cursor.pop())
         except IndexError:  # held past the wait by this thread's own interrupted write: that write fails, harmlessly
             seq = self._published[PUBLISHED_WORD]
         self._closed_at = seq
@@ -393,10 +387,10 @@ os.register_at_fork(after_in_child=_orphan_in_child)
 class RingSlots(NamedTuple):
     """A ring writer's state for code that packs records straight into its slots (the Monitor's step).
 
-    Such a writer pops ``cursor`` (an ``IndexError`` means the ring is busy: write through
-    :meth:`RingWriter.write_sample` instead), packs record ``seq`` into slot ``seq & mask``, stores ``seq + 1``
-    in ``published[PUBLISHED_WORD]``, appends ``seq + 1`` to ``cursor``, then calls ``write_waiting`` if
-    ``waiting`` holds anything.
+    Such a writer pops ``cursor`` (an ``IndexError`` means the ring is busy; records in ``waiting`` mean they
+    go first: in either case it writes through :meth:`RingWriter.write_sample` instead), packs record ``seq``
+    into slot ``seq & mask``, stores ``seq + 1`` in ``published[PUBLISHED_WORD]`` and appends ``seq + 1`` to
+    ``cursor``. What was queued meanwhile is written by the next write.
     """
 
     ring: mmap.mmap
@@ -404,4 +398,3 @@ class RingSlots(NamedTuple):
     cursor: list[int]
     published: memoryview
     waiting: deque[list[bytes]]
-    write_waiting: Callable[[], None]

@@ -4,8 +4,10 @@ Why a closure: on this path each attribute lookup, method call or lock costs ten
 much as the work itself. A closure keeps its state in cells, the cheapest state Python has, and packs
 the sample straight into its ring slot; ``bench/bench_plugin.py`` measures what that leaves above the
 floor. The rare cases leave the fast path for the ring writer's own :meth:`~.ring.RingWriter.write_sample`:
-a count given as ``None``, a step kind the ring has no code for, a value that does not pack, and the
-ring held by another thread's writer (the step then queues its sample and returns: it never waits).
+a count given as ``None``, a step kind the ring has no code for, a value that does not pack, the ring
+held by another thread's writer (the step then queues its sample and returns: it never waits), and records
+queued before the step, which go first. A record queued while a step held the ring is written by the next
+write to it (the next step, an event, or closing), so the step does not look at the queue a second time.
 
 The step number counts steps exactly when one thread steps, which is how engines call it; steps from
 several threads at once are each recorded whole, but two of them may carry the same number.
@@ -47,7 +49,7 @@ class StepPath(NamedTuple):
 def build_step(writer: RingWriter, probe: Probe, clock: Callable[[], int] = time.time_ns, *,
                on_fault: Callable[[BaseException], None]) -> StepPath:
     """The step for ``writer``'s ring; ``on_fault(exc)`` is called, once the step has caught ``exc``, to turn it off."""
-    ring, mask, cursor, published, waiting, write_waiting = writer.hot_path()
+    ring, mask, cursor, published, waiting = writer.hot_path()
     take, give, pack, codes = cursor.pop, cursor.append, _SAMPLE.pack_into, STEP_KIND_CODES
     read_plain, read_and_reset = probe.read_step, probe.read_step_and_reset
     live, count, phase, flags, read = True, 0, 0, 0, read_plain
@@ -65,6 +67,9 @@ def build_step(writer: RingWriter, probe: Probe, clock: Callable[[], int] = time
         try:
             code = codes[kind]
             seq = take()  # IndexError: another writer holds the ring
+            if waiting:  # records queued before this step go first, in order: the writer's path does that
+                give(seq)
+                raise IndexError
         except (KeyError, TypeError, IndexError):
             count += 1
             slowly(count, kind, (num_seqs, num_tokens, kv_blocks_used, kv_blocks_total),
@@ -83,8 +88,6 @@ def build_step(writer: RingWriter, probe: Probe, clock: Callable[[], int] = time
                    (allocated, peak, reserved, used, free, segments, active, pinned, retries, ooms))
             return
         give(seq)
-        if waiting:
-            write_waiting()
 
     def slowly(number: int, kind: Any, counts: tuple[int | None, ...], reading: tuple[int, ...]) -> None:
         """Step ``number`` through the writer's thread-safe path, with ``None`` read as unknown."""

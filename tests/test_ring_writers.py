@@ -58,9 +58,13 @@ def test_threads_share_a_ring_and_every_record_arrives_whole(runtime_dir: Path) 
         sys.setswitchinterval(previous)
     assert not any(thread.is_alive() for thread in threads)
     assert monitor.enabled
+    steps = monitor.step_count
+    monitor.close()  # writes what is still queued (a record queued behind a step waits for the next write)
     drained = RingReader(monitor.ring_path).drain(0)
-    # Every record of every writer, in consecutive slots: 2 x 3,000 samples and 2 x 400 events of 4 chunks.
-    assert drained.next_cursor == 2 * STEPS_A_THREAD + 2 * EVENTS_A_THREAD * 4
+    # Every record of every writer, in consecutive slots: 2 x 3,000 samples and 2 x 400 events of 4 chunks,
+    # then the closing sample and run_end.
+    assert drained.next_cursor == 2 * STEPS_A_THREAD + 2 * EVENTS_A_THREAD * 4 + 2
+    drained.samples.pop()  # the closing sample
     assert drained.lost == 0 and drained.bad == []
     assert Counter(s[15] for s in drained.samples) == {1: STEPS_A_THREAD, 2: STEPS_A_THREAD}
     assert all(s[12] == s[15] and s[4] == 2 for s in drained.samples), "no sample mixes two steps' fields"
@@ -68,7 +72,7 @@ def test_threads_share_a_ring_and_every_record_arrives_whole(runtime_dir: Path) 
         mine = [data for _, _, _, kind, data in drained.events if kind == "note" and data["thread"] == tag]
         assert [data["i"] for data in mine] == list(range(EVENTS_A_THREAD))  # each thread's own order kept
         assert all(data["text"] == NOTE for data in mine)
-    assert monitor.step_count <= 2 * STEPS_A_THREAD
+    assert steps <= 2 * STEPS_A_THREAD
 
 
 class HandlerClock:
@@ -130,10 +134,11 @@ def test_signal_handlers_that_write_never_deadlock_a_stepping_engine(runtime_dir
         sender.join(timeout=5)
         sys.setswitchinterval(previous)
         signal.signal(signal.SIGUSR1, old)
-    drained = RingReader(monitor.ring_path).drain(0)
     assert fired[0] > 50 and monitor.enabled
+    monitor.close()  # the last tick may wait, queued, for the next write
+    drained = RingReader(monitor.ring_path).drain(0)
     assert [e[4]["n"] for e in drained.events if e[3] == "tick"] == list(range(1, fired[0] + 1))
-    assert len(drained.samples) == steps and drained.bad == [] and drained.lost == 0
+    assert len(drained.samples) == steps + 1 and drained.bad == [] and drained.lost == 0  # and the closing one
 
 
 def test_counts_given_as_none_and_unknown_kinds_are_recorded_as_unknown(runtime_dir: Path) -> None:
@@ -201,3 +206,24 @@ def test_a_forked_child_never_writes_its_parents_ring(runtime_dir: Path) -> None
     drained = reader.drain(0)
     assert [s[15] for s in drained.samples if s[4] == 2] == [1, 2]  # the parent's two steps, nothing of the child
     assert "from_child" not in [e[3] for e in drained.events] and drained.bad == [] and reader.closed
+
+
+def test_records_queued_while_the_ring_was_busy_are_written_before_later_ones(runtime_dir: Path) -> None:
+    """A holder gives the cursor back, and before it looks at the queue this thread writes again: what it
+    queued earlier still comes first, whether the later record is an event or a step."""
+    monitor = _monitor(runtime_dir)
+    writer = monitor._writer
+    assert writer is not None
+    for later in ("event", "step"):
+        seq = writer._cursor.pop()  # another thread's write in progress
+        monitor.event("queued", {"before": later})  # finds the ring busy: queued
+        writer._cursor.append(seq)  # that write ends; its look at the queue has not come yet
+        if later == "event":
+            monitor.event("later", {})
+        else:
+            monitor.step("decode", num_seqs=5)
+    monitor.close()
+    drained = RingReader(monitor.ring_path).drain(0)
+    order = sorted([(e[0], e[3]) for e in drained.events if e[3] in ("queued", "later")]
+                   + [(s[0], "step") for s in drained.samples if s[15] == 5])
+    assert [name for _, name in order] == ["queued", "later", "queued", "step"]
