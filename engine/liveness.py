@@ -25,6 +25,17 @@ _LOCK_FDS: set[int] = set()
 """Descriptors holding a writer lock; closed in a forked child so that only the writer keeps the lock."""
 
 
+def process_start_ticks(pid: int) -> int:
+    """The process's start time in clock ticks since boot (``/proc/PID/stat`` field 22), or 0 when it cannot be
+    read: with the pid, it tells a dead writer from a process that was given its pid since."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def take_writer_lock(fd: int) -> bool:
     """Hold a write lock on the whole file of ``fd`` until ``fd`` is closed; False where locks are refused."""
     try:

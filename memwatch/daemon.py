@@ -58,7 +58,7 @@ def pace(poll_interval: float, largest_drain: int, since_last_poll: float, last_
     ``last_wait``: a load that stops (the end of a run) is polled again soon.
 
     A drain of fewer than :data:`~memwatch.detectors.batch.MIN_BATCH` samples goes through the per-sample
-    code, about four times the cost a sample, and each poll costs a read and a commit per ring whatever it
+    code, about four times the cost per sample, and each poll costs a read and a commit per ring whatever it
     holds: at 8 ranks of 100 steps/s, polls every 0.25 s spent twice what polls every second do. A busier
     ring shortens the wait again at once; a ring behind is drained without one.
     """

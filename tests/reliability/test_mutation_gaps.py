@@ -14,7 +14,7 @@ from pathlib import Path
 from memwatch.collector import writer_alive
 from memwatch.detectors import DetectorConfig
 from memwatch.flags import KV_PRESSURE
-from memwatch_engine.ring import process_start_ticks
+from memwatch_engine.liveness import process_start_ticks
 
 from synthetic import SyntheticRun, run_flags
 
