@@ -14,9 +14,10 @@ import json
 import logging
 import os
 import sqlite3
+import struct
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ from .records import Event, Sample
 from .rejected_rings import set_aside_ring
 from .ring_records import RingDrain
 from .run_rows import rank_end, rank_progress, register
-from .store.writer import Batch, StoreWriter, WriterStalled, raw_sample_insert
+from .store.sample_insert import nullable_fields, raw_sample_insert, single_phase
+from .store.writer import Batch, StoreWriter, WriterStalled
 
 log = logging.getLogger("memwatch.collector")
 
@@ -61,7 +63,8 @@ class RingState:
     end_status: str | None = None
     saw_oom: bool = False
     records: int = 0
-    insert_sql: str | None = None
+    insert_sql: dict[tuple[frozenset[int], int | None], str] = field(default_factory=dict)
+    """Sample statements made for this ring, by the drain's shape (its nullable fields and single phase)."""
     run_key: int | None = None
     """The run's key in ``runs``, once its registration has committed."""
     known_phases: int = 0
@@ -108,7 +111,9 @@ class Collector:
         self.behind = False
         """The last poll left records in some ring (a drain limit was hit)."""
         self.largest_drain = 0
-        """Records read from the busiest ring in the last poll (the sidecar paces its polls by it)."""
+        """Records read from the busiest ring in the last round of polls (the sidecar paces its polls by it)."""
+        self._round: list[Path] = []
+        """Rings the current round has yet to drain, the next last (a poll cut short leaves some)."""
 
     # -- discovery ------------------------------------------------------------------------------------
 
@@ -177,16 +182,30 @@ class Collector:
         """Drain every open ring once; finish rings whose writer is done. Returns records read.
 
         While the writer's queue is full (a slow or full disk) nothing is drained: the rings are the
-        buffer, and the sidecar's memory stays bounded.
+        buffer, and the sidecar's memory stays bounded. A poll cut short that way is a round left open: the
+        next poll drains the rings this one did not reach before any ring again, so that every drain of a
+        round holds about as many records (a batch for the detectors, not a few a ring drained twice holds).
         """
         self._settle_finished()
-        total = 0
         self.backlogged = self.behind = False
-        self.largest_drain = 0
-        for state in list(self.rings.values()):
+        if not self._round:
+            self._round = list(reversed(self.rings))
+            self.largest_drain = 0
+        with self._writer.held():
+            return self._drain_round()
+
+    def _drain_round(self) -> int:
+        """Drain the rings left in the round, until the writer's queue is full; the records read."""
+        total = 0
+        while self._round:
+            state = self.rings.get(self._round[-1])
+            if state is None:  # finished since the round began
+                self._round.pop()
+                continue
             if not self._writer.has_room():
                 self.backlogged = True
                 break
+            self._round.pop()
             try:
                 count = self._drain(state)
             except (RingFormatError, OSError, ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
@@ -195,6 +214,18 @@ class Collector:
             total += count
             self.largest_drain = max(self.largest_drain, count)
         return total
+
+    def ready(self, records: int) -> bool:
+        """Whether a ring wants draining now: its writer closed it, or it holds ``records`` unread (the
+        sidecar looks between polls: two header reads a ring)."""
+        for state in self.rings.values():
+            reader = state.reader
+            try:
+                if reader.closed or reader.published - state.cursor >= records:
+                    return True
+            except (OSError, ValueError, struct.error):  # the poll sees what is wrong and says so
+                return True
+        return False
 
     def _drain(self, state: RingState) -> int:
         reader = state.reader
@@ -276,15 +307,8 @@ class Collector:
                                      "count": drained.lost, "from_ts_ns": state.last_ts_ns or None, "to_ts_ns": first,
                                  })))
         names = state.reader.phase_names
-        if state.run_key is None and drained.samples:
-            state.run_key = self._run_key(run_id)
-            if state.run_key is not None:
-                state.insert_sql = None  # built again below, with the key in it
-        if state.insert_sql is None or state.known_phases != len(names):
-            state.insert_sql = raw_sample_insert(run_id, rank, names, state.reader.version, state.run_key)
-            state.known_phases = len(names)
         if drained.samples:
-            batch.ring_samples.append((state.insert_sql, drained.samples))
+            batch.ring_samples.append((self._insert_sql(state, drained.slots), drained.samples))
         last_sample_ts = drained.samples[-1][6] if drained.samples else 0
         last_event_ts = events[-1][2] if events else 0
         state.last_ts_ns = max(state.last_ts_ns, last_sample_ts, last_event_ts)
@@ -302,6 +326,25 @@ class Collector:
                 if statements is not None:
                     batch.statements.extend(statements(header))
         return batch
+
+    def _insert_sql(self, state: RingState, slots: bytes) -> str:
+        """The statement for this drain's samples (:mod:`~memwatch.store.sample_insert`), made once per shape."""
+        header = state.header
+        if state.run_key is None:
+            state.run_key = self._run_key(header.run_id)
+            if state.run_key is not None:
+                state.insert_sql.clear()  # made again, with the key in them
+        names = state.reader.phase_names
+        if state.known_phases != len(names):
+            state.insert_sql.clear()
+            state.known_phases = len(names)
+        shape = (nullable_fields(slots), single_phase(slots))
+        sql = state.insert_sql.get(shape)
+        if sql is None:
+            sql = state.insert_sql[shape] = raw_sample_insert(
+                header.run_id, header.rank, names, state.reader.version, state.run_key, nullable=shape[0],
+                phase=shape[1])
+        return sql
 
     def _run_key(self, run_id: str) -> int | None:
         """The run's key, if the row registering it has committed (else the insert looks it up per row)."""

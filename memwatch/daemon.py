@@ -25,9 +25,9 @@ from memwatch_engine.runtime import LOCK_NAME, PID_NAME, RuntimeDirError, ensure
 
 from .collector import Collector, Observer
 from .detectors import DetectorConfig
-from .detectors.batch import MIN_BATCH
 from .errors import PermissionDeniedError, UnavailableError
 from .live import LiveDetectors
+from .pacing import BATCH_TARGET, pace
 from .records import Event
 from .snapshot.live import SnapshotImporter
 from .store.db import default_db_path, open_store, quick_check
@@ -46,27 +46,6 @@ HANDOVER_WAIT_S = 30.0
 
 class SidecarRunning(UnavailableError):
     """Another sidecar already serves this runtime directory."""
-
-
-LIGHT_LOAD_STRETCH = 4.0
-"""Under a light load the sidecar waits up to this many poll intervals between polls (1 s by default)."""
-
-
-def pace(poll_interval: float, largest_drain: int, since_last_poll: float, last_wait: float) -> float:
-    """How long to wait before the next poll: long enough for the busiest ring to fill a drain the detectors
-    take as one batch, within ``poll_interval`` and ``LIGHT_LOAD_STRETCH`` of it, and at most twice
-    ``last_wait``: a load that stops (the end of a run) is polled again soon.
-
-    A drain of fewer than :data:`~memwatch.detectors.batch.MIN_BATCH` samples goes through the per-sample
-    code, about four times the cost per sample, and each poll costs a read and a commit per ring whatever it
-    holds: at 8 ranks of 100 steps/s, polls every 0.25 s spent twice what polls every second do. A busier
-    ring shortens the wait again at once; a ring behind is drained without one.
-    """
-    longest = min(poll_interval * LIGHT_LOAD_STRETCH, max(2 * last_wait, poll_interval))
-    if largest_drain <= 0 or since_last_poll <= 0:
-        return longest
-    wanted = 2 * MIN_BATCH * since_last_poll / largest_drain
-    return min(max(wanted, poll_interval), longest)
 
 
 class Sidecar:
@@ -217,9 +196,9 @@ class Sidecar:
     def run(self) -> None:
         """Poll until stopped (or idle for ``exit_when_idle`` seconds), then drain and close.
 
-        Between polls it sleeps ``poll_interval``, unless a ring still holds records past the drain
-        limit (it is behind) and the writer has room: then it goes on at once. Under a light load it
-        sleeps longer, up to ``LIGHT_LOAD_STRETCH`` times as long (:func:`pace`).
+        Between polls it waits until the busiest ring holds a batch (:mod:`memwatch.pacing`), looking at the
+        rings every ``poll_interval``; a ring still holding records past the drain limit (it is behind) is
+        drained again at once, and a poll cut short by a full writer queue goes on once the writer has room.
         """
         next_scan = 0.0
         idle_since = last_poll = time.monotonic()
@@ -248,11 +227,19 @@ class Sidecar:
                     self._stop.wait(self.poll_interval)
                 elif not self.collector.behind:
                     wait = pace(self.poll_interval, self.collector.largest_drain, now - last_poll, last_wait)
-                    self._stop.wait(wait)
+                    self._wait(wait)
                 last_poll, last_wait = now, wait
             self._last_drain()
         finally:
             self.close()
+
+    def _wait(self, seconds: float) -> None:
+        """Wait ``seconds``, or less: until stopped, or until a ring closed or holds a batch (looked at every
+        poll interval: a few header reads)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self._stop.wait(min(left, self.poll_interval)) or self.collector.ready(BATCH_TARGET):
+                return
 
     def health(self, stale_after: float = 30.0) -> tuple[bool, bool, str]:
         """(alive, ready, why not) for ``/healthz`` and ``/readyz`` (:mod:`memwatch.health`)."""

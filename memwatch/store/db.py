@@ -107,7 +107,8 @@ def _connect(db_path: Path, readonly: bool) -> Database:
             except FileExistsError:
                 pass
         _check_owner(db_path, os.stat(db_path))
-        conn = sqlite3.connect(db_path, check_same_thread=False)
+        # The writer keeps a statement per ring and drain shape (memwatch.store.sample_insert): room for hundreds.
+        conn = sqlite3.connect(db_path, check_same_thread=False, cached_statements=1024)
     try:
         conn.execute("PRAGMA busy_timeout=5000")
         db = Database(conn)

@@ -11,11 +11,12 @@ restart, nothing skipped).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,38 +50,6 @@ UPSERT_CURSOR = (
 )
 
 
-def raw_sample_insert(run_id: str, rank: int, phase_names: dict[int, str | None], ring_version: int = 2,
-                      run_key: int | None = None) -> str:
-    """An INSERT that stores ring sample tuples exactly as ``RingReader.drain`` returns them.
-
-    The ring's fields are bound by position (``?6`` is the step, ``?8`` the allocated bytes, …; 16 of
-    them from a version 1 ring, whose allocator signals are stored as NULL, 21 from version 2); the
-    run's key and the rank are in the statement and the phase and step-kind codes are mapped by
-    ``CASE``, so no Python code touches each row on its way into SQLite. The rows go straight to
-    ``sample_rows`` (the run's ``runs`` row is registered before its first samples). The run's key is
-    looked up in ``runs`` for every row until the caller knows it (``run_key``, once registered):
-    that lookup is about a sixth of the insert's cost.
-    """
-    phases = " ".join(f"WHEN {int(code)} THEN {_sql_text(name)}" for code, name in phase_names.items() if name)
-    key = str(int(run_key)) if run_key is not None else f"(SELECT run_key FROM runs WHERE run_id = {_sql_text(run_id)})"
-    signals = ("NULLIF(?17, -1), NULLIF(?18, -1), NULLIF(?19, -1), NULLIF(?20, -1), NULLIF(?21, -1)"
-               if ring_version >= 2 else "NULL, NULL, NULL, NULL, NULL")
-    return (
-        "INSERT INTO sample_rows (run_key, rank, step, ts_ns, phase, allocated_bytes, peak_bytes, reserved_bytes,"
-        " driver_used_bytes, driver_free_bytes, kv_blocks_used, kv_blocks_total, num_seqs, num_tokens,"
-        " step_kind, peak_is_step, process_used_bytes, segments, active_bytes, inactive_split_bytes,"
-        f" alloc_retries, num_ooms, seq) VALUES ({key}, {int(rank)}, ?6, ?7,"
-        f" CASE ?4 {phases} END, NULLIF(?8, -1), NULLIF(?9, -1), NULLIF(?10, -1), NULLIF(?11, -1),"
-        " NULLIF(?12, -1), NULLIF(?14, -1), NULLIF(?15, -1), NULLIF(?16, -1), NULLIF(?13, -1),"
-        f" CASE ?5 WHEN 1 THEN 'prefill' WHEN 2 THEN 'decode' END, ?3 & 1, NULL, {signals}, ?1)"
-        " -- ?2 type unused"
-    )
-
-
-def _sql_text(value: str) -> str:
-    return "'" + str(value).replace("\0", "").replace("'", "''") + "'"
-
-
 @dataclass
 class Batch:
     """Rows to store in one transaction. ``statements`` run after the inserts, in order."""
@@ -103,6 +72,8 @@ class Batch:
                 + len(self.flags) + len(self.statements) + len(self.set_aside))
 
 
+HOLD_LIMIT_S = 2.0
+"""The longest the writer waits for a round of batches to be queued (:meth:`StoreWriter.held`)."""
 ROW_BYTES = 512
 """What one queued row costs in memory, about (a ring sample tuple and its Python ints)."""
 
@@ -142,6 +113,8 @@ class StoreWriter(threading.Thread):
         """Why the writer is waiting (locked database, full disk), while it waits."""
         self.error: BaseException | None = None
         self._closing = False
+        self._held_until = 0.0
+        """While a round of batches is being queued (:meth:`held`): until when at the latest (monotonic)."""
 
     @property
     def backlog(self) -> int:
@@ -203,10 +176,37 @@ class StoreWriter(threading.Thread):
                         item.set()
                 self._cond.notify_all()
 
+    @contextlib.contextmanager
+    def held(self, longest: float = HOLD_LIMIT_S) -> Iterator[None]:
+        """While the caller queues a round of batches, commit nothing unless the queue fills (or a flush, a
+        close, or ``longest`` seconds come): then the round goes as one transaction, after the caller's work.
+
+        The two threads share one interpreter lock, which ``executemany`` gives up and takes again for every
+        row: interleaved with the collector's decoding and detecting, each side pays for the other's turns.
+        """
+        with self._cond:
+            self._held_until = time.monotonic() + longest
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held_until = 0.0
+                self._cond.notify_all()
+
+    def _ready(self) -> bool:
+        """Whether the writer takes what is queued now (called under the condition's lock)."""
+        if not self._queue:
+            return False
+        if self._held_until <= 0.0 or self._queued_bytes >= self.max_bytes or time.monotonic() >= self._held_until:
+            return True
+        return any(not isinstance(item, Batch) for item, _ in self._queue)  # a flush or a close
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._queue), 1.0)
+                self._cond.wait_for(self._ready, 0.1 if self._held_until else 1.0)
+                if not self._ready():
+                    continue
                 items = list(self._queue)
                 self._queue.clear()
             pending = [item for item, _ in items if isinstance(item, Batch)]
