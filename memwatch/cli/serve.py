@@ -21,8 +21,8 @@ from .options import Seconds, db_option, thresholds_option
 @click.option("--runtime-dir", type=click.Path(file_okay=False, path_type=Path), envvar="MEMWATCH_RUNTIME_DIR",
               help="Where engines put their rings (default: $MEMWATCH_RUNTIME_DIR, $XDG_RUNTIME_DIR/memwatch).")
 @click.option("--poll-interval", type=Seconds(0.0, 60.0, low_open=True), default=0.25, show_default=True,
-              help="Seconds between ring drains (more than 0, at most 60); under a light load up to 4 times as "
-                   "long, until a drain holds a batch.")
+              help="Seconds between looks at the rings (more than 0, at most 60): a ring is drained once it "
+                   "holds a batch (1,024 records) or closed, and at least every 8 intervals.")
 @click.option("--exit-when-idle", type=Seconds(0.0), default=None,
               help="Exit after this many seconds with no engine writing (used when auto-started).")
 @click.option("--give-up-after", type=Seconds(0.0, low_open=True), default=60.0, show_default=True,

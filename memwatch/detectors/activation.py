@@ -140,7 +140,7 @@ class ReserveOverstatedDetector(Detector):
             return _nothing
         activations = batch.step_activation[batch.peak_is_step] - self._settled
         if self._steps + len(activations) >= self._judge_steps:  # the judgement falls in this batch, there
-            return int(batch.np.flatnonzero(batch.peak_is_step)[self._judge_steps - self._steps - 1])
+            return int(batch.peak_is_step.nonzero()[0][self._judge_steps - self._steps - 1])
         if not len(activations):
             return _nothing
 

@@ -166,19 +166,19 @@ def episode_plan(np: Any, episode: Episode, actions: numpy.ndarray) -> tuple[int
     ``(position it re-armed at or -1, clear run)``; or, when a FIRE finds it re-armed (a flag), that FIRE's
     position as an ``int`` (the samples before it are covered). An episode that starts re-armed stays so."""
     if not episode.active:
-        fires = np.flatnonzero(actions == FIRE)
+        fires = (actions == FIRE).nonzero()[0]
         return int(fires[0]) if len(fires) else (0, episode._clear_run)
-    taken = np.flatnonzero(actions != SKIP)
+    taken = (actions != SKIP).nonzero()[0]
     acts = actions[taken]
     if not len(acts):
         return -1, episode._clear_run
     clear = acts == CLEAR
     runs = consecutive(np, clear, episode._clear_run)
-    reached = np.flatnonzero(clear & (runs >= episode._rearm_steps))
+    reached = (clear & (runs >= episode._rearm_steps)).nonzero()[0]
     if not len(reached):
         return -1, int(runs[-1])
     first = int(reached[0])
-    fires = np.flatnonzero(acts[first + 1:] == FIRE)
+    fires = (acts[first + 1:] == FIRE).nonzero()[0]
     if len(fires):
         return int(taken[first + 1 + fires[0]])
     return int(taken[first]), episode._rearm_steps

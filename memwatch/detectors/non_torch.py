@@ -95,11 +95,11 @@ class NonTorchDetector(Detector):
         ring, ring_steps, index, width = self._ring, self._ring_steps, self._ring_index, len(self._ring)
         order = [(index + k) % width for k in range(width)]  # oldest first
         values = np.concatenate((np.array([ring[k] for k in order], dtype=np.int64), batch.non_torch))
-        jumps = np.flatnonzero(np.abs(batch.non_torch - values[:n]) >= self._jump_min)
+        jumps = (np.abs(batch.non_torch - values[:n]) >= self._jump_min).nonzero()[0]
         if len(jumps):
             return int(jumps[0])  # a step change may start there: sample by sample
         growth = batch.non_torch - self._baseline - self._jumps
-        quiet = np.flatnonzero(growth <= self._quiet)
+        quiet = (growth <= self._quiet).nonzero()[0]
         drift_min = self._drift_min
         actions = np.where(growth >= drift_min, FIRE, np.where(2 * growth < drift_min, CLEAR, NOT_CLEAR))
         drift = episode_plan(np, self._drift, actions)

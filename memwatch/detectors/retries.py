@@ -84,10 +84,10 @@ class AllocRetriesDetector(Detector):
             return 0
         np = batch.np
         retries, ooms = batch.retries, batch.num_ooms
-        new = np.diff(retries, prepend=self._last)
-        ooms_new = np.diff(ooms, prepend=self._last_ooms)
+        new = retries - np.concatenate(([self._last], retries[:-1]))  # np.diff with prepend, cheaper
+        ooms_new = ooms - np.concatenate(([self._last_ooms], ooms[:-1]))
         new = new - np.where(ooms_new > 0, ooms_new, 0)
-        retried = np.flatnonzero(new > 0)
+        retried = (new > 0).nonzero()[0]
         if len(retried):
             return int(retried[0])  # a retry: sample by sample
         clear = np.full(batch.n, CLEAR, dtype=np.int64)
