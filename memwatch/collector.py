@@ -17,7 +17,6 @@ import sqlite3
 import struct
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,8 @@ from .record_checks import check_meta, screen
 from .records import Event, Sample
 from .rejected_rings import set_aside_ring
 from .ring_records import RingDrain
+from .ring_state import RingState
 from .run_rows import rank_end, rank_progress, register
-from .store.sample_insert import nullable_fields, raw_sample_insert, single_phase
 from .store.writer import Batch, StoreWriter, WriterStalled
 
 log = logging.getLogger("memwatch.collector")
@@ -48,32 +47,6 @@ Observer = Callable[[RingHeader, list[Sample | Event]], Iterable[tuple[Any, ...]
 ``takes_drain = True`` is called with the :class:`~memwatch.ring_records.RingDrain` instead (the ring's own
 tuples: the live detectors, which would otherwise pay for a typed record per sample), one with
 ``events_only = True`` with the drain's events alone."""
-
-
-@dataclass
-class RingState:
-    """What the collector knows about one ring it is draining."""
-
-    path: Path
-    key: str
-    reader: RingReader
-    cursor: int
-    lost: int
-    last_ts_ns: int = 0
-    end_status: str | None = None
-    saw_oom: bool = False
-    records: int = 0
-    insert_sql: dict[tuple[frozenset[int], int | None], str] = field(default_factory=dict)
-    """Sample statements made for this ring, by the drain's shape (its nullable fields and single phase)."""
-    run_key: int | None = None
-    """The run's key in ``runs``, once its registration has committed."""
-    known_phases: int = 0
-    caught_up: bool = False
-    next_alive_check: float = 0.0
-
-    @property
-    def header(self) -> RingHeader:
-        return self.reader.header
 
 
 class Collector:
@@ -216,16 +189,30 @@ class Collector:
         return total
 
     def ready(self, records: int) -> bool:
-        """Whether a ring wants draining now: its writer closed it, or it holds ``records`` unread (the
-        sidecar looks between polls: two header reads a ring)."""
+        """Whether a ring wants draining now: its writer closed it or is gone, or it holds ``records`` unread
+        (the sidecar looks between polls: two header reads a ring, and a caught-up ring's writer checked for
+        life at most once a second, as a drain does)."""
+        now = time.monotonic()
         for state in self.rings.values():
             reader = state.reader
             try:
                 if reader.closed or reader.published - state.cursor >= records:
                     return True
+                if state.caught_up and now >= state.next_alive_check and not self._writer_alive(state, now):
+                    state.next_alive_check = 0.0  # the drain looks again, and ends the ring
+                    return True
             except (OSError, ValueError, struct.error):  # the poll sees what is wrong and says so
                 return True
         return False
+
+    def _writer_alive(self, state: RingState, now: float) -> bool:
+        """Whether the ring's writer still runs; the next look is due :data:`ALIVE_CHECK_S` from ``now``."""
+        header = state.header
+        state.next_alive_check = now + ALIVE_CHECK_S
+        if self._is_alive is not None:
+            return self._is_alive(header.writer_pid, header.writer_start)
+        # the writer's lock, and its pid where it shares our pid namespace (.liveness)
+        return ring_writer_alive(state.reader.fileno(), header.writer_pid, header.writer_start, header.meta)
 
     def _drain(self, state: RingState) -> int:
         reader = state.reader
@@ -234,11 +221,7 @@ class Collector:
         alive = True
         now = time.monotonic()
         if state.caught_up and not (closed and state.end_status is not None) and now >= state.next_alive_check:
-            if self._is_alive is not None:
-                alive = self._is_alive(header.writer_pid, header.writer_start)
-            else:  # the writer's lock, and its pid where it shares our pid namespace (.liveness)
-                alive = ring_writer_alive(reader.fileno(), header.writer_pid, header.writer_start, header.meta)
-            state.next_alive_check = now + ALIVE_CHECK_S
+            alive = self._writer_alive(state, now)
         drained = screen(reader.drain(state.cursor, DRAIN_LIMIT))  # what fails its checks goes to drained.bad
         count = len(drained.samples) + len(drained.events)
         if count or drained.lost or drained.bad or drained.next_cursor != state.cursor:
@@ -308,7 +291,9 @@ class Collector:
                                  })))
         names = state.reader.phase_names
         if drained.samples:
-            batch.ring_samples.append((self._insert_sql(state, drained.slots), drained.samples))
+            if state.run_key is None:
+                state.learn_run_key(self._run_key(run_id))
+            batch.ring_samples.append((state.sample_insert(drained.slots), drained.samples))
         last_sample_ts = drained.samples[-1][6] if drained.samples else 0
         last_event_ts = events[-1][2] if events else 0
         state.last_ts_ns = max(state.last_ts_ns, last_sample_ts, last_event_ts)
@@ -326,25 +311,6 @@ class Collector:
                 if statements is not None:
                     batch.statements.extend(statements(header))
         return batch
-
-    def _insert_sql(self, state: RingState, slots: bytes) -> str:
-        """The statement for this drain's samples (:mod:`~memwatch.store.sample_insert`), made once per shape."""
-        header = state.header
-        if state.run_key is None:
-            state.run_key = self._run_key(header.run_id)
-            if state.run_key is not None:
-                state.insert_sql.clear()  # made again, with the key in them
-        names = state.reader.phase_names
-        if state.known_phases != len(names):
-            state.insert_sql.clear()
-            state.known_phases = len(names)
-        shape = (nullable_fields(slots), single_phase(slots))
-        sql = state.insert_sql.get(shape)
-        if sql is None:
-            sql = state.insert_sql[shape] = raw_sample_insert(
-                header.run_id, header.rank, names, state.reader.version, state.run_key, nullable=shape[0],
-                phase=shape[1])
-        return sql
 
     def _run_key(self, run_id: str) -> int | None:
         """The run's key, if the row registering it has committed (else the insert looks it up per row)."""

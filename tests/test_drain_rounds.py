@@ -95,3 +95,31 @@ def test_a_round_cut_short_by_a_full_queue_drains_the_rings_it_did_not_reach_fir
             monitor.close()
         writer.close()
         collector.close()
+
+
+def test_a_writer_gone_between_polls_is_noticed_at_the_next_look_not_the_next_drain(runtime_dir: Path,
+                                                                                    db_path: Path) -> None:
+    monitor = Monitor(engine="test", runtime_dir=runtime_dir, probe=ScriptedProbe(), spawn_sidecar=False)
+    monitor.step("decode", num_seqs=1)
+    alive = [True]
+    writer = _writer(db_path)
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: alive[0])
+    try:
+        collector.scan()
+        collector.poll()
+        collector.poll()  # caught up: its writer is looked at from now on
+        (state,) = collector.rings.values()
+        state.next_alive_check = 0.0
+        assert not collector.ready(100)  # alive, nothing to read: no drain
+        alive[0] = False
+        assert not collector.ready(100)  # looked at a moment ago: once a second at most
+        state.next_alive_check = 0.0
+        assert collector.ready(100)
+        collector.poll()  # the drain looks again and ends the rank
+        assert not collector.rings
+        assert writer.flush(timeout=10)
+        assert query(db_path, "SELECT status FROM ranks") == [("crashed",)]
+    finally:
+        monitor.close()
+        writer.close()
+        collector.close()

@@ -1,0 +1,58 @@
+"""What the collector knows about one ring it drains: where it stands, how it ends, the statements it stores with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memwatch_engine.ring_reader import RingHeader, RingReader
+
+from .store.sample_insert import nullable_fields, raw_sample_insert, single_phase
+
+
+@dataclass
+class RingState:
+    """What the collector knows about one ring it is draining."""
+
+    path: Path
+    key: str
+    reader: RingReader
+    cursor: int
+    lost: int
+    last_ts_ns: int = 0
+    end_status: str | None = None
+    saw_oom: bool = False
+    records: int = 0
+    run_key: int | None = None
+    """The run's key in ``runs``, once its registration has committed."""
+    caught_up: bool = False
+    next_alive_check: float = 0.0
+    _statements: dict[tuple[frozenset[int], int | None], str] = field(default_factory=dict)
+    """Sample statements made for this ring, by the drain's shape (its nullable fields and single phase)."""
+    _known_phases: int = 0
+
+    @property
+    def header(self) -> RingHeader:
+        return self.reader.header
+
+    def learn_run_key(self, run_key: int | None) -> None:
+        """The run's key, once its ``runs`` row has committed: statements made from now on name it."""
+        if run_key is not None:
+            self.run_key = run_key
+            self._statements.clear()
+
+    def sample_insert(self, slots: bytes) -> str:
+        """The statement that stores a drain's samples, fitted to the drain's ``slots``
+        (:mod:`~memwatch.store.sample_insert`) and made once per shape."""
+        names = self.reader.phase_names
+        if self._known_phases != len(names):  # a phase the engine named since: every CASE must know it
+            self._statements.clear()
+            self._known_phases = len(names)
+        shape = (nullable_fields(slots), single_phase(slots))
+        sql = self._statements.get(shape)
+        if sql is None:
+            header = self.header
+            sql = self._statements[shape] = raw_sample_insert(
+                header.run_id, header.rank, names, self.reader.version, self.run_key, nullable=shape[0],
+                phase=shape[1])
+        return sql
