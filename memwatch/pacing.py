@@ -7,8 +7,9 @@ bookkeeping (its cursor, its rank's progress and summary). At 1,000 steps/s a dr
 samples and spends about 3 µs a sample on the detectors, one every second holds 1,000 and spends about 1 µs.
 So the sidecar waits until its busiest ring holds :data:`BATCH_TARGET` records, within one and
 :data:`MAX_WAIT_INTERVALS` poll intervals (two seconds by default), looking at the rings every poll interval
-meanwhile: a ring its writer closed, or one that already holds a batch, is drained at once, so the end of a
-run is stored within a poll interval and an engine stepping 1,000 times a second is drained every second.
+meanwhile: a ring its writer closed or left (checked at most once a second), or one that already holds a batch,
+is drained at once, so the end of a run is stored within a poll interval and an engine stepping 1,000 times a
+second is drained every second.
 """
 
 from __future__ import annotations
