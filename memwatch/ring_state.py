@@ -9,6 +9,10 @@ from memwatch_engine.ring_reader import RingHeader, RingReader
 
 from .store.sample_insert import nullable_fields, raw_sample_insert, single_phase
 
+MAX_SHAPES = 16
+"""Sample statements kept per ring: a serving engine's drains come in one or two shapes, but a writer that
+leaves out a different reading every drain must not grow the sidecar's memory (the cache starts again)."""
+
 
 @dataclass
 class RingState:
@@ -51,6 +55,8 @@ class RingState:
         shape = (nullable_fields(slots), single_phase(slots))
         sql = self._statements.get(shape)
         if sql is None:
+            if len(self._statements) >= MAX_SHAPES:
+                self._statements.clear()
             header = self.header
             sql = self._statements[shape] = raw_sample_insert(
                 header.run_id, header.rank, names, self.reader.version, self.run_key, nullable=shape[0],

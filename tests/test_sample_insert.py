@@ -7,10 +7,12 @@ import sqlite3
 from pathlib import Path
 
 from memwatch.collector import Collector
+from memwatch.ring_state import MAX_SHAPES, RingState
 from memwatch.store import open_store
 from memwatch.store.sample_insert import NULLABLE_FIELDS, nullable_fields, raw_sample_insert, single_phase
 from memwatch.store.writer import StoreWriter
 from memwatch_engine.ring import _CHUNK, _SAMPLE_SLOT, TYPE_EVENT, TYPE_SAMPLE, RingWriter
+from memwatch_engine.ring_reader import RingReader
 
 from processes import query
 
@@ -112,3 +114,23 @@ def test_missing_readings_are_stored_as_null_through_the_collector(runtime_dir: 
         collector.close()
     assert query(db_path, "SELECT count(*), count(driver_used_bytes), count(driver_free_bytes), count(allocated_bytes),"
                           " min(phase), max(phase) FROM samples") == [(40, 20, 20, 40, "serve", "serve")]
+
+
+def test_a_ring_whose_drains_change_shape_every_time_keeps_a_bounded_set_of_statements(runtime_dir: Path) -> None:
+    path = runtime_dir / "shapes-r0.ring"
+    RingWriter(path, run_id="shapes", meta={}, capacity=1024).close()
+    reader = RingReader(path)
+    try:
+        state = RingState(path, "shapes/0/0", reader, 0, 0)
+        made = set()
+        for at in NULLABLE_FIELDS:  # 14 shapes with one field missing, then 14 with two
+            for other in (None, 7 if at != 7 else 8):
+                row = list(FULL)
+                row[at] = -1
+                if other is not None:
+                    row[other] = -1
+                made.add(state.sample_insert(_slots([tuple(row)])))
+                assert len(state._statements) <= MAX_SHAPES
+        assert len(made) == 2 * len(NULLABLE_FIELDS) - 1  # every shape got its own statement (7+8 twice)
+    finally:
+        reader.close()
