@@ -14,7 +14,6 @@ import fcntl
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from .live import LiveDetectors
 from .pacing import BATCH_TARGET, pace
 from .records import Event
 from .snapshot.live import SnapshotImporter
+from .stop_flag import StopFlag
 from .store.db import default_db_path, open_store, quick_check
 from .store.queries import events
 from .store.retention import Retention, plan_run
@@ -86,7 +86,7 @@ class Sidecar:
         self.retention_interval = retention_interval
         self._retained: set[str] = set()
         self.exporters = exporters
-        self._stop = threading.Event()
+        self._stop = StopFlag()  # set by SIGTERM's handler: no lock to deadlock on
         self.heartbeat = 0.0
         """When the loop last came round (monotonic seconds; 0 before it runs): what /healthz looks at."""
         self._lock_fd: int | None = None
