@@ -96,12 +96,18 @@ def _inside_pid(proc: subprocess.Popen[str]) -> int:
             children = psutil.Process(proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return None
-        pythons = [c.pid for c in children if "python" in " ".join(c.cmdline()[:1])]
-        return pythons[0] if pythons else None
+        return next((child.pid for child in children if _runs_python(child)), None)
 
     if proc.args[0] != "unshare":
         return proc.pid
     return wait_for(leaf, timeout=20, what="the process inside its namespace")
+
+
+def _runs_python(process: psutil.Process) -> bool:
+    try:
+        return "python" in " ".join(process.cmdline()[:1])
+    except psutil.NoSuchProcess:  # gone, or a zombie (``mount`` exited, not yet reaped by sh)
+        return False
 
 
 class Side:
