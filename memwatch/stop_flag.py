@@ -4,12 +4,14 @@ Python runs a signal handler in the main thread between two bytecodes, wherever 
 that calls ``threading.Event.set`` takes the event's lock, and the main thread may be holding that very lock
 in ``Event.wait`` at that moment (the sidecar's loop waits on its stop event several times a second): the
 handler then waits for itself, and SIGTERM hangs the process instead of stopping it. So the request is a flag
-and a byte written to a pipe, and a waiter sleeps in ``select`` on the pipe's other end, which a set from any
-thread or from a handler wakes at once.
+and a byte written to a pipe, and a waiter sleeps in ``poll`` on the pipe's other end (``select`` refuses a
+descriptor past 1,023, which a sidecar holding many rings can reach), which a set from any thread or from a
+handler wakes at once.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import weakref
@@ -37,7 +39,9 @@ class StopFlag:
     def wait(self, timeout: float) -> bool:
         """Whether the flag is set, waiting up to ``timeout`` seconds for it."""
         if not self._set and timeout > 0:
-            select.select([self._wake_read], [], [], timeout)
+            waiter = select.poll()  # one per wait: a poll object refuses two threads polling it at once
+            waiter.register(self._wake_read, select.POLLIN)
+            waiter.poll(math.ceil(timeout * 1000))
         return self._set
 
 

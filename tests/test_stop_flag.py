@@ -9,6 +9,7 @@ helper thread signals it as fast as it can.
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -72,3 +73,22 @@ def test_a_set_flag_stays_set_and_many_sets_do_not_block() -> None:
     for _ in range(100_000):  # far more than a pipe holds: a full pipe is not an error
         flag.set()
     assert flag.wait(0) and flag.wait(1.0)
+
+
+def test_a_flag_whose_pipe_is_numbered_past_select_s_limit_still_waits_and_wakes() -> None:
+    # A sidecar holding many rings and sockets has descriptors past 1,023, where select() raises ValueError.
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1100
+    if limit[0] < wanted + 64:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(limit[1], wanted + 64), limit[1]))
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(wanted)]
+    try:
+        flag = StopFlag()
+        assert min(flag._wake_read, flag._wake_write) > 1023
+        assert not flag.wait(0.01)
+        threading.Timer(0.05, flag.set).start()
+        assert flag.wait(30.0)
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, limit)
