@@ -22,13 +22,16 @@ the allocation's Python frames, and ``device_traces`` (``segment_alloc``, ``allo
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import pickle
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,6 +43,20 @@ BASE_ADDRESS = 0x7F00_0000_0000
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def _locked(method: Method) -> Method:
+    """Run under the device's lock, as PyTorch's allocator takes its mutex: a sampler thread reading the
+    stats mid-``malloc`` must not see a segment that is neither cached nor live yet."""
+    @functools.wraps(method)
+    def call(self: FakeDevice, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 class FakeDevice:
@@ -54,6 +71,7 @@ class FakeDevice:
         self._handles = itertools.count(1)
         self.trace: list[dict[str, Any]] = []
         self.frames: dict[int, list[dict[str, Any]]] = {}
+        self._lock = threading.RLock()  # re-entered: malloc empties the cache, OOM observers read the stats
 
     def _record(self, action: str, size: int, **fields: Any) -> list[dict[str, Any]]:
         frames = [{"filename": f.filename, "line": f.lineno, "name": f.name}
@@ -66,9 +84,11 @@ class FakeDevice:
     def reserved(self) -> int:
         return sum(segment for _, segment in self.live.values()) + sum(self.cached)
 
+    @_locked
     def mem_get_info(self) -> tuple[int, int]:
         return self.total - self.outside - self.reserved, self.total
 
+    @_locked
     def malloc(self, nbytes: int) -> int:
         size = _round_up(max(nbytes, 1), ROUNDING)
         fitting = [segment for segment in self.cached if segment >= size]
@@ -98,6 +118,7 @@ class FakeDevice:
         self.peak = max(self.peak, self.allocated)
         return handle
 
+    @_locked
     def free(self, handle: int) -> None:
         size, segment = self.live.pop(handle)
         self._record("free_completed", size, addr=_address(handle))
@@ -105,12 +126,15 @@ class FakeDevice:
         self.allocated -= size
         self.cached.append(segment)
 
+    @_locked
     def empty_cache(self) -> None:
         self.cached.clear()
 
+    @_locked
     def reset_peak(self) -> None:
         self.peak = self.allocated
 
+    @_locked
     def nested_stats(self) -> dict[str, Any]:
         def pool(current: int, peak: int) -> dict[str, int]:
             return {"current": current, "peak": peak, "allocated": peak, "freed": peak - current}
@@ -125,6 +149,7 @@ class FakeDevice:
         stats.update({"num_ooms": self.num_ooms, "num_alloc_retries": self.num_alloc_retries})
         return stats
 
+    @_locked
     def flat_stats(self) -> dict[str, Any]:
         flat: dict[str, Any] = {}
         for key, value in self.nested_stats().items():
@@ -135,6 +160,7 @@ class FakeDevice:
                 flat[key] = value
         return flat
 
+    @_locked
     def snapshot(self) -> list[dict[str, Any]]:
         segments = []
         for handle, (size, segment) in self.live.items():
@@ -174,17 +200,23 @@ class Buffer:
 _observers: list[Any] = []
 _current = [0]
 _devices: dict[int, FakeDevice] = {}
+_devices_lock = threading.Lock()
 
 
 def device(index: Any = None) -> FakeDevice:
     """The fake device ``index`` (an int, ``torch.device`` or None for the current one)."""
     number = _current[0] if index is None else int(getattr(index, "index", index) or 0)
-    if number not in _devices:
-        others = [int(value) for value in os.environ.get("FAKE_CUDA_OTHER_BYTES", "0").split(",")]
-        _devices[number] = FakeDevice(
-            number, int(os.environ.get("FAKE_CUDA_TOTAL_BYTES", 160 * MiB)),
-            int(os.environ.get("FAKE_CUDA_CONTEXT_BYTES", 64 * MiB)), others[number] if number < len(others) else 0)
-    return _devices[number]
+    with _devices_lock:  # a sampler thread's first reading and the engine's first allocation may race
+        if number not in _devices:
+            _devices[number] = _new_device(number)
+        return _devices[number]
+
+
+def _new_device(number: int) -> FakeDevice:
+    others = [int(value) for value in os.environ.get("FAKE_CUDA_OTHER_BYTES", "0").split(",")]
+    return FakeDevice(number, int(os.environ.get("FAKE_CUDA_TOTAL_BYTES", 160 * MiB)),
+                      int(os.environ.get("FAKE_CUDA_CONTEXT_BYTES", 64 * MiB)),
+                      others[number] if number < len(others) else 0)
 
 
 def empty(nbytes: int) -> Buffer:
