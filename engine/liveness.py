@@ -18,6 +18,8 @@ import fcntl
 import os
 import struct
 
+from .dirfd import open_regular
+
 _FLOCK = struct.Struct("hhqqi4x")
 """``struct flock`` on 64-bit Linux: type, whence, start, len, pid (and padding)."""
 
@@ -62,6 +64,19 @@ def writer_lock_held(fd: int) -> bool | None:
     except (OSError, AttributeError, ValueError, struct.error):
         return None
     return kind != fcntl.F_UNLCK
+
+
+def file_lock_held(dir_fd: int, name: str) -> bool:
+    """Whether another open of the regular file ``name`` in the directory ``dir_fd`` holds a lock on it (a
+    sidecar's lock or presence marker); False when it is missing, not a regular file, or locks cannot be asked."""
+    try:
+        fd, _ = open_regular(dir_fd, name)
+    except OSError:
+        return False
+    try:
+        return writer_lock_held(fd) is True
+    finally:
+        os.close(fd)
 
 
 def pid_namespace(pid: int | str = "self") -> int | None:

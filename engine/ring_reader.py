@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,9 @@ class RingHeader:
     capacity: int
     created_ns: int
     meta: dict[str, Any]
+    owner_uid: int | None = None
+    """The uid owning the ring file, from ``fstat`` of the reader's open descriptor: the writer's uid,
+    which a path the ring names (a snapshot) must belong to as well."""
 
 _NOT_SAMPLE = re.compile(b"[^" + re.escape(bytes([TYPE_SAMPLE])) + b"]")
 """Matches the type byte of any record that is not a sample (an event chunk, or a type this reader does not know)."""
@@ -83,9 +87,16 @@ class RingReader:
     a full disk) gives a short read and a :class:`RingFormatError`, never a SIGBUS.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], fd: int | None = None) -> None:
+        """Open ``path``, or take ``fd`` (already opened, judged by the caller; the reader owns it now).
+
+        A ring in a directory another uid can write is opened by the caller through the directory's
+        descriptor (:mod:`.dirfd`), so no path is looked up again here.
+        """
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        self._fd = -1
+        self._fd = fd if fd is not None else os.open(
+            self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             self.header = self._read_header()
         except BaseException:
@@ -102,7 +113,10 @@ class RingReader:
         self._phase_names: dict[int, str | None] = {code: name for name, code in PHASE_CODES.items()}
 
     def _read_header(self) -> RingHeader:
-        size = os.fstat(self._fd).st_size
+        info = os.fstat(self._fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise RingFormatError(f"{self.path} is not a regular file")
+        size = info.st_size
         if size < HEADER_SIZE:
             raise RingFormatError(f"{self.path} is too small to be a memwatch ring ({size} bytes)")
         head = os.pread(self._fd, HEADER_SIZE, 0)
@@ -138,6 +152,7 @@ class RingReader:
         return RingHeader(
             run_id=fields[13].rstrip(b"\0").decode("ascii", "replace"), rank=rank, world_size=world_size,
             writer_pid=pid, writer_start=fields[9], capacity=capacity, created_ns=fields[10], meta=meta,
+            owner_uid=info.st_uid,
         )
 
     def _pread(self, size: int, offset: int) -> bytes:

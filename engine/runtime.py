@@ -14,6 +14,11 @@ Each ring is written by one uid, mode 0600 in a private directory and 0640 in a 
 group may read it, nobody else may write it). The sidecar stores rings of its own uid and of the
 uids it is told to trust (``memwatch serve --trust-uid``, ``$MEMWATCH_TRUST_UIDS``), and ignores the
 rest with a log line that names the uid.
+
+A shared directory is hostile ground for the sidecar (:mod:`.dirfd`): it keeps its own files (lock,
+pid, temporary files, set-aside rings) in a private state directory, and publishes here only
+``sidecar.present``, a marker the group may read and whose lock tells engines that a sidecar serves the
+directory: a hint for them, never trusted by a sidecar.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ RING_SUFFIX = ".ring"
 LOCK_NAME = "sidecar.lock"
 PID_NAME = "sidecar.pid"
 LOG_NAME = "sidecar.log"
+PRESENCE_NAME = "sidecar.present"
+"""Published by a sidecar in a runtime directory that is not its state directory, locked while it runs."""
 SHARED_DIR_MODE = 0o3770
 """A shared runtime directory: setgid + sticky, the group may create rings, others nothing."""
 
@@ -82,27 +89,7 @@ def ensure_runtime_dir(
         info = os.lstat(directory)
     except OSError as exc:
         raise RuntimeDirError(f"cannot create runtime directory {directory}: {exc.strerror}") from None
-    if not stat.S_ISDIR(info.st_mode):
-        raise RuntimeDirError(f"runtime directory {directory} is not a directory (a symlink?); remove it")
-    me = os.getuid()
-    if is_shared_dir(info):
-        if info.st_uid not in {0, me} | trusted_uids(trust):
-            raise RuntimeDirError(
-                f"shared runtime directory {directory} belongs to uid {info.st_uid}, which is not trusted; "
-                f"add it to MEMWATCH_TRUST_UIDS (or --trust-uid {info.st_uid}) or let root own the directory"
-            )
-        return directory
-    if info.st_uid != me:
-        raise RuntimeDirError(
-            f"runtime directory {directory} belongs to uid {info.st_uid}, not you; "
-            "set MEMWATCH_RUNTIME_DIR to a directory of your own, or make it a shared group directory "
-            f"(chmod 3770 {directory})"
-        )
-    if info.st_mode & 0o077:
-        raise RuntimeDirError(
-            f"runtime directory {directory} is accessible to other users (mode {info.st_mode & 0o7777:o}); "
-            f"run: chmod 700 {directory} (or chmod 3770 to share it with a group)"
-        )
+    judge_runtime_dir(info, directory, trust)
     return directory
 
 
@@ -122,19 +109,53 @@ def is_private_file(path: Path, trust: Iterable[int] = ()) -> tuple[bool, str]:
     """Whether a ring may be trusted: regular, written by us or a trusted uid, writable by its owner alone.
 
     Group read is allowed (a shared directory's agent reads rings through the group); group write or
-    any access by others is not. ``trust`` adds uids to ``$MEMWATCH_TRUST_UIDS``.
+    any access by others is not. ``trust`` adds uids to ``$MEMWATCH_TRUST_UIDS``. The sidecar judges the
+    ring it opened instead (:func:`judge_ring` on ``fstat``); this look by path is for a reader in a
+    directory of its own.
     """
     try:
         info = os.lstat(path)
     except OSError as exc:
         return False, exc.strerror or "unreadable"
+    why = judge_ring(info, trusted_uids(trust))
+    return not why, why
+
+
+def judge_ring(info: os.stat_result, trusted: frozenset[int]) -> str:
+    """Why a ring with this ``stat`` may not be trusted ("" when it may); ``trusted``: uids besides our own."""
     if not stat.S_ISREG(info.st_mode):
-        return False, "not a regular file"
-    if info.st_uid != os.getuid() and info.st_uid not in trusted_uids(trust):
-        return False, (f"owned by uid {info.st_uid}, which this sidecar does not trust; to store it, run "
-                       f"memwatch serve --trust-uid {info.st_uid} (or set MEMWATCH_TRUST_UIDS={info.st_uid})")
+        return "not a regular file"
+    if info.st_uid != os.getuid() and info.st_uid not in trusted:
+        return (f"owned by uid {info.st_uid}, which this sidecar does not trust; to store it, run "
+                f"memwatch serve --trust-uid {info.st_uid} (or set MEMWATCH_TRUST_UIDS={info.st_uid})")
     if info.st_mode & 0o033:
-        return False, f"mode {info.st_mode & 0o777:o} lets other users write it"
+        return f"mode {info.st_mode & 0o777:o} lets other users write it"
     if info.st_mode & 0o004:
-        return False, f"mode {info.st_mode & 0o777:o} lets every user read it"
-    return True, ""
+        return f"mode {info.st_mode & 0o777:o} lets every user read it"
+    return ""
+
+
+def judge_runtime_dir(info: os.stat_result, directory: Path, trust: Iterable[int] = ()) -> None:
+    """Raise :class:`RuntimeDirError` unless ``info`` (the runtime directory's) is private to us, or shared
+    and owned by root, us or a trusted uid; see :func:`ensure_runtime_dir`."""
+    if not stat.S_ISDIR(info.st_mode):
+        raise RuntimeDirError(f"runtime directory {directory} is not a directory (a symlink?); remove it")
+    me = os.getuid()
+    if is_shared_dir(info):
+        if info.st_uid not in {0, me} | trusted_uids(trust):
+            raise RuntimeDirError(
+                f"shared runtime directory {directory} belongs to uid {info.st_uid}, which is not trusted; "
+                f"add it to MEMWATCH_TRUST_UIDS (or --trust-uid {info.st_uid}) or let root own the directory"
+            )
+        return
+    if info.st_uid != me:
+        raise RuntimeDirError(
+            f"runtime directory {directory} belongs to uid {info.st_uid}, not you; "
+            "set MEMWATCH_RUNTIME_DIR to a directory of your own, or make it a shared group directory "
+            f"(chmod 3770 {directory})"
+        )
+    if info.st_mode & 0o077:
+        raise RuntimeDirError(
+            f"runtime directory {directory} is accessible to other users (mode {info.st_mode & 0o7777:o}); "
+            f"run: chmod 700 {directory} (or chmod 3770 to share it with a group)"
+        )

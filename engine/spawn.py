@@ -1,55 +1,97 @@
 """Start a sidecar for the runtime directory when none is running, so ``MEMWATCH=1`` just works.
 
-One sidecar per runtime directory: it holds an exclusive ``flock`` on ``sidecar.lock`` for its whole
-life. Here we only probe that lock; if it is free we start ``python -m memwatch serve`` in its own
-session (it outlives the engine, and a crash of the engine never takes it down). Two ranks racing
-here at once both start one; the loser fails to take the lock and exits quietly.
+One sidecar per runtime directory: it holds a lock on ``sidecar.lock`` in its state directory for its
+whole life (an open-file-description lock, which the kernel drops when the process dies). Here we only
+ask about that lock (``F_OFD_GETLK``: asking never takes it, so it never gets in a starting sidecar's
+way); if nobody holds it we start ``python -m memwatch serve`` in its own session (it outlives the
+engine, and a crash of the engine never takes it down). Two ranks racing here at once both start one;
+the loser fails to take the lock and exits quietly.
+
+Only in a private runtime directory (ours, 0700, where the sidecar's state directory is the runtime
+directory itself). A shared group directory has its node agent: an engine never starts a sidecar there
+and never creates a file there but its ring; it only reads the agent's ``sidecar.present`` marker,
+which tells whether one runs (a hint: any group member could have made it).
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-from .runtime import LOCK_NAME, LOG_NAME
+from .dirfd import open_dir, read_small
+from .liveness import file_lock_held
+from .runtime import LOCK_NAME, LOG_NAME, PID_NAME, PRESENCE_NAME, is_shared_dir
 
 IDLE_EXIT_SECONDS = 60
 
 
 def sidecar_running(directory: Path) -> bool:
-    """True when some process holds the sidecar lock of ``directory``."""
+    """True when a sidecar holds the lock of ``directory`` (or, shared, its presence marker); creates nothing."""
     try:
-        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        dir_fd = open_dir(directory)
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
+        names = (LOCK_NAME, PRESENCE_NAME) if _ours(dir_fd) else (PRESENCE_NAME,)
+        return any(file_lock_held(dir_fd, name) for name in names)
     finally:
-        os.close(fd)  # closing drops our probe lock, if we took it
-    return False
+        os.close(dir_fd)
+
+
+def sidecar_pid(directory: Path) -> int | None:
+    """The pid in a private runtime directory's ``sidecar.pid`` (our own file; None in a shared directory)."""
+    try:
+        dir_fd = open_dir(directory)
+    except OSError:
+        return None
+    try:
+        return int(read_small(dir_fd, PID_NAME, owner=os.getuid(), limit=256).split()[0]) if _ours(dir_fd) else None
+    except (OSError, ValueError, IndexError):
+        return None
+    finally:
+        os.close(dir_fd)
+
+
+def _ours(dir_fd: int) -> bool:
+    """Whether the directory is a private one of ours (not shared): its files are ours alone to make."""
+    info = os.fstat(dir_fd)
+    return not is_shared_dir(info) and info.st_uid == os.getuid()
 
 
 def ensure_sidecar(directory: Path) -> bool:
-    """Start a detached sidecar unless one is running. Returns True when one was started."""
-    if sidecar_running(directory):
+    """Start a detached sidecar unless one is running. Returns True when one was started.
+
+    Never in a shared group directory, or in one not ours: nothing is created there.
+    """
+    try:
+        dir_fd = open_dir(directory)
+    except OSError:
         return False
-    log_fd = os.open(directory / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    try:
+        if not _ours(dir_fd) or sidecar_running(directory):
+            return False
+        try:
+            log_fd = os.open(LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
+                             | os.O_CLOEXEC | os.O_NOCTTY, 0o600, dir_fd=dir_fd)
+        except OSError:
+            log_fd = -1
+    finally:
+        os.close(dir_fd)
+    output: int = log_fd if log_fd >= 0 else subprocess.DEVNULL
     try:
         sidecar = subprocess.Popen(
             [sys.executable, "-m", "memwatch", "serve", "--runtime-dir", str(directory),
              "--exit-when-idle", str(IDLE_EXIT_SECONDS), "--quiet-if-running"],
-            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+            stdin=subprocess.DEVNULL, stdout=output, stderr=output,
             start_new_session=True, close_fds=True,
             env={**os.environ, "MEMWATCH": "0"},
         )
     finally:
-        os.close(log_fd)
+        if log_fd >= 0:
+            os.close(log_fd)
     # Reap it if it exits while we live (idle exit), so it never lingers as a zombie of the engine.
     threading.Thread(target=sidecar.wait, name="memwatch-sidecar-reaper", daemon=True).start()
     return True

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sqlite3
 import struct
 import time
@@ -20,14 +19,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from memwatch_engine.dirfd import file_id
 from memwatch_engine.ring import RUN_ID_PATTERN, RingFormatError
 from memwatch_engine.ring_reader import RingHeader, RingReader
-from memwatch_engine.runtime import RING_SUFFIX, is_private_file
 
 from .liveness import ring_writer_alive, writer_alive
 from .record_checks import check_meta, screen
 from .records import Event, Sample
 from .rejected_rings import set_aside_ring
+from .ring_finder import RingFinder
 from .ring_records import RingDrain
 from .ring_state import RingState
 from .run_rows import rank_end, rank_progress, register
@@ -61,16 +61,18 @@ class Collector:
         observers: Iterable[Observer] = (),
         is_alive: Callable[[int, int], bool] | None = None,
         trust: Iterable[int] = (),
+        runtime_fd: int | None = None,
+        state_fd: int | None = None,
     ) -> None:
+        """``runtime_fd``/``state_fd``: descriptors of the runtime directory and of the sidecar's own state
+        directory (:class:`~memwatch.ring_finder.RingFinder`)."""
         self.runtime_dir = Path(runtime_dir)
+        self._finder = RingFinder(self.runtime_dir, trust=trust, runtime_fd=runtime_fd, state_fd=state_fd)
         self._writer = writer
         self._observers = list(observers)
         self._is_alive = is_alive
-        self._trust = frozenset(trust)
-        """Uids whose rings are stored besides our own (and ``$MEMWATCH_TRUST_UIDS``)."""
         self._read = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, check_same_thread=False)
         self.rings: dict[Path, RingState] = {}
-        self._rejected: set[Path] = set()
         self._finishing: set[Path] = set()
         """Rings finished here whose removal waits for the commit of their last rows."""
         self._committed: list[RingHeader] = []
@@ -79,6 +81,7 @@ class Collector:
         self.lost_total = 0
         self.set_aside_total = 0
         self.rings_set_aside = 0
+        self.rings_moved_aside = 0
         self.backlogged = False
         """The last poll stopped early: the writer's queue was full."""
         self.behind = False
@@ -91,41 +94,32 @@ class Collector:
     # -- discovery ------------------------------------------------------------------------------------
 
     def scan(self) -> None:
-        """Open rings that appeared since the last scan."""
-        try:
-            names = os.listdir(self.runtime_dir)
-        except OSError as exc:
-            log.error("cannot list %s: %s", self.runtime_dir, exc)
-            return
-        for name in names:
-            if not name.endswith(RING_SUFFIX):
-                continue
+        """Open rings that appeared since the last scan (by the directory's descriptor: :mod:`.ring_finder`)."""
+        for name in self._finder.candidates():
             path = self.runtime_dir / name
-            if path in self.rings or path in self._rejected or path in self._finishing:
-                continue
-            self._open(path)
+            if path not in self.rings and path not in self._finishing:
+                self._open(name, path)
 
-    def _open(self, path: Path) -> None:
-        trusted, why = is_private_file(path, self._trust)
-        if not trusted:
-            log.warning("ignoring ring %s: %s", path, why)
-            self._rejected.add(path)
+    def _open(self, name: str, path: Path) -> None:
+        opened = self._finder.open(name)
+        if opened is None:
             return
+        fd, info = opened
+        ident = file_id(info)
         try:
-            reader = RingReader(path)
+            reader = RingReader(path, fd=fd)
         except RingFormatError as exc:
-            self._set_aside_ring(path, str(exc).removeprefix(f"{path} "))
+            self._set_aside_ring(name, ident, str(exc).removeprefix(f"{path} "))
             return
         except OSError as exc:
-            log.warning("ignoring ring %s: %s", path, exc)
-            self._rejected.add(path)
+            self._finder.refuse(name, str(exc))
             return
         header = reader.header
         why = check_meta(header.meta) if RUN_ID_PATTERN.match(header.run_id) else (
             f"run id {header.run_id!r} is not 1-16 letters, digits, '.', '_' or '-'")
         if why:
             reader.close()
-            self._set_aside_ring(path, why, header)
+            self._set_aside_ring(name, ident, why, header)
             return
         key = f"{header.run_id}/{header.rank}/{header.created_ns}"
         row = self._read.execute(
@@ -133,21 +127,23 @@ class Collector:
         ).fetchone()
         if row is not None and row[2]:
             reader.close()
-            if not _unlink(path):
-                self._rejected.add(path)  # stored already: not opened again, nor warned about at every scan
+            if not self._finder.unlink(name, ident):
+                self._finder.refused.add(name)  # stored already: not opened again, nor warned about at every scan
             return
         cursor, lost = (row[0], row[1]) if row else (0, 0)
-        self.rings[path] = RingState(path, key, reader, cursor, lost)
+        self.rings[path] = RingState(path, key, reader, cursor, lost, ident=ident)
         if row is None:
             self._writer.submit(Batch(statements=register(header)))
         log.info("draining %s (run %s rank %d, pid %d)", path.name, header.run_id, header.rank,
                  header.writer_pid)
 
-    def _set_aside_ring(self, path: Path, why: str, header: RingHeader | None = None) -> None:
+    def _set_aside_ring(self, name: str, ident: tuple[int, int], why: str, header: RingHeader | None = None) -> None:
         """A ring that cannot be taken: moved to ``rejected/``, its reason stored in ``set_aside`` for ``runs``."""
-        self._rejected.add(path)
+        finder = self._finder
+        finder.refused.add(name)
         self.rings_set_aside += 1
-        set_aside_ring(self._writer, self.runtime_dir, path, why, header)
+        if set_aside_ring(self._writer, finder.dir_fd, finder.state_fd, name, ident, why, header, finder.limited):
+            self.rings_moved_aside += 1
 
     # -- draining -------------------------------------------------------------------------------------
 
@@ -263,7 +259,7 @@ class Collector:
         state.end_status = "error"
         state.saw_oom = False
         self._finish(state, closed=True, keep_file=True)
-        self._rejected.add(state.path)
+        self._finder.refused.add(state.path.name)
 
     def _rows(self, state: RingState, drained: Any) -> Batch:
         header = state.header
@@ -334,7 +330,8 @@ class Collector:
         batch.cursors.append((state.key, run_id, header.rank, state.cursor, state.lost, 1))
         # Once the transaction with its last rows and cursor has committed (never if it fails: the ring
         # then stays for the next sidecar), the ring is removed and the observers hear of the end.
-        batch.after_commit.append(lambda path=state.path: self._committed_end(path, header, keep_file))
+        batch.after_commit.append(
+            lambda path=state.path, ident=state.ident: self._committed_end(path, header, keep_file, ident))
         try:
             self._writer.submit(batch)
         except WriterStalled:
@@ -343,10 +340,10 @@ class Collector:
         state.reader.close()
         del self.rings[state.path]
 
-    def _committed_end(self, path: Path, header: RingHeader, keep_file: bool) -> None:
+    def _committed_end(self, path: Path, header: RingHeader, keep_file: bool, ident: tuple[int, int]) -> None:
         """In the writer thread, once a ring's end has committed: remove the file; the observers hear later."""
-        if not keep_file and not _unlink(path):
-            self._rejected.add(path)  # before it leaves _finishing: a scan never opens the stored ring again
+        if not keep_file and not self._finder.unlink(path.name, ident):
+            self._finder.refused.add(path.name)  # before it leaves _finishing: a scan never opens the stored ring again
         self._finishing.discard(path)
         self._committed.append(header)
 
@@ -370,16 +367,4 @@ class Collector:
             state.reader.close()
         self.rings.clear()
         self._read.close()
-
-
-def _unlink(path: Path) -> bool:
-    """Remove a stored ring; False (and one log line) where the directory does not let us."""
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:  # a shared sticky directory: only the ring's writer or the directory's owner may
-        log.warning("cannot remove the stored ring %s: %s; run the sidecar as the runtime directory's owner "
-                    "(or root) so that it can", path, exc.strerror or exc)
-        return False
-    return True
+        self._finder.close()

@@ -1,26 +1,25 @@
 """``memwatch serve``: the sidecar process — lock, collector loop, writer thread, clean shutdown.
 
-One sidecar per runtime directory, guarded by an exclusive ``flock`` on ``sidecar.lock`` held for
-the process's life (the kernel drops it if the process dies, so a stale lock cannot block the
-next one). SIGTERM/SIGINT stop the loop; before exiting it drains every ring one last time and
-waits for the writer, so nothing already in a ring is lost by stopping the sidecar. Every
-``retention_interval`` seconds it queues, through the writer like any batch, the roll-up of the old
-samples of the runs it stores (:mod:`memwatch.store.retention`).
+One sidecar per runtime directory, guarded by a lock on ``sidecar.lock`` in its private state
+directory (:mod:`memwatch.sidecar_files`), held for the process's life (the kernel drops it if the
+process dies, so a stale lock cannot block the next one). SIGTERM/SIGINT stop the loop; before
+exiting it drains every ring one last time and waits for the writer, so nothing already in a ring is
+lost by stopping the sidecar. Every ``retention_interval`` seconds it queues, through the writer like
+any batch, the roll-up of the old samples of the runs it stores (:mod:`memwatch.store.retention`).
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import signal
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from memwatch_engine.runtime import LOCK_NAME, PID_NAME, RuntimeDirError, ensure_runtime_dir
+from memwatch_engine.dirfd import open_dir
+from memwatch_engine.runtime import RuntimeDirError, ensure_runtime_dir, judge_runtime_dir
 
 from .collector import Collector, Observer
 from .detectors import DetectorConfig
@@ -28,6 +27,7 @@ from .errors import PermissionDeniedError, UnavailableError
 from .live import LiveDetectors
 from .pacing import BATCH_TARGET, pace
 from .records import Event
+from .sidecar_files import PidFile, StateDir, default_state_dir, signal_sidecar
 from .snapshot.live import SnapshotImporter
 from .stop_flag import StopFlag
 from .store.db import default_db_path, open_store, quick_check
@@ -68,13 +68,27 @@ class Sidecar:
         exporters: Exporters | None = None,
         trust_uids: Iterable[int] = (),
         runtime_group: int | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         self.trust_uids = frozenset(trust_uids)
         try:
             self.runtime_dir = ensure_runtime_dir(runtime_dir, trust=self.trust_uids, group=runtime_group)
+            self._runtime_fd = open_dir(self.runtime_dir)  # judged again by fstat: what we use is what we checked
         except RuntimeDirError as exc:
             raise PermissionDeniedError(str(exc)) from None
+        except OSError as exc:
+            raise PermissionDeniedError(f"cannot open runtime directory {self.runtime_dir}: {exc.strerror}") from None
+        try:
+            runtime_info = os.fstat(self._runtime_fd)
+            judge_runtime_dir(runtime_info, self.runtime_dir, self.trust_uids)
+        except RuntimeDirError as exc:
+            os.close(self._runtime_fd)
+            raise PermissionDeniedError(str(exc)) from None
         self.db_path = Path(db_path) if db_path is not None else default_db_path()
+        self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir(
+            self.runtime_dir, runtime_info, self.db_path)
+        """The sidecar's own files: lock, pid file, ``rejected/`` (:mod:`memwatch.sidecar_files`)."""
+        self._state: StateDir | None = None
         self.poll_interval = poll_interval
         self.give_up_after = give_up_after
         self.scan_interval = scan_interval
@@ -89,12 +103,16 @@ class Sidecar:
         self._stop = StopFlag()  # set by SIGTERM's handler: no lock to deadlock on
         self.heartbeat = 0.0
         """When the loop last came round (monotonic seconds; 0 before it runs): what /healthz looks at."""
-        self._lock_fd: int | None = None
         self.took_over_from: int | None = None
         """The pid of the auto-started sidecar this one asked to stop, to take its place."""
 
     def start(self) -> None:
-        self._take_lock()
+        try:
+            self._take_lock()
+        except BaseException:
+            os.close(self._runtime_fd)
+            self._runtime_fd = -1
+            raise
         self.db = open_store(self.db_path, busy_wait=self.give_up_after)
         quick_check(self.db, self.db_path)
         self.writer = StoreWriter(self.db, give_up_after=self.give_up_after)
@@ -115,10 +133,11 @@ class Sidecar:
             observers = [*observers, live]
             if exporters is not None:
                 exporters.state.set_terms_source(live.last_terms)  # the detectors' ledger, not a second one
-        self.snapshots = SnapshotImporter(self.writer, lambda: open_store(self.db_path, readonly=True))
+        self.snapshots = SnapshotImporter(self.writer, lambda: open_store(self.db_path, readonly=True),
+                                          directory=self.db_path.parent)  # where engines write snapshots
         observers = [*observers, self.snapshots]
         self.collector = Collector(self.runtime_dir, self.db_path, self.writer, observers=observers,
-                                   trust=self.trust_uids)
+                                   trust=self.trust_uids, runtime_fd=self._runtime_fd, state_fd=self._state_fd())
         if exporters is not None:
             rings = self.collector.rings
             exporters.watch_losses(lambda: [(s.header.run_id, s.header.rank, s.lost) for s in tuple(rings.values())])
@@ -130,52 +149,56 @@ class Sidecar:
         finally:
             reader.conn.close()
 
+    def _state_fd(self) -> int | None:
+        return None if self._state is None else self._state.fd
+
     def _take_lock(self) -> None:
-        """Take the directory's lock; a sidecar started by hand takes over from an auto-started one.
+        """Take the lock in the state directory; a sidecar started by hand takes over from an auto-started one.
 
         An auto-started sidecar (``exit_when_idle``) only stands in until someone runs ``memwatch serve``:
         it is asked to stop (SIGTERM: its last drain and commit), and its lock is taken once it has gone.
         The rings keep what it did not store, and their cursors say where to resume.
         """
-        fd = os.open(self.runtime_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            if not self._lock_or_take_over(fd):
-                holder = read_pid_file(self.runtime_dir / PID_NAME)
+            state = StateDir(self.state_dir, self._runtime_fd)
+        except OSError as exc:
+            raise PermissionDeniedError(
+                f"cannot use {self.state_dir} as the sidecar's state directory: {exc.strerror or exc}; it must be a "
+                "directory of the sidecar's user, mode 0700 (pass another with --state-dir)") from None
+        try:
+            if not self._lock_or_take_over(state):
+                holder = state.read_pid()
                 raise SidecarRunning(
                     f"a sidecar is already running for {self.runtime_dir}"
                     + (f" (pid {holder.pid})" if holder else "") + "; stop it first or pass another --runtime-dir"
                 )
+            if state.another_serves_runtime_dir():
+                raise SidecarRunning(f"a sidecar with another state directory is already running for "
+                                     f"{self.runtime_dir}; stop it first or pass another --runtime-dir")
+            state.write_pid(auto=self.exit_when_idle is not None)
+            state.publish_presence()
         except BaseException:
-            os.close(fd)
+            state.close()
             raise
-        self._lock_fd = fd
-        pid_path = self.runtime_dir / PID_NAME
-        tmp = pid_path.with_suffix(".tmp")
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write(f"{os.getpid()}{' auto' if self.exit_when_idle is not None else ''}\n")
-        os.replace(tmp, pid_path)
+        self._state = state
 
-    def _lock_or_take_over(self, fd: int) -> bool:
+    def _lock_or_take_over(self, state: StateDir) -> bool:
         """Whether the lock was taken: at once, or after the auto-started holder stopped (bounded wait)."""
-        if _try_lock(fd):
+        if state.try_lock():
             return True
         if self.exit_when_idle is not None:
             return False  # an auto-started sidecar never displaces another
         deadline = time.monotonic() + HANDOVER_WAIT_S
-        asked: int | None = None
+        asked: PidFile | None = None
         while time.monotonic() < deadline:
-            holder = read_pid_file(self.runtime_dir / PID_NAME)
+            holder = state.read_pid()
             if holder is not None and not holder.auto:
                 return False
-            if holder is not None and holder.pid != asked and _is_sidecar(holder.pid):
-                try:
-                    os.kill(holder.pid, signal.SIGTERM)
-                except OSError:
-                    pass  # gone already, or not ours to signal: the lock decides
-                asked = holder.pid
+            if holder is not None and holder != asked and signal_sidecar(holder, signal.SIGTERM):
+                asked = holder  # a pid that is not that sidecar any more is never signalled: the lock decides
             time.sleep(0.05)  # the holder may not have written its pid file yet
-            if _try_lock(fd):
-                self.took_over_from = asked
+            if state.try_lock():
+                self.took_over_from = None if asked is None else asked.pid
                 return True
         return False
 
@@ -303,44 +326,9 @@ class Sidecar:
         if self.exporters is not None:
             self.exporters.close()
             self.exporters = None
-        if self._lock_fd is not None:
-            try:
-                (self.runtime_dir / PID_NAME).unlink()
-            except FileNotFoundError:
-                pass
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-
-@dataclass(frozen=True)
-class PidFile:
-    """What ``sidecar.pid`` says: the holder's pid, and whether it was auto-started (``PID auto``)."""
-
-    pid: int
-    auto: bool
-
-
-def read_pid_file(path: Path) -> PidFile | None:
-    try:
-        fields = path.read_text().split()
-        return PidFile(int(fields[0]), fields[1:2] == ["auto"])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _is_sidecar(pid: int) -> bool:
-    """Whether ``pid`` is a ``memwatch serve`` now: a pid file left by a killed sidecar may name a reused pid."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return False
-    return b"serve" in argv and any(b"memwatch" in arg for arg in argv)
-
-
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
+        if self._state is not None:
+            self._state.close()
+            self._state = None
+        if self._runtime_fd >= 0:
+            os.close(self._runtime_fd)
+            self._runtime_fd = -1

@@ -31,6 +31,8 @@ class RingState:
     """The run's key in ``runs``, once its registration has committed."""
     caught_up: bool = False
     next_alive_check: float = 0.0
+    ident: tuple[int, int] = (0, 0)
+    """(device, inode) of the file opened: the ring's name is removed only while it still denotes that file."""
     _statements: dict[tuple[frozenset[int], int | None], str] = field(default_factory=dict)
     """Sample statements made for this ring, by the drain's shape (its nullable fields and single phase)."""
     _known_phases: int = 0

@@ -176,8 +176,9 @@ class Pod:
         side = Side([sys.executable, "-m", "memwatch", "serve", "--poll-interval", "0.1", *args],
                     shape, self.volume, view, env)
         self.sides.append(side)
-        wait_for(lambda: (self.rings / "sidecar.pid").exists() or side.proc.poll() is not None,
-                 what="the sidecar's pid file")
+        # its pid file where the runtime directory is its state directory; its presence marker in a shared one
+        wait_for(lambda: (self.rings / "sidecar.pid").exists() or (self.rings / "sidecar.present").exists()
+                 or side.proc.poll() is not None, what="the sidecar's pid file")
         assert side.proc.poll() is None, side.finish()
         return side
 

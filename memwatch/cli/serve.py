@@ -20,6 +20,10 @@ from .options import Seconds, db_option, thresholds_option
 @db_option
 @click.option("--runtime-dir", type=click.Path(file_okay=False, path_type=Path), envvar="MEMWATCH_RUNTIME_DIR",
               help="Where engines put their rings (default: $MEMWATCH_RUNTIME_DIR, $XDG_RUNTIME_DIR/memwatch).")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), envvar="MEMWATCH_STATE_DIR",
+              help="The sidecar's own files (lock, pid file, refused rings), in a directory of its user, mode 0700 "
+                   "(created so). Default: the runtime directory when it is private; for a shared one, "
+                   "sidecar-<its path>-<hash> beside the database (env MEMWATCH_STATE_DIR).")
 @click.option("--poll-interval", type=Seconds(0.0, 60.0, low_open=True), default=0.25, show_default=True,
               help="Seconds between looks at the rings (more than 0, at most 60): a ring is drained once it "
                    "holds a batch (1,024 records) or closed, and at least every 8 intervals.")
@@ -54,7 +58,7 @@ from .options import Seconds, db_option, thresholds_option
 @click.option("--health", metavar="[HOST:]PORT", default=None, envvar="MEMWATCH_HEALTH",
               help="Answer GET /healthz (the loop and store writer run) and /readyz (storing now) on this port, "
                    "for liveness and readiness probes (host 127.0.0.1 unless given; env MEMWATCH_HEALTH).")
-def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float,
+def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | None, poll_interval: float,
             exit_when_idle: float | None, give_up_after: float, quiet_if_running: bool, no_detect: bool,
             detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str,
             prometheus: str | None, otlp: str | None, console: bool, trust_uids: tuple[int, ...],
@@ -76,7 +80,8 @@ def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float
         exporters = Exporters(config)
     sidecar = Sidecar(runtime_dir, db_path, poll_interval=poll_interval, exit_when_idle=exit_when_idle,
                       give_up_after=give_up_after, detect=not no_detect, detector_config=detector_config,
-                      retention=retention, exporters=exporters, trust_uids=trust_uids, runtime_group=runtime_group)
+                      retention=retention, exporters=exporters, trust_uids=trust_uids, runtime_group=runtime_group,
+                      state_dir=state_dir)
     sidecar.install_signal_handlers()  # before the lock: whoever sees the lock may signal us at once
     try:
         sidecar.start()
@@ -89,6 +94,8 @@ def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float
         click.echo(f"memwatch serve: took over from the auto-started sidecar (pid {sidecar.took_over_from})",
                    err=True)
     click.echo(f"memwatch serve: rings in {sidecar.runtime_dir}, database {sidecar.db_path}", err=True)
+    if sidecar.state_dir != sidecar.runtime_dir:
+        click.echo(f"memwatch serve: its own files (lock, pid, refused rings) in {sidecar.state_dir}", err=True)
     trusted = sorted(trusted_uids(trust_uids))
     if trusted:
         click.echo(f"memwatch serve: also storing the rings of uid {', '.join(map(str, trusted))}", err=True)
@@ -112,6 +119,8 @@ def command(db_path: Path | None, runtime_dir: Path | None, poll_interval: float
         if endpoint is not None:
             endpoint.close()
     c = sidecar.collector
-    refused = f"; {c.rings_set_aside} ring(s) refused and moved to rejected/" if c.rings_set_aside else ""
+    refused = "" if not c.rings_set_aside else f"; {c.rings_set_aside} ring(s) refused and moved to rejected/" \
+        if c.rings_moved_aside == c.rings_set_aside else \
+        f"; {c.rings_set_aside} ring(s) refused, {c.rings_moved_aside} of them moved to rejected/"
     click.echo(f"memwatch serve: stopped after {c.records_total} records ({c.lost_total} lost, "
                f"{c.set_aside_total} set aside){refused}", err=True)

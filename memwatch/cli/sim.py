@@ -11,8 +11,8 @@ import click
 
 from memwatch_engine.ring import RingFormatError
 from memwatch_engine.ring_reader import RingReader
-from memwatch_engine.runtime import LOCK_NAME, PID_NAME, default_runtime_dir
-from memwatch_engine.spawn import IDLE_EXIT_SECONDS, sidecar_running
+from memwatch_engine.runtime import default_runtime_dir
+from memwatch_engine.spawn import IDLE_EXIT_SECONDS, sidecar_pid, sidecar_running
 
 from ..errors import MemwatchError, UsageError
 from ..sim import Scenario, SimulationResult, run_scenario, shipped_scenarios
@@ -132,15 +132,12 @@ def _drained(ring: Path) -> bool:
 
 
 def _sidecar_running(runtime: Path) -> bool:
-    """Whether a sidecar holds the runtime directory's lock (without creating the lock file to ask)."""
-    return (runtime / LOCK_NAME).exists() and sidecar_running(runtime)
+    """Whether a sidecar holds the runtime directory's lock, or its presence marker (creates nothing to ask)."""
+    return sidecar_running(runtime)
 
 
 def _sidecar_pid(runtime: Path) -> int | None:
-    try:
-        return int((runtime / PID_NAME).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
+    return sidecar_pid(runtime)
 
 
 def _list(as_json: bool) -> None:

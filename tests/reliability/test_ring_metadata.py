@@ -142,3 +142,35 @@ def test_the_sidecar_says_it_refused_a_ring_and_moved_it(runtime_dir: Path, db_p
     assert "ignoring ring badmeta-r0.ring: metadata gpu_total_bytes is str, not an integer; moved to" in done.stderr
     assert "1 ring(s) refused and moved to rejected/" in done.stderr, done.stderr
     assert (runtime_dir / "rejected" / "badmeta-r0.ring").is_file() and not list(runtime_dir.glob("*.ring"))
+
+
+def test_a_state_directory_on_another_file_system_refuses_the_ring_by_name_and_says_so(
+        runtime_dir: Path, db_path: Path) -> None:
+    import tempfile
+
+    from memwatch.collector import Collector
+    from memwatch.store import open_store
+    from memwatch.store.writer import StoreWriter
+    from memwatch_engine.dirfd import open_dir
+
+    from stored_runs import drain
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as other:  # tmpfs: another file system than the tests' /tmp
+        assert os.stat(other).st_dev != os.stat(runtime_dir).st_dev
+        os.chmod(other, 0o700)
+        bad = _ring(runtime_dir, "badmeta", {**GOOD_META, "gpu_total_bytes": "x"})
+        writer = StoreWriter(open_store(db_path))
+        writer.start()
+        state_fd = open_dir(other)
+        collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False, state_fd=state_fd)
+        os.close(state_fd)
+        for _ in range(3):  # scanned again: refused by name, once
+            collector.scan()
+            drain(collector)
+        assert writer.flush(timeout=60)
+        collector.close()
+        writer.close()
+        assert bad.is_file() and os.listdir(Path(other) / "rejected") == []
+    assert _rows(db_path, "SELECT reason FROM set_aside") == [(
+        "ring set aside: badmeta-r0.ring: metadata gpu_total_bytes is str, not an integer; not moved: the state "
+        "directory is on another file system; it stays in the runtime directory and is not read again",)]

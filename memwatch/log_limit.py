@@ -1,0 +1,64 @@
+"""Log lines another uid can cause, limited: at most a few per minute per kind, then one line with a count.
+
+A user who can create names in the runtime directory makes the sidecar say something about each; without
+a limit, 500,000 names were 114 MB of log. Past the limit a line is dropped and counted; when its window
+ends, one summary line says how many were dropped and what the last one was about.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+LINES_PER_WINDOW = 20
+WINDOW_S = 60.0
+
+
+@dataclass
+class _Window:
+    started: float
+    lines: int = 0
+    dropped: int = 0
+    last: tuple[str, tuple[object, ...]] = ("", ())
+
+
+class LogLimiter:
+    """``warning(kind, msg, *args)`` logs at most ``lines`` lines of one ``kind`` per ``window`` seconds."""
+
+    def __init__(self, log: logging.Logger, lines: int = LINES_PER_WINDOW, window: float = WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = log
+        self._lines = lines
+        self._window = window
+        self._clock = clock
+        self._kinds: dict[str, _Window] = {}
+
+    def warning(self, kind: str, msg: str, *args: object) -> None:
+        now = self._clock()
+        window = self._kinds.get(kind)
+        if window is None or now - window.started >= self._window:
+            self._close(kind, window)
+            window = self._kinds[kind] = _Window(now)
+        if window.lines < self._lines:
+            window.lines += 1
+            self._log.warning(msg, *args)
+            return
+        window.dropped += 1
+        window.last = (msg, args)  # formatted only if it is the last when the window closes
+
+    def flush(self, *, all_windows: bool = False) -> None:
+        """Say what the windows that have ended (or, at exit, all) dropped; called now and then, e.g. every scan."""
+        now = self._clock()
+        for kind, window in list(self._kinds.items()):
+            if all_windows or now - window.started >= self._window:
+                self._close(kind, window)
+                del self._kinds[kind]
+
+    def _close(self, kind: str, window: _Window | None) -> None:
+        if window is not None and window.dropped:
+            msg, args = window.last
+            self._log.warning("%d more '%s' lines in the last %.0f s were not logged (the last: %s)",
+                              window.dropped, kind, min(self._window, self._clock() - window.started),
+                              (msg % args if args else msg)[:300])
