@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -91,7 +92,7 @@ def test_files_that_are_not_regular_or_too_large_are_refused_without_reading(
 
 
 def _long_to_read(entries: int = 200_000) -> bytes:
-    """A valid snapshot of one trace entry repeated: a few hundred KB that take over a second of CPU to walk."""
+    """A valid snapshot of one trace entry repeated: 2 bytes an entry, about 4 µs of CPU each to walk."""
     entry = {"action": "alloc", "addr": 1, "size": 2, "stream": 0, "time_us": 5,
              "frames": [{"filename": "a.py", "line": 1, "name": "f"}]}
     return pickle.dumps({"segments": [], "device_traces": [[entry] * entries]})
@@ -107,7 +108,7 @@ def test_a_reader_past_its_wall_time_is_killed() -> None:
 def test_a_reader_past_its_cpu_time_is_stopped() -> None:
     started = time.monotonic()
     with pytest.raises(UsageError, match=r"within the limits \(it used more than 1s of CPU time\)"):
-        parse_in_child(_long_to_read(), "slow.pickle", Limits(cpu_s=1))
+        parse_in_child(_long_to_read(1_000_000), "slow.pickle", Limits(cpu_s=1))
     assert time.monotonic() - started < 5
 
 
@@ -177,8 +178,8 @@ def _engine(runtime_dir: Path, db_path: Path, run_id: str, rank: int, steps: int
 
 
 def test_the_sidecar_records_the_bomb_once_keeps_draining_and_stops_at_once(
-        runtime_dir: Path, db_path: Path, tmp_path: Path) -> None:
-    path = tmp_path / "bomb.pickle"
+        runtime_dir: Path, db_path: Path) -> None:
+    path = db_path.parent / "oom-bombed-r0-12.pickle"  # where and as the engine writes it
     path.write_bytes(bomb_snapshot())
     path.chmod(0o644)
     with SidecarProcess(runtime_dir, db_path) as sidecar:
@@ -203,29 +204,31 @@ def test_the_sidecar_records_the_bomb_once_keeps_draining_and_stops_at_once(
     assert len(_events(db_path, "snapshot_failed")) == 1
 
 
-def test_a_restarted_importer_never_retries_a_failure(db_path: Path, tmp_path: Path) -> None:
-    path = tmp_path / "fifo.pickle"
+def test_a_restarted_importer_never_retries_a_failure(db_path: Path) -> None:
+    path = db_path.parent / "oom-r1-r0-7.pickle"
     os.mkfifo(path)
+    header = SimpleNamespace(owner_uid=os.getuid())  # the ring's writer
     oom = Event("r1", 0, 7, 1_000, "oom", {"snapshot_path": str(path)})
     outcomes = []
     for _ in range(2):  # the second importer is a restarted sidecar's
         writer = StoreWriter(open_store(db_path))
         writer.start()
         importer = SnapshotImporter(writer, lambda: open_store(db_path, readonly=True))
-        importer(None, [oom])  # type: ignore[arg-type]
+        importer(header, [oom])  # type: ignore[arg-type]
         wait_for(lambda i=importer: i.failed + i.skipped, timeout=10, what="the importer to decide")
         importer.close(timeout=10)
         assert writer.flush(timeout=10)
         writer.close()
         outcomes.append((importer.failed, importer.skipped))
     assert outcomes == [(1, 0), (0, 1)]
-    assert _events(db_path, "snapshot_failed") == [{"path": str(path), "reason": f"{path} is not a regular file"}]
+    assert _events(db_path, "snapshot_failed") == [{"path": str(path), "reason": f"{path} is not a regular file (a "
+                                                    "FIFO); give the pickle torch.cuda.memory._dump_snapshot wrote"}]
 
 
 def test_sigterm_during_a_long_import_stops_the_sidecar_at_once_and_records_no_failure(
-        runtime_dir: Path, db_path: Path, tmp_path: Path) -> None:
-    path = tmp_path / "long.pickle"
-    path.write_bytes(_long_to_read(3_000_000))  # tens of seconds of CPU to walk
+        runtime_dir: Path, db_path: Path) -> None:
+    path = db_path.parent / "oom-long-r0-12.pickle"
+    path.write_bytes(_long_to_read(2_400_000))  # about 10 s of CPU to walk
     path.chmod(0o644)
     with SidecarProcess(runtime_dir, db_path) as sidecar:
         _engine(runtime_dir, db_path, "long", 0, 3, str(path))

@@ -11,13 +11,14 @@ from ..snapshot import import_snapshot
 from ..store import open_store
 from ..terminal import printable
 from ..units import format_bytes
-from .options import db_option, json_option
+from .options import Text, db_option, int_range, json_option
 
 
 @click.command("import-snapshot")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--run", "run", required=True, help="The run to join it to: an id, a unique prefix, or `latest`.")
-@click.option("--rank", type=int, default=None,
+@click.option("--run", "run", type=Text(), required=True,
+              help="The run to join it to: an id, a unique prefix, or `latest`.")
+@click.option("--rank", type=int_range(0), default=None,
               help="The rank it belongs to (default: the rank whose out-of-memory wrote it, else the first).")
 @db_option
 @json_option
@@ -30,8 +31,11 @@ def command(file: Path, run: str, rank: int | None, db_path: Path | None, as_jso
     allocator grew by, and the trace's out-of-memory entry (with the requested bytes and what CUDA
     still had free). The file is read with a loader that builds plain data only: nothing in it is
     executed. Importing the same file twice adds nothing the second time. The file must be a regular
-    file of at most 256 MiB; it is read in a child process limited to 60 s of CPU, 4 GiB of memory
-    and 120 s in all. An entry holding a number out of range is set aside, and counted.
+    file (not a symlink, FIFO or device) of at most 256 MiB; it is read in a child process limited to
+    60 s of CPU, 384 MiB of memory and 120 s in all, as the file's owner when run by root (nobody for
+    root's own files). A snapshot takes about 5 times its size to load, so one over about 70 MB is
+    refused for memory: record a shorter history (_record_memory_history's max_entries). The whole
+    import stays under 512 MB. An entry holding a number out of range is set aside, and counted.
     """
     result = import_snapshot(open_store(db_path), run, file, rank=rank)
     if as_json:

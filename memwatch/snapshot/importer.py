@@ -4,11 +4,12 @@ Events written (their ``data`` is JSON):
 
 * ``snapshot_imported``: the file, its SHA-256, segment and trace-entry counts, reserved and allocated bytes,
   and ``set_aside``: entries left out for a number out of range.
-* ``snapshot_allocation``: one per largest live allocation (:data:`TOP_ALLOCATIONS`), with its
-  requested size, segment and top :data:`TOP_FRAMES` frames.
+* ``snapshot_allocation``: one per largest live allocation (:data:`~.reader.TOP_ALLOCATIONS`), with its
+  requested size, segment and top :data:`~.reader.TOP_FRAMES` frames.
 * ``snapshot_segments``: segment growth in the trace (``segment_alloc``/``segment_free`` counts and
   bytes) and the last segments the allocator asked ``cudaMalloc`` for.
-* ``snapshot_oom``: the trace's ``oom`` entry: requested bytes, what CUDA still had free, its frames.
+* ``snapshot_oom``: one per ``oom`` entry of the trace (its last :data:`~.reader.MAX_OOMS`): requested
+  bytes, what CUDA still had free, its frames.
 
 Trace entries carry their own wall-clock time (``time_us``), so they land at their moment in the
 timeline; the rest is placed at the snapshot's moment (its ``oom`` entry, else the rank's ``oom``
@@ -31,9 +32,6 @@ from memwatch.store.writer import INSERT_EVENT
 if TYPE_CHECKING:
     from memwatch.store.db import Database
 
-TOP_ALLOCATIONS = 10
-TOP_FRAMES = 5
-LAST_SEGMENTS = 10
 SNAPSHOT_KINDS = ("snapshot_imported", "snapshot_allocation", "snapshot_segments", "snapshot_oom")
 
 
@@ -50,9 +48,7 @@ class ImportResult:
 
 
 def _frames(frames: tuple[Frame, ...]) -> list[dict[str, Any]]:
-    """The innermost frames that are not the allocator's own Python wrappers."""
-    useful = [f for f in frames if not f.filename.endswith(("torch/cuda/memory.py", "torch/_tensor.py"))] or frames
-    return [f.to_dict() for f in list(useful)[:TOP_FRAMES]]
+    return [f.to_dict() for f in frames]
 
 
 def _step_at(db: Database, run_id: str, rank: int, ts_ns: int) -> int:
@@ -65,9 +61,8 @@ def _step_at(db: Database, run_id: str, rank: int, ts_ns: int) -> int:
 
 def _moment(db: Database, run_id: str, rank: int, snapshot: MemorySnapshot,
             oom_event: Event | None) -> int:
-    oom_entry = next((t for t in reversed(snapshot.traces) if t.action == "oom" and t.time_us), None)
-    if oom_entry is not None:
-        return oom_entry.time_us * 1000  # type: ignore[operator]
+    if snapshot.oom_time_us:
+        return snapshot.oom_time_us * 1000
     if oom_event is not None:
         return oom_event.ts_ns
     row = db.execute("SELECT max(ts_ns) FROM samples WHERE run_id = ? AND rank = ?", (run_id, rank)).fetchone()
@@ -91,30 +86,26 @@ def snapshot_events(db: Database, run_id: str, rank: int, snapshot: MemorySnapsh
         at_step = step if ts_ns == moment else _step_at(db, run_id, rank, ts_ns)
         return Event(run_id, rank, at_step, ts_ns, kind, data)
 
-    actions: dict[str, int] = {}
-    for entry in snapshot.traces:
-        actions[entry.action] = actions.get(entry.action, 0) + 1
     out = [event("snapshot_imported", {
-        "path": path, "sha256": sha256, "devices": list(snapshot.devices), "segments": len(snapshot.segments),
+        "path": path, "sha256": sha256, "devices": list(snapshot.devices), "segments": snapshot.segments,
         "reserved_bytes": snapshot.reserved_bytes, "allocated_bytes": snapshot.allocated_bytes,
-        "trace_entries": len(snapshot.traces), "trace_actions": actions, "set_aside": snapshot.set_aside,
+        "trace_entries": snapshot.trace_entries, "trace_actions": dict(snapshot.trace_actions),
+        "set_aside": snapshot.set_aside,
     })]
-    live = snapshot.live_blocks()
-    for place, block in enumerate(live[:TOP_ALLOCATIONS], start=1):
+    for place, block in enumerate(snapshot.largest, start=1):
         out.append(event("snapshot_allocation", {
             "place": place, "size_bytes": block.size, "requested_bytes": block.requested_size,
             "address": block.address, "segment_address": block.segment_address, "device": block.device,
             "frames": _frames(block.frames),
         }))
-    grown = [t for t in snapshot.traces if t.action == "segment_alloc"]
-    freed = [t for t in snapshot.traces if t.action == "segment_free"]
     out.append(event("snapshot_segments", {
-        "segments": len(snapshot.segments), "reserved_bytes": snapshot.reserved_bytes,
-        "live_allocations": len(live), "segment_allocs": len(grown), "segment_alloc_bytes": sum(t.size for t in grown),
-        "segment_frees": len(freed), "segment_free_bytes": sum(t.size for t in freed),
-        "last_segment_allocs": [_entry(t) for t in grown[-LAST_SEGMENTS:]],
+        "segments": snapshot.segments, "reserved_bytes": snapshot.reserved_bytes,
+        "live_allocations": snapshot.live_allocations, "segment_allocs": snapshot.segment_allocs,
+        "segment_alloc_bytes": snapshot.segment_alloc_bytes, "segment_frees": snapshot.segment_frees,
+        "segment_free_bytes": snapshot.segment_free_bytes,
+        "last_segment_allocs": [_entry(t) for t in snapshot.last_segment_allocs],
     }))
-    for entry in (t for t in snapshot.traces if t.action == "oom"):
+    for entry in snapshot.ooms:
         ts = entry.time_us * 1000 if entry.time_us else moment
         out.append(event("snapshot_oom", {
             "requested_bytes": entry.size, "device_free_bytes": entry.device_free, "device": entry.device,

@@ -1,4 +1,4 @@
-"""Reading a PyTorch memory snapshot pickle without running anything from it.
+"""Reading a PyTorch memory snapshot pickle without running anything from it, into a bounded summary.
 
 ``torch.cuda.memory._dump_snapshot`` pickles a plain dictionary: ``segments`` (one per ``cudaMalloc``,
 each with its ``blocks`` and their allocation ``frames``) and ``device_traces`` (per device, the
@@ -12,17 +12,23 @@ can come out of it. Anything else, a truncated file or a pickle of another shape
 
 What comes out is walked field by field with type checks, never turned into text as a whole (a
 list holding itself twice, sixty levels deep, would take for ever to print) and never beyond
-:data:`MAX_ITEMS` entries (shared references can make a small file name billions). Text is cut at
+:data:`MAX_ITEMS` entries (shared references can make a small file name billions). The walk keeps
+only what the import stores (counts, sums, the :data:`TOP_ALLOCATIONS` largest live blocks, the last
+:data:`LAST_SEGMENTS` segment growths, the last :data:`MAX_OOMS` ``oom`` entries, each with its
+:data:`TOP_FRAMES` innermost useful frames), so what it holds does not grow with the entries it
+reads: one frame shared by 500,000 trace entries costs a count, not 500,000 copies. Text is cut at
 :data:`MAX_TEXT` characters with invalid code points replaced; an entry with a number out of range
 (a 5,000-digit size) is set aside and counted. The file itself is read by :mod:`.untrusted`.
 """
 
 from __future__ import annotations
 
+import heapq
 import io
 import pickle
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 from memwatch.errors import UsageError
 
@@ -34,6 +40,22 @@ MAX_INT = 1 << 64
 """Sizes, addresses, streams and line numbers are within plus or minus this."""
 MAX_TIME_US = (1 << 63) // 1000
 """A trace time becomes a nanosecond column, a 64-bit SQLite integer."""
+TOP_ALLOCATIONS = 10
+"""Largest live blocks kept."""
+TOP_FRAMES = 5
+"""Innermost frames kept of a block or trace entry (the allocator's own Python wrappers skipped)."""
+LAST_SEGMENTS = 10
+"""Last ``segment_alloc`` trace entries kept."""
+MAX_OOMS = 16
+"""Last ``oom`` trace entries kept (a library that retries a smaller request can cause several)."""
+MAX_ACTIONS = 64
+"""Distinct trace actions counted by name; the rest are counted under :data:`OTHER_ACTIONS`."""
+MAX_ACTION_NAME = 64
+"""Characters of an action counted by name (torch's are short); a longer one is counted under :data:`OTHER_ACTIONS`."""
+OTHER_ACTIONS = "(other)"
+MAX_DEVICES = 256
+"""Distinct device numbers listed."""
+_WRAPPERS = ("torch/cuda/memory.py", "torch/_tensor.py")
 
 
 class _PlainDataUnpickler(pickle.Unpickler):
@@ -61,7 +83,7 @@ class Frame:
 
 @dataclass(frozen=True)
 class Block:
-    """A piece of a segment: a live tensor (``active_allocated``), one awaiting free, or cached (``inactive``)."""
+    """A live piece of a segment (``active_allocated``): a tensor's memory."""
 
     device: int
     segment_address: int
@@ -70,18 +92,7 @@ class Block:
     requested_size: int | None
     state: str
     frames: tuple[Frame, ...]
-
-
-@dataclass(frozen=True)
-class Segment:
-    device: int
-    address: int
-    total_size: int
-    allocated_size: int
-    active_size: int
-    segment_type: str | None
-    stream: int | None
-    blocks: tuple[Block, ...]
+    """The innermost :data:`TOP_FRAMES` frames that are not the allocator's own wrappers."""
 
 
 @dataclass(frozen=True)
@@ -94,35 +105,40 @@ class TraceEntry:
     time_us: int | None
     device_free: int | None
     frames: tuple[Frame, ...]
+    """As :attr:`Block.frames`."""
 
 
 @dataclass(frozen=True)
 class MemorySnapshot:
-    segments: tuple[Segment, ...]
-    traces: tuple[TraceEntry, ...]
-    """Every device's trace, each in the order the allocator recorded it."""
-    devices: tuple[int, ...] = field(default=())
+    """What an import stores of a snapshot: bounded whatever the file held."""
+
+    devices: tuple[int, ...] = ()
+    segments: int = 0
+    reserved_bytes: int = 0
+    allocated_bytes: int = 0
+    live_allocations: int = 0
+    largest: tuple[Block, ...] = ()
+    """The largest live blocks, largest first (ties in the file's order)."""
+    trace_entries: int = 0
+    trace_actions: dict[str, int] = field(default_factory=dict)
+    segment_allocs: int = 0
+    segment_alloc_bytes: int = 0
+    segment_frees: int = 0
+    segment_free_bytes: int = 0
+    last_segment_allocs: tuple[TraceEntry, ...] = ()
+    ooms: tuple[TraceEntry, ...] = ()
+    """The trace's last ``oom`` entries, in the order the allocator recorded them."""
+    oom_time_us: int | None = None
+    """The time of the trace's last ``oom`` entry that has one: the snapshot's moment."""
     set_aside: int = 0
     """Entries left out because a number in them was out of range."""
 
-    @property
-    def reserved_bytes(self) -> int:
-        return sum(segment.total_size for segment in self.segments)
 
-    @property
-    def allocated_bytes(self) -> int:
-        return sum(segment.allocated_size for segment in self.segments)
-
-    def live_blocks(self) -> list[Block]:
-        """Blocks a tensor holds, largest first."""
-        blocks = [b for s in self.segments for b in s.blocks if b.state == "active_allocated"]
-        return sorted(blocks, key=lambda block: block.size, reverse=True)
-
-
-def parse_snapshot(raw: bytes, name: str = "the snapshot") -> MemorySnapshot:
+def parse_snapshot(source: bytes | IO[bytes], name: str = "the snapshot") -> MemorySnapshot:
+    """The summary of the pickle in ``source``: bytes, or a binary file the loader reads as it goes."""
     hint = "give the pickle torch.cuda.memory._dump_snapshot wrote"
     try:
-        data = _PlainDataUnpickler(io.BytesIO(raw)).load()
+        data = _PlainDataUnpickler(io.BytesIO(source) if isinstance(source, bytes) else source).load()
     except pickle.UnpicklingError as exc:
         raise UsageError(f"{name} is not a PyTorch memory snapshot ({exc}); {hint}") from None
     except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, UnicodeDecodeError,
@@ -130,7 +146,7 @@ def parse_snapshot(raw: bytes, name: str = "the snapshot") -> MemorySnapshot:
         what = "it is truncated" if isinstance(exc, EOFError) else f"it is not a valid pickle: {exc}"
         raise UsageError(f"{name} is not a readable PyTorch memory snapshot ({what}); {hint}") from None
     try:
-        return _snapshot(data)
+        return _Walk().snapshot(data)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"{name} is not a PyTorch memory snapshot ({_shape_error(exc)}); {hint}") from None
 
@@ -147,8 +163,10 @@ class _OutOfRange(Exception):
 
 def clean_text(value: str) -> str:
     """``value`` cut to :data:`MAX_TEXT` characters, lone surrogates (invalid in UTF-8) replaced by U+FFFD."""
-    value = value[:MAX_TEXT]
-    return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace") if _has_surrogate(value) else value
+    value = value[:MAX_TEXT]  # the same object when it is short enough: a shared frame costs no copy
+    if value.isascii() or not _has_surrogate(value):
+        return value
+    return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 def _has_surrogate(value: str) -> bool:
@@ -159,62 +177,120 @@ def _has_surrogate(value: str) -> bool:
     return False
 
 
+class _Top:
+    """The ``n`` largest blocks seen, ties kept in the order they came: a heap of ``n``, not a list of all."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.heap: list[tuple[int, int, Block]] = []
+        self.seen = 0
+
+    def add(self, block: Block) -> None:
+        self.seen += 1
+        item = (block.size, -self.seen, block)
+        if len(self.heap) < self.n:
+            heapq.heappush(self.heap, item)
+        elif item[:2] > self.heap[0][:2]:
+            heapq.heapreplace(self.heap, item)
+
+    def blocks(self) -> list[Block]:
+        return [block for _, _, block in sorted(self.heap, key=lambda item: item[:2], reverse=True)]
+
+
 class _Walk:
-    """One pass over the unpickled data: type checks, the item budget and the entries set aside."""
+    """One pass over the unpickled data: type checks, the item budget, the entries set aside, the summary."""
 
     def __init__(self) -> None:
         self.items = 0
         self.set_aside = 0
+        self.devices: set[int] = set()
+        self.segments = self.reserved = self.allocated = self.live = 0
+        self.top = _Top(TOP_ALLOCATIONS)
+        self.entries = 0
+        self.actions: dict[str, int] = {}
+        self.grown: deque[TraceEntry] = deque(maxlen=LAST_SEGMENTS)
+        self.grown_count = self.grown_bytes = self.freed_count = self.freed_bytes = 0
+        self.ooms: deque[TraceEntry] = deque(maxlen=MAX_OOMS)
+        self.oom_time_us: int | None = None
 
     def count(self, n: int = 1) -> None:
         self.items += n
         if self.items > MAX_ITEMS:
             raise ValueError(f"it holds more than {MAX_ITEMS:,} entries")
 
+    def device(self, device: int) -> None:
+        if len(self.devices) < MAX_DEVICES:
+            self.devices.add(device)
+
     def snapshot(self, data: Any) -> MemorySnapshot:
         if not isinstance(data, dict) or "segments" not in data or "device_traces" not in data:
             raise ValueError("expected a dictionary with 'segments' and 'device_traces'")
-        segments = [s for s in map(self._aside(self.segment), _list(data["segments"], "segments")) if s is not None]
-        traces: list[TraceEntry] = []
+        for value in _list(data["segments"], "segments"):
+            self.aside(self.segment, value)
         for device, entries in enumerate(_list(data["device_traces"], "device_traces")):
             self.count()
-            read = self._aside(lambda entry, device=device: self.trace_entry(device, entry))
-            traces.extend(t for t in map(read, _list(entries, "a device trace")) if t is not None)
-        devices = sorted({s.device for s in segments} | {t.device for t in traces})
-        return MemorySnapshot(tuple(segments), tuple(traces), tuple(devices), self.set_aside)
+            for value in _list(entries, "a device trace"):
+                self.aside(self.trace_entry, device, value)
+        return MemorySnapshot(
+            tuple(sorted(self.devices)), self.segments, self.reserved, self.allocated, self.live,
+            tuple(self.top.blocks()), self.entries, self.actions, self.grown_count, self.grown_bytes,
+            self.freed_count, self.freed_bytes, tuple(self.grown), tuple(self.ooms), self.oom_time_us,
+            self.set_aside)
 
-    def _aside(self, read: Any) -> Any:
-        def reading(value: Any) -> Any:
-            self.count()
-            try:
-                return read(value)
-            except _OutOfRange:
-                self.set_aside += 1
-                return None
-        return reading
+    def aside(self, read: Any, *args: Any) -> None:
+        """Count one entry and read it; one with a number out of range is set aside."""
+        self.count()
+        try:
+            read(*args)
+        except _OutOfRange:
+            self.set_aside += 1
 
     def frames(self, value: Any) -> tuple[Frame, ...]:
-        frames = []
+        """Every frame checked; the first :data:`TOP_FRAMES` useful ones kept (else the first ones)."""
+        useful: list[Frame] = []
+        first: list[Frame] = []
         for frame in _list(value, "frames") if value is not None else ():
             self.count()
             f = _dict(frame, "a frame")
-            frames.append(Frame(_text(f.get("filename", "?"), "a frame's filename"),
-                                _optional_int(f.get("line"), "a frame's line"), _text(f.get("name", "?"),
-                                                                                       "a frame's name")))
-        return tuple(frames)
+            filename = _text(f.get("filename", "?"), "a frame's filename")
+            line = _optional_int(f.get("line"), "a frame's line")
+            name = _text(f.get("name", "?"), "a frame's name")
+            if len(useful) < TOP_FRAMES and not filename.endswith(_WRAPPERS):
+                useful.append(Frame(filename, line, name))
+            if len(first) < TOP_FRAMES:
+                first.append(Frame(filename, line, name))
+        return tuple(useful or first)
 
-    def segment(self, value: Any) -> Segment:
+    def segment(self, value: Any) -> None:
         s = _dict(value, "a segment")
         address = _int(s["address"], "a segment's address")
         device = _optional_int(s.get("device"), "a segment's device") or 0
-        read = self._aside(lambda raw: self.block(device, address, raw))
-        blocks = [b for b in map(read, _list(s.get("blocks", []), "a segment's blocks")) if b is not None]
+        top = _Top(TOP_ALLOCATIONS)  # joined to the snapshot's only once the whole segment is read
+        live = 0
+        for raw in _list(s.get("blocks", []), "a segment's blocks"):
+            self.count()
+            try:
+                block = self.block(device, address, raw)
+            except _OutOfRange:
+                self.set_aside += 1
+                continue
+            if block.state == "active_allocated":
+                live += 1
+                top.add(block)
+        total = _int(s["total_size"], "a segment's total_size")
+        allocated = _optional_int(s.get("allocated_size"), "a segment's allocated_size") or 0
+        _optional_int(s.get("active_size"), "a segment's active_size")
         segment_type = s.get("segment_type")
-        return Segment(device, address, _int(s["total_size"], "a segment's total_size"),
-                       _optional_int(s.get("allocated_size"), "a segment's allocated_size") or 0,
-                       _optional_int(s.get("active_size"), "a segment's active_size") or 0,
-                       None if segment_type is None else _text(segment_type, "a segment's segment_type"),
-                       _optional_int(s.get("stream"), "a segment's stream"), tuple(blocks))
+        if segment_type is not None:
+            _text(segment_type, "a segment's segment_type")
+        _optional_int(s.get("stream"), "a segment's stream")
+        self.segments += 1
+        self.reserved += total
+        self.allocated += allocated
+        self.live += live
+        self.device(device)
+        for block in top.blocks():
+            self.top.add(block)
 
     def block(self, device: int, segment_address: int, value: Any) -> Block:
         b = _dict(value, "a block")
@@ -223,18 +299,31 @@ class _Walk:
                      _optional_int(b.get("requested_size"), "a block's requested_size"),
                      _text(b["state"], "a block's state"), self.frames(b.get("frames")))
 
-    def trace_entry(self, device: int, value: Any) -> TraceEntry:
+    def trace_entry(self, device: int, value: Any) -> None:
         e = _dict(value, "a trace entry")
-        return TraceEntry(device, _text(e["action"], "a trace entry's action"),
-                          _optional_int(e.get("addr"), "a trace entry's addr"),
-                          _int(e["size"], "a trace entry's size"), _optional_int(e.get("stream"), "a stream"),
-                          _time_us(e.get("time_us")),
-                          _optional_int(e.get("device_free"), "a trace entry's device_free"),
-                          self.frames(e.get("frames")))
-
-
-def _snapshot(data: Any) -> MemorySnapshot:
-    return _Walk().snapshot(data)
+        entry = TraceEntry(device, _text(e["action"], "a trace entry's action"),
+                           _optional_int(e.get("addr"), "a trace entry's addr"),
+                           _int(e["size"], "a trace entry's size"), _optional_int(e.get("stream"), "a stream"),
+                           _time_us(e.get("time_us")),
+                           _optional_int(e.get("device_free"), "a trace entry's device_free"),
+                           self.frames(e.get("frames")))
+        self.entries += 1
+        self.device(device)
+        action = entry.action
+        if len(action) > MAX_ACTION_NAME or (action not in self.actions and len(self.actions) >= MAX_ACTIONS):
+            action = OTHER_ACTIONS
+        self.actions[action] = self.actions.get(action, 0) + 1
+        if entry.action == "segment_alloc":
+            self.grown.append(entry)
+            self.grown_count += 1
+            self.grown_bytes += entry.size
+        elif entry.action == "segment_free":
+            self.freed_count += 1
+            self.freed_bytes += entry.size
+        elif entry.action == "oom":
+            self.ooms.append(entry)
+            if entry.time_us:
+                self.oom_time_us = entry.time_us
 
 
 def _list(value: Any, what: str) -> list[Any] | tuple[Any, ...]:
@@ -275,27 +364,3 @@ def _text(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{what} is a {type(value).__name__}, not text")
     return clean_text(value)
-
-
-def to_plain(snapshot: MemorySnapshot) -> dict[str, Any]:
-    """The snapshot as plain data that :func:`parse_snapshot`'s walk reads back into the same snapshot."""
-    traces: list[list[dict[str, Any]]] = [[] for _ in range(max((t.device for t in snapshot.traces), default=-1) + 1)]
-    for t in snapshot.traces:
-        traces[t.device].append({"action": t.action, "addr": t.addr, "size": t.size, "stream": t.stream,
-                                 "time_us": t.time_us, "device_free": t.device_free,
-                                 "frames": [f.to_dict() for f in t.frames]})
-    return {"segments": [
-        {"device": s.device, "address": s.address, "total_size": s.total_size, "allocated_size": s.allocated_size,
-         "active_size": s.active_size, "segment_type": s.segment_type, "stream": s.stream,
-         "blocks": [{"address": b.address, "size": b.size, "requested_size": b.requested_size, "state": b.state,
-                     "frames": [f.to_dict() for f in b.frames]} for b in s.blocks]}
-        for s in snapshot.segments], "device_traces": traces, "set_aside": snapshot.set_aside}
-
-
-def from_plain(data: dict[str, Any]) -> MemorySnapshot:
-    """:func:`to_plain`'s data (from the reading child process) back into a snapshot."""
-    walk = _Walk()
-    snapshot = walk.snapshot(data)
-    set_aside = data.get("set_aside")
-    extra = set_aside if isinstance(set_aside, int) and 0 <= set_aside <= MAX_ITEMS else 0
-    return MemorySnapshot(snapshot.segments, snapshot.traces, snapshot.devices, snapshot.set_aside + extra)
