@@ -10,8 +10,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from memwatch.daemon import Sidecar
-from memwatch.health import REQUEST_TIMEOUT_S, HealthEndpoint
+from memwatch.errors import UnavailableError
+from memwatch.export.http_serving import REQUEST_DEADLINE_S
+from memwatch.health import HealthEndpoint
 
 from processes import memwatch_env, wait_for
 
@@ -70,15 +74,50 @@ def test_readiness_and_liveness_follow_the_sidecars_state(runtime_dir: Path, db_
     assert not alive and "store writer stopped" in why
 
 
-def test_a_client_that_sends_nothing_holds_a_probe_back_for_the_request_timeout_at_most() -> None:
+def test_silent_and_half_sent_connections_do_not_hold_a_probe_back() -> None:
     endpoint = HealthEndpoint("127.0.0.1", 0, lambda: (True, False, "starting"))
     endpoint.start()
+    held: list[socket.socket] = []
     try:
-        silent = socket.create_connection(("127.0.0.1", endpoint.port))
-        started = time.monotonic()
-        assert _get(endpoint.port, "/readyz") == (503, "starting\n")
-        assert _get(endpoint.port, "/healthz") == (200, "ok\n")
-        assert time.monotonic() - started < REQUEST_TIMEOUT_S + 1.5
-        silent.close()
+        for i in range(16):  # before: answered one at a time, each of these held the listener 2 s
+            conn = socket.create_connection(("127.0.0.1", endpoint.port), timeout=5)
+            if i % 2:
+                conn.sendall(b"GET /heal")
+            held.append(conn)
+        for _ in range(8):
+            started = time.monotonic()
+            assert _get(endpoint.port, "/readyz") == (503, "starting\n")
+            assert _get(endpoint.port, "/healthz") == (200, "ok\n")
+            assert time.monotonic() - started < 1.0
+        assert _get(endpoint.port, "/metrics")[0] == 404
+        # The held connections are closed at the deadline counted from accept, whatever they sent.
+        deadline = time.monotonic() + REQUEST_DEADLINE_S + 1
+        for conn in held:
+            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            assert conn.recv(1) == b""
+        assert endpoint.listener.expired == 16 and endpoint.listener.answered == 17
+    finally:
+        for conn in held:
+            conn.close()
+        endpoint.close()
+
+
+def test_a_failing_check_is_a_503_with_its_reason_not_a_dropped_connection() -> None:
+    def broken() -> tuple[bool, bool, str]:
+        raise RuntimeError("boom")
+
+    endpoint = HealthEndpoint("127.0.0.1", 0, broken)
+    endpoint.start()
+    try:
+        assert _get(endpoint.port, "/healthz") == (503, "the health check failed: RuntimeError\n")
     finally:
         endpoint.close()
+
+
+def test_a_taken_port_is_one_line_naming_the_option() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        endpoint = HealthEndpoint("127.0.0.1", taken.getsockname()[1], lambda: (True, True, ""))
+        with pytest.raises(UnavailableError, match=r"for --health: .*; pass another \[HOST:\]PORT"):
+            endpoint.start()

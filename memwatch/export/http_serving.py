@@ -1,145 +1,415 @@
-"""Serving HTTP from the sidecar with bounded threads, sockets and time, whoever connects.
+"""Serving HTTP from the sidecar so that no client can starve a probe or a scrape.
 
-Any local user can connect to the scrape port. A thread per connection with no read timeout let
-4,000 idle connections grow the sidecar by 115 MB. Here one thread waits for every connection to
-send its request (a socket costs a file descriptor, not a thread); only a connection whose request
-has started arriving gets one of :data:`WORKERS` threads. Connections that have sent nothing after
-:data:`IDLE_TIMEOUT_S` are closed; past :data:`MAX_WAITING` the oldest waiting one is closed to make
-room, so a flood of idle sockets cannot keep a real scrape (which sends its request at once) out.
-A request that stalls half-way is cut after :data:`IDLE_TIMEOUT_S` without a byte.
+Any local user (any pod, where the port is bound to ``0.0.0.0``) can connect, send nothing, send half a
+request, or drip a byte every few seconds. A thread that waits on such a client is a thread a probe does
+not get, so here no thread ever waits on a client: one event loop per listener (``asyncio``, on a named
+daemon thread) accepts, reads every request line and header and writes every answer itself, and a
+connection costs a file descriptor and about a kilobyte. Whoever connects:
+
+- **A total deadline.** A request (its line and headers, at most :data:`MAX_REQUEST_BYTES`) must be
+  complete :data:`REQUEST_DEADLINE_S` after it was accepted, however its bytes trickle in; an answer must
+  be written :data:`RESPONSE_DEADLINE_S` after its request. Then the connection is closed: there is no
+  keep-alive, so no idle connection is kept.
+- **A bounded number of connections.** At most :func:`connection_cap` are open; when a new one comes,
+  the oldest that has not completed its request is closed to make room. A probe or a scrape sends its
+  request at once, so it always gets in, and is answered within milliseconds.
+- **Only a complete request reaches a handler.** Cheap routes (the health checks) run on the loop; a
+  costly one (``/metrics``) runs on :data:`WORKERS` threads with at most :data:`QUEUED` requests waiting;
+  beyond, a request is answered 503 at once.
+
+Repeated trouble (no file descriptors left, connections evicted, a handler failing) is logged at most
+once a minute, with a count.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
-import selectors
+import queue
+import re
+import resource
 import socket
 import threading
 import time
 from collections import OrderedDict
-from http.server import HTTPServer
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import UnavailableError
 
 log = logging.getLogger("memwatch.export")
 
+REQUEST_DEADLINE_S = 5.0
+"""Seconds from accept to a request's last header byte, in total (not per byte)."""
+RESPONSE_DEADLINE_S = 10.0
+"""Seconds from a complete request to the last byte of its answer (rendering and a slow reader both)."""
+MAX_REQUEST_BYTES = 8192
+"""The request line and headers together; beyond, 431 and the connection is closed."""
+MAX_CONNECTIONS = 8192
+"""Connections open at once at most, per listener (fewer where file descriptors are few: :func:`connection_cap`)."""
+MIN_CONNECTIONS = 64
 WORKERS = 4
-"""Threads that answer requests; more requests than this wait for a worker (at most :data:`QUEUED` of them)."""
+"""Threads that run an offloaded route (``/metrics``); more requests than this wait (at most :data:`QUEUED`)."""
 QUEUED = 64
-"""Requests that have arrived and wait for a worker; beyond this a new one is closed at once."""
-MAX_WAITING = 256
-"""Connections accepted that have not sent a byte yet; beyond this the oldest is closed."""
-IDLE_TIMEOUT_S = 5.0
-"""Seconds a connection may stay silent, before its request or in the middle of it."""
+"""Complete requests waiting for a worker; beyond this a new one is answered 503 at once."""
+BACKLOG = 4096
+"""The kernel's queue of connections not yet accepted (the system caps it at ``net.core.somaxconn``): a burst of
+reconnects beyond it has SYNs dropped, a probe's among them, so it is as deep as the system allows."""
+WANTED_OPEN_FILES = 65536
+"""The soft limit of file descriptors a listener raises the process to, if the hard limit allows."""
+SWEEP_S = 0.1
+"""How often deadlines are enforced: a deadline is kept to within this."""
+ACCEPT_BURST = 1024
+"""Connections accepted per turn of the loop, so that a flood of connects cannot starve reads."""
+CLOSE_S = 2.0
+"""How long :meth:`HttpListener.close` waits for the loop and the workers."""
+
+_END_OF_HEAD = re.compile(rb"\r?\n\r?\n")
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
+_READING, _HANDLING, _WRITING, _CLOSED = range(4)
 
 
-class BoundedServing:
-    """Accepts on ``server``'s socket and hands connections with a request to a fixed pool of workers."""
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What a route answers: a status, a body and its content type."""
 
-    def __init__(self, server: HTTPServer) -> None:
-        self.server = server
-        self.closed_idle = 0
-        self.refused = 0
-        self._waiting: OrderedDict[socket.socket, tuple[float, object]] = OrderedDict()
-        self._ready: list[tuple[socket.socket, object]] = []
-        self._lock = threading.Condition()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._accept_loop, name="memwatch-prometheus", daemon=True)]
-        self._threads += [threading.Thread(target=self._work, name=f"memwatch-prometheus-{i}", daemon=True)
-                          for i in range(WORKERS)]
+    status: int
+    body: bytes
+    content_type: str = "text/plain; charset=utf-8"
+
+
+Route = Callable[[str], Reply]
+"""Called with a request's path (no query string); must return quickly unless offloaded."""
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft limit of open files towards the hard one, so a flood meets the cap, not EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, WANTED_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as exc:  # a container may forbid it: the cap follows the soft limit
+            log.debug("cannot raise the open files limit to %d: %s", wanted, exc)
+    return soft
+
+
+def connection_cap(soft_limit: int) -> int:
+    """Connections a listener keeps: a third of the file descriptors (two listeners leave a third to the
+    sidecar's rings and database), between :data:`MIN_CONNECTIONS` and :data:`MAX_CONNECTIONS`."""
+    return max(MIN_CONNECTIONS, min(MAX_CONNECTIONS, soft_limit // 3))
+
+
+class _Conn:
+    __slots__ = ("data", "fd", "head_only", "out", "polling", "rest", "since", "sock", "state")
+
+    def __init__(self, sock: socket.socket, now: float) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.since = now  # accepted; then: request complete
+        self.data = bytearray()
+        self.out = self.rest = memoryview(b"")
+        self.state = _READING
+        self.head_only = False
+        self.polling = False  # registered with the loop (for reading or for writing)
+
+
+class HttpListener:
+    """One listening socket served by an event loop on its own thread: ``GET`` to ``route(path)``."""
+
+    def __init__(self, host: str, port: int, route: Route, *, name: str, option: str, offload: bool = False) -> None:
+        self.host = host
+        self.route = route
+        self.name = name
+        self.option = option
+        self.offload = offload
+        self.cap = MIN_CONNECTIONS
+        self.accepted = self.answered = self.evicted = self.expired = self.refused = 0
+        self._requested_port = port
+        self._port = port
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
+        self._jobs: queue.SimpleQueue[tuple[_Conn, str] | None] = queue.SimpleQueue()
+        self._in_flight = 0
+        self._reading: OrderedDict[int, _Conn] = OrderedDict()  # by accept time: the oldest is evicted first
+        self._answering: OrderedDict[int, _Conn] = OrderedDict()  # by the time the request completed
+        self._stopping = threading.Event()
+        self._noted: dict[str, tuple[float, int]] = {}
 
     def start(self) -> None:
-        self.server.socket.setblocking(False)
-        for thread in self._threads:
-            thread.start()
-
-    def _accept_loop(self) -> None:
-        selector = selectors.DefaultSelector()
-        selector.register(self.server.socket, selectors.EVENT_READ)
+        """Bind and serve; raises :class:`UnavailableError` if the address cannot be bound."""
+        self.cap = connection_cap(raise_open_files_limit())
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
         try:
-            while not self._stop.is_set():
-                for key, _ in selector.select(timeout=0.25):
-                    if key.fileobj is self.server.socket:
-                        self._accept(selector)
-                    else:
-                        self._arrived(selector, key.fileobj)  # type: ignore[arg-type]
-                self._expire(selector)
-        finally:
-            for conn in list(self._waiting):
-                self._drop(selector, conn)
-            selector.close()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self._requested_port))
+            sock.listen(BACKLOG)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            raise UnavailableError(f"cannot listen on {self.host}:{self._requested_port} for {self.option}: "
+                                   f"{exc.strerror or exc}; pass another [HOST:]PORT") from None
+        self._sock, self._port = sock, sock.getsockname()[1]
+        self._loop = asyncio.new_event_loop()
+        self._loop.add_reader(sock.fileno(), self._accept)
+        self._loop.call_later(SWEEP_S, self._sweep)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        if self.offload:
+            self._workers = [threading.Thread(target=self._work, name=f"{self.name}-{i}", daemon=True)
+                             for i in range(WORKERS)]
+            for worker in self._workers:
+                worker.start()
 
-    def _accept(self, selector: selectors.BaseSelector) -> None:
-        for _ in range(64):  # a burst of connections, without starving the ones already waiting
-            try:
-                conn, address = self.server.socket.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # out of file descriptors: the oldest waiting connection makes room
-                log.warning("prometheus: cannot accept a connection: %s", exc)
-                if self._waiting:
-                    self._drop(selector, next(iter(self._waiting)))
-                return
-            self._waiting[conn] = (time.monotonic(), address)
-            selector.register(conn, selectors.EVENT_READ)
-            if len(self._waiting) > MAX_WAITING:
-                self._drop(selector, next(iter(self._waiting)))
+    @property
+    def port(self) -> int:
+        """The port it listens on (the one the system chose, for port 0)."""
+        return self._port
 
-    def _arrived(self, selector: selectors.BaseSelector, conn: socket.socket) -> None:
-        selector.unregister(conn)
-        _, address = self._waiting.pop(conn)
-        with self._lock:
-            if len(self._ready) >= QUEUED:
-                self.refused += 1
-                _close(conn)
-                return
-            self._ready.append((conn, address))
-            self._lock.notify()
+    @property
+    def in_flight(self) -> int:
+        """Requests handed to the workers and not answered yet (at most ``WORKERS + QUEUED``)."""
+        return self._in_flight
 
-    def _expire(self, selector: selectors.BaseSelector) -> None:
-        deadline = time.monotonic() - IDLE_TIMEOUT_S
-        while self._waiting:
-            conn, (since, _) = next(iter(self._waiting.items()))
-            if since > deadline:
-                return
-            self._drop(selector, conn)
-
-    def _drop(self, selector: selectors.BaseSelector, conn: socket.socket) -> None:
-        selector.unregister(conn)
-        del self._waiting[conn]
-        self.closed_idle += 1
-        _close(conn)
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                while not self._ready and not self._stop.is_set():
-                    self._lock.wait(0.5)
-                if self._stop.is_set():
-                    return
-                conn, address = self._ready.pop(0)
-            try:
-                conn.setblocking(True)
-                conn.settimeout(IDLE_TIMEOUT_S)  # a request or a reader stalled half-way is cut
-                self.server.finish_request(conn, address)  # type: ignore[arg-type]
-            except Exception as exc:  # a client that hung up, timed out, or sent garbage: its own problem
-                log.debug("prometheus: request from %s ended: %s", address, exc)
-            finally:
-                _close(conn)
+    @property
+    def open_connections(self) -> int:
+        """Connections open now: reading their request or being answered (at most :attr:`cap`)."""
+        return len(self._reading) + len(self._answering)
 
     def close(self) -> None:
-        self._stop.set()
-        with self._lock:
-            self._lock.notify_all()
-            pending, self._ready = self._ready, []
-        for conn, _ in pending:
-            _close(conn)
-        for thread in self._threads:
-            if thread.is_alive():
-                thread.join(timeout=IDLE_TIMEOUT_S + 1)
+        """Stop the loop, close every connection and the socket; waits :data:`CLOSE_S` at most."""
+        loop = self._loop
+        if loop is None or self._stopping.is_set():
+            return
+        self._stopping.set()
+        try:
+            loop.call_soon_threadsafe(loop.stop)
+        except RuntimeError:  # the loop already ended
+            pass
+        for _ in self._workers:
+            self._jobs.put(None)
+        deadline = time.monotonic() + CLOSE_S
+        for thread in [self._thread, *self._workers]:
+            if thread is not None:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._workers = []
 
+    # The loop's thread -------------------------------------------------------------------------------
 
-def _close(conn: socket.socket) -> None:
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    conn.close()
+    def _run(self) -> None:
+        loop = self._loop
+        assert loop is not None and self._sock is not None
+        try:
+            loop.run_forever()
+        finally:
+            for conn in [*self._reading.values(), *self._answering.values()]:
+                self._close(conn)
+            loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            loop.close()
+
+    def _accept(self) -> None:
+        assert self._sock is not None and self._loop is not None
+        now = time.monotonic()
+        for _ in range(ACCEPT_BURST):
+            try:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    continue  # that one connection failed (reset before it was accepted)
+                self._note("descriptors", f"{self.option}: cannot accept a connection ({exc.strerror}); "
+                                          "the oldest waiting ones are closed to make room")
+                if not self._evict():  # nothing of ours to close: wait a little rather than spin
+                    self._loop.remove_reader(self._sock.fileno())
+                    self._loop.call_later(SWEEP_S, self._loop.add_reader, self._sock.fileno(), self._accept)
+                    return
+                continue
+            sock.setblocking(False)
+            if len(self._reading) + len(self._answering) >= self.cap:
+                self._evict()
+                self._note("evicted", f"{self.option}: {self.cap} connections open; the oldest waiting ones are "
+                                      "closed to make room")
+            self.accepted += 1
+            conn = _Conn(sock, now)
+            self._reading[conn.fd] = conn
+            self._read(conn)  # a probe's request is usually there already
+            if conn.state == _READING:
+                self._loop.add_reader(conn.fd, self._read, conn)
+                conn.polling = True
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            chunk = conn.sock.recv(MAX_REQUEST_BYTES + 1 - len(conn.data))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        if not chunk:  # the client gave up before its request was complete
+            self._close(conn)
+            return
+        start = max(0, len(conn.data) - 3)
+        conn.data += chunk
+        end = _END_OF_HEAD.search(conn.data, start)
+        if end is None:
+            if len(conn.data) > MAX_REQUEST_BYTES:
+                self._answer(conn, Reply(431, b"the request line and headers are limited to 8 KiB\n"))
+            return
+        self._request(conn, bytes(conn.data[:end.start()]))
+
+    def _request(self, conn: _Conn, head: bytes) -> None:
+        """A complete request line and headers: route it, on the loop or on a worker."""
+        parts = head.split(b"\n", 1)[0].rstrip(b"\r").split(b" ")
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+            self._answer(conn, Reply(400, b"expected a request line: GET PATH HTTP/1.1\n"))
+            return
+        method, target = parts[0], parts[1]
+        if method not in (b"GET", b"HEAD"):
+            self._answer(conn, Reply(405, b"only GET is served here\n"))
+            return
+        conn.head_only = method == b"HEAD"
+        path = target.split(b"?", 1)[0].decode("ascii", "replace")
+        if not self.offload:
+            self._answer(conn, self._call(path))
+            return
+        if self._in_flight >= WORKERS + QUEUED:
+            self.refused += 1
+            self._answer(conn, Reply(503, b"busy: too many requests at once; try again\n"))
+            return
+        self._to_answering(conn, _HANDLING)
+        self._in_flight += 1
+        self._jobs.put((conn, path))
+
+    def _call(self, path: str) -> Reply:
+        try:
+            return self.route(path)
+        except Exception as exc:  # a request must get an answer, and the log one line, not a traceback
+            self._note("route", f"{self.option}: cannot answer {path[:64]!r}: {type(exc).__name__}: {exc}")
+            return Reply(500, b"memwatch could not answer; see the sidecar's log\n")
+
+    def _to_answering(self, conn: _Conn, state: int) -> None:
+        if conn.state == _READING:
+            if conn.polling:
+                assert self._loop is not None
+                self._loop.remove_reader(conn.fd)
+                conn.polling = False
+            del self._reading[conn.fd]
+            conn.since = time.monotonic()
+            conn.data = bytearray()
+            self._answering[conn.fd] = conn
+        conn.state = state
+
+    def _answered_by_worker(self, conn: _Conn, reply: Reply) -> None:
+        self._in_flight -= 1
+        if conn.state == _HANDLING:  # else closed meanwhile, by its deadline or to make room
+            self._answer(conn, reply)
+
+    def _answer(self, conn: _Conn, reply: Reply) -> None:
+        self._to_answering(conn, _WRITING)
+        head = (f"HTTP/1.1 {reply.status} {_REASONS.get(reply.status, 'Unknown')}\r\n"
+                f"Content-Type: {reply.content_type}\r\nContent-Length: {len(reply.body)}\r\n"
+                "Connection: close\r\n\r\n").encode("latin-1")
+        conn.out = memoryview(head)
+        conn.rest = memoryview(b"" if conn.head_only else reply.body)  # sent after the head, not copied to it
+        self._write(conn)
+
+    def _write(self, conn: _Conn) -> None:
+        try:
+            sent = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(conn)
+            return
+        conn.out = conn.out[sent:]
+        if not conn.out and conn.rest:
+            conn.out, conn.rest = conn.rest, memoryview(b"")
+            self._write(conn)
+            return
+        assert self._loop is not None
+        if conn.out:
+            if not conn.polling:
+                self._loop.add_writer(conn.fd, self._write, conn)
+                conn.polling = True
+            return
+        self.answered += 1
+        try:  # what the client sent beyond its headers: read, so that closing does not reset the answer
+            conn.sock.recv(65536)
+        except OSError:
+            pass
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        self._close(conn)
+
+    def _evict(self) -> bool:
+        """Close the oldest connection without a complete request (else the oldest being answered)."""
+        pending = self._reading or self._answering
+        if not pending:
+            return False
+        self._close(next(iter(pending.values())))
+        self.evicted += 1
+        return True
+
+    def _sweep(self) -> None:
+        """Close what passed its deadline; both tables are in deadline order, so this costs what it closes."""
+        now = time.monotonic()
+        for table, deadline in ((self._reading, REQUEST_DEADLINE_S), (self._answering, RESPONSE_DEADLINE_S)):
+            while table:
+                conn = next(iter(table.values()))
+                if now - conn.since < deadline:
+                    break
+                self._close(conn)
+                self.expired += 1
+        assert self._loop is not None
+        self._loop.call_later(SWEEP_S, self._sweep)
+
+    def _close(self, conn: _Conn) -> None:
+        if conn.state == _CLOSED:
+            return
+        if conn.polling:
+            assert self._loop is not None
+            if conn.state == _WRITING:
+                self._loop.remove_writer(conn.fd)
+            else:
+                self._loop.remove_reader(conn.fd)
+        table = self._reading if conn.state == _READING else self._answering
+        table.pop(conn.fd, None)
+        conn.state = _CLOSED
+        conn.sock.close()
+
+    def _note(self, key: str, message: str) -> None:
+        """Log ``message`` at most once a minute per ``key``, with how many times it happened since."""
+        now = time.monotonic()
+        last, count = self._noted.get(key, (-60.0, 0))
+        if now - last < 60.0:
+            self._noted[key] = (last, count + 1)
+            return
+        self._noted[key] = (now, 0)
+        log.warning("%s%s", message, f" ({count} more times in the minute before)" if count else "")
+
+    # The workers' threads ----------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        assert self._loop is not None
+        while not self._stopping.is_set():
+            try:
+                job = self._jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if job is None:
+                return
+            conn, path = job
+            reply = self._call(path)
+            try:
+                self._loop.call_soon_threadsafe(self._answered_by_worker, conn, reply)
+            except RuntimeError:  # the loop closed meanwhile
+                return

@@ -5,21 +5,18 @@ become underscores, unit ``By`` adds ``_bytes``, a monotonic sum adds ``_total``
 becomes ``target_info``). The lines are built directly from the :class:`ExportState` snapshot, with
 each rank's label set rendered once: going through the SDK's aggregation and a generic exposition
 library costs twenty times as much per series, and a scrape of 64 ranks must stay cheap for the
-sidecar. It listens on 127.0.0.1 unless a host is given, in its own named daemon threads, bounded in
-number, sockets and time by :mod:`.http_serving`.
+sidecar. It listens on 127.0.0.1 unless a host is given, on an event loop of its own that no client can
+starve (:mod:`.http_serving`); rendering runs on a few worker threads.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import socket
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
-from ..errors import UnavailableError
 from ..identity import prometheus_labels
-from .http_serving import BoundedServing
+from .http_serving import HttpListener, Reply
 from .instruments import FLAGS_METRIC, METRICS
 from .state import ExportState
 
@@ -84,52 +81,31 @@ class PrometheusEndpoint:
         self.host = host
         self.state = state
         self.resource = resource
-        self._requested_port = port
-        self._server: HTTPServer | None = None
-        self._serving: BoundedServing | None = None
+        self._listener = HttpListener(host, port, self._route, name="memwatch-prometheus", option="--prometheus",
+                                      offload=True)  # rendering runs on the listener's few workers
 
     def start(self) -> None:
-        endpoint = self
+        """Listen; raises :class:`UnavailableError` on a taken port."""
+        self._listener.start()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-                    self.send_error(404, "memwatch serves /metrics")
-                    return
-                try:
-                    body = render(endpoint.state, endpoint.resource).encode()
-                except Exception as exc:  # a scrape must never take the sidecar's log down with a traceback
-                    log.error("prometheus: cannot render /metrics: %s", exc)
-                    self.send_error(500, "memwatch could not render its metrics; see the sidecar's log")
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass  # a scrape every few seconds is not news
-
-        server_class = type("Server", (HTTPServer,), {"request_queue_size": 128})
-        if ":" in self.host:
-            server_class.address_family = socket.AF_INET6
+    def _route(self, path: str) -> Reply:
+        if path not in ("/metrics", "/"):
+            return Reply(404, b"memwatch serves /metrics\n")
         try:
-            self._server = server_class((self.host, self._requested_port), Handler)
-        except OSError as exc:
-            raise UnavailableError(f"cannot listen on {self.host}:{self._requested_port} for --prometheus: "
-                                   f"{exc.strerror or exc}; pass another [HOST:]PORT") from None
-        self._serving = BoundedServing(self._server)  # bounded threads and sockets, idle connections timed out
-        self._serving.start()
+            return Reply(200, render(self.state, self.resource).encode(), CONTENT_TYPE)
+        except Exception as exc:  # a scrape must never take the sidecar's log down with a traceback
+            log.error("prometheus: cannot render /metrics: %s", exc)
+            return Reply(500, b"memwatch could not render its metrics; see the sidecar's log\n")
 
     @property
     def port(self) -> int:
         """The port it listens on (the one the system chose, for port 0)."""
-        return self._server.server_address[1] if self._server is not None else self._requested_port
+        return self._listener.port
+
+    @property
+    def listener(self) -> HttpListener:
+        """The listener itself, for its counters (accepted, answered, evicted, expired, refused)."""
+        return self._listener
 
     def close(self) -> None:
-        if self._server is not None:
-            if self._serving is not None:
-                self._serving.close()
-            self._server.server_close()
-            self._server = None
+        self._listener.close()
