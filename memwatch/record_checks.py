@@ -15,7 +15,7 @@ import math
 from operator import itemgetter
 from typing import Any, NamedTuple
 
-from memwatch_engine.ring import RECORD_SIZE
+from memwatch_engine.ring import RECORD_SIZE, TYPE_SAMPLE
 
 MAX_INT = (1 << 63) - 1
 """The largest integer SQLite stores as an integer; bytes, counts and steps are 0 up to it."""
@@ -25,6 +25,12 @@ MAX_TEXT = 4096
 """Characters in one text field of an event or of a ring's metadata (the engine cuts at 1,025)."""
 MAX_KIND = 64
 """Characters in an event kind."""
+MAX_BYTES = (1 << 56) - 1
+"""Bytes of one reading (allocator, driver, an event's sizes) and tokens of one step: 0 up to 2**56 - 1, 64 PiB,
+200,000 times the largest GPU memory made (288 GB). The top byte of such a value is zero, which the screen reads
+at C speed, and 128 of them still add up within SQLite's integers (``abs``, sums and differences never overflow,
+as ``abs(-2**63)`` did)."""
+MAX_INT32 = (1 << 31) - 1
 
 
 class Field(NamedTuple):
@@ -36,7 +42,7 @@ class Field(NamedTuple):
     nullable: bool = True
 
 
-BYTES = Field("int")
+BYTES = Field("int", 0, MAX_BYTES)
 COUNT = Field("int")
 NAME = Field("text", 0, MAX_TEXT)
 FRACTION = Field("number", 0, 1)
@@ -70,7 +76,16 @@ META_FIELDS: dict[str, Field] = {
 """The ring metadata fields the sidecar stores in ``runs`` and ``ranks``."""
 
 SAMPLE_RANGES: dict[int, tuple[str, int]] = {5: ("step", MAX_INT), 6: ("ts_ns", MAX_TS_NS)}
-"""Raw ring sample fields (by position) checked beyond their C type: name and upper bound (0 is the lower)."""
+"""Raw ring sample fields (by position) that are always there: name and upper bound (0 is the lower)."""
+MEASURED_RANGES: dict[int, tuple[str, int, int]] = {
+    7: ("allocated", 32, MAX_BYTES), 8: ("peak", 40, MAX_BYTES), 9: ("reserved", 48, MAX_BYTES),
+    10: ("driver_used", 56, MAX_BYTES), 11: ("driver_free", 64, MAX_BYTES), 12: ("num_tokens", 72, MAX_BYTES),
+    13: ("kv_used", 80, MAX_INT32), 14: ("kv_total", 84, MAX_INT32), 15: ("num_seqs", 88, MAX_INT32),
+    16: ("segments", 92, MAX_INT32), 17: ("active", 96, MAX_BYTES), 18: ("inactive_split", 104, MAX_BYTES),
+    19: ("alloc_retries", 112, MAX_INT32), 20: ("num_ooms", 116, MAX_INT32),
+}
+"""Raw ring sample readings (by position): name, offset in the slot, and upper bound. Each is 0 up to the bound,
+or -1 (not measured); a version 1 ring's samples stop before ``segments``."""
 
 
 def _number(value: Any) -> bool:
@@ -145,10 +160,14 @@ def check_event(step: Any, ts_ns: Any, kind: Any, data: Any) -> str | None:
 
 
 def check_sample(record: tuple[Any, ...]) -> str | None:
-    """Why a raw ring sample cannot be taken (a negative or far-future step or time), or ``None``."""
+    """Why a raw ring sample cannot be taken (a negative or far-future step or time, a reading below -1 or past
+    its bound), or ``None``."""
     for at, (name, high) in SAMPLE_RANGES.items():
         if not 0 <= record[at] <= high:
             return f"sample {name} is {record[at]}, outside 0..{high}"
+    for at, (name, _, high) in MEASURED_RANGES.items():
+        if at < len(record) and not -1 <= record[at] <= high:
+            return f"sample {name} is {record[at]}, outside 0..{high} (or -1: not measured)"
     return None
 
 
@@ -182,6 +201,37 @@ def _in_range_by_bytes(slots: bytes) -> bool:
     return bool(slots) and all(max(slots[at::RECORD_SIZE]) < bound for at, bound in _TOP_BYTES)
 
 
+_SAMPLE_TOP = bytes(0xFF if kind == TYPE_SAMPLE else 0 for kind in range(256))
+_SAMPLE_SIGN = bytes(0x80 if kind == TYPE_SAMPLE else 0 for kind in range(256))
+
+
+def _unsure_readings(slots: bytes, samples: list[tuple[Any, ...]]) -> list[int]:
+    """The readings whose top byte is not that of an in-range value (zero for 8-byte readings, under 0x80 for
+    4-byte ones) in some sample slot: -1 where not measured, or out of range. Read at C speed: each field's top
+    bytes as one integer, masked to the sample slots (an event's chunk holds text at those places)."""
+    if not slots:
+        return list(MEASURED_RANGES)
+    kinds = slots[8::RECORD_SIZE]
+    samples_only = int.from_bytes(kinds.translate(_SAMPLE_TOP), "little")
+    sign_only = int.from_bytes(kinds.translate(_SAMPLE_SIGN), "little")
+    width = len(samples[0])
+    unsure = []
+    for at, (_, offset, high) in MEASURED_RANGES.items():
+        if at >= width:
+            continue
+        top = offset + (7 if high == MAX_BYTES else 3)
+        if int.from_bytes(slots[top::RECORD_SIZE], "little") & (samples_only if high == MAX_BYTES else sign_only):
+            unsure.append(at)
+    return unsure
+
+
+def _readings_in_range(slots: bytes, samples: list[tuple[Any, ...]]) -> bool:
+    """Whether every reading of every sample is -1 or within its bound: the unsure ones by their minimum and
+    maximum (a column of -1, a card without NVML, costs one pass)."""
+    return all(min(map(itemgetter(at), samples)) >= -1 and max(map(itemgetter(at), samples)) <= MEASURED_RANGES[at][2]
+               for at in _unsure_readings(slots, samples))
+
+
 def screen(drained: Any) -> Any:
     """``drained`` with every sample and event that fails its checks moved to ``drained.bad`` with the reason.
 
@@ -190,9 +240,9 @@ def screen(drained: Any) -> Any:
     them a second.
     """
     samples = drained.samples
-    if samples and not _in_range_by_bytes(drained.slots) and not all(
+    if samples and not ((_in_range_by_bytes(drained.slots) or all(
             min(map(itemgetter(at), samples)) >= 0 and max(map(itemgetter(at), samples)) <= high
-            for at, (_, high) in SAMPLE_RANGES.items()):
+            for at, (_, high) in SAMPLE_RANGES.items())) and _readings_in_range(drained.slots, samples)):
         kept = []
         for record in samples:
             why = check_sample(record)

@@ -14,6 +14,8 @@ from memwatch.errors import UsageError
 
 KIB, MIB, GIB, TIB = 2**10, 2**20, 2**30, 2**40
 KB, MB, GB, TB = 10**3, 10**6, 10**9, 10**12
+MAX_SIZE = 2**63 - 1
+"""The largest size read (8 EiB): what SQLite stores as an integer; no device or file comes near it."""
 
 _UNITS = {
     "": 1, "b": 1,
@@ -36,6 +38,8 @@ def parse_bytes(text: str | int) -> int:
     if isinstance(text, int):
         if text < 0:
             raise SizeError(f"invalid size {text}: a size cannot be negative")
+        if text > MAX_SIZE:
+            raise SizeError(f"invalid size: {text.bit_length()} bits is more than {MAX_SIZE:,} bytes (8 EiB)")
         return text
     match = _SIZE.match(text)
     unit = match and _UNITS.get(match["unit"].lower())
@@ -44,11 +48,16 @@ def parse_bytes(text: str | int) -> int:
                         "e.g. 25769803776, 24GiB, 24GB or 1.5GiB")
     from decimal import ROUND_HALF_UP, Decimal, InvalidOperation  # parsing is rare; start-up is not
 
+    exponent = int(match["exponent"] or 0)
     try:
-        number = Decimal(match["number"]).scaleb(int(match["exponent"] or 0))
-        return int((number * unit).quantize(Decimal(1), rounding=ROUND_HALF_UP))
+        if abs(exponent) > 100:
+            raise InvalidOperation
+        size = int((Decimal(match["number"]).scaleb(exponent) * unit).quantize(Decimal(1), rounding=ROUND_HALF_UP))
     except InvalidOperation:
-        raise SizeError(f"invalid size {text!r}: the number is out of range") from None
+        raise SizeError(f"invalid size {text[:40]!r}: the number is out of range") from None
+    if size > MAX_SIZE:
+        raise SizeError(f"invalid size {text[:40]!r}: more than {MAX_SIZE:,} bytes (8 EiB)")
+    return size
 
 
 NOT_AVAILABLE = "-"

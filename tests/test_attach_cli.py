@@ -232,7 +232,8 @@ def test_another_users_process(machine: Machine, sleeper: Sleeper) -> None:
     ("args", "message"),
     [
         (["--interval", "0"],
-         "error: invalid value for '--interval': 0.0 is not in the range x>0; see `memwatch attach --help`"),
+         "error: invalid value for '--interval': '0' must be a finite number >0 and <=86400; see `memwatch attach "
+         "--help`"),
         (["--db", "x.db"], "error: --db only says where --record stores samples; add --record or drop --db"),
     ],
 )

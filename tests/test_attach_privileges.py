@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from injection import LIGHT, Target, memwatch, reap, target_env
+from injection import LIGHT, Target, memwatch, needs_gdb_calls, reap, target_env
+from trusted_dirs import trusted_scratch
 
 from memwatch.attach.inject import remote_exec_interpreter
 from memwatch.attach.inject_checks import Target as CheckedTarget
@@ -61,6 +62,13 @@ def _recorder(folder: Path, owner: int) -> tuple[Path, Path]:
         os.chown(path, owner, owner)
     marker.chmod(0o666)
     return binary, marker
+
+
+@pytest.fixture
+def trusted_dir() -> Iterator[Path]:
+    """A folder of root's whose every folder up to / is root's alone: what memwatch runs programs from."""
+    with trusted_scratch() as folder:
+        yield folder
 
 
 @pytest.fixture
@@ -201,11 +209,12 @@ def test_inject_with_an_option_it_refuses_injects_nothing(tmp_path: Path) -> Non
 
 
 
+@needs_gdb_calls
 def test_gdb_runs_in_root_with_a_scrubbed_environment_and_loads_nothing_from_the_target(
-        shared_dir: Path, tmp_path: Path) -> None:
+        trusted_dir: Path, tmp_path: Path) -> None:
     system_gdb = shutil.which("gdb", path="/usr/local/bin:/usr/bin:/bin")
-    seen = shared_dir / "seen.txt"
-    wrapper = shared_dir / "gdb"  # root's own file in root's own folder: trusted, and it tells what gdb got
+    seen = trusted_dir / "seen.txt"
+    wrapper = trusted_dir / "gdb"  # root's own file in root's own folders up to /: trusted; it tells what gdb got
     wrapper.write_text(f'#!/bin/sh\n{{ env; echo "cwd=$(pwd)"; printf "arg=%s\\n" "$@"; }} > {seen}\n'
                        f'exec {system_gdb} "$@"\n')
     wrapper.chmod(0o755)
@@ -216,7 +225,7 @@ def test_gdb_runs_in_root_with_a_scrubbed_environment_and_loads_nothing_from_the
     env = target_env(runtime_dir, db_path)
     target = Target(script, env)
     done = subprocess.run([sys.executable, "-m", "memwatch", "attach", "--inject", str(target.proc.pid), "--once"],
-                          env={**env, "PATH": f"{shared_dir}:{env['PATH']}", "LD_PRELOAD": "", "GDBHISTFILE": "x",
+                          env={**env, "PATH": f"{trusted_dir}:{env['PATH']}", "LD_PRELOAD": "", "GDBHISTFILE": "x",
                                "PYTHONPATH": str(tmp_path)},
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     memwatch(env, "attach", "--detach", str(target.proc.pid), timeout=60)
@@ -232,18 +241,20 @@ def test_gdb_runs_in_root_with_a_scrubbed_environment_and_loads_nothing_from_the
 
 
 def test_sys_remote_exec_runs_the_targets_interpreter_only_when_no_other_user_may_change_it(
-        shared_dir: Path, started: list[subprocess.Popen[bytes]]) -> None:
+        trusted_dir: Path, started: list[subprocess.Popen[bytes]]) -> None:
     system = _static_python()
     if system is None:
         pytest.skip("this machine's python3 loads libpython, so a copy of it does not run elsewhere")
-    interpreter = shared_dir / "python3"
+    interpreter = trusted_dir / "python3"
     shutil.copy(system, interpreter)
     proc = subprocess.Popen([str(interpreter), "-I", "-S", "-c", "import time; time.sleep(30)"],
                             stdin=subprocess.DEVNULL)
     started.append(proc)
     wait_for(lambda: os.readlink(f"/proc/{proc.pid}/exe") == str(interpreter), timeout=10, what="the exec")
     other_version = CheckedTarget(proc.pid, str(interpreter), (3, 99))
-    assert remote_exec_interpreter(other_version) == f"/proc/{proc.pid}/exe"  # root's file in root's folder
-    shared_dir.chmod(0o777)
+    with remote_exec_interpreter(other_version) as opened:  # root's file in root's folders: the very file it runs
+        assert opened.path == str(interpreter)
+        assert os.fstat(opened.fd).st_ino == os.stat(f"/proc/{proc.pid}/exe").st_ino
+    trusted_dir.chmod(0o777)
     with pytest.raises(UnavailableError, match="which another user may change"):
         remote_exec_interpreter(other_version)

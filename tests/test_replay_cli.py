@@ -93,7 +93,7 @@ def test_sweep_of_load_finds_the_frontier(tmp_path: Path, runtime_dir: Path, db_
 
 
 @pytest.mark.parametrize(("args", "code", "words"), [
-    (["--utilization", "1.5"], 2, "gpu_memory_utilization"),
+    (["--utilization", "1.5"], 2, "--utilization"),
     (["--block-size", "100"], 2, "block_size"),
     (["--gpu-memory", "2GiB"], 2, "cannot start"),
     (["--gpu-memory", "lots"], 2, "invalid size"),

@@ -40,7 +40,16 @@ from memwatch_engine.runtime import ensure_runtime_dir
 
 from ..errors import MemwatchError, NotFoundError, UnavailableError, UsageError
 from .inject_checks import Target, check_all
-from .programs import as_target, process_ids, trusted_file
+from .programs import (
+    TrustedFile,
+    UntrustedError,
+    as_target,
+    open_interpreter,
+    open_tool,
+    own_interpreter,
+    process_ids,
+    start,
+)
 from .ring_source import find_rings
 
 DEFAULT_TIMEOUT_S = 20.0
@@ -219,11 +228,10 @@ GDB_FLAGS = ("-batch", "-nx", "-q", "-iex", "set auto-load off", "-iex", "set de
 
 
 def _through_gdb(gdb: str, pid: int, script: Path, timeout_s: float) -> None:
-    proc = subprocess.Popen(
-        [gdb, *GDB_FLAGS, "-p", str(pid), "-x", str(script)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, **as_target(pid),
-    )
+    with open_tool(gdb) as program:  # judged again and run from this descriptor: no path is looked up twice
+        proc = start(program, [*GDB_FLAGS, "-p", str(pid), "-x", str(script)],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                     start_new_session=True, **as_target(pid))
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -248,33 +256,40 @@ def _interrupt(proc: subprocess.Popen[str]) -> None:
         proc.communicate()
 
 
-def remote_exec_interpreter(target: Target) -> str:
-    """The interpreter that calls ``sys.remote_exec``: memwatch's own when it is the same version, else the target's.
+def remote_exec_interpreter(target: Target) -> TrustedFile:
+    """The interpreter that calls ``sys.remote_exec``, open: memwatch's own when it is the same version, else the
+    target's.
 
-    The target's binary then runs as the target's user (see :func:`.programs.as_target`), and only when the
-    file belongs to that user or to root and no one else may write it.
+    The target's binary then runs as the target's user (see :func:`.programs.as_target`), from the descriptor
+    of the very file the process runs, and only when that file and every folder above it belong to that user
+    or to root and no one else may write them.
     """
     if sys.version_info[:2] == target.version and hasattr(sys, "remote_exec"):
-        return sys.executable
+        return own_interpreter()
     uids, _ = process_ids(target.pid)
-    exe = f"/proc/{target.pid}/exe"
-    if not trusted_file(exe, owners=(0, *uids[:1])):
+    try:
+        return open_interpreter(target.pid, owners=(0, *uids[:1]))
+    except (OSError, UntrustedError):
         raise UnavailableError(f"process {target.pid} runs {target.exe}, which another user may change, and memwatch "
                                f"runs Python {sys.version_info[0]}.{sys.version_info[1]}, not "
-                               f"{target.version[0]}.{target.version[1]}; run memwatch with the process's Python")
-    return exe
+                               f"{target.version[0]}.{target.version[1]}; run memwatch with the process's Python") \
+            from None
 
 
 def _through_remote_exec(target: Target, script: Path, timeout_s: float) -> None:
     call = f"import sys; sys.remote_exec({target.pid}, {str(script)!r})"
+    with remote_exec_interpreter(target) as interpreter:
+        proc = start(interpreter, ["-I", "-S", "-c", call], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True, **as_target(target.pid))
     try:
-        done = subprocess.run([remote_exec_interpreter(target), "-I", "-S", "-c", call], capture_output=True,
-                              text=True, timeout=timeout_s, **as_target(target.pid))
+        _, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         raise UnavailableError(f"sys.remote_exec did not reach process {target.pid} within {timeout_s:g}s; "
                                "retry, or raise --inject-timeout") from None
-    if done.returncode != 0:
-        reason = (done.stderr.strip().splitlines() or ["no message"])[-1]
+    if proc.returncode != 0:
+        reason = (stderr.strip().splitlines() or ["no message"])[-1]
         raise UnavailableError(f"sys.remote_exec into process {target.pid} failed ({reason}); "
                                "the process runs on unobserved")
 

@@ -20,7 +20,7 @@ from ..attach.view import TREND_POINTS, render
 from ..errors import UsageError
 from ..hostinfo import ProcessExited
 from ..terminal import printable
-from .options import db_option, json_option
+from .options import Seconds, db_option, json_option
 
 
 @click.command("attach")
@@ -28,18 +28,18 @@ from .options import db_option, json_option
 @click.option("--once", is_flag=True, help="Take one sample, print it and exit.")
 @json_option
 @click.option(
-    "--interval", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+    "--interval", type=Seconds(0, 86400.0, low_open=True), default=1.0, show_default=True,
     help="Seconds between samples.",
 )
 @click.option(
-    "--duration", type=click.FloatRange(min=0), default=None,
+    "--duration", type=Seconds(0), default=None,
     help="Stop after this many seconds (default: when the process exits, or on Ctrl-C).",
 )
 @click.option("--record", is_flag=True, help="Also store the samples in the database as a run (source 'nvml').")
 @click.option("--inject", is_flag=True,
               help="Record every step inside PID, a Python engine started without memwatch (pauses it briefly).")
 @click.option("--detach", "detach_", is_flag=True, help="Undo --inject in PID: original methods back, recording stops.")
-@click.option("--inject-timeout", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
+@click.option("--inject-timeout", type=Seconds(0, 3600.0, low_open=True), default=20.0, show_default=True,
               help="Seconds --inject and --detach wait for the process before giving up (it is left as it was).")
 @db_option
 def attach(

@@ -10,12 +10,12 @@ from ..detectors import DetectorConfig
 from ..report import check_run, render_check
 from ..store import open_store
 from ..store.queries import get_run
-from .options import db_option, json_option, thresholds_option
+from .options import db_option, json_option, run_argument, thresholds_option
 from .output import echo_report
 
 
 @click.command("check")
-@click.argument("run")
+@run_argument
 @db_option
 @json_option
 @thresholds_option

@@ -8,13 +8,13 @@ from pathlib import Path
 import click
 
 from ..demo import render, run_demo
-from .options import db_option, json_option
+from .options import Text, db_option, json_option
 
 
 @click.command("demo")
 @db_option
 @json_option
-@click.option("--scenario", default="demo", show_default=True,
+@click.option("--scenario", type=Text(), default="demo", show_default=True,
               help="A shipped scenario name or a scenario file (see `memwatch sim --list`).")
 def command(db_path: Path | None, as_json: bool, scenario: str) -> None:
     """See memwatch work without a GPU: four 32K-token requests on a simulated 24 GiB card.

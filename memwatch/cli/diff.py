@@ -9,12 +9,12 @@ import click
 
 from ..report.diff import diff_runs, render_diff
 from ..store import open_store
-from .options import db_option, json_option
+from .options import RUN_REF, db_option, json_option
 
 
 @click.command("diff")
-@click.argument("run_a")
-@click.argument("run_b")
+@click.argument("run_a", type=RUN_REF)
+@click.argument("run_b", type=RUN_REF)
 @db_option
 @json_option
 def command(run_a: str, run_b: str, db_path: Path | None, as_json: bool) -> None:

@@ -9,19 +9,20 @@ import click
 
 from ..store import open_store
 from ..store.queries import get_run
-from .options import db_option, json_option
+from .options import Text, db_option, int_range, json_option, run_argument
 from .output import csv_option, pick_format, where_kinds_rank, write_rows
 
 COLUMNS = ("run_id", "rank", "step", "ts_ns", "kind", "data")
 
 
 @click.command("events")
-@click.argument("run")
+@run_argument
 @db_option
 @json_option
 @csv_option
-@click.option("--kind", "kinds", multiple=True, help="Only this kind (repeat for several), e.g. oom, kv_allocated.")
-@click.option("--rank", type=int, default=None, help="Only this rank.")
+@click.option("--kind", "kinds", multiple=True, type=Text(),
+              help="Only this kind (repeat for several), e.g. oom, kv_allocated.")
+@click.option("--rank", type=int_range(0), default=None, help="Only this rank.")
 def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, kinds: tuple[str, ...],
             rank: int | None) -> None:
     """List a run's events in time order. RUN is a run id, a unique prefix, or `latest`.

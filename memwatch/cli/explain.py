@@ -12,12 +12,12 @@ from ..report import explain_run, render_explanation
 from ..store import open_store
 from ..store.queries import get_run
 from ..terminal import printable
-from .options import db_option, json_option, thresholds_option
+from .options import db_option, json_option, run_argument, thresholds_option
 from .output import echo_report
 
 
 @click.command("explain")
-@click.argument("run")
+@run_argument
 @db_option
 @json_option
 @thresholds_option

@@ -10,19 +10,19 @@ import click
 from ..flags import FLAG_KINDS, SEVERITIES
 from ..store import open_store
 from ..store.queries import get_run
-from .options import db_option, json_option
+from .options import db_option, int_range, json_option, run_argument
 from .output import csv_option, pick_format, where_kinds_rank, write_rows
 
 COLUMNS = ("run_id", "rank", "step", "ts_ns", "kind", "severity", "message", "data")
 
 
 @click.command("flags")
-@click.argument("run")
+@run_argument
 @db_option
 @json_option
 @csv_option
 @click.option("--kind", "kinds", multiple=True, type=click.Choice(FLAG_KINDS), help="Only this kind (repeatable).")
-@click.option("--rank", type=int, default=None, help="Only this rank.")
+@click.option("--rank", type=int_range(0), default=None, help="Only this rank.")
 @click.option("--severity", type=click.Choice(SEVERITIES), default=None, help="Only this severity or worse.")
 def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, kinds: tuple[str, ...],
             rank: int | None, severity: str | None) -> None:

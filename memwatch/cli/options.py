@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,30 @@ db_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
 
 
+MAX_THRESHOLDS_BYTES = 64 * 1024
+"""The largest ``--thresholds`` file read: every setting of every detector, commented, takes under 4 KiB."""
+
+
+def read_small_file(path: Path, what: str, limit: int) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes; a FIFO, a device or a bigger file is refused at once.
+
+    The file is opened without blocking (a FIFO's open would wait for a writer) and judged by ``fstat`` of that
+    descriptor; at most ``limit + 1`` bytes are read, whatever the size said.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"{what} {path} is not a regular file (a FIFO, device or socket); pass a TOML file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UsageError(f"{what} file {path} is larger than {limit:,} bytes; a settings file is a few lines")
+    return data
+
+
 def _load_thresholds(ctx: click.Context, param: click.Parameter, value: Path | None) -> DetectorConfig | None:
     if value is None:
         return None
@@ -30,11 +56,11 @@ def _load_thresholds(ctx: click.Context, param: click.Parameter, value: Path | N
 
     from ..detectors import DetectorConfig
 
+    data = read_small_file(value, "--thresholds", MAX_THRESHOLDS_BYTES)
     try:
-        with open(value, "rb") as f:
-            settings = tomllib.load(f)
-    except OSError as exc:
-        raise UsageError(f"cannot read --thresholds file {value}: {exc.strerror}") from None
+        settings = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"--thresholds file {value} is not UTF-8 text, as TOML must be") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"--thresholds file {value} is not valid TOML: {exc}") from None
     return DetectorConfig.from_mapping(settings.get("detectors", settings))
@@ -77,3 +103,53 @@ def finite_float(low: float, high: float, *, low_open: bool = False) -> Seconds:
 def int_range(low: int, high: int = 2**31 - 1) -> click.IntRange:
     """An integer option with bounds SQLite and the planners can take (no 64-bit overflow)."""
     return click.IntRange(min=low, max=high)
+
+
+class Text(click.ParamType):
+    """Text that is UTF-8 (a byte that is not arrives from the command line as a lone surrogate, which neither
+    SQLite nor any output takes) and, with ``max_length``, at most that many characters."""
+
+    name = "text"
+
+    def __init__(self, max_length: int | None = None) -> None:
+        self.max_length = max_length
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = value[:60].encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+            self.fail(f"'{shown}' is not UTF-8 text", param, ctx)
+        if self.max_length is not None and len(value) > self.max_length:
+            self.fail(f"{len(value):,} characters is too long (at most {self.max_length:,})", param, ctx)
+        return value
+
+
+RUN_REF = Text()
+"""A run reference (an id, a unique prefix or ``latest``): any UTF-8 text; the store says when none matches."""
+run_argument = click.argument("run", type=RUN_REF)
+
+NAME_MAX, PATH_MAX = 255, 4095
+"""The longest file name and path the system opens (Linux's ``NAME_MAX`` and ``PATH_MAX`` less the final NUL)."""
+
+
+class ModelRef(Text):
+    """A model: a config file or folder, a Hugging Face repo id or a shipped name. Each is a path the system
+    could open (at most 4,095 bytes, 255 per name): longer is no model, said at once rather than by the OS."""
+
+    name = "model"
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        value = super().convert(value, param, ctx)
+        if isinstance(value, str):
+            raw = value.encode("utf-8")
+            longest = max((len(part) for part in raw.split(b"/")), default=0)
+            if len(raw) > PATH_MAX or longest > NAME_MAX:
+                self.fail(f"a name of {len(raw):,} bytes ({longest:,} in one part) is no config path or Hugging "
+                          f"Face id: paths hold at most {PATH_MAX:,} bytes, {NAME_MAX} per name", param, ctx)
+        return value

@@ -12,13 +12,13 @@ import click
 from ..errors import MemwatchError, UsageError
 from ..models.quantization import METHODS as QUANTIZATION_METHODS
 from ..models.spec import ModelSpec
-from ..plan.capacity import PlanInputs, plan_capacity
+from ..plan.capacity import MAX_BLOCK_TOKENS, MAX_TARGET, PlanInputs, plan_capacity
 from ..plan.engines import ENGINES
 from ..plan.observed import compare_run
 from ..plan.report import render_observed, render_plan
 from ..plan.runs import load_run
 from ..units import GIB, parse_bytes
-from .options import db_option, json_option
+from .options import RUN_REF, ModelRef, Text, db_option, finite_float, int_range, json_option
 
 KV_DTYPES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 DOES_NOT_FIT = 1
@@ -63,37 +63,40 @@ def _plan_run(db_path: Path | None, run: str, as_json: bool) -> None:
 
 
 @click.command("plan")
-@click.option("--model", "model", default="Qwen2.5-7B-Instruct", show_default=True,
+@click.option("--model", "model", type=ModelRef(), default="Qwen2.5-7B-Instruct", show_default=True,
               help="config.json, a directory holding one, a Hugging Face repo id (org/name[@revision]) "
                    "or a shipped model name.")
 @click.option("--engine", type=click.Choice(ENGINES), default="nano-vllm", show_default=True,
               help="Whose budget rule and defaults to plan with.")
-@click.option("--gpu-memory", help="Device bytes per rank: 25769803776, 24GiB (2^30) or 24GB (10^9).")
-@click.option("--utilization", type=float,
+@click.option("--gpu-memory", type=Text(), help="Device bytes per rank: 25769803776, 24GiB (2^30) or 24GB (10^9).")
+@click.option("--utilization", type=finite_float(0, 1, low_open=True),
               help="Share of the device the engine may use (SGLang: mem_fraction_static) "
                    "[default: the engine's].")
-@click.option("--kv-cache-memory-bytes", help="Explicit KV bytes per rank; replaces --utilization.")
-@click.option("--weights-bytes", help="Weight bytes per rank [default: counted from the config].")
-@click.option("--activation-reserve-bytes", help="Activation peak per rank [default: estimate on the engine's warmup].")
-@click.option("--non-torch-bytes",
+@click.option("--kv-cache-memory-bytes", type=Text(), help="Explicit KV bytes per rank; replaces --utilization.")
+@click.option("--weights-bytes", type=Text(), help="Weight bytes per rank [default: counted from the config].")
+@click.option("--activation-reserve-bytes", type=Text(),
+              help="Activation peak per rank [default: estimate on the engine's warmup].")
+@click.option("--non-torch-bytes", type=Text(),
               help="Memory outside PyTorch per rank (CUDA context, NCCL) [default: estimate].")
-@click.option("--cudagraph-bytes", help="vLLM's CUDA-graph reserve per rank [default: estimate].")
-@click.option("--dtype", help="Precision of the weights that are not quantized [default: the config's].")
+@click.option("--cudagraph-bytes", type=Text(), help="vLLM's CUDA-graph reserve per rank [default: estimate].")
+@click.option("--dtype", type=Text(64), help="Precision of the weights that are not quantized [default: the config's].")
 @click.option("--quantization", type=click.Choice(QUANTIZATION_METHODS, case_sensitive=False),
               help="Weight quantization [default: the config's quantization_config].")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES, case_sensitive=False),
               help="KV cache precision [default: the model's].")
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor parallel size.")
+@click.option("--tp", type=click.IntRange(min=1, max=1 << 20), default=1, show_default=True,
+              help="Tensor parallel size.")
 @click.option("--pp", type=click.IntRange(min=1, max=1 << 20), default=1, show_default=True,
               help="Pipeline parallel size.")
-@click.option("--block-size", type=int, help="Tokens per KV block [default: 256 nano-vllm, 16 vLLM, 1 SGLang].")
-@click.option("--seqs", type=int, help="Target: resident sequences (with --seq-len).")
-@click.option("--seq-len", type=int, help="Target: cached tokens per sequence.")
-@click.option("--tokens", type=int, help="Target: cached tokens summed over resident sequences.")
-@click.option("--max-num-batched-tokens", type=int, help="Largest prefill, for the activation estimate "
+@click.option("--block-size", type=int_range(1, MAX_BLOCK_TOKENS),
+              help="Tokens per KV block [default: 256 nano-vllm, 16 vLLM, 1 SGLang].")
+@click.option("--seqs", type=int_range(1, MAX_TARGET), help="Target: resident sequences (with --seq-len).")
+@click.option("--seq-len", type=int_range(1, MAX_TARGET), help="Target: cached tokens per sequence.")
+@click.option("--tokens", type=int_range(1, MAX_TARGET), help="Target: cached tokens summed over resident sequences.")
+@click.option("--max-num-batched-tokens", type=int_range(1), help="Largest prefill, for the activation estimate "
               "[default: the engine's].")
-@click.option("--max-num-seqs", type=int, help="Most sequences per step [default: the engine's].")
-@click.option("--run", "run", help="Compare a recorded run (id or 'latest') with its plan.")
+@click.option("--max-num-seqs", type=int_range(1), help="Most sequences per step [default: the engine's].")
+@click.option("--run", "run", type=RUN_REF, help="Compare a recorded run (id or 'latest') with its plan.")
 @db_option
 @json_option
 @click.pass_context

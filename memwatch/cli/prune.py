@@ -12,7 +12,7 @@ from ..store import default_db_path, open_store
 from ..store.moments import parse_duration_ns
 from ..store.queries import get_run
 from ..store.retention import DEFAULT_EVIDENCE_NS, DEFAULT_FULL_NS, Retention, apply_retention
-from .options import db_option, json_option
+from .options import RUN_REF, Text, db_option, json_option
 
 
 def _size(path: Path) -> int:
@@ -22,11 +22,11 @@ def _size(path: Path) -> int:
 @click.command("prune")
 @db_option
 @json_option
-@click.option("--keep-full", default=f"{DEFAULT_FULL_NS // 10**9}s", show_default=True,
+@click.option("--keep-full", type=Text(), default=f"{DEFAULT_FULL_NS // 10**9}s", show_default=True,
               help="Keep this much of the end of every run at full resolution.")
-@click.option("--keep-evidence", default=f"{DEFAULT_EVIDENCE_NS // 10**9}s", show_default=True,
+@click.option("--keep-evidence", type=Text(), default=f"{DEFAULT_EVIDENCE_NS // 10**9}s", show_default=True,
               help="Keep this much either side of every flag and OOM at full resolution.")
-@click.option("--run", "runs", multiple=True, help="Only this run (repeatable); default all.")
+@click.option("--run", "runs", multiple=True, type=RUN_REF, help="Only this run (repeatable); default all.")
 @click.option("--no-vacuum", is_flag=True, help="Do not rewrite the file to give the freed space back.")
 def command(db_path: Path | None, as_json: bool, keep_full: str, keep_evidence: str, runs: tuple[str, ...],
             no_vacuum: bool) -> None:

@@ -9,11 +9,11 @@ import click
 from ..report.output import write_report
 from ..report.series import DEFAULT_BUCKETS
 from ..store import open_store
-from .options import db_option
+from .options import db_option, run_argument
 
 
 @click.command("report")
-@click.argument("run")
+@run_argument
 @db_option
 @click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="FILE.html (interactive page, opens offline) or FILE.png (the same figure as an image).")

@@ -25,24 +25,39 @@ from ..store.window import WindowRow, window_rows
 from ..store.window_text import window_text
 from ..terminal import printable
 from ..units import format_bytes, format_offset_s
-from .options import db_option, int_range, json_option
+from .options import Text, db_option, int_range, json_option, run_argument
 
 __all__ = ["command", "parse_duration_ns"]
 
 LEDGER_COLUMNS: tuple[str, ...] = LedgerTerms._fields
 
 
+MAX_STEP = (1 << 63) - 1
+
+
+def _moment(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``step:N`` with N a step the store can hold (0 up to 2**63 - 1); other moments are read by the store."""
+    if value is not None and value.strip().startswith("step:"):
+        number = value.strip()[5:].strip()
+        if number.lstrip("-").isdigit() and not 0 <= int(number[:30]) <= MAX_STEP:
+            raise UsageError(f"--around {value[:40]}: a step is 0 up to {MAX_STEP:,}")
+    return value
+
+
 @click.command("timeline")
-@click.argument("run")
+@run_argument
 @db_option
 @json_option
 @click.option("--csv", "as_csv", is_flag=True, help="CSV with a header row.")
 @click.option("--rank", type=int_range(0), default=None, help="Only this rank.")
-@click.option("--last", "last", default=None, help="Only the last part of the run, e.g. 60s or 5m.")
-@click.option("--since", default=None, help="From this time: +90s (after the start), -5m (before the end), or ISO.")
-@click.option("--until", default=None, help="Up to this time, written as for --since.")
-@click.option("--around", default=None, help="Centre the window on oom, a flag kind (its first flag), or step:N.")
-@click.option("--window", "window", default="60s", show_default=True, help="The window's width with --around.")
+@click.option("--last", "last", type=Text(), default=None, help="Only the last part of the run, e.g. 60s or 5m.")
+@click.option("--since", type=Text(), default=None,
+              help="From this time: +90s (after the start), -5m (before the end), or ISO.")
+@click.option("--until", type=Text(), default=None, help="Up to this time, written as for --since.")
+@click.option("--around", type=Text(), callback=_moment, default=None,
+              help="Centre the window on oom, a flag kind (its first flag), or step:N.")
+@click.option("--window", "window", type=Text(), default="60s", show_default=True,
+              help="The window's width with --around.")
 @click.option("--ledger", is_flag=True, help="Add the ledger terms of every sample as columns.")
 @click.option("--jobs", type=click.Choice(["auto", "1", "2"]), default="auto", show_default=True,
               help="Processes that read a table of 2 s or more: 2 reads its later half in a second process; "

@@ -31,8 +31,23 @@ def prometheus_name(name: str, unit: str) -> str:
     return _INVALID.sub("_", name) + ("_bytes" if unit == "By" else "")
 
 
+_UNSAFE_IN_LABEL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+                              "\ud800-\udfff]")
+"""What a label value never carries as it is: control characters (C0, DEL, C1: newline, CR, ESC, BEL, so no
+terminal or OSC 52 clipboard sequence), bidi overrides, and lone surrogates (not UTF-8: the scrape could not be
+encoded at all)."""
+
+
+def _visible(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\\\x{code:02x}" if code < 0x100 else f"\\\\u{code:04x}"
+
+
 def _escape(value: Any) -> str:
-    return str(value).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+    """A label value for the exposition: backslash and quote escaped, every unsafe character written as the
+    visible text ``\\xNN`` or ``\\uNNNN`` (its backslash escaped too), so any parser reads it back as plain text."""
+    text = str(value).replace("\\", r"\\").replace('"', r"\"")
+    return _UNSAFE_IN_LABEL.sub(_visible, text)
 
 
 def render_labels(attributes: dict[str, Any]) -> str:
@@ -69,7 +84,7 @@ def render(state: ExportState, resource: dict[str, Any] | None = None) -> str:
     out += [f"# HELP {flags} Flags the live detectors raised, by kind and severity", f"# TYPE {flags} counter"]
     for series in ranks:
         base = labels[id(series)]
-        out += [f'{flags}{{{base},kind="{kind}",severity="{severity}"}} {count}'
+        out += [f'{flags}{{{base},kind="{_escape(kind)}",severity="{_escape(severity)}"}} {count}'
                 for kind, severity, count in state.flag_counts(series)]
     return "\n".join(out) + "\n"
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import stat
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import MemwatchError, NotFoundError, PermissionDeniedError, StoreError, UnavailableError
+from ..errors import MemwatchError, NotFoundError, PermissionDeniedError, StoreError, UnavailableError, UsageError
 from .schema import migrate
 
 
@@ -50,6 +51,35 @@ def default_db_path() -> Path:
         return Path(explicit)
     data_home = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(data_home) / "memwatch" / "memwatch.db"
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_regular(path: str | os.PathLike[str]) -> None:
+    """Refuse a database path that names a FIFO, device, socket or folder, before anything opens it: opening a
+    FIFO waits for a writer for good, and a device reads without end. ``stat`` opens nothing; a path that does
+    not exist or cannot be looked at passes, for the open to say why."""
+    try:
+        info = os.stat(path)
+    except (FileNotFoundError, PermissionError):
+        return
+    except OSError as exc:
+        raise UsageError(f"the database path {os.fspath(path)!r} cannot be used: {exc.strerror or exc}; "
+                         "pass another --db") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
+        raise UsageError(f"the database {os.fspath(path)} is {kind}, not a file; pass --db (or MEMWATCH_DB) naming "
+                         "a memwatch database file")
+
+
+def readonly_uri(path: str | os.PathLike[str]) -> str:
+    """The ``file:`` URI that opens exactly ``path``, read-only: the whole path percent-encoded, so a ``#`` or
+    ``?`` in a name is part of the name, not the URI's fragment or query (which would open another file)."""
+    from urllib.parse import quote
+
+    return f"file://{quote(os.fsencode(os.path.abspath(path)))}?mode=ro"
 
 
 def open_store(
@@ -91,12 +121,13 @@ def _open(db_path: Path, readonly: bool) -> Database:
 
 
 def _connect(db_path: Path, readonly: bool) -> Database:
+    check_regular(db_path)
     if readonly:
         if not db_path.exists():
             raise NotFoundError(
                 f"no memwatch database at {db_path}; run an engine with memwatch, or pass --db / MEMWATCH_DB"
             )
-        conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, check_same_thread=False)
+        conn = sqlite3.connect(readonly_uri(db_path), uri=True, check_same_thread=False)
     else:
         db_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # Never open and close the file itself once it exists: closing any descriptor of a file

@@ -16,6 +16,7 @@ KeyboardInterrupt would wait for ever.
 
 from __future__ import annotations
 
+import math
 import re
 import signal
 import sqlite3
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MemwatchError, NotFoundError, StoreError, UsageError
+from .db import check_regular, readonly_uri
 
 DEFAULT_TIMEOUT_S = 60.0
 PROGRESS_STEPS = 1000
@@ -122,9 +124,13 @@ def run_query(db_path: Path, sql: str, params: tuple[Any, ...] = (), *,
     if word not in _STARTS:
         what = word.upper() or "an empty statement"
         raise UsageError(f"memwatch sql runs queries only and {what} is not one; start with SELECT, WITH or PRAGMA")
+    if timeout_s is not None and not 0 <= timeout_s < math.inf:  # a NaN compares false: it was no limit at all
+        raise UsageError(f"the query timeout must be a finite number of seconds, 0 or more (0: no limit); got "
+                         f"{timeout_s}")
+    check_regular(db_path)
     if not db_path.exists():
         raise NotFoundError(f"no memwatch database at {db_path}; pass --db or set MEMWATCH_DB")
-    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    conn = sqlite3.connect(readonly_uri(db_path), uri=True)
     conn.execute("PRAGMA query_only = ON")
     conn.execute("PRAGMA busy_timeout = 5000")
     guard = _Guard()

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ..cpus import cpu_to_spare
 from ..errors import UnavailableError
 from ..records import Sample
+from .db import readonly_uri
 from .window import RAW_SELECT, key_range_where, run_key, stored_ranks
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class WindowText(NamedTuple):
     def read(self, jobs: int | None = None) -> str:
         """The window's text, read by ``jobs`` processes: 1, 2 (the later half in a forked child), or ``None``:
         2 when a CPU is idle for the child. Call it with no connection to the database open here (it may fork)."""
-        if (len(self.parts) == 1 or jobs == 1 or not hasattr(os, "fork") or threading.active_count() > 1
+        if (len(self.parts) < 2 or jobs == 1 or not hasattr(os, "fork") or threading.active_count() > 1
                 or (jobs is None and not cpu_to_spare())):
             # a fork copies only this thread: a lock another thread held would stay held in the child
             return "".join(_text(self.path, *part) for part in self.parts)
@@ -142,7 +143,7 @@ def _query(line_sql: str, where: str, params: list[Any], notes: Notes) -> tuple[
 
 def _text(path: str, sql: str, params: list[Any]) -> str:
     """One part's lines, on a read-only connection of its own."""
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    conn = sqlite3.connect(readonly_uri(path), uri=True)
     try:
         conn.execute("PRAGMA busy_timeout=5000")
         lines = [line for (line,) in conn.execute(sql, params)]

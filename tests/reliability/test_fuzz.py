@@ -216,15 +216,19 @@ COMMANDS = {
     ("timeline",): _run_ref, ("check",): _run_ref, ("explain",): _run_ref, ("events",): _run_ref,
     ("flags",): _run_ref,
     ("plan", "--gpu-memory"): lambda v: (2, ("size",)) if not any(c.isdigit() for c in v) else None,
-    (*PLAN, "--tp"): _int_option("--tp", 1, 10**400, good={1, 2, 4}, words=("tensor parallel",)),
+    (*PLAN, "--tp"): _int_option("--tp", 1, 2**20, good={1, 2, 4}, words=("tensor parallel",)),
     (*PLAN, "--pp"): _int_option("--pp", 1, 28, good={1, 2}, words=("pipeline parallel",)),
     (*PLAN, "--utilization"): _float_option("utilization", 0, 1, ((0, 1), ())),
     (*PLAN, "--seq-len", "1024", "--seqs"): _int_option("--seqs", 1, 2**40, good={1, 2, 3, 40}),
     (*PLAN, "--block-size"): _int_option("--block-size", 1, 2**20, good={16, 32}, words=("block size",)),
     ("sim", "--scenario", "no-such-scenario", "--speed"): _float_option("--speed", 0, 1e6, (2, ("unknown scenario",))),
+    ("events", "latest", "--rank"): _int_option("'--rank'", 0, 2**31 - 1, good={0}),
+    ("flags", "latest", "--rank"): _int_option("'--rank'", 0, 2**31 - 1, good={0}),
+    ("sql", "SELECT 1", "--timeout"): lambda v: (
+        (2, ("--timeout",)) if _float(v) is None or not 0 <= (_float(v) or 0) <= 86400 * 366 else None),
     ("attach", "999999999", "--interval"): lambda v: (
-        (2, ("--interval",)) if _float(v) is None or (_float(v) or 0) <= 0
-        else (3, ("no process",)) if math.isfinite(_float(v) or 0) else None),
+        (2, ("--interval",)) if _float(v) is None or not 0 < (_float(v) or 0) <= 86400
+        else (3, ("no process",))),
 }
 """Each command line to end with a value, and what the value must give: (exit codes, words of the message),
 or None where the value is neither certainly bad nor certainly good (then: one clean line, no traceback)."""
@@ -258,7 +262,7 @@ def fuzz_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @given(command=st.sampled_from(sorted(COMMANDS)), value=ARGUMENTS)
 def test_every_cli_argument_is_refused_by_name_or_taken(fuzz_db: Path, command: tuple[str, ...], value: str) -> None:
     args = [*command, value]
-    if command[0] in {"runs", "timeline", "check", "explain", "events", "flags"}:
+    if command[0] in {"runs", "timeline", "check", "explain", "events", "flags", "sql"}:
         args += ["--db", str(fuzz_db)]
     result = CliRunner().invoke(main, args)
     assert result.exception is None or isinstance(result.exception, SystemExit), (args, result.exception)
