@@ -47,3 +47,16 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     yield process
     process.kill()
     process.wait()
+
+
+@pytest.fixture(scope="session")
+def gdb_calls() -> None:
+    """Skip a test that injects through gdb where this machine's gdb cannot call into a process (its reason says why).
+
+    That is gdb 13 on a CPU with AMX; there ``test_inject.py`` checks instead what ``attach --inject`` tells the user.
+    """
+    from injection import gdb_calls_work
+
+    if not gdb_calls_work():
+        pytest.skip("this machine's gdb cannot call into a process (gdb 13 on a CPU with AMX: the kernel refuses its "
+                    "XSAVE write-back, \"Couldn't write extended state status\")")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from mirrors.zero_code import MIRRORS
 
 from processes import memwatch_env, query, wait_for
@@ -20,6 +23,34 @@ while not stop.exists():
     time.sleep(0.05)
 print("threads", sorted(thread.name for thread in threading.enumerate()), flush=True)
 """
+
+
+@functools.cache
+def gdb_calls_work() -> bool:
+    """Whether this machine's gdb can call a function in a process (the probe costs about a second, once).
+
+    gdb 13 (Debian 12's) cannot on a CPU with AMX: it writes back an XSAVE area sized for older CPUs, which the
+    kernel refuses whole ("Couldn't write extended state status"). Injection then cannot work on that machine,
+    whatever memwatch does; the tests of injection need a gdb that can, and one test checks what a user is told
+    where it cannot.
+    """
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return False
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdin=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        probe = subprocess.run([gdb, "-batch", "-nx", "-q", "-p", str(child.pid), "-ex", "call (int) getpid()"],
+                               stdin=subprocess.DEVNULL,
+                               capture_output=True, text=True, timeout=60)
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+    return f"= {child.pid}" in probe.stdout
+
+
+needs_gdb_calls = pytest.mark.usefixtures("gdb_calls")
+"""For tests that inject through gdb: the ``gdb_calls`` fixture (conftest) skips them where gdb cannot call."""
 
 
 def memwatch(env: dict[str, str], *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:

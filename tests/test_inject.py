@@ -17,7 +17,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from injection import LIGHT, Target, detach_and_wait, memwatch, reap, target_env, unattended, wait_for_engine_steps
+from injection import (
+    LIGHT,
+    Target,
+    detach_and_wait,
+    gdb_calls_work,
+    memwatch,
+    needs_gdb_calls,
+    reap,
+    target_env,
+    unattended,
+    wait_for_engine_steps,
+)
 from test_adapter_nanovllm import DEVICE, _free_port, _model_dir
 
 from memwatch.attach.inject import detach, inject, payload
@@ -85,6 +96,7 @@ def _no_target_outlives_its_test() -> Iterator[None]:
     reap()
 
 
+@needs_gdb_calls
 def test_inject_into_a_plain_torch_loop_records_samples_and_detach_stops_it(
         tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
     script = tmp_path / "loop.py"
@@ -116,6 +128,7 @@ def test_inject_into_a_plain_torch_loop_records_samples_and_detach_stops_it(
     assert {row[1:] for row in rows} == {(4 * MiB, 68 * MiB, 92 * MiB)}
 
 
+@needs_gdb_calls
 def test_inject_into_a_nanovllm_tp2_engine_patches_every_rank_and_detach_restores_it(
         tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
     model = _model_dir(tmp_path)
@@ -178,6 +191,7 @@ def test_the_injected_lines_load_the_engine_plugin_where_the_target_lacks_it(tmp
     assert outcome["rings"] == [str(runtime_dir / "feedc0de0001-r0.ring")]
 
 
+@needs_gdb_calls
 def test_a_process_can_be_injected_again_after_a_detach(tmp_path: Path, runtime_dir: Path, db_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """No sidecar drains the first run's closed ring here: it must not pass for a recording still on."""
@@ -210,3 +224,24 @@ def test_lines_that_run_after_the_injector_gave_up_do_nothing(tmp_path: Path, ru
                           capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (0, "True\n", "")
     assert not script.exists() and not status.exists() and not list(runtime_dir.iterdir())
+
+
+def test_where_gdb_cannot_call_into_a_process_the_user_is_told_why_and_the_process_runs_on(
+        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    """gdb 13 on a CPU with AMX: no function can be called in the target, so nothing is injected, and the user is
+    told what to install; the target is left exactly as it was (its own output unchanged, no thread added)."""
+    if gdb_calls_work():
+        pytest.skip("this machine's gdb can call into a process: the tests above inject")
+    script = tmp_path / "light.py"
+    script.write_text(LIGHT)
+    env = target_env(runtime_dir, db_path)
+    target = Target(script, env)
+    done = memwatch(env, "attach", "--inject", str(target.proc.pid), "--interval", "0.1", "--once")
+    assert done.returncode == 4, done.stderr
+    assert done.stderr == (f"error: gdb could not call into process {target.proc.pid}: the kernel refused its write-"
+                           "back of the CPU's extended registers (gdb before 14 does not know the AMX-sized XSAVE area "
+                           "of this CPU); install gdb 14 or newer, or run the engine on Python 3.14 (memwatch then "
+                           "uses sys.remote_exec); the process runs on unobserved\n")
+    assert target.running()
+    assert target.finish() == ("ready\nthreads ['MainThread']\n", "")
+    assert not list(runtime_dir.glob("*.ring"))

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from injection import Target, detach_and_wait, memwatch, reap, unattended, wait_for_engine_steps
+from injection import Target, detach_and_wait, memwatch, needs_gdb_calls, reap, unattended, wait_for_engine_steps
 from mirrors.zero_code import ROOT
 from test_released_vllm import QWEN3
 
@@ -59,6 +59,7 @@ def _events(db_path: Path, kind: str) -> list[tuple[int, dict]]:
     return [(rank, json.loads(data)) for rank, data in rows]
 
 
+@needs_gdb_calls
 def test_inject_into_a_released_vllm_engine_reads_its_kv_cache_and_detach_restores_it(
         tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
     script, model, env = _target(tmp_path, runtime_dir, db_path)

@@ -222,6 +222,10 @@ def gdb_commands(code: str) -> str:
     ))
 
 
+XSTATE_REFUSED = "Couldn't write extended state status"
+"""gdb's words when ``PTRACE_SETREGSET`` of the XSAVE area fails: gdb 13 writes a buffer sized for CPUs before
+AMX, which the kernel refuses whole, so no function can be called in the process (it is left as it was)."""
+
 GDB_FLAGS = ("-batch", "-nx", "-q", "-iex", "set auto-load off", "-iex", "set debuginfod enabled off",
              "-iex", "set auto-solib-add off")
 """No init file, nothing auto-loaded from the target's libraries, no symbol server, symbols read on demand."""
@@ -240,6 +244,12 @@ def _through_gdb(gdb: str, pid: int, script: Path, timeout_s: float) -> None:
             f"process {pid} reached no safe point within {timeout_s:g}s (none of its threads released the "
             "interpreter lock: it is busy in pure Python code, or idle); memwatch ran nothing in it and left it "
             "running as it was; retry while it serves, or raise --inject-timeout") from None
+    if XSTATE_REFUSED in output:
+        raise UnavailableError(
+            f"gdb could not call into process {pid}: the kernel refused its write-back of the CPU's extended "
+            "registers (gdb before 14 does not know the AMX-sized XSAVE area of this CPU); install gdb 14 or "
+            "newer, or run the engine on Python 3.14 (memwatch then uses sys.remote_exec); the process runs on "
+            "unobserved")
     if proc.returncode != 0 or "ptrace:" in output:
         reason = next((line.strip() for line in output.splitlines() if "ptrace" in line or "rror" in line),
                       f"gdb exited with {proc.returncode}")
