@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from injection import needs_gdb_calls
+
 from memwatch.export.instruments import METRICS
 from memwatch.flags import FLAG_KINDS, SEVERITIES
 
@@ -68,6 +70,7 @@ def test_retention_benchmark_keeps_every_evidence_window() -> None:
     assert "evidence windows kept whole: 2 of 2 -> PASS" in out and "ratio retained/unretained" in out
 
 
+@needs_gdb_calls
 def test_inject_benchmark_measures_every_call() -> None:
     out = _run("bench_inject.py", "--cycles", "1", "--no-torch")
     assert "(1 calls)" in out and "ratio injection/bare gdb attach" in out
@@ -118,3 +121,25 @@ def test_plugin_benchmark_measures_the_step_against_its_floor() -> None:
 def test_vllm_request_hooks_benchmark_runs() -> None:
     out = _run("bench_vllm_requests.py", "--requests", "100", "--repeats", "2")
     assert "hooked methods" in out and "ratio to the two events alone" in out
+
+
+def test_snapshot_benchmark_imports_the_bomb_within_the_ceiling() -> None:
+    rows = json.loads(_run("bench_snapshot.py", "--quick", "--json"))
+    cases = {row["case"]: row for row in rows["cases"]}
+    assert cases["shared-frame bomb"]["imported"] is True and cases["shared-frame bomb"]["trace_entries"] == 500_000
+    assert cases["too large honest"]["imported"] is False
+    assert rows["ceiling_mb"] == 512 and all(row["total_mb"] < 512 for row in rows["cases"])
+
+
+def test_listener_benchmark_probes_both_ports_under_a_flood() -> None:
+    out = json.loads(_run("bench_listener.py", "--half", "200", "--drip", "2", "--seconds", "2", "--json"))
+    for endpoint in ("/healthz", "/metrics"):
+        assert out[endpoint]["flooded"]["probes"] > 0 and out[endpoint]["idle"]["probes"] > 0
+        assert out[endpoint]["ratio_p99"] > 0
+    assert out["flood"]["half_sent_per_port"] == 200 and out["flood"]["uid"] == 50001
+
+
+def test_name_flood_benchmark_counts_the_log_and_the_memory() -> None:
+    out = _run("bench_name_flood.py", "2000")
+    assert "2,000 names made by uid 50001" in out and "sidecar RSS" in out and "'ignoring ring' lines" in out
+    assert "a trusted ring written after the flood stored" in out
