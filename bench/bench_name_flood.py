@@ -101,7 +101,7 @@ def main() -> int:
         finally:
             if sidecar.poll() is None:
                 sidecar.kill()
-                sidecar.wait()
+                sidecar.wait(timeout=30)
         print(f"{count:,} names made by uid {ATTACKER} in {made:.1f} s")
         print(f"sidecar RSS {before:.1f} MiB before, {after:.1f} MiB after (+{after - before:.1f} MiB)")
         print(f"log {log.stat().st_size:,} bytes, {log.read_text(errors='replace').count('ignoring ring '):,} "
