@@ -355,8 +355,8 @@ class HttpListener:
         pending = self._reading or self._answering
         if not pending:
             return False
+        self.evicted += 1  # counted before the close, so whoever sees the connection end sees it counted
         self._close(next(iter(pending.values())))
-        self.evicted += 1
         return True
 
     def _sweep(self) -> None:
@@ -367,8 +367,8 @@ class HttpListener:
                 conn = next(iter(table.values()))
                 if now - conn.since < deadline:
                     break
+                self.expired += 1  # before the close, as in _evict
                 self._close(conn)
-                self.expired += 1
         assert self._loop is not None
         self._loop.call_later(SWEEP_S, self._sweep)
 
