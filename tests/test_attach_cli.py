@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import sqlite3
 import subprocess
@@ -132,11 +133,20 @@ def test_ctrl_c_stops_cleanly(machine: Machine, sleeper: Sleeper) -> None:
     script, env = machine
     script.gpus[0].processes = {sleeper.pid: 1 * GIB}
     script.write()
-    attach = memwatch_background("attach", str(sleeper.pid), "--json", "--interval", "0.05", env=env)
+    # A terminal's Ctrl-C reaches a process whose SIGINT is at its default. A test run started in the
+    # background (`pytest &` from a script) inherits SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler, so the child would ignore the signal and run on: restore the default.
+    attach = subprocess.Popen(
+        [sys.executable, "-c", RUNNER, "attach", str(sleeper.pid), "--json", "--interval", "0.05"], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert attach.stdout is not None
+    ready, _, _ = select.select([attach.stdout], [], [], 30)
+    assert ready, "no sample within 30 s"
     json.loads(attach.stdout.readline())
     attach.send_signal(signal.SIGINT)
-    stdout, stderr = attach.communicate(timeout=10)
+    stdout, stderr = attach.communicate(timeout=30)
     assert (attach.returncode, stderr) == (0, "")
     for line in stdout.splitlines():
         assert json.loads(line)["pid"] == sleeper.pid  # every line printed is whole
