@@ -76,29 +76,6 @@ def test_a_process_whose_filesystem_uid_is_another_users_is_refused_even_to_root
                                   f"memwatch attach --inject {proc.pid}")
 
 
-ALL_CAPABILITIES = (1 << 41) - 1  # CAP_CHOWN (0) to CAP_CHECKPOINT_RESTORE (40)
-
-
-@pytest.mark.parametrize(("scope", "capabilities", "refused"), [
-    # Bit 19 is CAP_SYS_PTRACE (linux/capability.h); every other capability together does not stand in for it.
-    ("1", 1 << 19, None),
-    ("2", 1 << 19, None),
-    ("1", ALL_CAPABILITIES & ~(1 << 19), "only your own child processes"),
-    ("2", ALL_CAPABILITIES & ~(1 << 19), "only a process with CAP_SYS_PTRACE"),
-    ("2", 1 << 18, "only a process with CAP_SYS_PTRACE"),
-    ("2", 1 << 20, "only a process with CAP_SYS_PTRACE"),
-])
-def test_only_capability_bit_19_lets_yama_allow_tracing(tmp_path: Path, scope: str, capabilities: int,
-                                                        refused: str | None) -> None:
-    yama = tmp_path / "ptrace_scope"
-    yama.write_text(scope + "\n")
-    if refused is None:
-        check_ptrace(os.getpid(), yama_path=yama, capabilities=capabilities)
-    else:
-        with pytest.raises(PermissionDeniedError, match=refused):
-            check_ptrace(os.getpid(), yama_path=yama, capabilities=capabilities)
-
-
 def test_a_process_already_being_traced_is_refused_and_an_untraced_one_is_not(spawn: Spawn, tmp_path: Path) -> None:
     no_yama = tmp_path / "absent"
     untraced = spawn(python(""))

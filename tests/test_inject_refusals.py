@@ -123,6 +123,9 @@ def test_the_user_check_refuses_another_users_process_even_to_root() -> None:
         check_user(pid, euid=0)
 
 
+ALL_CAPABILITIES = (1 << 41) - 1  # CAP_CHOWN (0) to CAP_CHECKPOINT_RESTORE (40)
+
+
 @pytest.mark.parametrize(("scope", "capabilities", "refused"), [
     ("0", 0, None),
     ("1", 0, "only your own child processes"),
@@ -130,6 +133,13 @@ def test_the_user_check_refuses_another_users_process_even_to_root() -> None:
     ("2", 0, "only a process with CAP_SYS_PTRACE"),
     ("2", 1 << CAP_SYS_PTRACE, None),
     ("3", 1 << CAP_SYS_PTRACE, "forbids tracing any process"),
+    # Bit 19 itself (linux/capability.h), not the constant: every other capability together does not stand in.
+    ("1", 1 << 19, None),
+    ("2", 1 << 19, None),
+    ("1", ALL_CAPABILITIES & ~(1 << 19), "only your own child processes"),
+    ("2", ALL_CAPABILITIES & ~(1 << 19), "only a process with CAP_SYS_PTRACE"),
+    ("2", 1 << 18, "only a process with CAP_SYS_PTRACE"),
+    ("2", 1 << 20, "only a process with CAP_SYS_PTRACE"),
 ])
 def test_ptrace_rules_of_yama_and_the_capability(tmp_path: Path, scope: str, capabilities: int,
                                                  refused: str | None) -> None:
