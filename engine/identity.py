@@ -6,8 +6,14 @@ records, once, in its ring's metadata:
 
 - ``container_id``: the 64-hex id in ``/proc/self/cgroup`` (cgroup v1 and v2 paths of docker,
   containerd and Kubernetes' ``cri-containerd-``, cri-o's ``crio-``, podman's ``libpod-``), else in
-  ``/proc/self/mountinfo`` (docker mounts ``/var/lib/docker/containers/<id>/hostname``, which a private
-  cgroup namespace leaves visible);
+  ``/proc/self/mountinfo``, which a private cgroup namespace (``/proc/self/cgroup`` then says ``0::/``)
+  leaves as it is: the files a runtime bind-mounts into each container come from a directory named
+  after it (docker: ``/var/lib/docker/containers/<id>/hostname``; podman and cri-o's containers/storage:
+  ``…/overlay-containers/<id>/userdata/hostname``, also under ``/run``);
+- ``k8s_pod_uid``: the pod's UID, from the kubelet's directories mounted into each container
+  (``/var/lib/kubelet/pods/<uid>/etc-hosts``, ``…/containers/<name>/…``, ``…/volumes/…``);
+- ``sandbox_id``: containerd's pod sandbox (``…/io.containerd.grpc.v1.cri/sandboxes/<id>/hostname``):
+  the pod's, not the container's, so it is never taken for ``container_id``;
 - ``k8s_pod``, ``k8s_namespace``, ``k8s_node``, ``k8s_container``: from ``MEMWATCH_K8S_POD``,
   ``MEMWATCH_K8S_NAMESPACE``, ``MEMWATCH_K8S_NODE``, ``MEMWATCH_K8S_CONTAINER``, else — inside
   Kubernetes only (``KUBERNETES_SERVICE_HOST`` set), as those names are generic — from what a pod
@@ -41,7 +47,9 @@ ENVIRONMENT = {
 """Each identity key and the variables that give it, first one set wins."""
 
 _CGROUP_ID = re.compile(r"(?:^|[/:-])([0-9a-f]{64})(?:\.scope)?$")
-_MOUNT_ID = re.compile(r"/containers/([0-9a-f]{64})/")
+_MOUNT_ID = re.compile(r"/(?:containers|overlay-containers)/([0-9a-f]{64})/")
+_POD_UID = re.compile(r"/pods/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})/")
+_SANDBOX_ID = re.compile(r"/sandboxes/([0-9a-f]{64})/")
 
 
 def valid_name(value: object) -> str | None:
@@ -60,9 +68,36 @@ def container_id(cgroup: str | None = None, mountinfo: str | None = None) -> str
             found = _CGROUP_ID.search(part)
             if found:
                 return found.group(1)
-    mountinfo = _read("/proc/self/mountinfo") if mountinfo is None else mountinfo
-    found = _MOUNT_ID.search(mountinfo)
-    return found.group(1) if found else None
+    return _mounted_id(_MOUNT_ID, _read("/proc/self/mountinfo") if mountinfo is None else mountinfo)
+
+
+def mount_roots(mountinfo: str) -> list[str]:
+    """The mount roots (field 4 of each ``/proc/PID/mountinfo`` line: the path inside the mounted filesystem
+    that appears at the mount point), with the kernel's octal escapes of space, tab, newline and backslash."""
+    roots = []
+    for line in mountinfo.splitlines():
+        fields = line.split(" ", 5)
+        if len(fields) >= 5:
+            roots.append(fields[3] + "/")  # so an id that ends the path is followed by '/' too
+    return roots
+
+
+def pod_uid(mountinfo: str | None = None) -> str | None:
+    """The Kubernetes pod's UID from the kubelet's directories mounted into the container (None elsewhere)."""
+    return _mounted_id(_POD_UID, _read("/proc/self/mountinfo") if mountinfo is None else mountinfo)
+
+
+def sandbox_id(mountinfo: str | None = None) -> str | None:
+    """containerd's pod sandbox id from the sandbox files mounted into the container (None elsewhere)."""
+    return _mounted_id(_SANDBOX_ID, _read("/proc/self/mountinfo") if mountinfo is None else mountinfo)
+
+
+def _mounted_id(pattern: re.Pattern[str], mountinfo: str) -> str | None:
+    for root in mount_roots(mountinfo):
+        found = pattern.search(root)
+        if found:
+            return found.group(1)
+    return None
 
 
 def kubernetes(environ: dict[str, str] | None = None, hostname: str | None = None) -> dict[str, str]:
@@ -87,9 +122,11 @@ def where() -> dict[str, str]:
     if os.environ.get("MEMWATCH_WHERE") == "0":
         return {}
     found = kubernetes()
-    cid = container_id()
-    if cid:
-        found["container_id"] = cid
+    mountinfo = _read("/proc/self/mountinfo")
+    for key, value in (("container_id", container_id(None, mountinfo)), ("k8s_pod_uid", pod_uid(mountinfo)),
+                       ("sandbox_id", sandbox_id(mountinfo))):
+        if value:
+            found[key] = value
     return found
 
 

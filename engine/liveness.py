@@ -2,11 +2,25 @@
 
 The engine is often in a pid namespace of its own (its container) while the sidecar is in another, so
 the writer pid in a ring's header may name nothing, or another process, in the sidecar's ``/proc``.
-Instead the writer holds an open-file-description lock (``F_OFD_SETLK``, a write lock on the whole
-ring) from the ring's creation to its close. The kernel drops it when the process dies, however it
-dies, and it is visible to any process that opens the same file on the same kernel, whatever its
-namespaces. The sidecar asks with ``F_OFD_GETLK``, which never takes a lock, so it cannot get in the
-writer's way. The lock is taken once, when the ring is created: the hot path never touches it.
+Instead the writer holds a process-associated record lock (``F_SETLK``, a write lock on the whole ring)
+from the ring's creation to its close. The kernel drops it when the process dies, however it dies, and
+it is visible to any process that opens the same file on the same kernel, whatever its namespaces. The
+sidecar asks with ``F_OFD_GETLK``, which never takes a lock, so it cannot get in the writer's way (an
+open-file-description lock and a process's record lock conflict, so the question sees it). The lock is
+taken once, when the ring is created: the hot path never touches it.
+
+Why a process's record lock and not an open-file-description lock: a child made by ``fork()`` shares
+its parent's open file descriptions, and with them an OFD lock. Python's at-fork hooks can close the
+descriptor in the child, but a C extension calling libc's ``fork()`` runs no Python hook, and its child
+kept a dead engine "alive" for as long as it lived. A record lock belongs to the process: ``fork()``
+never passes it on.
+
+The trap that comes with it: closing ANY descriptor of the ring's file in the writer's process drops
+the lock (POSIX semantics), even a descriptor opened for reading. So the writer's process never opens
+its ring a second time: the ring is created, mapped and locked through one descriptor (:mod:`.ring`),
+which stays open until the ring is closed; nothing in the engine reads a ring by path. A reader in the
+writer's own process (a test, an in-process collector) ends the writer's lock when it closes its
+descriptor: the ring then reads as "writer gone".
 
 The writer also records its pid namespace (the inode of ``/proc/self/ns/pid``); a sidecar checks the
 pid as well only where that namespace is its own.
@@ -24,7 +38,7 @@ _FLOCK = struct.Struct("hhqqi4x")
 """``struct flock`` on 64-bit Linux: type, whence, start, len, pid (and padding)."""
 
 _LOCK_FDS: set[int] = set()
-"""Descriptors holding a writer lock; closed in a forked child so that only the writer keeps the lock."""
+"""Descriptors holding a writer lock; a forked child holds no lock on them and closes its copies."""
 
 
 def process_start_ticks(pid: int) -> int:
@@ -39,9 +53,10 @@ def process_start_ticks(pid: int) -> int:
 
 
 def take_writer_lock(fd: int) -> bool:
-    """Hold a write lock on the whole file of ``fd`` until ``fd`` is closed; False where locks are refused."""
+    """Hold this process's write lock on the whole file of ``fd`` until ``fd`` (or any other descriptor of the
+    file in this process) is closed; False where locks are refused."""
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+        fcntl.fcntl(fd, fcntl.F_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
     except (OSError, AttributeError, ValueError):
         return False
     _LOCK_FDS.add(fd)
@@ -88,7 +103,8 @@ def pid_namespace(pid: int | str = "self") -> int | None:
 
 
 def _close_in_child() -> None:
-    # A forked child shares the lock's open file description: keeping it would keep a dead writer "alive".
+    # A forked child holds no record lock (fork never passes one on); its copies of the descriptors are closed
+    # so that it keeps no file of its parent's open.
     for fd in tuple(_LOCK_FDS):
         try:
             os.close(fd)

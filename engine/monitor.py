@@ -11,6 +11,14 @@ The rules it keeps, in order of importance:
 * It is safe to call from several threads, and no call waits for another: writers claim the ring's cursor
   instead of taking a lock (:mod:`.ring`).
 
+How a run ends: ``close()`` (or the ``with`` block) ends it with a status. An engine that returns from
+``main`` or calls ``sys.exit`` without closing is closed by an exit hook (``ok``; ``error`` after an uncaught
+exception): :mod:`.lifecycle`. ``os._exit()``, a fatal signal or the OOM killer run no Python at all, so
+their runs end ``crashed``: nothing honest can tell ``os._exit(0)`` from SIGKILL but the parent that reaps it.
+
+Where the sidecar is someone else's and its runtime directory is not there yet, the ring waits for it
+and the records are kept in memory meanwhile (:mod:`.pending`); the engine never makes that directory.
+
 Per-step peaks: once the ``serve`` phase starts, each ``step()`` reads the allocator peak and then
 resets it, so every serving sample carries that step's own peak (``peak_is_step``). This takes the
 global peak counter away from other code in the process during serving; pass
@@ -24,18 +32,22 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from . import lifecycle
 from .clean import clean, clean_data, text
 from .identity import where
+from .lifecycle import SidecarWatch
 from .moments import arrival_data, finish_data, known, kv_data, oom_data, weights_data
+from .pending import PendingRecords, Throttle, build_pending_step, runtime_directory
 from .probes.base import UNKNOWN, Probe
 from .ring import DEFAULT_CAPACITY, FIRST_CUSTOM_PHASE, META_MAX, PHASE_CODES, EventTooLarge, RingWriter
-from .runtime import ensure_runtime_dir, ring_mode, ring_path
+from .runtime import judge_runtime_dir, ring_mode, ring_path
 from .stepper import StepPath, build_step
 
 log = logging.getLogger("memwatch")
@@ -71,6 +83,7 @@ class Monitor:
         per_step_peak: bool | None = None,
         clock: Callable[[], int] = time.time_ns,
         source: str = "engine",
+        close_at_exit: bool = True,
     ) -> None:
         self._enabled = False
         self._clock = clock
@@ -85,39 +98,99 @@ class Monitor:
         self.world_size = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", 1))
         self.run_id = run_id or os.environ.get("MEMWATCH_RUN_ID") or new_run_id()
         self.ring_path: Path | None = None
+        self._pid = os.getpid()
+        self._per_step = False
+        self._pending: PendingRecords | None = None
+        self._directory: Path | None = None
+        self._look = Throttle()
+        self._attaching = threading.Lock()
+        self._watch: SidecarWatch | None = None
         try:
             self.probe = probe if probe is not None else _default_probe()
             reason = self.probe.unavailable_reason()
             if reason:
                 log.warning("memwatch: %s", reason)
             device = self.probe.device_info()
-            directory = ensure_runtime_dir(runtime_dir)
+            directory, theirs = runtime_directory(runtime_dir, spawn_sidecar)
             meta = clean({
                 "engine": engine, "model": model, "pid": os.getpid(), "hostname": socket.gethostname(),
                 "source": source, "device_index": device.index, "gpu_name": device.name,
-                "gpu_total_bytes": device.total_bytes, "config": config or {},
+                "gpu_uuid": device.uuid, "gpu_total_bytes": device.total_bytes, "config": config or {},
                 "probe": self.probe.name, "probe_unavailable": reason,
             })
             place = where()  # the container and pod, when the engine runs in one
             if place and len(json.dumps(meta)) + len(json.dumps(place)) < META_MAX - 64:
                 meta["where"] = place
-            self.ring_path = ring_path(directory, self.run_id, self.rank)
-            mode = ring_mode(directory)
-            self._writer = RingWriter(
-                self.ring_path, run_id=self.run_id, rank=self.rank, world_size=self.world_size,
-                meta=meta, capacity=capacity, mode=mode,
-            )
-            self._path = build_step(self._writer, self.probe, clock, on_fault=self._disable)
-            self.step = self._path.step  # type: ignore[method-assign]  # the instance's own: no method to bind
+            self._meta, self._capacity, self._directory = meta, capacity, directory
+            if theirs:  # the sidecar's directory, not there yet: never ours to create (.pending)
+                self._pending = PendingRecords()
+                self._writer = self._pending  # type: ignore[assignment]  # the same two writing methods
+                self._path = build_pending_step(self._pending, self.probe, clock, on_fault=self._disable,
+                                                look=self._look_for_directory)
+                self.step = self._path.step  # type: ignore[method-assign]
+                mode = 0o640
+            else:
+                mode = self._open_ring(directory)
             self._enabled = True
+            if close_at_exit:
+                lifecycle.close_at_exit(self)
             if spawn_sidecar is None:  # a shared directory has its agent already: never start one there
                 spawn_sidecar = os.environ.get("MEMWATCH_SPAWN", "1") != "0" and mode == 0o600
             if spawn_sidecar:
                 from .spawn import ensure_sidecar
 
                 ensure_sidecar(directory)
+            if source != "sim":  # a simulation's caller stores its rings itself, or says it did not
+                self._watch = SidecarWatch(lambda: self._directory if self._enabled else None,
+                                           lambda: self._pending is not None)
         except Exception as exc:
             self._disable(exc)
+
+    def _open_ring(self, directory: Path) -> int:
+        """Create the ring in ``directory`` and the step that writes it; its file mode. Records kept while the
+        directory did not exist go first (.pending)."""
+        self.ring_path = ring_path(directory, self.run_id, self.rank)
+        mode = ring_mode(directory)
+        writer = RingWriter(
+            self.ring_path, run_id=self.run_id, rank=self.rank, world_size=self.world_size,
+            meta=self._meta, capacity=self._capacity, mode=mode,
+        )
+        pending, waiting = self._pending, self._path
+        if pending is not None:
+            for records in pending.records:
+                writer.write_slots(records)
+            lost = pending.lost_event()
+            if lost is not None:
+                writer.write_event(waiting.steps(), self._clock(), "samples_lost", lost)
+        path = build_step(writer, self.probe, self._clock, on_fault=self._disable,
+                          start=waiting.steps() if waiting is not None else 0)
+        path.set_phase(self._phase)
+        path.per_step_peak(self._per_step)
+        self._writer, self._path, self._pending = writer, path, None
+        self.step = path.step  # type: ignore[method-assign]  # the instance's own: no method to bind
+        if waiting is not None:
+            waiting.stop()
+        return mode
+
+    def _look_for_directory(self, now: bool = False) -> None:
+        """While the ring waits for its directory: at most once a second (or ``now``), one ``stat`` of it."""
+        if self._pending is None or not (now or self._look.due()):
+            return
+        if not self._attaching.acquire(blocking=False):
+            return  # another thread is creating the ring
+        try:
+            if self._pending is None or self._directory is None:
+                return
+            try:
+                info = os.lstat(self._directory)
+            except FileNotFoundError:
+                return
+            judge_runtime_dir(info, self._directory)
+            self._open_ring(self._directory)
+        except Exception as exc:
+            self._disable(exc)
+        finally:
+            self._attaching.release()
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -141,6 +214,12 @@ class Monitor:
         self._enabled = False
         if self._path is not None:
             self._path.stop()
+        self._stop_watching()
+
+    def _stop_watching(self) -> None:
+        lifecycle.forget(self)
+        if self._watch is not None:
+            self._watch.cancel()
 
     # -- the hot path --------------------------------------------------------------------------------
 
@@ -178,6 +257,8 @@ class Monitor:
             )
         except Exception as exc:
             self._disable(exc)
+        if self._pending is not None:
+            self._look_for_directory()
 
     # -- phases and one-off moments ------------------------------------------------------------------
 
@@ -203,6 +284,7 @@ class Monitor:
                 self._load_baseline = self._allocated_now()
             if name == "serve" and self._per_step_peak_option is not False:
                 self.probe.reset_peak()
+                self._per_step = True
                 self._path.per_step_peak(True)
             self._event("phase_start", {"phase": name, "code": code})
             self.sample()
@@ -216,6 +298,7 @@ class Monitor:
             self.sample()
             self._event("phase_end", {"phase": name})
             if name == "serve":
+                self._per_step = False
                 self._path.per_step_peak(False)
             self._set_phase(self._phase_stack.pop() if self._phase_stack else 0)
         except Exception as exc:
@@ -320,19 +403,34 @@ class Monitor:
         except EventTooLarge as exc:
             log.warning("memwatch: %s; stored without its data", exc)
             self._writer.write_event(self.step_count, self._clock(), kind, {"dropped": "too large"})
+        if self._pending is not None:
+            self._look_for_directory()
 
     def close(self, status: str = "ok") -> None:
         """End the run for this rank: a ``run_end`` event, then the ring is marked closed."""
+        self._end({"status": status})
+
+    def close_at_exit(self, status: str) -> None:
+        """The interpreter is exiting with this Monitor open (:mod:`.lifecycle`): end the run with ``status``,
+        in the process that started it only (a forked child's copy never writes its parent's ring).
+
+        ``os._exit()`` and fatal signals run no exit hook: such an end is recorded as ``crashed``."""
+        if os.getpid() == self._pid:
+            self._end({"status": status, "closed_at_exit": True})
+
+    def _end(self, data: dict[str, Any]) -> None:
         if not self._enabled:
             return
         try:
             self.sample()
-            self._event("run_end", {"status": status})
+            self._event("run_end", data)
+            self._look_for_directory(now=True)  # a ring still waiting for its directory: a last look
             self._path.stop()
             self._writer.close()
         except Exception as exc:
             self._disable(exc)
         self._enabled = False
+        self._stop_watching()
 
     def _allocated_now(self) -> int | None:
         return known(self.probe.read()[0])

@@ -25,7 +25,7 @@ Byte layout (version 2, little-endian)::
      96   16s  run_id           ASCII, NUL-padded
     112   ...  meta             UTF-8 JSON: engine, model, hostname, device, config (written once);
                                 ``pid_ns`` (the writer's pid namespace inode) and ``writer_lock`` (1: the
-                                writer holds an OFD lock on the file while it lives, see .liveness);
+                                writer holds a record lock on the file while it lives, see .liveness);
                                 ``where``: the container id and Kubernetes names it ran under (.identity)
 
     record slot i at HEADER_SIZE + i * 128; every record starts with
@@ -154,6 +154,31 @@ class EventTooLarge(ValueError):
     """An event's JSON does not fit in ``MAX_EVENT_CHUNKS`` chunks."""
 
 
+def sample_slot(
+    step: int, ts_ns: int, phase: int, step_kind: int, flags: int,
+    allocated: int, peak: int, reserved: int, driver_used: int, driver_free: int,
+    num_tokens: int, kv_used: int, kv_total: int, num_seqs: int,
+    segments: int = -1, active: int = -1, inactive_split: int = -1, alloc_retries: int = -1, num_ooms: int = -1,
+) -> bytes:
+    """One sample record, its sequence number left 0 for the writer to fill."""
+    return _SAMPLE_SLOT.pack(
+        0, TYPE_SAMPLE, flags, phase, step_kind, step, ts_ns, allocated, peak, reserved, driver_used, driver_free,
+        num_tokens, kv_used, kv_total, num_seqs, segments, active, inactive_split, alloc_retries, num_ooms,
+    )
+
+
+def event_slots(step: int, ts_ns: int, kind: str, data: dict[str, Any]) -> list[bytes]:
+    """One event's records: its JSON cut into chunks (:class:`EventTooLarge` past :data:`MAX_EVENT_CHUNKS`)."""
+    payload = json.dumps([kind, data], separators=(",", ":"), allow_nan=False).encode()
+    chunks = [payload[i : i + CHUNK_PAYLOAD] for i in range(0, len(payload), CHUNK_PAYLOAD)] or [b""]
+    if len(chunks) > MAX_EVENT_CHUNKS:
+        raise EventTooLarge(f"event {kind!r} is {len(payload)} bytes of JSON; at most "
+                            f"{MAX_EVENT_CHUNKS * CHUNK_PAYLOAD} fit in the ring")
+    last = len(chunks) - 1
+    return [_CHUNK.pack(0, TYPE_EVENT, CHUNK_MORE if i < last else 0, len(chunk), step, ts_ns, chunk)
+            for i, chunk in enumerate(chunks)]
+
+
 class RingWriter:
     """The engine side: appends records, never blocks and never waits for a reader or another writer.
 
@@ -187,8 +212,12 @@ class RingWriter:
         # Built under a temporary name and linked into place complete, so a reader listing the
         # directory never meets a ring without its header; linking fails if the ring exists.
         building = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(building, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        # One descriptor for everything: the process's record lock on the ring goes with the first close of ANY
+        # descriptor of the file in this process (.liveness), so the file is opened once and this descriptor
+        # stays open, holding the lock, until close(). (The mapping keeps a duplicate of it, closed with the map.)
+        fd = os.open(building, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self._lock_fd: int | None = None
+        keep = False
         try:
             os.fchmod(fd, mode)  # exactly this mode, whatever the umask (0640 in a shared group directory)
             os.ftruncate(fd, size)
@@ -196,12 +225,9 @@ class RingWriter:
             # itself off, instead of a SIGBUS in the engine at the first write to a page with no space.
             os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            # The lock lives on an open of its own: the mapping's open is shared with forked children,
-            # the lock's is closed in them, so the lock goes when this process goes.
-            self._lock_fd = os.open(building, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            if not take_writer_lock(self._lock_fd):
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            if take_writer_lock(fd):
+                self._lock_fd = fd
+            else:
                 del meta["writer_lock"]  # a reader falls back to the pid, where it can see it
                 meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
             pid = os.getpid()
@@ -211,11 +237,12 @@ class RingWriter:
             )
             self._map[META_OFFSET : META_OFFSET + len(meta_bytes)] = meta_bytes
             os.link(building, self.path)
-        except BaseException:
-            self._drop_lock()
-            raise
+            keep = self._lock_fd is not None
         finally:
-            os.close(fd)
+            if not keep:  # refused, or no lock to hold: the descriptor goes now (the mapping has its own)
+                self._lock_fd = None
+                release_writer_lock(fd)
+                os.close(fd)
             os.unlink(building)
         self._mask = capacity - 1
         self._cursor = [0]
@@ -244,30 +271,18 @@ class RingWriter:
             return cursor[0]
         return self._closed_at if self._map.closed else self._published[PUBLISHED_WORD]
 
-    def write_sample(
-        self, step: int, ts_ns: int, phase: int, step_kind: int, flags: int,
-        allocated: int, peak: int, reserved: int, driver_used: int, driver_free: int,
-        num_tokens: int, kv_used: int, kv_total: int, num_seqs: int,
-        segments: int = -1, active: int = -1, inactive_split: int = -1, alloc_retries: int = -1,
-        num_ooms: int = -1,
-    ) -> None:
-        """Append one sample (the Monitor's step packs its own straight into the slot: :mod:`.stepper`)."""
-        self._write([_SAMPLE_SLOT.pack(
-            0, TYPE_SAMPLE, flags, phase, step_kind, step, ts_ns, allocated, peak, reserved, driver_used,
-            driver_free, num_tokens, kv_used, kv_total, num_seqs, segments, active, inactive_split, alloc_retries,
-            num_ooms,
-        )])
+    def write_sample(self, *fields: int) -> None:
+        """Append one sample, fields as :func:`sample_slot` takes them (the Monitor's step packs its own straight
+        into the slot: :mod:`.stepper`)."""
+        self._write([sample_slot(*fields)])
 
     def write_event(self, step: int, ts_ns: int, kind: str, data: dict[str, Any]) -> None:
         """Append one event as JSON chunks, published at once so a reader sees all of it or none."""
-        payload = json.dumps([kind, data], separators=(",", ":"), allow_nan=False).encode()
-        chunks = [payload[i : i + CHUNK_PAYLOAD] for i in range(0, len(payload), CHUNK_PAYLOAD)] or [b""]
-        if len(chunks) > MAX_EVENT_CHUNKS:
-            raise EventTooLarge(f"event {kind!r} is {len(payload)} bytes of JSON; at most "
-                             f"{MAX_EVENT_CHUNKS * CHUNK_PAYLOAD} fit in the ring")
-        last = len(chunks) - 1
-        self._write([_CHUNK.pack(0, TYPE_EVENT, CHUNK_MORE if i < last else 0, len(chunk), step, ts_ns, chunk)
-                     for i, chunk in enumerate(chunks)])
+        self._write(event_slots(step, ts_ns, kind, data))
+
+    def write_slots(self, records: list[bytes]) -> None:
+        """Append whole records made by :func:`sample_slot` or :func:`event_slots` (kept before the ring existed)."""
+        self._write(records)
 
     def hot_path(self) -> RingSlots:
         """What a writer that packs its own records needs: the map, the cursor, ``published`` and the queue."""

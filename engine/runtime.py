@@ -84,13 +84,60 @@ def ensure_runtime_dir(
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         elif not directory.exists():
             directory.mkdir(mode=0o700, parents=True)
-            os.chown(directory, -1, group)
-            os.chmod(directory, SHARED_DIR_MODE)
+            _share_with_group(directory, group)
         info = os.lstat(directory)
     except OSError as exc:
         raise RuntimeDirError(f"cannot create runtime directory {directory}: {exc.strerror}") from None
+    if group is not None and _lost_setgid(info, group):
+        info = _repair_setgid(directory, info, group)
     judge_runtime_dir(info, directory, trust)
     return directory
+
+
+def _share_with_group(directory: Path, group: int) -> None:
+    """Make ``directory`` (ours, 0700) mode 3770 in ``group``, needing no capability beyond changing its group.
+
+    ``chmod`` by someone outside the directory's group, without CAP_FSETID, drops the setgid bit (a container
+    with ``drop: ALL`` + CHOWN ends with mode 1770); ``chown`` keeps a directory's setgid bit. So the mode is set
+    while the group is still one of ours, and the group changed after; a member of ``group`` needs no
+    capability at all. Until the ``chown``, only our own group can enter.
+    """
+    if _member_of(group):
+        os.chown(directory, -1, group)
+        os.chmod(directory, SHARED_DIR_MODE)
+        return
+    os.chmod(directory, SHARED_DIR_MODE)
+    os.chown(directory, -1, group)
+
+
+def _member_of(group: int) -> bool:
+    return group == os.getegid() or group in os.getgroups()
+
+
+def _lost_setgid(info: os.stat_result, group: int) -> bool:
+    """A shared directory made by an older memwatch without CAP_FSETID: sticky, group rwx, no setgid."""
+    return stat.S_ISDIR(info.st_mode) and info.st_mode & 0o7777 == SHARED_DIR_MODE & ~stat.S_ISGID \
+        and info.st_gid == group
+
+
+def _repair_setgid(directory: Path, info: os.stat_result, group: int) -> os.stat_result:
+    """Give a 1770 directory of ours its setgid bit back (as :func:`_share_with_group` sets it), or say how."""
+    how = (f"as root (or a member of group {group}) run: chmod 3770 {directory}; or, as its owner: "
+           f"chgrp $(id -g) {directory} && chmod 3770 {directory} && chgrp {group} {directory}")
+    if info.st_uid != os.getuid():
+        raise RuntimeDirError(f"shared runtime directory {directory} has lost its setgid bit (mode 1770), so rings "
+                              f"would not take group {group}, and it is not ours to repair; {how}")
+    try:
+        os.chmod(directory, SHARED_DIR_MODE)  # kept by a member of the group, or with CAP_FSETID
+        info = os.lstat(directory)
+        if info.st_mode & stat.S_ISGID:
+            return info
+        os.chown(directory, -1, os.getegid())  # else for a moment our own group, as when it is made
+        _share_with_group(directory, group)
+        return os.lstat(directory)
+    except OSError as exc:
+        raise RuntimeDirError(f"shared runtime directory {directory} has lost its setgid bit (mode 1770) and "
+                              f"cannot be repaired ({exc.strerror}); {how}") from None
 
 
 def ring_mode(directory: Path) -> int:

@@ -47,12 +47,13 @@ class StepPath(NamedTuple):
 
 
 def build_step(writer: RingWriter, probe: Probe, clock: Callable[[], int] = time.time_ns, *,
-               on_fault: Callable[[BaseException], None]) -> StepPath:
-    """The step for ``writer``'s ring; ``on_fault(exc)`` is called, once the step has caught ``exc``, to turn it off."""
+               on_fault: Callable[[BaseException], None], start: int = 0) -> StepPath:
+    """The step for ``writer``'s ring; ``on_fault(exc)`` is called, once the step has caught ``exc``, to turn it off.
+    ``start``: steps already counted (before the ring existed: :mod:`.pending`)."""
     ring, mask, cursor, published, waiting = writer.hot_path()
     take, give, pack, codes = cursor.pop, cursor.append, _SAMPLE.pack_into, STEP_KIND_CODES
     read_plain, read_and_reset = probe.read_step, probe.read_step_and_reset
-    live, count, phase, flags, read = True, 0, 0, 0, read_plain
+    live, count, phase, flags, read = True, start, 0, 0, read_plain
 
     def step(kind: str | None = None, num_seqs: int | None = UNKNOWN, num_tokens: int | None = UNKNOWN,
              kv_blocks_used: int | None = UNKNOWN, kv_blocks_total: int | None = UNKNOWN) -> None:

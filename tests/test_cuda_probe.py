@@ -44,6 +44,13 @@ def flatten(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return dict(sorted(flat.items()))
 
 
+class CUuuid:
+    """``torch.cuda._CUuuid``: the device's 16 bytes, printed as a bare 8-4-4-4-12 UUID."""
+
+    def __str__(self) -> str:
+        return "5f3c2a1b-9d8e-4f70-a1b2-c3d4e5f60718"
+
+
 class FakeTorch:
     """Only the attributes the probe touches, each recording how it was called."""
 
@@ -59,7 +66,8 @@ class FakeTorch:
             is_available=lambda: True, current_device=lambda: 0,
             memory_stats=self._flat, mem_get_info=lambda device: (free, total),
             reset_peak_memory_stats=lambda device: self.calls.append(f"reset:{device}"),
-            get_device_properties=lambda device: SimpleNamespace(name="NVIDIA H200", total_memory=total),
+            get_device_properties=lambda device: SimpleNamespace(name="NVIDIA H200", total_memory=total,
+                                                                 uuid=CUuuid()),
             memory_snapshot=lambda: [{"blocks": [{"state": "inactive", "size": 6 << 20},
                                                  {"state": "active_allocated", "size": 1 << 30}]}],
         )
@@ -114,7 +122,8 @@ def test_reset_peak_device_info_and_oom_summary() -> None:
     probe = CudaProbe(1, torch=torch)
     probe.reset_peak()
     assert torch.calls == ["reset:1"]
-    assert probe.device_info() == (1, "NVIDIA H200", 80 * GiB)
+    # PyTorch prints the bare UUID; NVML's form, dcgm-exporter's UUID label, has the GPU- prefix.
+    assert probe.device_info() == (1, "NVIDIA H200", 80 * GiB, "GPU-5f3c2a1b-9d8e-4f70-a1b2-c3d4e5f60718")
     assert probe.allocator_summary() == {
         "segments": 3, "inactive_split_bytes": 4096, "alloc_retries": 2, "num_ooms": 1,
         "largest_free_block_bytes": 6 << 20,
@@ -135,3 +144,9 @@ def test_real_torch_explains_instead_of_raising() -> None:
     assert probe.read() == (-1, -1, -1, -1, -1)
     assert probe.reading() == (None, None, None, None, None)
     probe.reset_peak()  # must not raise either
+
+
+def test_a_rocm_build_records_no_uuid_rather_than_one_in_nvidias_form() -> None:
+    torch = FakeTorch(fast=True)
+    torch.version = SimpleNamespace(cuda=None, hip="6.2")
+    assert CudaProbe(0, torch=torch).device_info().uuid is None

@@ -20,7 +20,8 @@ pytest_plugins = ["fake_nvml"]
 
 @pytest.fixture
 def one_gpu(fake_nvml: FakeNvmlScript) -> FakeNvmlScript:
-    gpu = fake_nvml.add_gpu("NVIDIA L4", total_bytes=24 * GIB, used_bytes=10 * GIB)
+    gpu = fake_nvml.add_gpu("NVIDIA L4", total_bytes=24 * GIB, used_bytes=10 * GIB,
+                            uuid="GPU-2b7e4c1a-5d3f-4e6b-8a9c-0d1e2f3a4b5c")
     gpu.processes = {os.getpid(): 6 * GIB, 4321: None}
     fake_nvml.write()
     return fake_nvml
@@ -32,7 +33,8 @@ def test_read_gives_the_driver_view_and_no_allocator_view(one_gpu: FakeNvmlScrip
     # used = 10 GiB = 10_737_418_240; free = 24 GiB - 10 GiB = 14 GiB = 15_032_385_536
     assert probe.read() == (-1, -1, -1, 10_737_418_240, 15_032_385_536)
     assert probe.reading() == Reading(None, None, None, 10_737_418_240, 15_032_385_536)
-    assert probe.device_info() == DeviceInfo(0, "NVIDIA L4", 25_769_803_776)  # 24 * 2**30
+    # 24 * 2**30; the UUID as nvmlDeviceGetUUID gives it, the form of dcgm-exporter's UUID label
+    assert probe.device_info() == DeviceInfo(0, "NVIDIA L4", 25_769_803_776, "GPU-2b7e4c1a-5d3f-4e6b-8a9c-0d1e2f3a4b5c")
     probe.close()
 
 
@@ -74,10 +76,11 @@ def test_a_lost_gpu_reads_as_unknown_without_raising(one_gpu: FakeNvmlScript) ->
 def test_unsupported_name_and_memory_leave_device_info_unknown(one_gpu: FakeNvmlScript) -> None:
     one_gpu.fail("nvmlDeviceGetName", pynvml.NVML_ERROR_NOT_SUPPORTED)
     one_gpu.fail("nvmlDeviceGetMemoryInfo", pynvml.NVML_ERROR_NOT_SUPPORTED)
+    one_gpu.fail("nvmlDeviceGetUUID", pynvml.NVML_ERROR_NOT_SUPPORTED)
     one_gpu.write()
     probe = NvmlProbe(0)
     assert probe.unavailable_reason() is None
-    assert probe.device_info() == DeviceInfo(0, None, None)
+    assert probe.device_info() == DeviceInfo(0, None, None, None)
     assert probe.read() == (-1, -1, -1, -1, -1)
     probe.close()
 

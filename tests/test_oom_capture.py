@@ -53,6 +53,9 @@ def test_oom_event_and_last_samples_survive_the_process(runtime_dir: Path, db_pa
         sidecar.resume()
         assert done.returncode == 1 and "torch.OutOfMemoryError: CUDA out of memory" in done.stderr
         wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("oom",)], what="the run to end as oom")
+        # The exit hook closes the ring, so the run can end before the snapshot's import (in its own thread) has.
+        imported = wait_for(lambda: query(db_path, "SELECT step, data FROM events WHERE kind = 'snapshot_oom'"),
+                            what="the sidecar to import the snapshot")
 
     # Each request of 20 MiB + 1 byte is rounded to 512 bytes (20,972,032) in a segment rounded to 2 MiB
     # (22 MiB = 23,068,672): 64 MiB context + 4 segments = 152 MiB of 160 used, 8 MiB free, so the fifth
@@ -80,8 +83,6 @@ def test_oom_event_and_last_samples_survive_the_process(runtime_dir: Path, db_pa
 
     # The sidecar imported the snapshot the OOM wrote: the four live requests with the loop's frame, the
     # failed 22 MiB segment with the 8 MiB CUDA still had, at the step of the oom event.
-    imported = wait_for(lambda: query(db_path, "SELECT step, data FROM events WHERE kind = 'snapshot_oom'"),
-                        what="the sidecar to import the snapshot")
     [(step, data)] = imported
     oom = json.loads(data)
     assert (step, oom["requested_bytes"], oom["device_free_bytes"]) == (4, segment, 8 * MiB)

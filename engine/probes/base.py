@@ -8,10 +8,24 @@ path (:meth:`Probe.read`) and ``None`` in the public :class:`Reading`; a probe n
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 UNKNOWN = -1
 """Sentinel for a value a probe cannot read, used on the hot path instead of ``None``."""
+
+
+_UUID = re.compile(r"^(?:(GPU|MIG)-)?([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})$")
+
+
+def gpu_uuid(value: object) -> str | None:
+    """``value`` in NVML's UUID form: ``GPU-…`` (or ``MIG-…``) kept, a bare UUID (PyTorch's) prefixed with
+    ``GPU-``; anything else None, never a guess."""
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    found = _UUID.match(str(value).strip().lower().replace("gpu-", "GPU-", 1).replace("mig-", "MIG-", 1)) \
+        if value is not None else None
+    return f"{found.group(1) or 'GPU'}-{found.group(2)}" if found else None
 
 
 class DeviceInfo(NamedTuple):
@@ -20,6 +34,9 @@ class DeviceInfo(NamedTuple):
     index: int
     name: str | None
     total_bytes: int | None
+    uuid: str | None = None
+    """The GPU's UUID as NVML prints it (``GPU-8-4-4-4-12 hex``): dcgm-exporter's ``UUID`` label, so a series
+    joins the exporter's across containers, where the device index is only the container's own."""
 
 
 class Reading(NamedTuple):

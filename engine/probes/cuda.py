@@ -15,7 +15,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from .base import UNKNOWN, DeviceInfo, Probe
+from .base import UNKNOWN, DeviceInfo, Probe, gpu_uuid
 
 _NOTHING = (UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN)
 _NO_SIGNALS = (UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN)
@@ -117,8 +117,10 @@ class CudaProbe(Probe):
         if self._reason is not None:
             return DeviceInfo(self._device, None, None)
         try:
+            # Read once per run; the probe started, so CUDA is initialised already and nothing is allocated here.
             props = self._torch.cuda.get_device_properties(self._device)
-            return DeviceInfo(self._device, props.name, int(props.total_memory))
+            uuid = gpu_uuid(getattr(props, "uuid", None)) if getattr(self._torch.version, "hip", None) is None else None
+            return DeviceInfo(self._device, props.name, int(props.total_memory), uuid)
         except Exception:
             return DeviceInfo(self._device, None, None)
 

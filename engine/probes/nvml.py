@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .base import UNKNOWN, DeviceInfo, Probe
+from .base import UNKNOWN, DeviceInfo, Probe, gpu_uuid
 
 _NOTHING = (UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN)
 
@@ -34,6 +34,7 @@ class NvmlProbe(Probe):
         self._memory_info: Callable[[Any], Any] | None = None
         self._device_name: str | None = None
         self._total_bytes: int | None = None
+        self._uuid: str | None = None
         try:
             self._setup()
         except Exception as exc:  # a probe reports, it never raises
@@ -59,6 +60,7 @@ class NvmlProbe(Probe):
             return
         self._handle = pynvml.nvmlDeviceGetHandleByIndex(self._index)
         self._device_name = _optional(pynvml, pynvml.nvmlDeviceGetName, self._handle)
+        self._uuid = gpu_uuid(_optional(pynvml, pynvml.nvmlDeviceGetUUID, self._handle))
         memory = _optional(pynvml, pynvml.nvmlDeviceGetMemoryInfo, self._handle)
         self._total_bytes = None if memory is None else int(memory.total)
         self._memory_info = pynvml.nvmlDeviceGetMemoryInfo
@@ -91,7 +93,7 @@ class NvmlProbe(Probe):
         return sum(used)
 
     def device_info(self) -> DeviceInfo:
-        return DeviceInfo(self._index, self._device_name, self._total_bytes)
+        return DeviceInfo(self._index, self._device_name, self._total_bytes, self._uuid)
 
     def unavailable_reason(self) -> str | None:
         return self._reason

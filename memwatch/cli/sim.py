@@ -107,8 +107,12 @@ def _stored(result: SimulationResult, runtime: Path, started: bool) -> tuple[boo
 
 
 def _drained(ring: Path) -> bool:
-    """Whether the sidecar stored all of a ring: removed it, or (a simulated crash leaves it open while this
-    process lives, as a dead engine's would be) recorded a cursor at its last record."""
+    """Whether the sidecar stored all of a ring: removed it, or (a simulated crash leaves it open) recorded a
+    cursor at its last record.
+
+    This process wrote the ring: closing the reader's descriptor here ends this process's record lock on it
+    (POSIX: any close of the file does), so a simulated crash's ring reads as its writer gone from then on,
+    as a dead engine's would."""
     try:
         reader = RingReader(ring)
     except (RingFormatError, OSError):

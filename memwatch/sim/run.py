@@ -59,6 +59,7 @@ def run_scenario(
             engine="nano-vllm", model=spec.name, rank=rank, world_size=engine_config.tensor_parallel_size,
             run_id=run_id, probe=gpu, runtime_dir=runtime_dir, config={"scenario": scenario.name},
             capacity=capacity, spawn_sidecar=spawn_sidecar, clock=clock.now_ns, source="sim",
+            close_at_exit=False,  # the simulation ends each rank itself; a simulated crash stays open
         )
         if not monitor.enabled:
             for runner in runners:
