@@ -15,14 +15,20 @@ retention (the bytes per full-resolution sample before any roll-up, times the sa
 for every flag and the OOM, whether every sample within the evidence window is still there at full
 resolution. Targets: under 2 GB, and every evidence window whole.
 
+Also printed: the bytes of a full-resolution row (F, index included) and of a per-second row (R), read
+from SQLite's dbstat, and with them the bound the store keeps for one run of this shape under the options
+given: ranks * (rate * F * (full + evidence seconds) + R * rollups) (memwatch.store.retention's docstring).
+
 Run: .venv/bin/python bench/bench_retention.py [--hours 24] [--ranks 8] [--every 30]
-     (--keep-full / --keep-evidence shrink the windows for a quick run, e.g. 2m and 20s)
+     (--keep-full / --keep-evidence / --keep-rollups shrink the windows for a quick run, e.g. 2m, 20s and 10m;
+     --max-db-size caps the pages in use as serve --max-db-size does)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import sys
 import tempfile
 import time
@@ -32,8 +38,15 @@ import postmortem_data as data
 
 from memwatch.store import open_store
 from memwatch.store.moments import parse_duration_ns
-from memwatch.store.retention import DEFAULT_EVIDENCE_NS, DEFAULT_FULL_NS, Retention, apply_retention
+from memwatch.store.retention import (
+    DEFAULT_EVIDENCE_NS,
+    DEFAULT_FULL_NS,
+    DEFAULT_ROLLUPS_NS,
+    Retention,
+    apply_retention,
+)
 from memwatch.store.writer import INSERT_FLAG
+from memwatch.units import parse_bytes
 
 S = 1_000_000_000
 DAY_BYTES = 2 * 10**9
@@ -101,8 +114,10 @@ def run(tmp: Path, hours: float, ranks: int, rate: int, every_s: float, retentio
     raw = conn.execute("SELECT count(*) FROM sample_rows WHERE run_key = ?", (key,)).fetchone()[0]
     seconds, rolled = conn.execute("SELECT count(*), coalesce(sum(samples), 0) FROM sample_seconds WHERE run_key = ?",
                                    (key,)).fetchone()
-    assert rolled + raw == written, f"{rolled} rolled + {raw} kept != {written} written"
-    assert rolled == rolled_by_retention
+    dropped = retention.rollups_ns is not None and total_steps * data.STEP_NS > retention.rollups_ns
+    if not dropped and retention.max_db_bytes is None:  # with either bound, old per-second rows are gone
+        assert rolled + raw == written, f"{rolled} rolled + {raw} kept != {written} written"
+        assert rolled == rolled_by_retention
 
     print(f"{hours:g} h of {ranks} ranks at {rate} steps/s, retention applied every {every_s:g} simulated s "
           f"(full resolution {retention.full_ns / S:g} s, evidence ±{retention.evidence_ns / S:g} s):")
@@ -133,9 +148,39 @@ def run(tmp: Path, hours: float, ranks: int, rate: int, every_s: float, retentio
         kept += whole
         print(f"    {kind:<16} rank {rank} at {step * data.STEP_NS / S / 3600:6.2f} h: {stored:,} of {expected:,} "
               f"samples within ±{retention.evidence_ns / S:g} s at full resolution{'' if whole else '  <- MISSING'}")
-    print(f"  evidence windows kept whole: {kept} of {len(moments)} -> {'PASS' if kept == len(moments) else 'FAIL'}")
+    # with --max-db-size the cap may take a live run's older evidence, never its last (retention's docstring)
+    needed = 1 if retention.max_db_bytes is not None else len(moments)
+    whole = kept >= needed and stored_last(conn, key, start, oom_step, oom_rank, retention)
+    print(f"  evidence windows kept whole: {kept} of {len(moments)}"
+          f"{' (the cap keeps the last one)' if needed == 1 else ''} -> {'PASS' if whole else 'FAIL'}")
+    _bound(conn, raw, seconds, ranks, rate, len(moments), retention, size)
     conn.close()
-    return ok and kept == len(moments)
+    return ok and whole
+
+
+def stored_last(conn: sqlite3.Connection, key: int, start: int, step: int, rank: int, retention: Retention) -> bool:
+    """Whether the OOM's (the last moment's) evidence window is there at full resolution, every rank's samples."""
+    ts = start + step * data.STEP_NS + rank * 1000
+    low = ts - retention.evidence_ns
+    rows = conn.execute("SELECT count(DISTINCT step) FROM sample_rows WHERE run_key = ? AND ts_ns BETWEEN ? AND ?",
+                        (key, low, ts)).fetchone()[0]
+    return rows >= retention.evidence_ns // data.STEP_NS
+
+
+def _bound(conn: sqlite3.Connection, raw: int, seconds: int, ranks: int, rate: int, moments: int,
+           retention: Retention, size: int) -> None:
+    """F and R from dbstat, and the bound they give one run of this shape (retention's docstring)."""
+    pages = dict(conn.execute("SELECT name, sum(pgsize) FROM dbstat GROUP BY name").fetchall())
+    full = sum(n for name, n in pages.items() if name.startswith("sample_rows"))
+    per_row = full / raw if raw else 0.0
+    per_second = pages.get("sample_seconds", 0) / seconds if seconds else 0.0
+    evidence_s = moments * (2 * retention.evidence_ns / S + 1)
+    print(f"  F = {per_row:.1f} bytes per full-resolution row (index included), R = {per_second:.1f} bytes per "
+          f"per-second row (dbstat)")
+    if retention.rollups_ns is not None:
+        bound = ranks * (rate * per_row * (retention.full_ns / S + evidence_s) + per_second * retention.rollups_ns / S)
+        print(f"  bound for one such run: {ranks} x ({rate} x F x ({retention.full_ns / S:g} + {evidence_s:g} evidence"
+              f" s) + R x {retention.rollups_ns / S:g} s) = {bound / 10**9:.3f} GB (file now {size / 10**9:.3f} GB)")
 
 
 def main() -> int:
@@ -146,8 +191,12 @@ def main() -> int:
     parser.add_argument("--every", type=float, default=30.0, help="simulated seconds between retention passes")
     parser.add_argument("--keep-full", default=f"{DEFAULT_FULL_NS // S}s")
     parser.add_argument("--keep-evidence", default=f"{DEFAULT_EVIDENCE_NS // S}s")
+    parser.add_argument("--keep-rollups", default=f"{DEFAULT_ROLLUPS_NS // S}s", help="'forever' keeps them all")
+    parser.add_argument("--max-db-size", default="0", help="e.g. 1500MB; 0: no cap")
     args = parser.parse_args()
-    retention = Retention(parse_duration_ns(args.keep_full), parse_duration_ns(args.keep_evidence))
+    rollups = None if args.keep_rollups == "forever" else parse_duration_ns(args.keep_rollups)
+    retention = Retention(parse_duration_ns(args.keep_full), parse_duration_ns(args.keep_evidence), rollups,
+                          parse_bytes(args.max_db_size) or None)
     print(f"machine: {os.cpu_count()} CPUs, load average {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
     with tempfile.TemporaryDirectory(dir=os.environ.get("MEMWATCH_BENCH_DIR")) as tmp:
         ok = run(Path(tmp), args.hours, args.ranks, args.rate, args.every, retention)

@@ -24,6 +24,7 @@ from memwatch_engine.ring import RUN_ID_PATTERN, RingFormatError
 from memwatch_engine.ring_reader import RingHeader, RingReader
 
 from .liveness import ring_writer_alive, writer_alive
+from .losses import reported_lost
 from .record_checks import check_meta, screen
 from .records import Event, Sample
 from .rejected_rings import set_aside_ring
@@ -140,10 +141,14 @@ class Collector:
     def _set_aside_ring(self, name: str, ident: tuple[int, int], why: str, header: RingHeader | None = None) -> None:
         """A ring that cannot be taken: moved to ``rejected/``, its reason stored in ``set_aside`` for ``runs``."""
         finder = self._finder
-        finder.refused.add(name)
+        finder.refused.add(name, "invalid")
         self.rings_set_aside += 1
         if set_aside_ring(self._writer, finder.dir_fd, finder.state_fd, name, ident, why, header, finder.limited):
             self.rings_moved_aside += 1
+
+    def refused_counts(self) -> dict[str, int]:
+        """Rings in the runtime directory refused now, by reason (:data:`~.refused_names.REASONS`)."""
+        return self._finder.refused.counts()
 
     # -- draining -------------------------------------------------------------------------------------
 
@@ -222,7 +227,8 @@ class Collector:
         count = len(drained.samples) + len(drained.events)
         if count or drained.lost or drained.bad or drained.next_cursor != state.cursor:
             batch = self._rows(state, drained)
-            lost = state.lost + drained.lost
+            newly_lost = drained.lost + reported_lost(drained.events)
+            lost = state.lost + newly_lost
             batch.statements.append(rank_progress(header, count, lost))
             batch.cursors.append((state.key, header.run_id, header.rank, drained.next_cursor, lost, 0))
             try:
@@ -233,7 +239,7 @@ class Collector:
             state.lost = lost
             state.records += count
             self.records_total += count
-            self.lost_total += drained.lost
+            self.lost_total += newly_lost
             self.set_aside_total += len(drained.bad)
             if drained.lost:
                 log.warning("ring %s: %d records overwritten before they were read", state.path.name,

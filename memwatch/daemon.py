@@ -27,12 +27,13 @@ from .errors import PermissionDeniedError, UnavailableError
 from .live import LiveDetectors
 from .pacing import BATCH_TARGET, pace
 from .records import Event
+from .refused_names import REASONS
 from .sidecar_files import PidFile, StateDir, default_state_dir, signal_sidecar
 from .snapshot.live import SnapshotImporter
 from .stop_flag import StopFlag
 from .store.db import default_db_path, open_store, quick_check
 from .store.queries import events
-from .store.retention import Retention, plan_run
+from .store.retention import Retention, plan_run, plan_size_cap
 from .store.writer import Batch, StoreWriter
 
 if TYPE_CHECKING:  # the exporters (OpenTelemetry) are imported only by a sidecar that runs them
@@ -42,6 +43,9 @@ log = logging.getLogger("memwatch.serve")
 
 HANDOVER_WAIT_S = 30.0
 """How long ``memwatch serve`` waits for an auto-started sidecar to stop: its last drain and commit."""
+NO_RING_AFTER_S = 60.0
+"""With no ring this long after the start, the sidecar says so once (log, ``/readyz``): an engine whose runtime
+directory is another (a private ``/tmp``, another ``MEMWATCH_RUNTIME_DIR``) is otherwise silently not stored."""
 
 
 class SidecarRunning(UnavailableError):
@@ -69,6 +73,7 @@ class Sidecar:
         trust_uids: Iterable[int] = (),
         runtime_group: int | None = None,
         state_dir: Path | None = None,
+        no_ring_after: float = NO_RING_AFTER_S,
     ) -> None:
         self.trust_uids = frozenset(trust_uids)
         try:
@@ -105,6 +110,10 @@ class Sidecar:
         """When the loop last came round (monotonic seconds; 0 before it runs): what /healthz looks at."""
         self.took_over_from: int | None = None
         """The pid of the auto-started sidecar this one asked to stop, to take its place."""
+        self.no_ring_after = no_ring_after
+        self._started = 0.0
+        self._ring_seen = False
+        self._said_no_ring = False
 
     def start(self) -> None:
         try:
@@ -141,6 +150,7 @@ class Sidecar:
         if exporters is not None:
             rings = self.collector.rings
             exporters.watch_losses(lambda: [(s.header.run_id, s.header.rank, s.lost) for s in tuple(rings.values())])
+            exporters.watch_refused(self.collector.refused_counts)
 
     def _stored_events(self, run_id: str) -> list[Event]:
         reader = open_store(self.db_path, readonly=True)
@@ -227,6 +237,7 @@ class Sidecar:
         idle_since = last_poll = time.monotonic()
         last_wait = self.poll_interval
         next_retention = idle_since + self.retention_interval
+        self._started = idle_since
         try:
             while not self._stop.is_set():
                 now = self.heartbeat = time.monotonic()
@@ -240,6 +251,9 @@ class Sidecar:
                 self._check_writer()
                 if self.collector.rings:
                     idle_since = now
+                    self._ring_seen = True
+                elif not self._ring_seen and not self._said_no_ring and now - self._started >= self.no_ring_after:
+                    self._say_no_ring()
                 elif self.exit_when_idle is not None and now - idle_since >= self.exit_when_idle:
                     log.info("no engine has written for %.0f s; exiting", self.exit_when_idle)
                     break
@@ -264,8 +278,38 @@ class Sidecar:
             if self._stop.wait(min(left, self.poll_interval)) or self.collector.ready(BATCH_TARGET):
                 return
 
+    def _say_no_ring(self) -> None:
+        """One line, once: nothing has arrived, and where engines must put their rings for it to."""
+        self._said_no_ring = True
+        refused = self._refused_words()
+        log.warning("no ring has arrived in %s in %.0f s%s; an engine is stored only when its MEMWATCH_RUNTIME_DIR "
+                    "names this directory (a private /tmp or another XDG_RUNTIME_DIR hides it) and its uid is "
+                    "trusted (--trust-uid)", self.runtime_dir, self.no_ring_after, f" ({refused})" if refused else "")
+
+    def _refused_words(self) -> str:
+        """``1 refused: owned by an untrusted uid`` (empty when none is refused)."""
+        collector = getattr(self, "collector", None)
+        counts = {} if collector is None else {k: n for k, n in collector.refused_counts().items() if n}
+        if not counts:
+            return ""
+        return f"{sum(counts.values())} refused: " + ", ".join(
+            f"{n} {REASONS[k]}" if len(counts) > 1 else REASONS[k] for k, n in counts.items())
+
+    def readiness(self) -> str:
+        """What ``/readyz`` says while ready: rings being stored, rings refused and why, and no ring yet."""
+        collector = getattr(self, "collector", None)
+        stored = 0 if collector is None else len(collector.rings)
+        words = [f"ready; {stored} ring{'' if stored == 1 else 's'} being stored"]
+        refused = self._refused_words()
+        if refused:
+            words.append(refused)
+        if self._said_no_ring and not self._ring_seen:
+            words.append(f"no ring has arrived in {self.no_ring_after:.0f} s")
+        return "; ".join(words)
+
     def health(self, stale_after: float = 30.0) -> tuple[bool, bool, str]:
-        """(alive, ready, why not) for ``/healthz`` and ``/readyz`` (:mod:`memwatch.health`)."""
+        """(alive, ready, why not) for ``/healthz`` and ``/readyz`` (:mod:`memwatch.health`); when ready, the
+        third is :meth:`readiness`."""
         writer = getattr(self, "writer", None)
         if writer is not None and (writer.error is not None or not writer.is_alive()):
             return False, False, f"the store writer stopped: {writer.error}"
@@ -277,17 +321,19 @@ class Sidecar:
             return True, False, "stopping: draining the rings"
         if writer is not None and writer.paused is not None:
             return True, False, f"the database is not taking records ({writer.paused}); they wait in the rings"
-        return True, True, ""
+        return True, True, self.readiness()
 
     def apply_retention(self) -> None:
-        """Queue the roll-up of old samples of the runs being stored (and those that just finished)."""
+        """Queue the roll-up of old samples of the runs being stored (and those that just finished), and a step
+        toward the size cap (:func:`~memwatch.store.retention.plan_size_cap`) when the store is over it."""
         active = {state.header.run_id for state in self.collector.rings.values()}
         runs, self._retained = active | self._retained, active
-        if not runs:
+        if not runs and self.retention.max_db_bytes is None:
             return
         reader = open_store(self.db_path, readonly=True)
         try:
             statements = [step for run_id in sorted(runs) for step in plan_run(reader, run_id, self.retention)]
+            statements += plan_size_cap(reader, self.retention, active)
         finally:
             reader.conn.close()
         if statements and self.writer.has_room():  # else on a later round: the writer is busy or paused

@@ -8,7 +8,9 @@ metrics are exported, and a slow or hostile client of ``/metrics`` cannot fail t
   orchestrator restarts it. A restarted sidecar resumes every ring at its committed cursor.
 - ``/readyz`` (readiness): 200 once the database is open and the rings are being drained; 503
   before that, while the database is locked or full (the rings are holding the records), and while
-  it stops.
+  it stops. Having no ring is no reason to be unready (engines come and go), but the body says what
+  is stored and what is not: ``ready; 0 rings being stored; 1 refused: owned by an untrusted uid; no ring
+  has arrived in 60 s``.
 
 The listener is :class:`~memwatch.export.http_serving.HttpListener`: an event loop reads every request
 under a total deadline and answers it on the loop (a check is a few attribute reads), so idle,
@@ -24,7 +26,8 @@ from .export.http_serving import HttpListener, Reply
 STALE_AFTER_S = 30.0
 
 Check = Callable[[], tuple[bool, bool, str]]
-"""Returns (alive, ready, why-not) for the two endpoints; called on the listener's loop, so it must not block."""
+"""Returns (alive, ready, why-not) for the two endpoints, the third what ``/readyz`` says when ready (empty: "ok");
+called on the listener's loop, so it must not block."""
 
 
 class HealthEndpoint:
@@ -46,8 +49,10 @@ class HealthEndpoint:
             alive, ready, why = self._check()
         except Exception as exc:  # a probe must get an answer, never a dropped connection
             alive, ready, why = False, False, f"the health check failed: {type(exc).__name__}"
-        good = alive if path == "/healthz" else alive and ready
-        return Reply(200 if good else 503, (("ok" if good else why) + "\n").encode())
+        if path == "/healthz":
+            return Reply(200 if alive else 503, (("ok" if alive else why) + "\n").encode())
+        good = alive and ready
+        return Reply(200 if good else 503, ((why or "ok") + "\n").encode())
 
     @property
     def port(self) -> int:

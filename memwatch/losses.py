@@ -4,11 +4,16 @@ The engine never waits for the sidecar: when the sidecar falls behind (stopped, 
 disk) by more than a ring's capacity, the oldest records are overwritten. The collector counts them
 per rank (``ranks.lost_records``) and stores a ``samples_lost`` event at each gap, whose data gives
 ``count``, ``from_ts_ns`` (the last record read before the gap) and ``to_ts_ns`` (the first after).
+
+The engine reports losses of its own the same way: an engine that started before its runtime directory
+existed keeps a bounded number of samples in memory and writes one ``samples_lost`` event (with ``why``)
+for the rest. The collector adds that ``count`` to ``ranks.lost_records`` too (:func:`reported_lost`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +21,21 @@ if TYPE_CHECKING:
     from memwatch.store.db import Database
 
 LOST_EVENT = "samples_lost"
+MAX_REPORTED = 1 << 40
+"""An engine's own count above this is not believed (a ring is hostile input): it counts as one gap of 0."""
+
+
+def reported_lost(events: Iterable[tuple[Any, ...]]) -> int:
+    """Samples the engine itself says it lost: the ``count`` of its ``samples_lost`` events (``(seq, step, ts_ns,
+    kind, data)`` tuples as the ring reader drains them), each bounded; anything malformed counts 0."""
+    total = 0
+    for event in events:
+        if event[3] != LOST_EVENT or not isinstance(event[4], dict):
+            continue
+        count = event[4].get("count")
+        if isinstance(count, int) and not isinstance(count, bool) and 0 < count <= MAX_REPORTED:
+            total += count
+    return total
 
 
 @dataclass(frozen=True)
@@ -69,8 +89,8 @@ def render_losses(losses: Losses, start_ns: int | None) -> list[str]:
     """Lines for a text report; none when nothing was lost."""
     if not losses.total:
         return []
-    lines = [f"incomplete: {losses.total:,} samples were lost (the sidecar fell behind the engine "
-             "and the ring overwrote them); figures between the gaps below are missing"]
+    lines = [f"incomplete: {losses.total:,} samples were lost (the ring overwrote them before the sidecar read "
+             "them, or the engine could not keep them); figures between the gaps below are missing"]
     for gap in losses.gaps:
         lines.append(f"  rank {gap.rank}: {gap.count:,} lost {span(gap, start_ns)}")
     return lines

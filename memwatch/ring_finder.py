@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -37,6 +38,15 @@ SCAN_PAUSE = 4
 SLOW_SCAN_S = 0.05
 
 
+def refusal_reason(info: os.stat_result, trusted: frozenset[int]) -> str:
+    """The fixed reason (:data:`~.refused_names.REASONS`) for what :func:`judge_ring` refused, in its order."""
+    if not stat.S_ISREG(info.st_mode):
+        return "not_regular"
+    if info.st_uid != os.getuid() and info.st_uid not in trusted:
+        return "untrusted_uid"
+    return "mode"
+
+
 class RingFinder:
     """The runtime directory's descriptor (and the state directory's), and the names refused in it."""
 
@@ -52,6 +62,8 @@ class RingFinder:
         self.trusted = trusted_uids(trust)
         """Uids whose rings are stored besides our own (``trust`` and ``$MEMWATCH_TRUST_UIDS``)."""
         self.refused = RefusedNames()
+        self._uids_said = RefusedNames(limit=1024)
+        """Untrusted uids already named in the log (bounded, like the names)."""
         self.limited = LogLimiter(log)
         self._listed_mtime: int | None = None
         self._next_full_scan = 0.0
@@ -71,15 +83,22 @@ class RingFinder:
         if mtime == self._listed_mtime and began < self._next_full_scan:
             return
         wall = time.time_ns()
+        before = self.refused.generation
+        still_there: set[str] = set()
         try:
             with os.scandir(self.dir_fd) as listing:
                 for entry in listing:
                     name = entry.name
-                    if name.endswith(RING_SUFFIX) and name not in self.refused and self._looks_trusted(entry):
+                    if not name.endswith(RING_SUFFIX):
+                        continue
+                    if name in self.refused:
+                        still_there.add(name)
+                    elif self._looks_trusted(entry):
                         yield name
         except OSError as exc:
             log.error("cannot list %s: %s", self.runtime_dir, exc)
             return
+        self.refused.forget_unlisted(still_there, before)  # refused now, not ever
         took = time.monotonic() - began
         self._listed_mtime = mtime if wall - mtime >= QUIET_DIR_NS else None
         self._next_full_scan = began + FULL_SCAN_S
@@ -96,7 +115,7 @@ class RingFinder:
             return False
         why = judge_ring(info, self.trusted)
         if why:
-            self.refuse(name, why)
+            self.refuse(name, why, refusal_reason(info, self.trusted), info.st_uid)
         return not why
 
     def open(self, name: str) -> tuple[int, os.stat_result] | None:
@@ -109,13 +128,18 @@ class RingFinder:
         why = judge_ring(info, self.trusted)
         if why:
             os.close(fd)
-            self.refuse(name, why)
+            self.refuse(name, why, refusal_reason(info, self.trusted), info.st_uid)
             return None
         return fd, info
 
-    def refuse(self, name: str, why: str) -> None:
-        """Remember the name (bounded) and say why, within the log's limit."""
-        self.refused.add(name)
+    def refuse(self, name: str, why: str, reason: str = "unreadable", uid: int | None = None) -> None:
+        """Remember the name (bounded) under ``reason`` (:data:`~.refused_names.REASONS`) and say why, within
+        the log's limit: for an untrusted uid, one line per uid (its first ring), the rest only counted."""
+        self.refused.add(name, reason)
+        if reason == "untrusted_uid" and uid is not None:
+            if str(uid) in self._uids_said:
+                return
+            self._uids_said.add(str(uid))
         self.limited.warning("ring ignored", "ignoring ring %s/%s: %s", self.runtime_dir, name, why)
 
     def unlink(self, name: str, ident: tuple[int, int]) -> bool:

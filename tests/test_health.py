@@ -40,12 +40,14 @@ def test_serve_answers_the_probes_while_it_runs(runtime_dir: Path, db_path: Path
                             env=memwatch_env(runtime_dir, db_path), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        def answered() -> tuple[int, str] | None:
+        def ready() -> tuple[int, str] | None:
             try:
-                return _get(port, "/readyz")
+                answer = _get(port, "/readyz")
             except OSError:
                 return None
-        assert wait_for(answered, what="the health endpoint") == (200, "ok\n")
+            assert answer in ((503, "starting\n"), (200, "ready; 0 rings being stored\n")), answer
+            return answer if answer[0] == 200 else None
+        assert wait_for(ready, what="the sidecar ready") == (200, "ready; 0 rings being stored\n")
         assert _get(port, "/healthz") == (200, "ok\n")
         assert _get(port, "/metrics")[0] == 404
     finally:
@@ -61,7 +63,7 @@ def test_readiness_and_liveness_follow_the_sidecars_state(runtime_dir: Path, db_
     try:
         assert sidecar.health() == (True, False, "starting")
         sidecar.heartbeat = time.monotonic()
-        assert sidecar.health() == (True, True, "")
+        assert sidecar.health() == (True, True, "ready; 0 rings being stored")
         sidecar.heartbeat = time.monotonic() - 31
         alive, ready, why = sidecar.health(stale_after=30)
         assert (alive, ready) == (False, False) and "has not come round for 30 s" in why

@@ -275,8 +275,7 @@ def test_a_flood_of_names_from_an_untrusted_uid_costs_bounded_memory_and_log(pla
     assert agent.stop() == 0
     output = agent.output()
     ignored = output.count("ignoring ring ")
-    summary = re.findall(r"(\d+) more 'ring ignored' lines in the last \d+ s were not logged", output)
     print(f"{count:,} names: RSS grew {grown / 2**20:.1f} MiB, {ignored} lines, log {len(output):,} bytes")
     assert grown < 16 * 2**20, grown  # was ~47 MiB for 100,000 names (and stayed)
-    assert ignored <= 21 and summary and int(summary[-1]) >= count - 20, output[-2000:]
+    assert ignored == 1 and f"owned by uid {ATTACKER}" in output, output[-2000:]  # one line for the uid, then counted
     assert len(output) < 64 * 1024

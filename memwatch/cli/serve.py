@@ -9,10 +9,11 @@ import click
 
 from memwatch_engine.runtime import trusted_uids
 
-from ..daemon import Sidecar, SidecarRunning
+from ..daemon import NO_RING_AFTER_S, Sidecar, SidecarRunning
 from ..detectors import DetectorConfig
 from ..store.moments import parse_duration_ns
-from ..store.retention import DEFAULT_EVIDENCE_NS, DEFAULT_FULL_NS, Retention
+from ..store.retention import DEFAULT_EVIDENCE_NS, DEFAULT_FULL_NS, DEFAULT_ROLLUPS_NS, Retention
+from ..units import parse_bytes
 from .options import Seconds, db_option, thresholds_option
 
 
@@ -39,6 +40,15 @@ from .options import Seconds, db_option, thresholds_option
               help="Keep this much of the end of every run at full resolution; older samples are rolled up per second.")
 @click.option("--keep-evidence", default=f"{DEFAULT_EVIDENCE_NS // 10**9}s", show_default=True,
               help="Keep this much either side of every flag and OOM at full resolution.")
+@click.option("--keep-rollups", default=f"{DEFAULT_ROLLUPS_NS // 10**9 // 3600}h", show_default=True,
+              help="Keep the per-second rows of this much of the end of every run (a week is 168h; 'forever' keeps "
+                   "them all).")
+@click.option("--max-db-size", default="0", show_default=True, metavar="SIZE",
+              help="Cap the database's pages in use (e.g. 1500MB, 1.5GiB; 0: no cap): past it, the samples of the runs "
+                   "not being stored go, oldest first, then the live runs' oldest per-second rows; runs, flags, "
+                   "events and summaries stay, and a live run's last hour and evidence are never dropped.")
+@click.option("--no-ring-warning", type=Seconds(0.0, low_open=True), default=NO_RING_AFTER_S, show_default=True,
+              metavar="SECONDS", help="Say once (log and /readyz) when no ring has arrived this long after the start.")
 @click.option("--prometheus", metavar="[HOST:]PORT", default=None,
               help="Serve metrics for Prometheus to scrape at http://HOST:PORT/metrics (host 127.0.0.1 unless "
                    "given; env MEMWATCH_PROMETHEUS).")
@@ -60,7 +70,8 @@ from .options import Seconds, db_option, thresholds_option
                    "for liveness and readiness probes (host 127.0.0.1 unless given; env MEMWATCH_HEALTH).")
 def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | None, poll_interval: float,
             exit_when_idle: float | None, give_up_after: float, quiet_if_running: bool, no_detect: bool,
-            detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str,
+            detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str, keep_rollups: str,
+            max_db_size: str, no_ring_warning: float,
             prometheus: str | None, otlp: str | None, console: bool, trust_uids: tuple[int, ...],
             runtime_group: int | None, health: str | None) -> None:
     """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).
@@ -70,7 +81,9 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
     """
     from ..export.config import export_config, parse_listen
 
-    retention = Retention(parse_duration_ns(keep_full), parse_duration_ns(keep_evidence))
+    rollups = None if keep_rollups == "forever" else parse_duration_ns(keep_rollups)
+    retention = Retention(parse_duration_ns(keep_full), parse_duration_ns(keep_evidence), rollups,
+                          parse_bytes(max_db_size) or None)
     config = export_config(prometheus, otlp, console)
     health_at = parse_listen(health, "--health") if health is not None else None
     exporters = None
@@ -81,7 +94,7 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
     sidecar = Sidecar(runtime_dir, db_path, poll_interval=poll_interval, exit_when_idle=exit_when_idle,
                       give_up_after=give_up_after, detect=not no_detect, detector_config=detector_config,
                       retention=retention, exporters=exporters, trust_uids=trust_uids, runtime_group=runtime_group,
-                      state_dir=state_dir)
+                      state_dir=state_dir, no_ring_after=no_ring_warning)
     sidecar.install_signal_handlers()  # before the lock: whoever sees the lock may signal us at once
     try:
         sidecar.start()

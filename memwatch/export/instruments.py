@@ -100,6 +100,10 @@ METRICS: tuple[MetricSpec, ...] = HARDWARE_METRICS + ALLOCATOR_METRICS + LEDGER_
 
 FLAGS_METRIC = "memwatch.flags"
 
+RINGS_REFUSED = MetricSpec("memwatch.rings.refused", "{ring}", "gauge",
+                           "Rings in the runtime directory the sidecar refuses now, by reason", lambda s: None)
+"""A sidecar-wide gauge, not per rank (``read`` is unused): one series per ``reason`` of the fixed set."""
+
 
 def _observe(state: ExportState, spec: MetricSpec) -> Callable[[CallbackOptions], Iterable[Observation]]:
     hardware = spec.name.startswith("hw.")
@@ -122,6 +126,13 @@ def _observe_flags(state: ExportState) -> Callable[[CallbackOptions], Iterable[O
     return callback
 
 
+def _observe_refused(state: ExportState) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def callback(options: CallbackOptions) -> Iterable[Observation]:
+        counts = state.refused_rings() or {}
+        return [Observation(n, {"reason": reason}) for reason, n in counts.items()]
+    return callback
+
+
 def register_instruments(meter: Meter, state: ExportState) -> None:
     """Create every instrument on ``meter``, each reading ``state`` when collected."""
     makers = {"gauge": meter.create_observable_gauge, "updown": meter.create_observable_up_down_counter,
@@ -130,3 +141,5 @@ def register_instruments(meter: Meter, state: ExportState) -> None:
         makers[spec.kind](spec.name, callbacks=[_observe(state, spec)], unit=spec.unit, description=spec.description)
     meter.create_observable_counter(FLAGS_METRIC, callbacks=[_observe_flags(state)], unit="{flag}",
                                     description="Flags the live detectors raised, by kind and severity")
+    meter.create_observable_gauge(RINGS_REFUSED.name, callbacks=[_observe_refused(state)], unit=RINGS_REFUSED.unit,
+                                  description=RINGS_REFUSED.description)

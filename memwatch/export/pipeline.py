@@ -101,6 +101,10 @@ class Exporters:
         """Where to read (run id, rank, records lost) of the rings being drained."""
         self.state.set_lost_records(source)
 
+    def watch_refused(self, source: Callable[[], dict[str, int]]) -> None:
+        """Where to read the rings refused now, by reason (``memwatch.rings.refused``)."""
+        self.state.set_refused_rings(source)
+
     def close(self) -> None:
         """A last export of everything, bounded by :data:`CLOSE_SECONDS`; then the endpoint goes."""
         millis = CLOSE_SECONDS * 1000

@@ -2,7 +2,8 @@
 
 Names and labels are what OpenTelemetry's Prometheus exporter makes of the same instruments (dots
 become underscores, unit ``By`` adds ``_bytes``, a monotonic sum adds ``_total``, the resource
-becomes ``target_info``). The lines are built directly from the :class:`ExportState` snapshot, with
+becomes ``target_info``), plus dcgm-exporter's names for the GPU (``UUID``, ``modelName``, ``Hostname``),
+so that a series joins ``DCGM_FI_*`` series. The lines are built directly from the :class:`ExportState` snapshot, with
 each rank's label set rendered once: going through the SDK's aggregation and a generic exposition
 library costs twenty times as much per series, and a scrape of 64 ranks must stay cheap for the
 sidecar. It listens on 127.0.0.1 unless a host is given, on an event loop of its own that no client can
@@ -17,7 +18,7 @@ from typing import Any
 
 from ..identity import prometheus_labels
 from .http_serving import HttpListener, Reply
-from .instruments import FLAGS_METRIC, METRICS
+from .instruments import FLAGS_METRIC, METRICS, RINGS_REFUSED
 from .state import ExportState
 
 log = logging.getLogger("memwatch.export")
@@ -62,9 +63,9 @@ def _number(value: float) -> str:
 def render(state: ExportState, resource: dict[str, Any] | None = None) -> str:
     """Every metric of every live rank in the Prometheus text format."""
     ranks = state.snapshot()
-    labels = {id(series): render_labels(prometheus_labels(series.attributes)) for series in ranks}
-    hw_labels = {id(series): render_labels(prometheus_labels({**series.attributes, **series.hardware}))
-                 for series in ranks}
+    labels = {id(series): render_labels({**prometheus_labels(series.attributes), **series.dcgm}) for series in ranks}
+    hw_labels = {id(series): render_labels({**prometheus_labels({**series.attributes, **series.hardware}),
+                                            **series.dcgm}) for series in ranks}
     out: list[str] = []
     if resource:
         out += ["# HELP target_info Target metadata", "# TYPE target_info gauge",
@@ -86,6 +87,11 @@ def render(state: ExportState, resource: dict[str, Any] | None = None) -> str:
         base = labels[id(series)]
         out += [f'{flags}{{{base},kind="{_escape(kind)}",severity="{_escape(severity)}"}} {count}'
                 for kind, severity, count in state.flag_counts(series)]
+    refused = state.refused_rings()
+    if refused is not None:
+        name = prometheus_name(RINGS_REFUSED.name, RINGS_REFUSED.unit)
+        out += [f"# HELP {name} {RINGS_REFUSED.description}", f"# TYPE {name} gauge"]
+        out += [f'{name}{{reason="{_escape(reason)}"}} {n}' for reason, n in refused.items()]
     return "\n".join(out) + "\n"
 
 

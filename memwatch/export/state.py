@@ -14,6 +14,7 @@ when the run ends.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter
@@ -47,13 +48,46 @@ def run_attributes(header: RingHeader) -> dict[str, Any]:
     }
 
 
+GPU_UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z-]{1,80}")
+"""NVML's form of a GPU's (or MIG instance's) UUID, as the engine records it and dcgm-exporter labels it."""
+
+
+def gpu_uuid(meta: dict[str, Any]) -> str | None:
+    """The ring's ``gpu_uuid`` when it has NVML's form (it is another process's text), else None."""
+    value = meta.get("gpu_uuid")
+    return value if isinstance(value, str) and GPU_UUID.fullmatch(value) else None
+
+
+def dcgm_labels(header: RingHeader) -> dict[str, str]:
+    """Prometheus labels named as dcgm-exporter names them, so a series joins ``DCGM_FI_*`` on ``UUID``.
+
+    ``UUID`` (the join key: the same GPU has the same one in every container and on the host), ``modelName``
+    and ``Hostname`` (the node, where the engine saw its name). dcgm-exporter's ``gpu`` and ``device``
+    (``nvidia<N>``) are the host's index of the GPU; the engine knows only its own CUDA index, renumbered by
+    ``CUDA_VISIBLE_DEVICES`` and the container's device list, so they are left out rather than given a value
+    that would join the wrong GPU.
+    """
+    meta = header.meta
+    labels = {}
+    uuid = gpu_uuid(meta)
+    if uuid is not None:
+        labels["UUID"] = uuid
+    name = meta.get("gpu_name")
+    if isinstance(name, str) and name:
+        labels["modelName"] = name[:200]
+    node = place_from_meta(meta).get("k8s_node")
+    if node:
+        labels["Hostname"] = node
+    return labels
+
+
 def hardware_attributes(header: RingHeader) -> dict[str, Any]:
     """The OpenTelemetry hardware attributes of the rank's GPU, as far as the engine said."""
     meta = header.meta
     name = meta.get("gpu_name")
     index = meta.get("device_index")
     attributes: dict[str, Any] = {
-        "hw.id": str(meta.get("gpu_uuid") or (index if index is not None else "unknown")),
+        "hw.id": gpu_uuid(meta) or str(index if index is not None else "unknown"),
         "hw.type": "gpu",
     }
     if name:
@@ -71,6 +105,8 @@ class RankSeries:
     attributes: dict[str, Any]
     hardware: dict[str, Any]
     total_bytes: int | None
+    dcgm: dict[str, str] = field(default_factory=dict)
+    """dcgm-exporter's labels for this rank's GPU, on every Prometheus series (:func:`dcgm_labels`)."""
     ledger: Ledger = field(default_factory=Ledger)
     last: Sample | None = None
     terms: LedgerTerms | None = None
@@ -106,6 +142,7 @@ class ExportState:
         self._ranks: dict[tuple[str, int], RankSeries] = {}
         self._flag_listeners: list[Callable[[Flag], None]] = []
         self._terms_source: Callable[[str, int], LedgerTerms | None] | None = None
+        self._refused_rings: Callable[[], dict[str, int]] | None = None
 
     def set_terms_source(self, source: Callable[[str, int], LedgerTerms | None]) -> None:
         """Take the ledger terms of a rank's latest sample from ``source`` (the live detectors) instead."""
@@ -118,6 +155,14 @@ class ExportState:
     def set_lost_records(self, source: Callable[[], Iterable[tuple[str, int, int]]]) -> None:
         """Where ring losses are read: (run id, rank, records lost) of every ring being drained."""
         self._lost_records = source
+
+    def set_refused_rings(self, source: Callable[[], dict[str, int]]) -> None:
+        """Where the rings refused now are read, by reason (the collector's fixed set)."""
+        self._refused_rings = source
+
+    def refused_rings(self) -> dict[str, int] | None:
+        """Rings refused now by reason, every reason listed (None: no source, e.g. a state fed by hand)."""
+        return None if self._refused_rings is None else self._refused_rings()
 
     # -- fed by the collector's thread -----------------------------------------------------------------
 
@@ -181,7 +226,8 @@ class ExportState:
         series = self._ranks.get((header.run_id, header.rank))
         if series is None:
             series = self._ranks[header.run_id, header.rank] = RankSeries(
-                run_attributes(header), hardware_attributes(header), header.meta.get("gpu_total_bytes"))
+                run_attributes(header), hardware_attributes(header), header.meta.get("gpu_total_bytes"),
+                dcgm_labels(header))
         return series
 
     def on_flag(self, flag: Flag) -> None:
