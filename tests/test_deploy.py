@@ -1,5 +1,8 @@
-"""The image and the Kubernetes manifests: valid against Kubernetes' schemas (bundled: no cluster, no
-network), and every memwatch option they pass is one ``memwatch serve`` accepts."""
+"""The image and the Kubernetes objects: the plain manifests in deploy/ and the Helm chart rendered with several
+value sets. Valid against Kubernetes' schemas (bundled: no cluster, no network), every memwatch option they pass
+is one ``memwatch serve`` accepts, and what an operator would hit on a cluster is checked on the objects: engine
+args after vLLM's ENTRYPOINT, an agent that needs no capability, no readinessProbe gating the engine, storage
+within its limit, NetworkPolicy, monitors and service account."""
 
 from __future__ import annotations
 
@@ -11,68 +14,250 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-import yaml
+from helm_chart import VALUE_SETS, documents, template
 
 from memwatch.cli.serve import command as serve
 
 from processes import memwatch_env, query, wait_for
 
 ROOT = Path(__file__).parent.parent
-MANIFESTS = sorted((ROOT / "deploy").rglob("*.yaml"))
+PLAIN = ["deploy/sidecar/vllm-with-memwatch.yaml", "deploy/daemonset/memwatch-agent.yaml",
+         "deploy/daemonset/vllm-pod.yaml"]
 KUBERNETES = "1.30.0"
 """The oldest version the manifests are checked against: native sidecars are on by default from 1.29."""
+MONITORING = "monitoring.coreos.com/v1"
+"""Prometheus Operator's kinds: not in Kubernetes' schemas; their fields are checked by the tests below."""
+WORKLOADS = {"Deployment", "DaemonSet", "Pod"}
 
 
-def _resources() -> list[tuple[str, dict]]:
-    found = []
-    for path in MANIFESTS:
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                found.append((f"{path.relative_to(ROOT)}:{doc['kind']}/{doc['metadata']['name']}", doc))
+def _sets() -> dict[str, str]:
+    """Every set of objects checked: each plain manifest, and the chart rendered with each value set."""
+    found = {path: (ROOT / path).read_text() for path in PLAIN}
+    found.update({f"chart:{name}": template(release, args) for name, (release, args) in VALUE_SETS.items()})
     return found
 
 
-def _containers(resource: dict) -> list[dict]:
+SETS = _sets()
+
+
+def _resources() -> list[tuple[str, dict]]:
+    return [(f"{name}:{doc['kind']}/{doc['metadata']['name']}", doc) for name, text in SETS.items()
+            for doc in documents(text)]
+
+
+def _pod_spec(resource: dict) -> dict:
     spec = resource.get("spec", {})
-    spec = spec.get("template", {}).get("spec", spec)
+    return spec.get("template", {}).get("spec", spec)
+
+
+def _pod_labels(resource: dict) -> dict:
+    if resource["kind"] == "Pod":
+        return resource["metadata"].get("labels", {})
+    return resource["spec"]["template"]["metadata"].get("labels", {})
+
+
+def _containers(resource: dict) -> list[dict]:
+    spec = _pod_spec(resource)
     return [*spec.get("initContainers", []), *spec.get("containers", [])]
 
 
+def _workloads(text: str) -> list[dict]:
+    return [doc for doc in documents(text) if doc["kind"] in WORKLOADS]
+
+
+def _named(resource: dict, name: str) -> list[dict]:
+    return [c for c in _containers(resource) if c["name"] == name]
+
+
+def _option(args: list[str], name: str) -> str | None:
+    return next((a.split("=", 1)[1] for a in args if a.startswith(f"{name}=")), None)
+
+
+def _bytes(quantity: str) -> float:
+    """A Kubernetes quantity (2Gi, 500M, 1.5G) in bytes."""
+    number, unit = re.fullmatch(r"([0-9.]+)([KMGTP]i?|k)?", quantity).groups()
+    scale = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
+             "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, None: 1}
+    return float(number) * scale[unit]
+
+
+RESOURCES = _resources()
+IDS = [name for name, _ in RESOURCES]
+
+
 def test_both_shapes_and_the_engine_pod_are_there() -> None:
-    names = {name.split(":")[1] for name, _ in _resources()}
+    names = {name.split(":", 1)[1] for name, _ in RESOURCES if not name.startswith("chart:")}
     assert {"Deployment/vllm-qwen", "DaemonSet/memwatch-agent", "Pod/vllm-qwen"} <= names
 
 
 @pytest.mark.parametrize("version", [KUBERNETES, kubernetes_validate.latest_version()])
-@pytest.mark.parametrize(("name", "resource"), _resources(), ids=[name for name, _ in _resources()])
-def test_every_manifest_is_valid_kubernetes_strictly(name: str, resource: dict, version: str) -> None:
+@pytest.mark.parametrize(("name", "resource"), RESOURCES, ids=IDS)
+def test_every_object_is_valid_kubernetes_strictly(name: str, resource: dict, version: str) -> None:
+    if resource["apiVersion"] == MONITORING:
+        return  # a CRD's kind: test_monitors_scrape_the_metrics_port_and_keep_the_engine_labels checks it
     kubernetes_validate.validate(resource, version, strict=True)  # raises on an unknown or misspelt field
 
 
-@pytest.mark.parametrize(("name", "resource"), _resources(), ids=[name for name, _ in _resources()])
-def test_every_memwatch_container_passes_options_serve_accepts_and_has_probes(name: str, resource: dict) -> None:
-    for container in _containers(resource):
-        if not container["image"].startswith("memwatch:"):
-            continue
+@pytest.mark.parametrize(("name", "resource"), RESOURCES, ids=IDS)
+def test_memwatch_containers_pass_options_serve_accepts_and_have_probes(name: str, resource: dict) -> None:
+    for container in _named(resource, "memwatch"):
+        assert "memwatch" in container["image"] and "vllm" not in container["image"]
         args = container["args"]
         assert args[0] == "serve"
         serve.make_context("serve", list(args[1:]))  # click raises on an unknown option or a bad value
         assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-        assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-        health_port = next(a.split(":")[-1] for a in args if a.startswith("--health="))
-        assert {p["name"]: p["containerPort"] for p in container["ports"]}["health"] == int(health_port)
+        health_port = int(_option(args, "--health").split(":")[-1])
+        assert {p["name"]: p["containerPort"] for p in container["ports"]}["health"] == health_port
+        assert container["livenessProbe"]["httpGet"]["port"] in (health_port, "health")
 
 
-def test_engines_get_the_downward_api_names_memwatch_reads() -> None:
-    for name, resource in _resources():
-        for container in _containers(resource):
-            if not container["image"].startswith("vllm-memwatch:"):
-                continue
-            env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
-            assert env["MEMWATCH"] == "1" and env["MEMWATCH_SPAWN"] == "0", name
-            assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-            assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
-            assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+@pytest.mark.parametrize(("name", "resource"), RESOURCES, ids=IDS)
+def test_no_memwatch_readiness_probe_gates_an_engine(name: str, resource: dict) -> None:
+    # A native sidecar's readinessProbe (or an ordinary container's beside the engine) is the pod's readiness:
+    # a locked database would take vLLM out of its Service. Liveness restarts memwatch alone.
+    if _named(resource, "vllm"):
+        for container in _named(resource, "memwatch"):
+            assert "readinessProbe" not in container, name
+            assert container["startupProbe"]["httpGet"]["path"] == "/readyz"
+
+
+@pytest.mark.parametrize(("name", "resource"), RESOURCES, ids=IDS)
+def test_engine_args_follow_the_images_entrypoint(name: str, resource: dict) -> None:
+    # vLLM's image has ENTRYPOINT ["vllm", "serve"]; Kubernetes appends args: they must start with the model.
+    for container in _named(resource, "vllm"):
+        assert "vllm" in container["image"] and "memwatch" in container["image"]
+        assert "command" not in container
+        assert container["args"][0] not in ("vllm", "serve"), container["args"]
+        assert container["args"][:3] == ["Qwen/Qwen2.5-0.5B-Instruct", "--gpu-memory-utilization", "0.85"]
+
+
+@pytest.mark.parametrize(("name", "resource"), RESOURCES, ids=IDS)
+def test_engines_get_the_downward_api_names_memwatch_reads(name: str, resource: dict) -> None:
+    for container in _named(resource, "vllm"):
+        env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+        assert env["MEMWATCH"] == "1" and env["MEMWATCH_SPAWN"] == "0", name
+        assert env["MEMWATCH_RUNTIME_DIR"] == "/run/memwatch/rings"
+        assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+        assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+@pytest.mark.parametrize(("name", "resource"), RESOURCES, ids=IDS)
+def test_the_agent_needs_no_capability_and_is_in_its_runtime_group(name: str, resource: dict) -> None:
+    # Without FSETID, chmod by a non-member drops the setgid bit (1770, refused for ever); as a member of the
+    # group root needs no capability to make its own directory 3770 and read the rings through the group.
+    if resource["kind"] != "DaemonSet":
+        return
+    (container,) = _named(resource, "memwatch")
+    capabilities = container["securityContext"]["capabilities"]
+    assert capabilities.get("drop") == ["ALL"] and not capabilities.get("add"), capabilities
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    group = int(_option(container["args"], "--runtime-group"))
+    assert group in _pod_spec(resource)["securityContext"]["supplementalGroups"]
+
+
+def test_engine_pods_for_the_agent_carry_its_group() -> None:
+    (agent,) = _workloads(SETS["deploy/daemonset/memwatch-agent.yaml"])
+    (memwatch,) = _named(agent, "memwatch")
+    group = int(_option(memwatch["args"], "--runtime-group"))
+    env = {e["name"]: e.get("value", "") for e in memwatch.get("env", [])}
+    trusted = {0, *(int(a.split("=")[1]) for a in memwatch["args"] if a.startswith("--trust-uid=")),
+               *(int(u) for u in env.get("MEMWATCH_TRUST_UIDS", "").split(",") if u)}
+    (engine,) = _workloads(SETS["deploy/daemonset/vllm-pod.yaml"])
+    spec = _pod_spec(engine)
+    assert group in spec["securityContext"]["supplementalGroups"]
+    assert spec["securityContext"].get("runAsUser", 0) in trusted
+
+
+@pytest.mark.parametrize("name", list(SETS))
+def test_storage_holds_the_bound_the_manifest_states(name: str) -> None:
+    # An emptyDir past its sizeLimit gets the pod evicted, engine included: the database's bound under the
+    # retention passed to memwatch is stated in the manifest, and the limit holds it.
+    text = SETS[name]
+    for workload in _workloads(text):
+        for container in _named(workload, "memwatch"):
+            stated = re.search(r"^# - Database bound: (\S+) under (.*)$", text, re.M)
+            assert stated, f"{name}: no database bound stated"
+            bound = _bytes(stated.group(1))
+            for option in ("--keep-full", "--keep-evidence", "--keep-rollups", "--max-db-size"):
+                value = _option(container["args"], option)
+                assert (value is None) == (f"{option}=" not in stated.group(2)), (option, stated.group(2))
+            if (size := _option(container["args"], "--max-db-size")) is not None:
+                from memwatch.units import parse_bytes
+
+                assert 0 < parse_bytes(size) <= bound, (size, bound)  # the cap is what makes it a bound
+            else:
+                assert _option(container["args"], "--keep-rollups") not in (None, "forever"), name
+            mounts = {m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/var/lib/memwatch"}
+            for volume in _pod_spec(workload)["volumes"]:
+                if volume["name"] in mounts and "emptyDir" in volume:
+                    assert _bytes(volume["emptyDir"]["sizeLimit"]) >= bound, name
+
+
+@pytest.mark.parametrize("name", list(SETS))
+def test_pods_mount_no_service_account_token(name: str) -> None:
+    for doc in documents(SETS[name]):
+        if doc["kind"] == "ServiceAccount":
+            assert doc["automountServiceAccountToken"] is False
+        if doc["kind"] in WORKLOADS:
+            assert _pod_spec(doc)["automountServiceAccountToken"] is False, name
+
+
+@pytest.mark.parametrize("name", list(SETS))
+def test_a_hostpath_namespace_gets_the_pod_security_level_it_needs(name: str) -> None:
+    docs = documents(SETS[name])
+    levels = {d["metadata"]["name"]: d["metadata"]["labels"].get("pod-security.kubernetes.io/enforce")
+              for d in docs if d["kind"] == "Namespace"}
+    for doc in docs:
+        # The plain agent manifest creates its namespace; the chart does with namespace.create (otherwise the
+        # namespace is the operator's, labelled as deploy/README.md says).
+        if doc["kind"] == "DaemonSet" and (levels or not name.startswith("chart:")):
+            assert levels[doc["metadata"]["namespace"]] == "privileged", name
+
+
+@pytest.mark.parametrize("name", list(SETS))
+def test_network_policy_admits_metrics_from_monitoring_and_no_pod_to_health(name: str) -> None:
+    text = SETS[name]
+    policies = [d for d in documents(text) if d["kind"] == "NetworkPolicy"]
+    if "networkPolicy.enabled=false" in " ".join(VALUE_SETS.get(name.removeprefix("chart:"), ("", []))[1]):
+        assert not policies
+        return
+    for workload in _workloads(text):
+        ports = {p["name"]: p["containerPort"] for c in _named(workload, "memwatch") for p in c["ports"]}
+        if not ports:
+            continue  # an engine pod for the agent: memwatch listens elsewhere
+        labels = _pod_labels(workload)
+        (policy,) = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        rules = {port["port"]: rule for rule in policy["spec"]["ingress"] for port in rule["ports"]}
+        assert ports["health"] not in rules and "health" not in rules  # the kubelet's probes come from the node
+        if "metrics" in ports:
+            assert rules[ports["metrics"]]["from"][0]["namespaceSelector"]["matchLabels"]
+        for engine in _named(workload, "vllm"):
+            assert {p["containerPort"] for p in engine["ports"]} <= set(rules)
+
+
+@pytest.mark.parametrize("name", list(SETS))
+def test_monitors_scrape_the_metrics_port_and_keep_the_engine_labels(name: str) -> None:
+    docs = documents(SETS[name])
+    services = [d for d in docs if d["kind"] == "Service"]
+    for monitor in [d for d in docs if d["apiVersion"] == MONITORING]:
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        if monitor["kind"] == "ServiceMonitor":
+            (service,) = [s for s in services if selector.items() <= s["metadata"]["labels"].items()]
+            names = {p["name"] for p in service["spec"]["ports"]}
+            endpoints = monitor["spec"]["endpoints"]
+            (workload,) = [w for w in _workloads(SETS[name])
+                           if service["spec"]["selector"].items() <= _pod_labels(w).items()]
+            target = {p["targetPort"] for p in service["spec"]["ports"] if p["name"] == "metrics"}
+            assert target <= {p["containerPort"] for c in _named(workload, "memwatch") for p in c["ports"]}
+        else:
+            assert monitor["kind"] == "PodMonitor"
+            (workload,) = [w for w in _workloads(SETS[name]) if selector.items() <= _pod_labels(w).items()]
+            names = {p["name"] for c in _named(workload, "memwatch") for p in c["ports"]}
+            endpoints = monitor["spec"]["podMetricsEndpoints"]
+        assert [e["port"] for e in endpoints] == ["metrics"] and "metrics" in names
+        assert all(e["honorLabels"] is True for e in endpoints)
 
 
 def test_the_images_command_parses_and_what_it_copies_exists() -> None:

@@ -1,0 +1,234 @@
+{{/* The workload's name: fullnameOverride, else the release's name. */}}
+{{- define "memwatch.fullname" -}}
+{{- default .Release.Name .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "memwatch.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "memwatch.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "memwatch.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: {{ .Values.mode }}
+{{- end -}}
+
+{{- define "memwatch.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{ include "memwatch.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "memwatch.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "memwatch.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* <registry>/<repository>:<tag>, or @<digest> when one is given. */}}
+{{- define "memwatch.image" -}}
+{{- $prefix := ternary "" (printf "%s/" (trimSuffix "/" .registry)) (empty .registry) -}}
+{{- if .digest -}}
+{{- printf "%s%s@%s" $prefix .repository .digest -}}
+{{- else -}}
+{{- printf "%s%s:%s" $prefix .repository .tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The rings directory inside every container (the agent's is below its hostPath runtime directory). */}}
+{{- define "memwatch.ringsDir" -}}/run/memwatch/rings{{- end -}}
+
+{{/* The uids whose rings memwatch stores: trust.uids, and in sidecar mode the engine's own uid (root when unset). */}}
+{{- define "memwatch.trustUids" -}}
+{{- $uids := list -}}
+{{- if eq .Values.mode "sidecar" -}}
+{{- $uids = append $uids (int (default 0 .Values.engine.runAsUser)) -}}
+{{- end -}}
+{{- range .Values.trust.uids -}}
+{{- $uids = append $uids (int .) -}}
+{{- end -}}
+{{- $uids | uniq | toJson -}}
+{{- end -}}
+
+{{/* memwatch serve's arguments, one per line as a YAML list. */}}
+{{- define "memwatch.serveArgs" -}}
+{{- if and (eq .Values.retention.keepRollups "forever") (has (toString .Values.retention.maxDbSize) (list "" "0")) }}
+{{- fail "retention.keepRollups=forever with no retention.maxDbSize: the database would grow for ever (and an emptyDir past its sizeLimit evicts the pod): set retention.maxDbSize" }}
+{{- end }}
+{{- $agent := eq .Values.mode "agent" -}}
+- serve
+- --runtime-dir={{ include "memwatch.ringsDir" . }}
+{{- if $agent }}
+- --state-dir=/run/memwatch/state
+{{- end }}
+- --runtime-group={{ ternary .Values.trust.nodeGroup .Values.trust.sidecarGroup $agent }}
+{{- range (include "memwatch.trustUids" . | fromJsonArray) }}
+- --trust-uid={{ . }}
+{{- end }}
+- --db=/var/lib/memwatch/memwatch.db
+- --keep-full={{ .Values.retention.keepFull }}
+- --keep-evidence={{ .Values.retention.keepEvidence }}
+{{- with .Values.retention.keepRollups }}
+- --keep-rollups={{ . }}
+{{- end }}
+{{- with .Values.retention.maxDbSize }}
+- --max-db-size={{ . }}
+{{- end }}
+{{- if not (kindIs "invalid" .Values.memwatch.pollInterval) }}
+- --poll-interval={{ .Values.memwatch.pollInterval }}
+{{- end }}
+{{- if .Values.exporters.prometheus.enabled }}
+- --prometheus=0.0.0.0:{{ .Values.exporters.prometheus.port }}
+{{- end }}
+{{- if .Values.exporters.otlp.enabled }}
+- {{ printf "--otlp%s" (ternary "" (printf "=%s" .Values.exporters.otlp.endpoint) (empty .Values.exporters.otlp.endpoint)) | quote }}
+{{- end }}
+- --health=0.0.0.0:{{ .Values.memwatch.healthPort }}
+{{- range .Values.memwatch.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* memwatch's container ports. */}}
+{{- define "memwatch.ports" -}}
+{{- if .Values.exporters.prometheus.enabled }}
+- name: metrics
+  containerPort: {{ .Values.exporters.prometheus.port }}
+{{- end }}
+- name: health
+  containerPort: {{ .Values.memwatch.healthPort }}
+{{- end -}}
+
+{{/* memwatch's container security context: nothing added, everything dropped, read-only root. */}}
+{{- define "memwatch.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/* The engine's downward-API names, which memwatch records as the pod's identity. */}}
+{{- define "memwatch.engineEnv" -}}
+- name: MEMWATCH
+  value: "1"
+- name: MEMWATCH_SPAWN
+  value: "0"
+- name: MEMWATCH_RUNTIME_DIR
+  value: {{ include "memwatch.ringsDir" . }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: NODE_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+- name: CONTAINER_NAME
+  value: vllm
+{{- end -}}
+
+{{/* The engine's arguments after the image's ENTRYPOINT ["vllm", "serve"]: the model first. */}}
+{{- define "memwatch.engineArgs" -}}
+{{- prepend .Values.engine.args .Values.engine.model | toJson -}}
+{{- end -}}
+
+{{- define "memwatch.podCommon" -}}
+serviceAccountName: {{ include "memwatch.serviceAccountName" . }}
+automountServiceAccountToken: false
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The memwatch container of the sidecar shape (its name and restartPolicy are set by the caller). */}}
+{{- define "memwatch.sidecarContainer" -}}
+image: {{ include "memwatch.image" .Values.image.memwatch }}
+imagePullPolicy: {{ .Values.image.memwatch.pullPolicy }}
+args:
+  {{- include "memwatch.serveArgs" . | nindent 2 }}
+{{- with .Values.memwatch.env }}
+env:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+ports:
+  {{- include "memwatch.ports" . | trim | nindent 2 }}
+startupProbe:
+  httpGet:
+    path: /readyz
+    port: {{ .Values.memwatch.healthPort }}
+  periodSeconds: {{ .Values.memwatch.startupProbe.periodSeconds }}
+  failureThreshold: {{ .Values.memwatch.startupProbe.failureThreshold }}
+livenessProbe:
+  httpGet:
+    path: /healthz
+    port: {{ .Values.memwatch.healthPort }}
+  periodSeconds: {{ .Values.memwatch.livenessProbe.periodSeconds }}
+  failureThreshold: {{ .Values.memwatch.livenessProbe.failureThreshold }}
+lifecycle:
+  preStop:
+    # Runs once the engine has exited (native sidecar) or beside its SIGTERM (ordinary container): waits, at
+    # most drainSeconds, until every ring is stored and removed; SIGTERM then makes memwatch drain the rest.
+    exec:
+      command: ["sh", "-c", "for i in $(seq 1 {{ .Values.memwatch.drainSeconds }}); do ls {{ include "memwatch.ringsDir" . }}/*.ring >/dev/null 2>&1 || exit 0; sleep 1; done"]
+securityContext:
+  runAsUser: {{ .Values.trust.sidecarUid }}
+  runAsGroup: {{ .Values.trust.sidecarGroup }}
+  runAsNonRoot: true
+  {{- include "memwatch.containerSecurityContext" . | nindent 2 }}
+{{- with .Values.memwatch.resources }}
+resources:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+volumeMounts:
+  - name: memwatch-run
+    mountPath: /run/memwatch
+  - name: memwatch-db
+    mountPath: /var/lib/memwatch
+{{- end -}}
+
+{{/* The Pod Security level the namespace needs: privileged for hostPath (agent, engine), else baseline. */}}
+{{- define "memwatch.podSecurity" -}}
+{{- .Values.namespace.podSecurity | default (ternary "baseline" "privileged" (eq .Values.mode "sidecar")) -}}
+{{- end -}}
+
+{{/* The metrics Service: the agent's own name; beside an engine, <name>-memwatch. */}}
+{{- define "memwatch.metricsService" -}}
+{{- if eq .Values.mode "agent" -}}
+{{- include "memwatch.fullname" . -}}
+{{- else -}}
+{{- printf "%s-memwatch" (include "memwatch.fullname" . | trunc 54 | trimSuffix "-") -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The database's bound and its arithmetic, as a comment in the rendered manifest. */}}
+{{- define "memwatch.boundComment" -}}
+{{- $r := .Values.retention -}}
+# - Database bound: {{ .Values.storage.retentionBound }} under --keep-full={{ $r.keepFull }} --keep-evidence={{ $r.keepEvidence }} --keep-rollups={{ $r.keepRollups }}
+{{- with $r.maxDbSize }} --max-db-size={{ . }}{{ end }}
+#   For R ranks at S steps/s (bench/bench_retention.py measures 118 B a full-resolution row, 238 B a per-second
+#   roll-up row, indexes included): R x (S x 118 B x (keep-full + 241 s a flag or OOM) + 238 B x keep-rollups);
+#   8 ranks x 100 steps/s: 0.34 GB at full resolution + 0.33 GB of roll-ups = 0.67 GB, plus 22.7 MB a flag or OOM.
+#   Flags have no fixed rate, so --max-db-size caps the pages in use: the bound is the cap, plus one 30 s pass of
+#   inflow (2.8 MB) and SQLite's write-ahead log (at most one rank-hour, 42 MB): 1.55 GB with a 1500MB cap.
+{{- end -}}

@@ -1,0 +1,111 @@
+"""The Helm chart deploy/helm/memwatch, through the real Helm binary: it lints strictly, its schema refuses bad
+values with Helm's own message, each switch adds or removes its objects, and the plain manifests in deploy/ are
+its rendering. What the rendered objects mean (probes, capabilities, storage, policies) is tests/test_deploy.py's."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from helm_chart import CHART, HELM, ROOT, documents, helm, template
+
+SCHEMA_ERROR = "values don't meet the specifications of the schema(s)"
+
+
+def _render_module():
+    """deploy/helm/render_manifests.py, which `make manifests` runs."""
+    spec = importlib.util.spec_from_file_location("render_manifests", ROOT / "deploy" / "helm" / "render_manifests.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _kinds(release: str, *args: str) -> list[str]:
+    return sorted(doc["kind"] for doc in documents(template(release, list(args))))
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "agent", "engine"])
+def test_the_chart_lints_strictly(mode: str) -> None:
+    done = helm("lint", "--strict", str(CHART), "--set", f"mode={mode}",
+                "--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.podMonitor.enabled=true")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 chart(s) linted, 0 chart(s) failed" in done.stdout
+
+
+def test_the_plain_manifests_are_the_charts_rendering() -> None:
+    render = _render_module()
+    for path, release, values in render.MANIFESTS:
+        fresh = render.render(str(HELM), release, values)
+        assert (ROOT / path).read_text() == fresh, f"{path} is not the chart's rendering: run `make manifests`"
+
+
+def test_each_shape_renders_its_objects_and_the_switches_add_and_remove_them() -> None:
+    assert _kinds("e", "--set", "networkPolicy.enabled=false") == ["Deployment", "Service", "ServiceAccount"]
+    assert _kinds("e") == ["Deployment", "NetworkPolicy", "Service", "ServiceAccount"]
+    assert _kinds("e", "--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.podMonitor.enabled=true",
+                  "--set", "serviceAccount.create=false") == ["Deployment", "NetworkPolicy", "PodMonitor", "Service",
+                                                              "ServiceMonitor"]
+    assert _kinds("a", "--set", "mode=agent", "--set", "namespace.name=memwatch", "--set", "namespace.create=true") == [
+        "DaemonSet", "Namespace", "NetworkPolicy", "Service", "ServiceAccount"]
+    no_metrics = documents(template("a", ["--set", "mode=agent", "--set", "exporters.prometheus.enabled=false"]))
+    assert sorted(d["kind"] for d in no_metrics) == ["DaemonSet", "NetworkPolicy", "ServiceAccount"]
+    (policy,) = [d for d in no_metrics if d["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["ingress"] == []  # no pod reaches the agent at all
+    assert _kinds("p", "--set", "mode=engine", "--set", "monitoring.podMonitor.enabled=true") == [
+        "Pod", "ServiceAccount"]
+
+
+def test_images_are_named_where_they_are_pushed() -> None:
+    docs = documents(template("e", ["--set", "image.memwatch.registry=ghcr.io/acme/", "--set", "image.engine.tag=1.2",
+                                    "--set", "image.memwatch.digest=sha256:" + "ab" * 32]))
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    spec = deployment["spec"]["template"]["spec"]
+    assert spec["initContainers"][0]["image"] == "ghcr.io/acme/memwatch@sha256:" + "ab" * 32
+    assert spec["containers"][0]["image"] == "registry.example.com/ml-platform/vllm-memwatch:1.2"
+
+
+def test_the_ordinary_container_fallback_and_the_version_check() -> None:
+    done = helm("template", "e", str(CHART), "--kube-version", "1.28.0")
+    assert done.returncode != 0 and "set memwatch.nativeSidecar=false" in done.stderr
+    docs = documents(template("e", ["--kube-version", "1.28.0", "--set", "memwatch.nativeSidecar=false"]))
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    spec = deployment["spec"]["template"]["spec"]
+    assert "initContainers" not in spec and [c["name"] for c in spec["containers"]] == ["memwatch", "vllm"]
+
+
+@pytest.mark.parametrize(("args", "where"), [
+    (["--set", "mode=daemonset"], "at '/mode': value must be one of 'sidecar', 'agent', 'engine'"),
+    (["--set", "engine.model=vllm"], "at '/engine/model'"),  # would make `vllm serve vllm ...`
+    (["--set", "trust.sidecarUid=0"], "at '/trust/sidecarUid'"),  # the sidecar runs as a non-root uid
+    (["--set", "retention.keepFull=1day"], "at '/retention/keepFull'"),
+    (["--set", "storage.sizeLimit=lots"], "at '/storage/sizeLimit'"),
+    (["--set", "exporters.prometheus.port=70000"], "at '/exporters/prometheus/port'"),
+    (["--set", "bundles.enabled=true"], "additional properties 'bundles' not allowed"),  # memwatch has none yet
+])
+def test_the_schema_refuses_bad_values_with_helms_message(args: list[str], where: str) -> None:
+    done = helm("template", "e", str(CHART), *args)
+    assert done.returncode != 0
+    assert SCHEMA_ERROR in done.stderr and where in done.stderr, done.stderr
+
+
+def test_rollups_kept_for_ever_need_a_cap() -> None:
+    done = helm("template", "e", str(CHART), "--set", "retention.keepRollups=forever", "--set", "retention.maxDbSize=0")
+    assert done.returncode != 0 and "the database would grow for ever" in done.stderr, done.stderr
+    capped = documents(template("e", ["--set", "retention.keepRollups=forever", "--set", "retention.maxDbSize=1GB"]))
+    (deployment,) = [d for d in capped if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["initContainers"][0]["args"]
+    assert "--keep-rollups=forever" in args and "--max-db-size=1GB" in args
+
+
+def test_a_created_namespace_needs_a_name() -> None:
+    done = helm("template", "a", str(CHART), "--set", "mode=agent", "--set", "namespace.create=true")
+    assert done.returncode != 0 and "namespace.create needs namespace.name" in done.stderr
+
+
+def test_helm_is_the_pinned_release() -> None:
+    done = helm("version", "--short")
+    assert done.returncode == 0 and done.stdout.startswith("v4.1.4"), done.stdout + done.stderr
+    assert Path(HELM).stat().st_mode & 0o111
