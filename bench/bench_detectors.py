@@ -27,7 +27,7 @@ from memwatch.detectors import DetectorSet, RankSummary
 from memwatch.detectors.batch import DrainColumns
 from memwatch.pacing import BATCH_TARGET
 from memwatch.records import Event, Sample
-from memwatch_engine.ring import _SAMPLE_SLOT
+from memwatch_engine.ring_format import _SAMPLE_SLOT
 
 TARGET_RATIO = 30.0
 """Detectors' time per sample over the unpack loop's: 200,000 samples/s where unpacking runs ~6 million/s."""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from memwatch_engine import Monitor
 from memwatch_engine.probes.base import DeviceInfo, Probe
-from memwatch_engine.ring import _SAMPLE, HEADER_SIZE, RECORD_SIZE
+from memwatch_engine.ring_format import _SAMPLE, HEADER_SIZE, RECORD_SIZE
 
 BATCH = 200
 BATCHES = 500

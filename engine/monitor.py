@@ -17,7 +17,8 @@ exception): :mod:`.lifecycle`. ``os._exit()``, a fatal signal or the OOM killer 
 their runs end ``crashed``: nothing honest can tell ``os._exit(0)`` from SIGKILL but the parent that reaps it.
 
 Where the sidecar is someone else's and its runtime directory is not there yet, the ring waits for it
-and the records are kept in memory meanwhile (:mod:`.pending`); the engine never makes that directory.
+and the records are kept in memory meanwhile (:mod:`.pending`, :mod:`.opening`); the engine never makes
+that directory. What the ring's header says about the run is :mod:`.run_meta`.
 
 Per-step peaks: once the ``serve`` phase starts, each ``step()`` reads the allocator peak and then
 resets it, so every serving sample carries that step's own peak (``peak_is_step``). This takes the
@@ -27,11 +28,9 @@ global peak counter away from other code in the process during serving; pass
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,15 +39,16 @@ from pathlib import Path
 from typing import Any
 
 from . import lifecycle
-from .clean import clean, clean_data, text
-from .identity import where
+from .clean import clean_data, text
 from .lifecycle import SidecarWatch
 from .moments import arrival_data, finish_data, known, kv_data, oom_data, weights_data
-from .pending import PendingRecords, Throttle, build_pending_step, runtime_directory
+from .opening import RingOpening
+from .pending import PendingRecords, Throttle, runtime_directory
 from .probes.base import UNKNOWN, Probe
-from .ring import DEFAULT_CAPACITY, FIRST_CUSTOM_PHASE, META_MAX, PHASE_CODES, EventTooLarge, RingWriter
-from .runtime import judge_runtime_dir, ring_mode, ring_path
-from .stepper import StepPath, build_step
+from .ring import RingWriter
+from .ring_format import DEFAULT_CAPACITY, FIRST_CUSTOM_PHASE, PHASE_CODES, EventTooLarge
+from .run_meta import run_meta
+from .stepper import StepPath
 
 log = logging.getLogger("memwatch")
 
@@ -60,7 +60,7 @@ def new_run_id() -> str:
     return f"{int(time.time()):08x}{secrets.token_hex(2)}"
 
 
-class Monitor:
+class Monitor(RingOpening):
     """Records one rank of one engine run into a ring in the runtime directory.
 
     Everything about the world is injectable (probe, clock, runtime directory, run id) so that the
@@ -112,25 +112,9 @@ class Monitor:
                 log.warning("memwatch: %s", reason)
             device = self.probe.device_info()
             directory, theirs = runtime_directory(runtime_dir, spawn_sidecar)
-            meta = clean({
-                "engine": engine, "model": model, "pid": os.getpid(), "hostname": socket.gethostname(),
-                "source": source, "device_index": device.index, "gpu_name": device.name,
-                "gpu_uuid": device.uuid, "gpu_total_bytes": device.total_bytes, "config": config or {},
-                "probe": self.probe.name, "probe_unavailable": reason,
-            })
-            place = where()  # the container and pod, when the engine runs in one
-            if place and len(json.dumps(meta)) + len(json.dumps(place)) < META_MAX - 64:
-                meta["where"] = place
+            meta = run_meta(self.probe, device, reason, engine=engine, model=model, source=source, config=config)
             self._meta, self._capacity, self._directory = meta, capacity, directory
-            if theirs:  # the sidecar's directory, not there yet: never ours to create (.pending)
-                self._pending = PendingRecords()
-                self._writer = self._pending  # type: ignore[assignment]  # the same two writing methods
-                self._path = build_pending_step(self._pending, self.probe, clock, on_fault=self._disable,
-                                                look=self._look_for_directory)
-                self.step = self._path.step  # type: ignore[method-assign]
-                mode = 0o640
-            else:
-                mode = self._open_ring(directory)
+            mode = self._start_ring(directory, theirs)  # the ring, or the wait for its directory (.opening)
             self._enabled = True
             if close_at_exit:
                 lifecycle.close_at_exit(self)
@@ -145,52 +129,6 @@ class Monitor:
                                            lambda: self._pending is not None)
         except Exception as exc:
             self._disable(exc)
-
-    def _open_ring(self, directory: Path) -> int:
-        """Create the ring in ``directory`` and the step that writes it; its file mode. Records kept while the
-        directory did not exist go first (.pending)."""
-        self.ring_path = ring_path(directory, self.run_id, self.rank)
-        mode = ring_mode(directory)
-        writer = RingWriter(
-            self.ring_path, run_id=self.run_id, rank=self.rank, world_size=self.world_size,
-            meta=self._meta, capacity=self._capacity, mode=mode,
-        )
-        pending, waiting = self._pending, self._path
-        if pending is not None:
-            for records in pending.records:
-                writer.write_slots(records)
-            lost = pending.lost_event()
-            if lost is not None:
-                writer.write_event(waiting.steps(), self._clock(), "samples_lost", lost)
-        path = build_step(writer, self.probe, self._clock, on_fault=self._disable,
-                          start=waiting.steps() if waiting is not None else 0)
-        path.set_phase(self._phase)
-        path.per_step_peak(self._per_step)
-        self._writer, self._path, self._pending = writer, path, None
-        self.step = path.step  # type: ignore[method-assign]  # the instance's own: no method to bind
-        if waiting is not None:
-            waiting.stop()
-        return mode
-
-    def _look_for_directory(self, now: bool = False) -> None:
-        """While the ring waits for its directory: at most once a second (or ``now``), one ``stat`` of it."""
-        if self._pending is None or not (now or self._look.due()):
-            return
-        if not self._attaching.acquire(blocking=False):
-            return  # another thread is creating the ring
-        try:
-            if self._pending is None or self._directory is None:
-                return
-            try:
-                info = os.lstat(self._directory)
-            except FileNotFoundError:
-                return
-            judge_runtime_dir(info, self._directory)
-            self._open_ring(self._directory)
-        except Exception as exc:
-            self._disable(exc)
-        finally:
-            self._attaching.release()
 
     # -- state ---------------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .probes.base import UNKNOWN, Probe
-from .ring import SAMPLE_PEAK_IS_STEP, STEP_KIND_CODES, event_slots, sample_slot
+from .ring_format import SAMPLE_PEAK_IS_STEP, STEP_KIND_CODES, event_slots, sample_slot
 from .runtime import ensure_runtime_dir
 from .stepper import StepPath
 
@@ -72,7 +72,8 @@ class PendingRecords:
         self.dropped_to_ns: int | None = None
 
     def write_sample(self, *fields: int) -> None:
-        """Keep one sample (fields as :func:`.ring.sample_slot` takes them), or count it when the bound is reached."""
+        """Keep one sample (fields as :func:`.ring_format.sample_slot` takes them), or count it when the bound is
+        reached."""
         if self._samples_left <= 0:
             self._drop(fields[1])
             return

@@ -1,8 +1,8 @@
-"""Reading a ring: the sidecar's and ``memwatch attach``'s side of the format :mod:`.ring` defines.
+"""Reading a ring: the sidecar's and ``memwatch attach``'s side of the format :mod:`.ring_format` defines.
 
 It never maps the file: it reads with ``pread``, so a ring truncated under it is refused
 (:class:`RingFormatError`), never a SIGBUS; and it keeps clear of the slots the writer may still be
-filling, retrying a copy torn anyway (the rules are in :mod:`.ring`'s docstring).
+filling, retrying a copy torn anyway (the rules are in :mod:`.ring_format`'s docstring).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .clean import clean
-from .ring import (
+from .ring_format import (
     _CHUNK,
     _FLAGS,
     _FLAGS_AT,

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from .probes.base import UNKNOWN, Probe
-from .ring import (
+from .ring import RingWriter
+from .ring_format import (
     _SAMPLE,
     HEADER_SIZE,
     PUBLISHED_WORD,
@@ -28,7 +29,6 @@ from .ring import (
     SAMPLE_PEAK_IS_STEP,
     STEP_KIND_CODES,
     TYPE_SAMPLE,
-    RingWriter,
 )
 
 

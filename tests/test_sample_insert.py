@@ -11,7 +11,8 @@ from memwatch.ring_state import MAX_SHAPES, RingState
 from memwatch.store import open_store
 from memwatch.store.sample_insert import NULLABLE_FIELDS, nullable_fields, raw_sample_insert, single_phase
 from memwatch.store.writer import StoreWriter
-from memwatch_engine.ring import _CHUNK, _SAMPLE_SLOT, TYPE_EVENT, TYPE_SAMPLE, RingWriter
+from memwatch_engine.ring import RingWriter
+from memwatch_engine.ring_format import _CHUNK, _SAMPLE_SLOT, TYPE_EVENT, TYPE_SAMPLE
 from memwatch_engine.ring_reader import RingReader
 
 from processes import query

@@ -130,6 +130,6 @@ def test_bad_handles_and_sizes_are_refused() -> None:
 def test_it_is_a_probe_with_device_info() -> None:
     gpu = VirtualGPU(24 * GiB, device_name="Virtual GPU 24GiB", index=3)
     assert gpu.name == "sim"
-    assert gpu.device_info() == (3, "Virtual GPU 24GiB", 24 * GiB)
+    assert gpu.device_info() == (3, "Virtual GPU 24GiB", 24 * GiB, None)  # a virtual GPU has no NVML UUID
     assert gpu.unavailable_reason() is None
     assert gpu.reading().driver_free_bytes == 24 * GiB - 512 * MiB   # default context: 512 MiB

@@ -78,7 +78,7 @@ _SLOT_FIELDS = (("type", "u1", 8), ("flags", "u1", 9), ("phase", "u1", 10), ("st
                 ("allocated", "<i8", 32), ("peak", "<i8", 40), ("reserved", "<i8", 48), ("used", "<i8", 56),
                 ("free", "<i8", 64), ("kv_used", "<i4", 80), ("kv_total", "<i4", 84), ("active", "<i8", 96),
                 ("pinned", "<i8", 104), ("retries", "<i4", 112), ("ooms", "<i4", 116))
-"""Where the fields read sit in a version 2 sample slot (``memwatch_engine.ring``'s layout)."""
+"""Where the fields read sit in a version 2 sample slot (``memwatch_engine.ring_format``'s layout)."""
 _SLOT_NAMES = tuple(dict(zip(_READ, [name for name, _, _ in _SLOT_FIELDS[1:]], strict=True)).get(at)
                     for at in range(_RING_FIELDS))
 

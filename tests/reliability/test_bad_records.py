@@ -13,7 +13,8 @@ from memwatch.collector import Collector
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine import Monitor
-from memwatch_engine.ring import _CHUNK, CHUNK_PAYLOAD, HEADER_SIZE, RECORD_SIZE, RingWriter
+from memwatch_engine.ring import RingWriter
+from memwatch_engine.ring_format import _CHUNK, CHUNK_PAYLOAD, HEADER_SIZE, RECORD_SIZE
 
 from probes import ScriptedProbe
 from stored_runs import drain

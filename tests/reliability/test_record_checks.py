@@ -15,7 +15,8 @@ from memwatch.live import LiveDetectors
 from memwatch.record_checks import EVENT_FIELDS, MAX_TS_NS
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
-from memwatch_engine.ring import _CHUNK, CHUNK_PAYLOAD, HEADER_SIZE, RECORD_SIZE, RingWriter
+from memwatch_engine.ring import RingWriter
+from memwatch_engine.ring_format import _CHUNK, CHUNK_PAYLOAD, HEADER_SIZE, RECORD_SIZE
 
 from stored_runs import drain
 

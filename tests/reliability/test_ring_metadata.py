@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from memwatch import rejected_rings
 from memwatch.cli import main
 from memwatch.record_checks import META_FIELDS
-from memwatch_engine.ring import _HEADER, HEADER_SIZE, META_OFFSET, RingWriter
+from memwatch_engine.ring import RingWriter
+from memwatch_engine.ring_format import _HEADER, HEADER_SIZE, META_OFFSET
 from memwatch_engine.ring_reader import RingReader
 
 from stored_runs import store_rings

@@ -17,7 +17,8 @@ from memwatch.collector import Collector
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine import Monitor
-from memwatch_engine.ring import _FLAGS, FLAG_CLOSED, HEADER_SIZE, RingWriter
+from memwatch_engine.ring import RingWriter
+from memwatch_engine.ring_format import _FLAGS, FLAG_CLOSED, HEADER_SIZE
 
 from probes import ScriptedProbe
 from processes import memwatch_env, query
