@@ -179,6 +179,6 @@ def test_sim_usage_errors_exit_2_with_one_line(args: list[str], message: str) ->
     assert result.output.startswith(f"error: {message}") and result.output.count("\n") == 1
 
 
-def test_readme_shows_the_current_scorecard() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert render_scorecard(run_scorecard()) in readme
+def test_the_simulator_page_shows_the_current_scorecard() -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "simulator.md").read_text()
+    assert render_scorecard(run_scorecard()) in page

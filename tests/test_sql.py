@@ -76,10 +76,10 @@ def test_bad_query_and_missing_database(filled: Path, tmp_path: Path) -> None:
     assert code == 3 and err.startswith("error: no memwatch database")
 
 
-def test_the_readme_queries_run_on_a_stored_run(runtime_dir: Path, db_path: Path) -> None:
+def test_the_documented_queries_run_on_a_stored_run(runtime_dir: Path, db_path: Path) -> None:
     run_id = store_scenario("fragmentation", runtime_dir, db_path, live=True)  # a run that ends in an OOM event
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Asking the database directly", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "storage.md").read_text()
+    section = page.split("## Asking the database directly", 1)[1].split("\n## ", 1)[0]
     queries = re.findall(r'^memwatch sql "(.*)"$', section, flags=re.M)
     assert len(queries) == 5
     answers = []
