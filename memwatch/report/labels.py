@@ -43,3 +43,28 @@ def label_rows(labels: Sequence[tuple[float, str]], start: float, end: float, *,
         row_ends[row] = left + len(name) * char_px + GAP_PX
         rows.append(row)
     return rows
+
+
+MARK_PX = 13.0
+"""Room one flag marker takes on the time axis (an 11 px triangle and a little air)."""
+
+
+def mark_levels(xs: Sequence[float], start: float, end: float, *, width_px: float = PLAN_WIDTH_PX,
+                mark_px: float = MARK_PX) -> list[int]:
+    """For each marker at ``x`` (in order of ``x``): its level, 0 the top, so that no two overlap.
+
+    Flags raised at one step (a warning and a critical at the same sample) or a few steps apart would
+    draw on one spot and hide each other: each takes the highest level that no marker within ``mark_px``
+    before it holds, so a burst reads as a short column under its first flag.
+    """
+    scale = width_px / (end - start) if end > start else 0.0
+    level_ends: list[float] = []
+    levels: list[int] = []
+    for x in xs:
+        left = (x - start) * scale
+        level = next((i for i, taken in enumerate(level_ends) if taken <= left), len(level_ends))
+        if level == len(level_ends):
+            level_ends.append(0.0)
+        level_ends[level] = left + mark_px
+        levels.append(level)
+    return levels
