@@ -1,5 +1,5 @@
 """The report's interactive figure (plotly): per rank, the ledger stacked under the driver's reading,
-and KV blocks with preemptions; phases shaded, flags and out-of-memory moments marked.
+and KV blocks with preemptions; phases shaded, flags, out-of-memory moments and crashes marked.
 
 plotly is imported here only, lazily, by ``memwatch report``: the sidecar and the engine plugin never
 load it. Values are drawn in GiB against seconds since the run started; hovering shows bytes as GiB
@@ -8,14 +8,12 @@ and the step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
+from memwatch.flags import SEVERITIES, Flag
 from memwatch.optional import require
 from memwatch.report.labels import MARK_PX, label_rows, mark_levels
 from memwatch.report.run_data import STACK_TERMS, RankData, RunData
-
-if TYPE_CHECKING:
-    from memwatch.flags import Flag
 
 GIB = float(1 << 30)
 TERM_COLORS = {
@@ -25,7 +23,6 @@ TERM_COLORS = {
 PHASE_COLORS = {"load": "#4c72b0", "warmup": "#dd8452", "kv_alloc": "#55a868", "cudagraph": "#8172b3",
                 "serve": "#937860"}
 SEVERITY_COLORS = {"info": "#4c72b0", "warning": "#e69f00", "critical": "#d62728"}
-SEVERITIES = ("info", "warning", "critical")
 ENDED_BADLY = {"crashed": "process died", "error": "stopped with an error"}
 """Rank statuses that end without an ``oom`` event yet are not a clean end, as the crash marker names them."""
 CRASH_COLOR = "#5b0f10"
@@ -239,7 +236,8 @@ def flag_levels(rank: RankData, start_ns: int, first: float, last: float,
                 **plan: float) -> list[tuple[str, list[Flag], list[int]]]:
     """Per severity (in :data:`SEVERITIES` order, those present): its flags and each one's stacking level
     (:func:`~memwatch.report.labels.mark_levels` over all the rank's flags on an axis from ``first`` to
-    ``last`` seconds), so a warning and a critical at one step both show."""
+    ``last`` seconds), so a warning and a critical at one step both show. A severity outside
+    :data:`~memwatch.flags.SEVERITIES` has no colour and is left out."""
     flags = sorted(rank.flags, key=lambda f: f.ts_ns)
     xs = [seconds(f.ts_ns, start_ns) for f in flags]
     levels = mark_levels(xs, min([first, *xs]), max([last, *xs]), **plan)
