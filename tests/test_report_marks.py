@@ -136,7 +136,7 @@ def test_flag_markers_close_in_time_stack_in_levels() -> None:
     # 900 px for 100 s (9 px a second), a marker takes 13 px. Two at x=0 take levels 0 and 1; x=1 (9 px)
     # still meets both (they end at 13 px); x=2 (18 px) finds level 0 free again, x=2.5 (22.5 px) meets it
     # (ends at 31 px) but finds level 1 free; x=50 is clear of everything.
-    assert mark_levels([0, 0, 1, 2, 2.5, 50], 0, 100) == [0, 1, 2, 0, 1, 0]
+    assert mark_levels([0, 0, 1, 2, 2.5, 50], 0, 100, width_px=900) == [0, 1, 2, 0, 1, 0]
     assert mark_levels([5, 5], 5, 5) == [0, 1]  # an axis of no width: every marker on one spot
 
 

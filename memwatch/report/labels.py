@@ -7,16 +7,16 @@ not goes in the next free row below the name before it, so the names of a burst 
 a staircase in the order the phases ran. Past :data:`MAX_ROWS` rows the staircase wraps to the top.
 
 The HTML page is responsive, so the axis's width in pixels is not known when the figure is built: the
-rows are planned for an axis of :data:`PLAN_WIDTH_PX`, a window about 1,030 px wide. A wider window or a
-zoom only moves the names further apart.
+rows are planned for an axis of :data:`PLAN_WIDTH_PX`, a window about 1,030 px wide with the legend beside
+the rows. A wider window or a zoom only moves the names further apart.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-PLAN_WIDTH_PX = 900.0
-"""The time axis's width the rows are planned for (the page's width less its margins)."""
+PLAN_WIDTH_PX = 580.0
+"""The time axis's width the rows are planned for (the page's width less its margins and the legend)."""
 CHAR_PX = 7.0
 """Width of one character of a 10 px label, rounded up: the wide glyphs (w, m) of a sans-serif font."""
 GAP_PX = 6.0
