@@ -15,7 +15,7 @@ from matplotlib import image
 
 from memwatch.cli import main
 from memwatch.report.labels import MAX_ROWS, label_rows
-from memwatch.report.png import DPI, KV_IN, MEMORY_IN, WIDTH_IN
+from memwatch.report.png import DPI, KV_IN, LEGEND_ROW_IN, MEMORY_IN, WIDTH_IN
 from memwatch.report.run_data import load_run_data
 from memwatch.report.series import peak_series
 from memwatch.store import open_store
@@ -70,9 +70,10 @@ def test_html_report_renders_offline_in_headless_chromium(oom_run: str, db_path:
     print(f"screenshot kept at {artifact}")
 
     assert opened.requests == [url]  # the page itself, and nothing else: plotly is inlined
-    # Rows: rank 0 memory (6 stacked terms, driver used, budget, GPU total), rank 0 KV (used, total),
-    # rank 1 memory (the same 9, flags of two severities, the OOM): 9 + 2 + 12.
-    assert state["traces"] == 23
+    # Rows: rank 0 memory (6 stacked terms, driver used, budget, GPU total, and the crash: rank 0's process
+    # died without an OOM event of its own), rank 0 KV (used, total), rank 1 memory (the same 9, flags of two
+    # severities, the OOM): 10 + 2 + 12.
+    assert state["traces"] == 24
     assert state["modebar"] and state["hovermode"] == "x unified" and state["dragmode"] == "zoom"
     assert "rank 1 ran out of memory" in state["explain"]
 
@@ -132,8 +133,10 @@ def test_png_report_is_the_figure(oom_run: str, db_path: Path, tmp_path: Path) -
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 40_000
     pixels = _pixels(data)
-    # Three rows: rank 0 memory, rank 0 KV blocks, rank 1 memory, plus the title band.
-    height_in = MEMORY_IN + KV_IN + MEMORY_IN + 0.9
+    # Three rows: rank 0 memory, rank 0 KV blocks, rank 1 memory, plus the title band, which grows by one row
+    # for a legend of 14 entries in 5 columns: 6 stacked terms, driver used, budget, GPU total, the crash, 3
+    # flag kinds (oom_risk, external_process, oom) and the OOM.
+    height_in = MEMORY_IN + KV_IN + MEMORY_IN + 0.9 + LEGEND_ROW_IN
     assert pixels.shape[:2] == (round(height_in * DPI), round(WIDTH_IN * DPI))
     assert pixels.std() > 0.1
     assert _near(pixels, OOM_RED) > 40

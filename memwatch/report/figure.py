@@ -1,5 +1,5 @@
 """The report's interactive figure (plotly): per rank, the ledger stacked under the driver's reading,
-and KV blocks with preemptions; phases shaded, flags and out-of-memory moments marked.
+and KV blocks with preemptions; phases shaded, flags, out-of-memory moments and crashes marked.
 
 plotly is imported here only, lazily, by ``memwatch report``: the sidecar and the engine plugin never
 load it. Values are drawn in GiB against seconds since the run started; hovering shows bytes as GiB
@@ -8,10 +8,11 @@ and the step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+from memwatch.flags import SEVERITIES, Flag
 from memwatch.optional import require
-from memwatch.report.labels import label_rows
+from memwatch.report.labels import MARK_PX, label_rows, mark_levels
 from memwatch.report.run_data import STACK_TERMS, RankData, RunData
 
 GIB = float(1 << 30)
@@ -22,9 +23,14 @@ TERM_COLORS = {
 PHASE_COLORS = {"load": "#4c72b0", "warmup": "#dd8452", "kv_alloc": "#55a868", "cudagraph": "#8172b3",
                 "serve": "#937860"}
 SEVERITY_COLORS = {"info": "#4c72b0", "warning": "#e69f00", "critical": "#d62728"}
+ENDED_BADLY = {"crashed": "process died", "error": "stopped with an error"}
+"""Rank statuses that end without an ``oom`` event yet are not a clean end, as the crash marker names them."""
+CRASH_COLOR = "#5b0f10"
 MEMORY_HEIGHT, KV_HEIGHT = 380, 170
 LABEL_ROW_PX = 13
 """One row of phase names (10 px text) below the other."""
+TOP_PX, BOTTOM_PX = 70, 50
+"""The bands above the rows (the toolbar, the top row's title) and below them (the time axis)."""
 
 
 def _template() -> dict[str, Any]:
@@ -83,7 +89,7 @@ class _Figure:
 
     def __init__(self, titles: list[str], heights: list[int]) -> None:
         self.rows = len(heights)
-        domains = _domains(heights)
+        domains = self.domains = _domains(heights)
         self.layout: dict[str, Any] = {"annotations": [], "shapes": []}
         for row, ((bottom, top), title) in enumerate(zip(domains, titles, strict=True), start=1):
             x, y = self.axes(row)
@@ -137,6 +143,7 @@ def build_figure(data: RunData) -> dict[str, Any]:
               for r, kind in rows] or ["no samples"]
     heights = [MEMORY_HEIGHT if kind == "memory" else KV_HEIGHT for _, kind in rows] or [1]
     fig = _Figure(titles, heights)
+    plot_height = sum(heights) if rows else 400
     legend_shown: set[str] = set()
 
     def show(key: str) -> bool:
@@ -148,7 +155,9 @@ def build_figure(data: RunData) -> dict[str, Any]:
     for row, (rank, kind) in enumerate(rows, start=1):
         x = as_array([seconds(t, data.start_ns) for t in rank.points.ts_ns], dtype="float32")
         if kind == "memory":
-            _memory_row(fig, row, rank, x, as_array(rank.points.step), data.start_ns, show)
+            bottom, top = fig.domains[row - 1]
+            _memory_row(fig, row, rank, x, as_array(rank.points.step), data.start_ns, show,
+                        (top - bottom) * plot_height)
         else:
             _kv_row(fig, row, rank, x, data.start_ns, show)
         label_at = phase_label_rows(rank, data.start_ns, float(x[0]) if len(x) else 0.0,
@@ -158,11 +167,12 @@ def build_figure(data: RunData) -> dict[str, Any]:
                       phase.name if kind == "memory" else None, label_row,
                       fillcolor=PHASE_COLORS.get(phase.name, "#999999"), opacity=0.09, line={"width": 0},
                       layer="below")
-    plot_height = sum(MEMORY_HEIGHT if kind == "memory" else KV_HEIGHT for _, kind in rows) or 400
+    # The legend stands right of the rows, from the top row's top down: the toolbar (modebar) sits in the
+    # band above the rows at the right, and a legend above the rows grew into it as its entries wrapped.
     fig.layout.update(
-        template=template, height=plot_height + 150, hovermode="x unified",
-        legend={"orientation": "h", "yanchor": "bottom", "y": 1 + 30 / plot_height, "xanchor": "left", "x": 0},
-        margin={"l": 60, "r": 20, "t": 100, "b": 50},
+        template=template, height=plot_height + TOP_PX + BOTTOM_PX, hovermode="x unified",
+        legend={"orientation": "v", "yanchor": "top", "y": 1, "xanchor": "left", "x": 1.01},
+        margin={"l": 60, "r": 20, "t": TOP_PX, "b": BOTTOM_PX},
     )
     bottom = fig.layout[f"xaxis{fig.rows if fig.rows > 1 else ''}"]
     bottom["title"] = {"text": "seconds since the run started"}
@@ -178,7 +188,8 @@ def phase_label_rows(rank: RankData, start_ns: int, first: float, last: float, *
                       min([first, *starts]), max([last, *ends]), **plan)
 
 
-def _memory_row(fig: _Figure, row: int, rank: RankData, x: Any, steps: Any, start_ns: int, show: Any) -> None:
+def _memory_row(fig: _Figure, row: int, rank: RankData, x: Any, steps: Any, start_ns: int, show: Any,
+                row_px: float) -> None:
     hover = "%{y:.3f} GiB"
     xs = _typed(x)
     for key, label in STACK_TERMS:
@@ -196,14 +207,14 @@ def _memory_row(fig: _Figure, row: int, rank: RankData, x: Any, steps: Any, star
                   legendgroup="total", showlegend=show("total"), mode="lines",
                   line={"width": 1, "color": "#7f7f7f", "dash": "dot"}, hovertemplate="%{y:.2f} GiB")
     top = (rank.total_bytes or max((u or 0) for u in rank.points.used or [0])) / GIB
-    for severity in ("info", "warning", "critical"):
-        flags = [f for f in rank.flags if f.severity == severity]
-        if flags:
-            fig.trace(row, x=[seconds(f.ts_ns, start_ns) for f in flags], y=[top] * len(flags), mode="markers",
-                      marker={"symbol": "triangle-down", "size": 11, "color": SEVERITY_COLORS[severity]},
-                      name=f"flag ({severity})", legendgroup=f"flag-{severity}",
-                      showlegend=show(f"flag-{severity}"),
-                      text=[f"{f.kind} at step {f.step:,}: {f.message}" for f in flags], hovertemplate="%{text}")
+    # Markers of flags close in time stack downwards from the top, ~MARK_PX apart on the row's height.
+    step_y = top * 1.08 * MARK_PX / row_px
+    for severity, flags, levels in flag_levels(rank, start_ns, float(x[0]) if len(x) else 0.0,
+                                               float(x[-1]) if len(x) else 0.0):
+        fig.trace(row, x=[seconds(f.ts_ns, start_ns) for f in flags], y=[top - level * step_y for level in levels],
+                  mode="markers", marker={"symbol": "triangle-down", "size": 11, "color": SEVERITY_COLORS[severity]},
+                  name=f"flag ({severity})", legendgroup=f"flag-{severity}", showlegend=show(f"flag-{severity}"),
+                  text=[f"{f.kind} at step {f.step:,}: {f.message}" for f in flags], hovertemplate="%{text}")
     if rank.ooms:
         fig.trace(row, x=[seconds(e.ts_ns, start_ns) for e in rank.ooms],
                   y=[(_nearest(rank, e.ts_ns) or 0) / GIB for e in rank.ooms], mode="markers",
@@ -212,6 +223,46 @@ def _memory_row(fig: _Figure, row: int, rank: RankData, x: Any, steps: Any, star
                   text=[_oom_text(e.step, e.data) for e in rank.ooms], hovertemplate="%{text}")
         for event in rank.ooms:
             fig.vline(row, seconds(event.ts_ns, start_ns), {"color": "#d62728", "width": 1.5})
+    end = crash_point(rank)
+    if end is not None:
+        fig.trace(row, x=[seconds(end.ts_ns, start_ns)], y=[(end.used or 0) / GIB], mode="markers",
+                  marker={"symbol": "star", "size": 16, "color": CRASH_COLOR, "line": {"width": 1, "color": "white"}},
+                  name="crash (no OOM event)", legendgroup="crash", showlegend=show("crash"), text=[end.text],
+                  hovertemplate="%{text}")
+        fig.vline(row, seconds(end.ts_ns, start_ns), {"color": CRASH_COLOR, "width": 1.5, "dash": "dash"})
+
+
+def flag_levels(rank: RankData, start_ns: int, first: float, last: float,
+                **plan: float) -> list[tuple[str, list[Flag], list[int]]]:
+    """Per severity (in :data:`SEVERITIES` order, those present): its flags and each one's stacking level
+    (:func:`~memwatch.report.labels.mark_levels` over all the rank's flags on an axis from ``first`` to
+    ``last`` seconds), so a warning and a critical at one step both show. A severity outside
+    :data:`~memwatch.flags.SEVERITIES` has no colour and is left out."""
+    flags = sorted(rank.flags, key=lambda f: f.ts_ns)
+    xs = [seconds(f.ts_ns, start_ns) for f in flags]
+    levels = mark_levels(xs, min([first, *xs]), max([last, *xs]), **plan)
+    return [(severity, [f for f in flags if f.severity == severity],
+             [level for f, level in zip(flags, levels, strict=True) if f.severity == severity])
+            for severity in SEVERITIES if any(f.severity == severity for f in flags)]
+
+
+class CrashPoint(NamedTuple):
+    ts_ns: int
+    step: int
+    used: int | None
+    text: str
+
+
+def crash_point(rank: RankData) -> CrashPoint | None:
+    """Where a rank that ended badly without an ``oom`` event stopped (a process killed outside PyTorch's
+    allocator leaves none): its last point's time, step and driver reading, and a sentence for it; ``None``
+    for any other rank."""
+    words = ENDED_BADLY.get(rank.status or "")
+    if words is None or rank.ooms or not rank.points.ts_ns:
+        return None
+    step = rank.points.step[-1]
+    return CrashPoint(rank.points.ts_ns[-1], step, rank.points.used[-1],
+            f"rank {rank.rank}: {words} after step {step:,}, with no out-of-memory error recorded")
 
 
 def _oom_text(step: int, data: dict[str, Any]) -> str:

@@ -24,6 +24,7 @@ h1 { font-size: 1.4em; margin-bottom: 0.2em; } h2 { font-size: 1.1em; margin-top
 table { border-collapse: collapse; font-size: 0.88em; }
 th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; } th { background: #f4f4f4; }
 td.l, th.l { text-align: left; }
+td { white-space: nowrap; } td.l, td.w { white-space: normal; }
 pre { background: #f7f7f7; padding: 10px; white-space: pre-wrap; font-size: 0.9em; }
 .critical { color: #d62728; font-weight: 600; } .warning { color: #b8860b; } .info { color: #4c72b0; }
 """
@@ -60,7 +61,8 @@ def _summary_table(facts: list[RankFacts]) -> str:
         cells = "".join(f"<td>{_cell(key, getattr(f, key))}</td>" for f in facts)
         body.append(f"<tr><th class='l'>{html.escape(label)}</th>{cells}</tr>")
     flags = "".join(
-        "<td>" + (html.escape(", ".join(f"{k} ×{n}" for k, n in sorted(f.flags.items()))) or "none") + "</td>"
+        "<td class='w'>" + (html.escape(", ".join(f"{k} ×{n}" for k, n in sorted(f.flags.items()))) or "none")
+        + "</td>"
         for f in facts
     )
     body.append(f"<tr><th class='l'>flags</th>{flags}</tr>")
@@ -72,7 +74,7 @@ def _flags_table(data: RunData) -> str:
     if not flags:
         return "<p>No flags were raised for this run.</p>"
     rows = "".join(
-        f"<tr><td>{f.rank}</td><td>{f.step:,}</td><td>{(f.ts_ns - data.start_ns) / 1e9:,.1f} s</td>"
+        f"<tr><td>{f.rank}</td><td>{f.step:,}</td><td>{(f.ts_ns - data.start_ns) / 1e9:,.1f}\u00a0s</td>"
         f"<td class='l {html.escape(f.severity)}'>{html.escape(f.severity)}</td>"
         f"<td class='l'>{html.escape(f.kind)}</td>"
         f"<td class='l'>{html.escape(f.message)}</td></tr>" for f in flags
@@ -122,8 +124,10 @@ def render_page(data: RunData, explanation: str) -> str:
 <h2>Summary per rank</h2>{_summary_table(run_facts(data))}
 <h2>Timeline</h2>
 <p>Per rank, the ledger stacked up to the driver's used memory against the budget the engine sized for
-(total × utilization); below it, KV blocks in use and preemptions. Phases are shaded, flags are triangles,
-an out-of-memory is a red cross. Drag to zoom, double-click to reset, hover for values.{note}</p>
+(total × utilization); below it, KV blocks in use and preemptions. Phases are shaded, flags are triangles
+(flags close in time stacked downwards), an out-of-memory is a red cross, and a process that ended without
+one (killed, crashed) a dark star at its last sample. Drag to zoom, double-click to reset, hover for
+values.{note}</p>
 {plot}
 <h2>Flags</h2>{_flags_table(data)}
 {_snapshot_section(data)}
