@@ -152,7 +152,7 @@ def run_query(db_path: Path, sql: str, params: tuple[Any, ...] = (), *,
         if "one statement at a time" in message:
             raise UsageError("memwatch sql runs one statement at a time; keep only the first") from None
         if isinstance(exc, sqlite3.OperationalError | sqlite3.ProgrammingError):
-            raise UsageError(f"the query failed: {message}; see the tables in the README's data section") from None
+            raise UsageError(f"the query failed: {message}; see the tables in docs/storage.md (The data)") from None
         raise StoreError(f"{db_path} could not be read ({message})") from None
     columns = [d[0] for d in cursor.description or ()]
 
