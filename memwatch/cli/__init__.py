@@ -160,7 +160,7 @@ def _explain(ctx: click.Context, exc: BaseException) -> None:
 @click.group(cls=MemwatchGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="memwatch")
 @click.option("-v", "--verbose", count=True, help="More log output (repeat for debug).")
-@click.option("--db", GLOBAL_DB, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--db", GLOBAL_DB, type=click.Path(dir_okay=False, readable=False, path_type=Path),
               help="SQLite database for the command that follows (its own --db wins; default: $MEMWATCH_DB, "
                    "else ~/.local/share/memwatch/memwatch.db).")
 @click.pass_context

@@ -41,7 +41,7 @@ def db_given(ctx: click.Context, name: str = "db_path") -> bool:
 db_option = click.option(
     "--db",
     "db_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(dir_okay=False, readable=False, path_type=Path),  # the store says why it cannot read (exit 5)
     envvar="MEMWATCH_DB",
     callback=_pick_db,
     help="SQLite database (default: the --db before the command, $MEMWATCH_DB, else "

@@ -107,7 +107,7 @@ def _needs_immutable(path: str) -> bool:
         wal_bytes = 1
     if wal_bytes:
         raise PermissionDeniedError(
-            f"{path}-wal holds writes not yet in {path}, and {folder} cannot be written to make the {path}-shm "
+            f"{path}-wal may hold writes not yet in {path}, and {folder} cannot be written to make the {path}-shm "
             "SQLite needs to read them; copy the database with its -wal (and -shm) to a writable folder and "
             "pass --db there")
     return True
