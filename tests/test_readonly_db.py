@@ -139,7 +139,12 @@ def test_every_reading_command_reads_a_read_only_mount(namespaces: None, origina
     commands = reading_commands(run, tmp_path)
     want = expected(commands, db, tmp_path)
     assert want["check"][0] == 1 and want["runs"][0] == 0      # the leak is flagged: check's exit 1 is its answer
-    got = run_all(commands, mount / db.name, read_only_mount(source, mount))
+    got = run_all({**commands, "replay text": ["replay", run, "--load", "2"]}, mount / db.name,
+                  read_only_mount(source, mount))
+    code, out, _ = got.pop("replay text")
+    assert code == 0
+    assert f"replay of run {run} at load 2.0: not stored (the database is read-only)" in out
+    assert "next: memwatch check" not in out            # it names no run the database holds
     assert_same_answers(got, want, mount / db.name)
     with sqlite3.connect(db) as conn:                     # the count read straight from the original
         samples, last = conn.execute("SELECT count(*), max(step) FROM samples").fetchone()
