@@ -16,16 +16,17 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from memwatch_engine.spawn import sidecar_running
 
-from .errors import UnavailableError
+from .errors import PermissionDeniedError, UnavailableError
 from .ledger import engine_block_count
 from .report.ledger_text import LedgerLine, render_lines
 from .sim.run import run_scenario
 from .sim.scenario import Scenario
 from .store import default_db_path, open_store
+from .store.db import read_only_mount
 from .store.queries import Run, events, get_run
 from .units import format_bytes
 
@@ -102,40 +103,66 @@ def run_demo(db_path: Path | None = None, scenario: str = "demo") -> DemoSummary
     """Start a sidecar, simulate ``scenario`` through it, stop it, and summarise the stored run."""
     db_path = Path(db_path) if db_path is not None else default_db_path()
     loaded = Scenario.load(scenario)
+    check_writable(db_path)
     runtime = Path(tempfile.mkdtemp(prefix="memwatch-demo-"))
     started = time.perf_counter()
-    sidecar = _start_sidecar(runtime, db_path)
-    try:
-        result = run_scenario(loaded, runtime_dir=runtime, spawn_sidecar=False)
-    finally:
-        sidecar.send_signal(signal.SIGTERM)  # it drains every ring before it exits
+    with tempfile.TemporaryFile() as log:
+        sidecar = _start_sidecar(runtime, db_path, log)
         try:
-            sidecar.wait(timeout=60)
+            result = run_scenario(loaded, runtime_dir=runtime, spawn_sidecar=False)
         finally:
-            shutil.rmtree(runtime, ignore_errors=True)
-    if sidecar.returncode != 0:
-        raise UnavailableError(f"the sidecar exited with status {sidecar.returncode}; see the log above")
+            sidecar.send_signal(signal.SIGTERM)  # it drains every ring before it exits
+            try:
+                sidecar.wait(timeout=60)
+            finally:
+                shutil.rmtree(runtime, ignore_errors=True)
+        if sidecar.returncode != 0:
+            raise UnavailableError(f"the sidecar exited with status {sidecar.returncode}: {_last_line(log)}")
     summary = summarise(db_path, result.run_id, loaded)
     summary.wall_seconds = time.perf_counter() - started
     return summary
 
 
-def _start_sidecar(runtime: Path, db_path: Path) -> subprocess.Popen[bytes]:
+def check_writable(db_path: Path) -> None:
+    """Say in one line, before anything starts, that the run cannot be stored where it would go (else the sidecar
+    fails in the background), then open the store as the sidecar will, for any other reason to refuse it."""
+    folder = db_path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    blocked = db_path if db_path.exists() and not os.access(db_path, os.W_OK) else folder
+    if blocked is folder and os.access(folder, os.W_OK):
+        open_store(db_path).conn.close()
+        return
+    why = "a read-only file system" if read_only_mount(folder) else f"no write permission for uid {os.geteuid()}"
+    raise PermissionDeniedError(f"the demo stores its run in {db_path}, but {blocked} cannot be written ({why}); "
+                                "pass --db naming a file in a writable place, e.g. memwatch demo --db "
+                                "/tmp/memwatch-demo.db")
+
+
+def _start_sidecar(runtime: Path, db_path: Path, log: IO[bytes]) -> subprocess.Popen[bytes]:
+    """``memwatch serve`` on ``runtime``, its stderr into ``log`` (a file: a pipe nobody reads fills and stops it)."""
     env = {**os.environ, "MEMWATCH_SPAWN": "0"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "memwatch", "serve", "--runtime-dir", str(runtime), "--db", str(db_path)],
-        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
     )
     deadline = time.monotonic() + 30
     while not sidecar_running(runtime):
         if proc.poll() is not None:
-            message = proc.stderr.read().decode(errors="replace").strip().splitlines()
-            raise UnavailableError(f"the sidecar did not start: {message[-1] if message else proc.returncode}")
+            raise UnavailableError(f"the sidecar did not start: {_last_line(log) or proc.returncode}")
         if time.monotonic() > deadline:
             proc.kill()
             raise UnavailableError("the sidecar did not start within 30 s")
         time.sleep(0.02)
     return proc
+
+
+def _last_line(log: IO[bytes]) -> str:
+    """The sidecar's last line of stderr (its ``error: …``), without the prefix; bounded to the last 64 KiB."""
+    log.seek(0, os.SEEK_END)
+    log.seek(max(0, log.tell() - 65536))
+    lines = log.read().decode(errors="replace").strip().splitlines()
+    return lines[-1].removeprefix("error: ") if lines else "it wrote nothing"
 
 
 def summarise(db_path: Path, run_id: str, scenario: Scenario) -> DemoSummary:

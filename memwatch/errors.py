@@ -8,11 +8,13 @@ Exit codes (documented in the README, stable):
 
 ==  =====================================================================
 0   success
-1   a check found problems (``memwatch check``: a flag of warning or worse)
-2   bad input: wrong option, malformed file or value (:class:`UsageError`)
-3   not found: no such run, pid or file (:class:`NotFoundError`)
+1   a check found problems (``memwatch check``: a flag of warning or worse); ``memwatch plan``: the load does
+    not fit, or the engine would refuse to start (no KV block fits)
+2   bad input: wrong option or command, malformed file or value (:class:`UsageError`)
+3   not found: no such run, pid or file, no database at the path (:class:`NotFoundError`)
 4   unavailable: no GPU, no NVML driver, no sidecar (:class:`UnavailableError`)
-5   permission denied: another user's process or files (:class:`PermissionDeniedError`)
+5   permission denied: another user's process or files, a database that cannot be read, or cannot be written by
+    a command that writes (:class:`PermissionDeniedError`)
 6   the database is corrupt or not a memwatch database (:class:`StoreError`)
 ==  =====================================================================
 """

@@ -9,15 +9,21 @@ one line and exit 1, with the traceback only under ``-v``.
 A command's module is imported only when that command runs: ``memwatch --help`` and ``memwatch runs``
 do not pay for the simulator, the detectors or ``attach``. :data:`COMMANDS` lists them, in the order
 ``--help`` shows them, with the short help it prints (a test keeps it equal to each command's own).
+
+``--db`` names the database before the command (``memwatch --db X report``) or after it (``memwatch report --db
+X``); the one after wins when both are given, and either beats ``$MEMWATCH_DB``. A mistyped command is told the
+nearest names, as click tells a mistyped option.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import sqlite3
 import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 import click
@@ -47,6 +53,10 @@ COMMANDS: dict[str, str] = {
 }
 """Every command: its module under ``memwatch.cli`` (same name, ``-`` as ``_``) and its short help."""
 
+GLOBAL_DB = "global_db"
+"""The parameter of ``memwatch --db PATH CMD``, a database named before the command (read by
+:func:`memwatch.cli.options.db_option`, which ``--help`` does not import)."""
+
 
 class MemwatchGroup(click.Group):
     """A click group that maps memwatch's errors to one line and an exit code, and loads commands lazily."""
@@ -60,6 +70,18 @@ class MemwatchGroup(click.Group):
             command = importlib.import_module(f"{__name__}.{cmd_name.replace('-', '_')}").command
             self.add_command(command, cmd_name)
         return command
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        """An unknown command gets the nearest names, as a mistyped option does (click knows only loaded ones)."""
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and not ctx.resilient_parsing and self.get_command(ctx, name) is None:
+            close = _nearest(name, self.list_commands(ctx))
+            if close:
+                names = " or ".join(filter(None, (", ".join(map(repr, close[:-1])), repr(close[-1]))))
+                raise click.UsageError(f"No such command {name!r}. Did you mean {names}?", ctx)
+        return super().resolve_command(ctx, args)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """The command list from :data:`COMMANDS`, without importing a single command."""
@@ -116,6 +138,14 @@ class MemwatchGroup(click.Group):
             sys.exit(1)
 
 
+def _nearest(name: str, names: list[str]) -> list[str]:
+    """The names difflib finds close to ``name``, less those clearly farther than the best (``pla``: ``plan``, not
+    ``replay``)."""
+    scored = sorted(((difflib.SequenceMatcher(None, name, other).ratio(), other) for other in names), reverse=True)
+    best = scored[0][0] if scored else 0.0
+    return [other for ratio, other in scored[:3] if ratio >= max(0.6, best - 0.1)]
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text[:300] + ("…" if len(text) > 300 else "")
@@ -130,8 +160,11 @@ def _explain(ctx: click.Context, exc: BaseException) -> None:
 @click.group(cls=MemwatchGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="memwatch")
 @click.option("-v", "--verbose", count=True, help="More log output (repeat for debug).")
+@click.option("--db", GLOBAL_DB, type=click.Path(dir_okay=False, readable=False, path_type=Path),
+              help="SQLite database for the command that follows (its own --db wins; default: $MEMWATCH_DB, "
+                   "else ~/.local/share/memwatch/memwatch.db).")
 @click.pass_context
-def main(ctx: click.Context, verbose: int) -> None:
+def main(ctx: click.Context, verbose: int, global_db: Path | None) -> None:
     """GPU memory observability for LLM inference engines.
 
     Record with the engine plugin (MEMWATCH=1 or memwatch_engine.Monitor), keep timelines with

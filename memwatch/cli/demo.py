@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from ..demo import render, run_demo
+from ..demo import check_writable, render, run_demo
+from ..store import default_db_path
 from .options import Text, db_option, json_option
 
 
@@ -26,6 +27,7 @@ def command(db_path: Path | None, as_json: bool, scenario: str) -> None:
     from ..sim.scenario import Scenario
 
     Scenario.load(scenario)  # a bad name or file is refused before anything starts
+    check_writable(db_path or default_db_path())  # and so is a place the run cannot be stored in
     if not as_json:
         click.echo("Starting the sidecar and the simulated engine...", err=True)
     summary = run_demo(db_path, scenario)

@@ -9,18 +9,43 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+from click.core import ParameterSource
 
 from ..errors import UsageError
+from . import GLOBAL_DB
 
 if TYPE_CHECKING:
     from ..detectors import DetectorConfig
 
+def _pick_db(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """The command's ``--db`` when given on the command line, else ``memwatch --db`` before the command, else
+    ``$MEMWATCH_DB`` (``None``: the store's default). So ``--db`` works on either side of the command's name."""
+    if param.name is None or ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE:
+        return value
+    before = global_db(ctx)
+    return before if before is not None else value
+
+
+def global_db(ctx: click.Context) -> Path | None:
+    """The ``--db`` given before the command's name, if any."""
+    root = ctx.find_root()
+    return root.params.get(GLOBAL_DB) if root is not ctx else None
+
+
+def db_given(ctx: click.Context, name: str = "db_path") -> bool:
+    """Whether a database was named on the command line, before or after the command's name (not by the
+    environment)."""
+    return ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE or global_db(ctx) is not None
+
+
 db_option = click.option(
     "--db",
     "db_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(dir_okay=False, readable=False, path_type=Path),  # the store says why it cannot read (exit 5)
     envvar="MEMWATCH_DB",
-    help="SQLite database (default: $MEMWATCH_DB, else ~/.local/share/memwatch/memwatch.db).",
+    callback=_pick_db,
+    help="SQLite database (default: the --db before the command, $MEMWATCH_DB, else "
+         "~/.local/share/memwatch/memwatch.db).",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
 

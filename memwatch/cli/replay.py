@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import click
@@ -74,17 +75,19 @@ def command(run: str, utilization: float | None, gpu_memory: int | None, tp: int
     memwatch replay RUN --sweep utilization=0.8:0.95:0.01
 
     The replay is stored as a simulated run linked to the original (config replay_of); `check`,
-    `explain` and `report` read it. Exit 3 when the run recorded no request events, 2 for settings the
-    engine cannot start with.
+    `explain` and `report` read it. A database that cannot be written (a read-only volume, an archive)
+    is only read: the replay is compared and not kept. Exit 3 when the run recorded no request events
+    (or there is no database), 2 for settings the engine cannot start with.
     """
     from ..replay import Settings, frontier, parse_sweep, replay_run, sweep
-    from ..store.db import default_db_path
+    from ..store.db import can_write, check_regular, default_db_path, missing_database
 
     change = Settings(utilization=utilization, gpu_memory_bytes=gpu_memory, tp=tp, block_size=block_size,
                       max_num_seqs=max_num_seqs, load=load)
     db_path = db_path or default_db_path()
+    check_regular(db_path)
     if not db_path.exists():
-        raise UsageError(f"no database at {db_path}; record a run first (memwatch demo) or pass --db")
+        raise missing_database(db_path)
     if sweep_spec is not None:
         name, values = parse_sweep(sweep_spec)
         recording, points = sweep(db_path, run, name, values, change)
@@ -98,11 +101,20 @@ def command(run: str, utilization: float | None, gpu_memory: int | None, tp: int
 
         click.echo(render_sweep(recording, name, points, best))
         return
-    comparison = replay_run(db_path, run, change)
+    kept = can_write(db_path)
+    if kept:
+        comparison = replay_run(db_path, run, change)
+    else:
+        with tempfile.TemporaryDirectory(prefix="memwatch-replay-") as scratch:
+            comparison = replay_run(db_path, run, change, store_in=Path(scratch) / "replay.db")
+        click.echo(f"note: {db_path} cannot be written, so the replay is compared here and not kept; to keep "
+                   "it beside the run, copy the database to a writable place and pass --db", err=True)
     if as_json:
-        click.echo(json.dumps(comparison.to_dict(), indent=2))
+        data = comparison.to_dict()
+        data["replay"]["stored"] = kept
+        click.echo(json.dumps(data, indent=2))
         return
     from ..replay.text import render_calibration, render_comparison
 
     click.echo(render_calibration(comparison.recording.calibration))
-    click.echo(render_comparison(comparison, change))
+    click.echo(render_comparison(comparison, change, kept=kept))

@@ -19,7 +19,7 @@ from ..sim import Scenario, SimulationResult, run_scenario, shipped_scenarios
 from ..sim.scorecard import render_scorecard, run_scorecard
 from ..store import open_store
 from ..units import format_bytes
-from .options import db_option, finite_float, json_option
+from .options import db_given, db_option, finite_float, json_option
 
 STORE_WAIT_SECONDS = 15.0
 """How long ``sim`` waits for a sidecar to store the run it simulated before it says it has not yet."""
@@ -62,7 +62,7 @@ def command(scenario: str | None, list_scenarios: bool, scorecard: bool, runtime
             raise SystemExit(1)
     else:
         assert scenario is not None
-        given = click.get_current_context().get_parameter_source("db_path") == click.core.ParameterSource.COMMANDLINE
+        given = db_given(click.get_current_context())
         _simulate(scenario, runtime_dir or default_runtime_dir(), speed, db_path if given else None, as_json)
 
 

@@ -284,6 +284,13 @@ def plan_capacity(spec: ModelSpec, inputs: PlanInputs) -> CapacityPlan:
         budget, kv_budget, ledger, startup_error = (split.budget_bytes, split.kv_budget_bytes, split.lines,
                                                     split.startup_error)
     kv_blocks = max(0, kv_budget) // block_bytes if not startup_error else 0
+    if kv_blocks == 0 and startup_error is None:
+        # Every engine refuses a cache of no block (nano-vllm asserts num_kvcache_blocks > 0, vLLM and SGLang
+        # raise), so a plan without one is a start that fails, whatever the target.
+        advice = ("a larger --kv-cache-memory-bytes" if mode == "kv_cache_memory_bytes"
+                  else "a larger GPU, a higher --utilization or more --tp")
+        startup_error = (f"{engine} refuses to start: the KV budget ({kv_budget:,} B) holds no block of "
+                         f"{block_bytes:,} B; give it {advice}")
     pool = kv_blocks * block_bytes
 
     seq_kv = ideal_seq_kv = max_concurrent = ideal_concurrent = None

@@ -69,11 +69,13 @@ def load_recording(db: Database, ref: str) -> Recording:
     return Recording(calibration, workload, run_outcome(db, run.run_id))
 
 
-def replay_run(db_path: Path, ref: str, change: Settings) -> Comparison:
-    """Replay a stored run under ``change`` and store the replay next to it."""
+def replay_run(db_path: Path, ref: str, change: Settings, *, store_in: Path | None = None) -> Comparison:
+    """Replay a stored run under ``change`` and store the replay next to it, or in ``store_in`` (a database
+    that cannot be written, on a read-only volume or in an archive, is only read)."""
     recording = load_recording(open_store(db_path, readonly=True), ref)
-    result = _replay_into(recording, change, db_path)
-    return Comparison(recording, result, run_outcome(open_store(db_path, readonly=True), result.run_id))
+    target = store_in or db_path
+    result = _replay_into(recording, change, target)
+    return Comparison(recording, result, run_outcome(open_store(target, readonly=True), result.run_id))
 
 
 def _replay_into(recording: Recording, change: Settings, db_path: Path) -> ReplayResult:

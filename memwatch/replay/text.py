@@ -79,10 +79,11 @@ ROWS = (
 )
 
 
-def render_comparison(comparison: Comparison, change: Settings) -> str:
+def render_comparison(comparison: Comparison, change: Settings, *, kept: bool = True) -> str:
+    """The replay beside the original; ``kept``: whether the replay was stored in the user's database."""
     original, replayed = comparison.recording.outcome, comparison.outcome
-    lines = [f"replay of run {comparison.recording.calibration.run_id} at {_changes(change)}: "
-             f"stored as run {comparison.result.run_id}"]
+    where = f"stored as run {comparison.result.run_id}" if kept else "not stored (the database is read-only)"
+    lines = [f"replay of run {comparison.recording.calibration.run_id} at {_changes(change)}: {where}"]
     table = [("", "original", "replay")]
     ranks = max(len(original), len(replayed))
     for label, cell in ROWS:
@@ -96,7 +97,8 @@ def render_comparison(comparison: Comparison, change: Settings) -> str:
     lines += [f"  {a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}" for a, b, c in table]
     if comparison.result.error:
         lines.append(f"  replay: {comparison.result.error}")
-    lines.append(f"next: memwatch check {comparison.result.run_id} / memwatch explain {comparison.result.run_id}")
+    if kept:
+        lines.append(f"next: memwatch check {comparison.result.run_id} / memwatch explain {comparison.result.run_id}")
     return "\n".join(lines)
 
 

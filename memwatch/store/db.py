@@ -2,7 +2,9 @@
 
 Default path: ``$MEMWATCH_DB``, else ``$XDG_DATA_HOME/memwatch/memwatch.db`` (``~/.local/share``).
 Writers use WAL with ``synchronous=NORMAL`` (a crash loses at most the last commit, never the file);
-readers open the file read-only (``mode=ro``), so ``memwatch sql`` can never change it.
+readers open the file read-only (``mode=ro``), so ``memwatch sql`` can never change it, and a database on a
+read-only volume, in an archive or in another user's folder can be read as well as a live one
+(:func:`readonly_uri`).
 """
 
 from __future__ import annotations
@@ -76,10 +78,64 @@ def check_regular(path: str | os.PathLike[str]) -> None:
 
 def readonly_uri(path: str | os.PathLike[str]) -> str:
     """The ``file:`` URI that opens exactly ``path``, read-only: the whole path percent-encoded, so a ``#`` or
-    ``?`` in a name is part of the name, not the URI's fragment or query (which would open another file)."""
+    ``?`` in a name is part of the name, not the URI's fragment or query (which would open another file).
+
+    ``mode=ro`` still needs the WAL's ``-shm`` file: SQLite creates it beside the database, or uses the one
+    there. In a folder this process cannot write (a read-only mount, an archive, a copy without it) and with no
+    ``-shm``, the file is opened ``immutable=1``: no locks and no WAL, which loses nothing when no ``-wal``
+    holds writes (a writer in WAL mode always has one open beside the file). The caveat: a writer that starts
+    while the file is open that way is not seen. A ``-wal`` with writes but no ``-shm`` in such a folder is
+    refused (:class:`PermissionDeniedError`): its writes could not be read, and the answer would be stale.
+    """
     from urllib.parse import quote
 
-    return f"file://{quote(os.fsencode(os.path.abspath(path)))}?mode=ro"
+    uri = f"file://{quote(os.fsencode(os.path.abspath(path)))}?mode=ro"
+    if not _needs_immutable(os.fspath(path)):
+        return uri
+    return f"{uri}&immutable=1"
+
+
+def _needs_immutable(path: str) -> bool:
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.access(folder, os.W_OK) or os.path.exists(path + "-shm"):
+        return False
+    try:
+        wal_bytes = os.stat(path + "-wal").st_size
+    except FileNotFoundError:
+        return True
+    except OSError:
+        wal_bytes = 1
+    if wal_bytes:
+        raise PermissionDeniedError(
+            f"{path}-wal may hold writes not yet in {path}, and {folder} cannot be written to make the {path}-shm "
+            "SQLite needs to read them; copy the database with its -wal (and -shm) to a writable folder and "
+            "pass --db there")
+    return True
+
+
+def can_write(db_path: Path) -> bool:
+    """Whether this process could write ``db_path`` and the journal files SQLite keeps beside it."""
+    return os.access(db_path, os.W_OK) and os.access(db_path.parent, os.W_OK)
+
+
+def missing_database(db_path: str | os.PathLike[str]) -> NotFoundError:
+    """The one message for a database path that names no file, whichever command reads it."""
+    return NotFoundError(f"no memwatch database at {os.fspath(db_path)}: run `memwatch serve` (or `memwatch demo`) "
+                         "to make one, or pass --db / set MEMWATCH_DB")
+
+
+def connect_readonly(db_path: Path) -> sqlite3.Connection:
+    """A read-only connection to an existing file; a missing or unreadable one is said in one line.
+
+    Nothing is read yet: SQLite opens the file at the first statement, whose error :func:`store_error` words.
+    """
+    check_regular(db_path)
+    if not db_path.exists():
+        raise missing_database(db_path)
+    if not os.access(db_path, os.R_OK):
+        raise PermissionDeniedError(f"cannot read {db_path}: no read permission for uid {os.geteuid()}; "
+                                    "check its owner and mode, or copy it somewhere you can read")
+    return sqlite3.connect(readonly_uri(db_path), uri=True, check_same_thread=False)
 
 
 def open_store(
@@ -98,7 +154,7 @@ def open_store(
             return _open(db_path, readonly)
         except sqlite3.OperationalError as exc:
             if getattr(exc, "sqlite_errorcode", None) not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-                raise _store_error(db_path, exc) from None
+                raise store_error(db_path, exc, readonly=readonly) from None
             if time.monotonic() >= deadline:
                 raise UnavailableError(f"{db_path} is locked by another process ({exc}); stop it or retry later") \
                     from None
@@ -113,22 +169,18 @@ def _open(db_path: Path, readonly: bool) -> Database:
         raise PermissionDeniedError(f"no permission to open {db_path}; check its owner and mode") from None
     except OSError as exc:
         raise PermissionDeniedError(f"cannot open {db_path}: {exc.strerror or exc}; check the path, its directory "
-                                    "and free space") from None
+                                    "and free space, or pass --db naming a file in a writable directory") from None
     except sqlite3.OperationalError:
         raise
     except sqlite3.DatabaseError as exc:
-        raise _store_error(db_path, exc) from None
+        raise store_error(db_path, exc, readonly=readonly) from None
 
 
 def _connect(db_path: Path, readonly: bool) -> Database:
-    check_regular(db_path)
     if readonly:
-        if not db_path.exists():
-            raise NotFoundError(
-                f"no memwatch database at {db_path}; run an engine with memwatch, or pass --db / MEMWATCH_DB"
-            )
-        conn = sqlite3.connect(readonly_uri(db_path), uri=True, check_same_thread=False)
+        conn = connect_readonly(db_path)
     else:
+        check_regular(db_path)
         db_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # Never open and close the file itself once it exists: closing any descriptor of a file
         # drops the POSIX locks SQLite holds on it in this process.
@@ -155,13 +207,27 @@ def _connect(db_path: Path, readonly: bool) -> Database:
         raise
 
 
-def _store_error(db_path: Path, exc: sqlite3.DatabaseError) -> MemwatchError:
+def store_error(db_path: Path, exc: sqlite3.DatabaseError, *, readonly: bool = False) -> MemwatchError:
+    """SQLite's error on opening ``db_path``, as one line that says what to do."""
     if getattr(exc, "sqlite_errorcode", None) in _CANNOT_WRITE:
+        if readonly:
+            return PermissionDeniedError(f"cannot open {db_path} to read it ({exc}); check the modes of the file "
+                                         "and its folder, or copy the database somewhere you can write")
+        folder = db_path.parent
+        why = "it is on a read-only file system" if read_only_mount(folder) else str(exc)
         return PermissionDeniedError(
-            f"cannot write in {db_path.parent} ({exc}); the directory must be writable: "
-            "check its mode and attributes, or pass another --db"
+            f"cannot write in {folder}: {why}; the directory must be writable: check its mode and "
+            "attributes, or pass --db naming a file in a writable directory"
         )
     return StoreError(f"{db_path} is not a usable memwatch database ({exc}); pass another --db")
+
+
+def read_only_mount(folder: Path) -> bool:
+    """Whether ``folder`` is on a file system mounted read-only (where no mode or owner would help)."""
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 _CANNOT_WRITE = {sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_PERM, sqlite3.SQLITE_AUTH}

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import MemwatchError, NotFoundError, StoreError, UsageError
-from .db import check_regular, readonly_uri
+from ..errors import MemwatchError, StoreError, UsageError
+from .db import connect_readonly, store_error
 
 DEFAULT_TIMEOUT_S = 60.0
 PROGRESS_STEPS = 1000
@@ -127,12 +127,14 @@ def run_query(db_path: Path, sql: str, params: tuple[Any, ...] = (), *,
     if timeout_s is not None and not 0 <= timeout_s < math.inf:  # a NaN compares false: it was no limit at all
         raise UsageError(f"the query timeout must be a finite number of seconds, 0 or more (0: no limit); got "
                          f"{timeout_s}")
-    check_regular(db_path)
-    if not db_path.exists():
-        raise NotFoundError(f"no memwatch database at {db_path}; pass --db or set MEMWATCH_DB")
-    conn = sqlite3.connect(readonly_uri(db_path), uri=True)
-    conn.execute("PRAGMA query_only = ON")
-    conn.execute("PRAGMA busy_timeout = 5000")
+    conn = connect_readonly(db_path)
+    try:
+        conn.execute("PRAGMA query_only = ON")
+        conn.execute("PRAGMA busy_timeout = 5000")
+        conn.execute("PRAGMA user_version").fetchone()  # opens the file: a reason to refuse it comes now
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise store_error(db_path, exc, readonly=True) from None
     guard = _Guard()
     conn.set_authorizer(guard)
     stopper = _Stopper(timeout_s)
