@@ -9,6 +9,7 @@ import click
 from ..detectors import DetectorConfig
 from ..identity import describe, stored_places
 from ..report import explain_run, render_explanation
+from ..report.run_facts import run_truth
 from ..store import open_store
 from ..store.queries import get_run
 from ..terminal import printable
@@ -33,6 +34,7 @@ def command(run: str, db_path: Path | None, as_json: bool, detector_config: Dete
     explanation = explain_run(db, run, detector_config)
     info = get_run(db, run)
     report, text = explanation.to_dict(), render_explanation(explanation)
+    report.update(run_truth(db, info.run_id, detector_config).to_dict())
     place = stored_places(db, info.run_id).get(info.run_id)
     if place:  # which container and pod it was, for a fleet's post-mortem
         report["where"] = place

@@ -16,6 +16,8 @@ from ..errors import NotFoundError, UsageError
 from ..ledger import Ledger, LedgerTerms
 from ..losses import Gap, run_losses, span
 from ..records import SAMPLE_COLUMNS, Event, Sample
+from ..report.run_facts import RunTruth, run_truth
+from ..report.stored import stored_readings, stored_run
 from ..store import open_store
 from ..store.db import Database
 from ..store.moments import find_moment, parse_duration_ns, resolve_time
@@ -128,6 +130,7 @@ def _with_ledger(
 
     ledgers: dict[int, Ledger] = {}
     pending: deque[WindowRow] = deque()
+    truth, ends = _truth(db, info)
 
     def samples() -> Iterator[Sample]:
         for row in rows:
@@ -139,7 +142,19 @@ def _with_ledger(
         if isinstance(record, Event):
             book.on_event(record)
         else:
-            yield pending.popleft(), book.on_sample(record)
+            terms = book.on_sample(record)
+            end = truth.rank(record.rank)
+            if end is not None and ends.get(record.rank) == record.ts_ns:  # the margin at the end, as shared
+                terms = terms._replace(oom_margin_bytes=end.oom_margin_bytes)
+            yield pending.popleft(), terms
+
+
+def _truth(db: Database, info: Run) -> tuple[RunTruth, dict[int, int]]:
+    """The run's shared quantities and each rank's last sample time: the last row carries the margin at the end."""
+    state = stored_run(db, info.run_id)
+    readings = stored_readings(db, info.run_id, state.summaries)
+    ends = {rank: r.last.ts_ns for rank, r in readings.items() if r.last is not None}
+    return run_truth(db, info.run_id, state=state, readings=readings), ends
 
 
 def _write_json(rows: Iterator[tuple[WindowRow, LedgerTerms | None]]) -> None:

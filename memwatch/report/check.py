@@ -19,6 +19,7 @@ from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
 from memwatch.report.ledger_text import render_lines, terms_lines
 from memwatch.report.readings import ENDED_BADLY, UNSIZED_SENTENCE, RankReadings, crash_sentences
+from memwatch.report.run_facts import RunTruth, run_truth, truth_from
 from memwatch.report.stored import stored_readings, stored_run
 from memwatch.units import format_bytes
 
@@ -42,17 +43,25 @@ class RankCheck:
     min_oom_margin_bytes: int | None
 
     @classmethod
-    def from_summary(cls, summary: RankSummary) -> RankCheck:
+    def from_summary(cls, summary: RankSummary, truth: RunTruth | None = None) -> RankCheck:
+        """``truth`` sets the margin at the last sample (and so the tightest) to the shared definition."""
         sizing, headroom, margin = summary.sizing, summary.min_headroom, summary.min_oom_margin
+        terms = summary.last_terms
+        margin_step = None if margin is None else margin.step
+        margin_bytes = None if margin is None else margin.value_bytes
+        end = None if truth is None else truth.rank(summary.rank)
+        if terms is not None and end is not None and end.oom_margin_bytes != terms.oom_margin_bytes:
+            terms = terms._replace(oom_margin_bytes=end.oom_margin_bytes)
+            if end.oom_margin_bytes is not None and (margin_bytes is None or end.oom_margin_bytes <= margin_bytes):
+                margin_step, margin_bytes = summary.last_step, end.oom_margin_bytes
         return cls(
             rank=summary.rank, samples=summary.samples, last_step=summary.last_step,
             num_blocks=None if sizing is None else sizing.num_blocks,
             block_bytes=None if sizing is None else sizing.block_bytes,
-            last_terms=summary.last_terms,
+            last_terms=terms,
             min_headroom_step=None if headroom is None else headroom.step,
             min_headroom_bytes=None if headroom is None else headroom.value_bytes,
-            min_oom_margin_step=None if margin is None else margin.step,
-            min_oom_margin_bytes=None if margin is None else margin.value_bytes,
+            min_oom_margin_step=margin_step, min_oom_margin_bytes=margin_bytes,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,6 +84,8 @@ class CheckReport:
     """The run's stored status; ``crashed`` and ``error`` fail the check like a warning."""
     readings: tuple[RankReadings, ...] = ()
     started_ns: int | None = None
+    truth: RunTruth | None = None
+    """The quantities every command shares (:mod:`memwatch.report.run_facts`)."""
 
     @property
     def ended_badly(self) -> bool:
@@ -98,6 +109,7 @@ class CheckReport:
             "unsized_ranks": list(self.unsized_ranks),
             "readings": [readings.to_dict() for readings in self.readings],
             "flags": [flag._asdict() for flag in self.flags],
+            **({} if self.truth is None else self.truth.to_dict()),
         }
 
 
@@ -107,13 +119,16 @@ def check_records(records: Iterable[Sample | Event], config: DetectorConfig | No
     records = list(records)
     replayed = replay(records, config)
     run_id = records[0].run_id if records else None
-    ranks = tuple(RankCheck.from_summary(replayed.ranks[rank]) for rank in sorted(replayed.ranks))
     readings: dict[int, RankReadings] = {}
     for record in records:
         if isinstance(record, Sample):
             readings.setdefault(record.rank, RankReadings(record.rank)).add(record, record.phase in STARTUP_PHASES)
+    last_free = {rank: None if r.last is None else r.last.driver_free_bytes for rank, r in readings.items()}
+    truth = truth_from(run_id or "", status, (r for r in records if isinstance(r, Event)), replayed.ranks,
+                       replayed.flags, last_free)
+    ranks = tuple(RankCheck.from_summary(replayed.ranks[rank], truth) for rank in sorted(replayed.ranks))
     return CheckReport(run_id, ranks, tuple(replayed.flags), status,
-                       tuple(readings[rank] for rank in sorted(readings)), started_ns)
+                       tuple(readings[rank] for rank in sorted(readings)), started_ns, truth)
 
 
 def check_run(db: Database, ref: str, config: DetectorConfig | None = None) -> CheckReport:
@@ -124,10 +139,11 @@ def check_run(db: Database, ref: str, config: DetectorConfig | None = None) -> C
     """
     state = stored_run(db, ref, config)
     run = state.run
-    ranks = tuple(RankCheck.from_summary(state.summaries[rank]) for rank in sorted(state.summaries))
     readings = stored_readings(db, run.run_id, state.summaries)
+    truth = run_truth(db, run.run_id, config, state=state, readings=readings)
+    ranks = tuple(RankCheck.from_summary(state.summaries[rank], truth) for rank in sorted(state.summaries))
     return CheckReport(run.run_id, ranks, tuple(state.flags), run.status,
-                       tuple(readings[rank] for rank in sorted(readings)), run.started_ns)
+                       tuple(readings[rank] for rank in sorted(readings)), run.started_ns, truth)
 
 
 def render_check(report: CheckReport) -> str:

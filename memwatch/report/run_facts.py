@@ -1,0 +1,168 @@
+"""The quantities every reading command shares, each computed once, with one definition and one name.
+
+``check``, ``explain``, ``timeline --ledger``, ``replay``, ``diff``, ``plan --run`` and the report all
+print some of these; they read them from here so that a run has one number per quantity, under the same
+``--json`` key everywhere (:data:`SHARED_KEYS`):
+
+===============================  ====================================================================
+``oom_step``                     the step of the run's first ``oom`` event (the step whose forward
+                                 failed), ``None`` when no allocation failed
+``non_torch_at_sizing_bytes``    non-PyTorch memory when the KV cache was sized, as the ledger defines
+                                 it on every sample: ``used − reserved`` (``used − current`` when the
+                                 sizing did not record ``reserved``); the allocator's cache slack is
+                                 not part of it
+``oom_margin_bytes``             the ledger's OOM margin at the rank's last sample; a rank that ran
+                                 out of memory (an ``oom`` event, or a crash with the driver's free at
+                                 0 B) had no margin left, so its margin at the end is at most 0
+``weights_bytes``                the weights (``weights_loaded``, else ``current`` at sizing)
+``kv_cache_bytes``               ``num_blocks × block_bytes`` at sizing
+``flag_counts``                  flags per kind
+===============================  ====================================================================
+
+A run with several ranks sums the byte terms over its ranks (the whole model's weights and KV), takes
+the tightest rank's margin, and the earliest out-of-memory's step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from memwatch.detectors import DetectorConfig
+from memwatch.detectors.summary import RankSummary
+from memwatch.flags import OOM, Flag
+from memwatch.ledger import KV_ALLOCATED, WEIGHTS_LOADED, Ledger, Sizing
+from memwatch.records import Event
+
+if TYPE_CHECKING:
+    from memwatch.report.readings import RankReadings
+    from memwatch.report.stored import StoredRun
+    from memwatch.store.db import Database
+
+SHARED_KEYS: tuple[str, ...] = (
+    "oom_step", "non_torch_at_sizing_bytes", "oom_margin_bytes", "weights_bytes", "kv_cache_bytes", "flag_counts",
+)
+"""The ``--json`` keys of the shared quantities; a command that has one of them uses exactly this key."""
+
+RANK_KEYS: tuple[str, ...] = SHARED_KEYS[:5]
+
+
+def non_torch_at_sizing(sizing: Sizing | None) -> int | None:
+    """Non-PyTorch memory at sizing: ``used − reserved`` (the ledger's term), else ``used − current``."""
+    if sizing is None or sizing.used_bytes is None:
+        return None
+    inside = sizing.reserved_bytes if sizing.reserved_bytes is not None else sizing.current_bytes
+    return None if inside is None else sizing.used_bytes - inside
+
+
+def end_margin(margin: int | None, ran_out: bool) -> int | None:
+    """The OOM margin at a rank's end: what the ledger predicted, but at most 0 once memory ran out."""
+    if not ran_out:
+        return margin
+    return 0 if margin is None else min(margin, 0)
+
+
+@dataclass(frozen=True)
+class RankTruth:
+    rank: int
+    oom_step: int | None
+    oom_ts_ns: int | None
+    non_torch_at_sizing_bytes: int | None
+    oom_margin_bytes: int | None
+    weights_bytes: int | None
+    kv_cache_bytes: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, **{key: getattr(self, key) for key in RANK_KEYS}}
+
+
+def _sum(values: Iterable[int | None]) -> int | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+@dataclass(frozen=True)
+class RunTruth:
+    run_id: str
+    ranks: tuple[RankTruth, ...]
+    flag_counts: dict[str, int] = field(default_factory=dict)
+
+    def rank(self, rank: int) -> RankTruth | None:
+        return next((r for r in self.ranks if r.rank == rank), None)
+
+    @property
+    def oom_step(self) -> int | None:
+        ooms = [r for r in self.ranks if r.oom_step is not None]
+        return None if not ooms else min(ooms, key=lambda r: (r.oom_ts_ns or 0, r.rank)).oom_step
+
+    @property
+    def oom_margin_bytes(self) -> int | None:
+        margins = [r.oom_margin_bytes for r in self.ranks if r.oom_margin_bytes is not None]
+        return min(margins) if margins else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The shared keys with the run's values (``None`` where the run has no such quantity)."""
+        return {
+            "oom_step": self.oom_step,
+            "non_torch_at_sizing_bytes": _sum(r.non_torch_at_sizing_bytes for r in self.ranks),
+            "oom_margin_bytes": self.oom_margin_bytes,
+            "weights_bytes": _sum(r.weights_bytes for r in self.ranks),
+            "kv_cache_bytes": _sum(r.kv_cache_bytes for r in self.ranks),
+            "flag_counts": dict(sorted(self.flag_counts.items())),
+        }
+
+
+def truth_from(run_id: str, status: str | None, events: Iterable[Event], summaries: Mapping[int, RankSummary],
+               flags: Iterable[Flag], last_free: Mapping[int, int | None]) -> RunTruth:
+    """The shared quantities from a run's events, per-rank summaries, flags and each rank's last driver free.
+
+    Pure: the one place these are derived, whatever read the inputs."""
+    ledgers: dict[int, Ledger] = {}
+    ooms: dict[int, Event] = {}
+    loaded: dict[int, int | None] = {}
+    for event in events:
+        if event.kind in (KV_ALLOCATED, WEIGHTS_LOADED):
+            ledgers.setdefault(event.rank, Ledger()).on_event(event)
+            if event.kind == WEIGHTS_LOADED:
+                value = event.data.get("weights_bytes")
+                loaded[event.rank] = value if isinstance(value, int) else None
+        elif event.kind == OOM:
+            ooms.setdefault(event.rank, event)
+    ranks = []
+    for rank in sorted(set(summaries) | set(ledgers) | set(ooms)):
+        ledger = ledgers.get(rank)
+        sizing = None if ledger is None else ledger.sizing
+        summary = summaries.get(rank)
+        terms = None if summary is None else summary.last_terms
+        oom = ooms.get(rank)
+        ran_out = oom is not None or (status == "crashed" and last_free.get(rank) == 0)
+        weights = loaded.get(rank)
+        if weights is None and sizing is not None:
+            weights = sizing.current_bytes
+        ranks.append(RankTruth(
+            rank=rank, oom_step=None if oom is None else oom.step, oom_ts_ns=None if oom is None else oom.ts_ns,
+            non_torch_at_sizing_bytes=non_torch_at_sizing(sizing),
+            oom_margin_bytes=end_margin(None if terms is None else terms.oom_margin_bytes, ran_out),
+            weights_bytes=weights,
+            kv_cache_bytes=None if sizing is None or sizing.num_blocks is None or sizing.block_bytes is None
+            else sizing.num_blocks * sizing.block_bytes,
+        ))
+    counts: dict[str, int] = {}
+    for flag in flags:
+        counts[flag.kind] = counts.get(flag.kind, 0) + 1
+    return RunTruth(run_id, tuple(ranks), counts)
+
+
+def run_truth(db: Database, ref: str, config: DetectorConfig | None = None, *, state: StoredRun | None = None,
+              readings: Mapping[int, RankReadings] | None = None) -> RunTruth:
+    """The shared quantities of the stored run ``ref``; pass what a command already read to read it once."""
+    from memwatch.report.stored import stored_readings, stored_run
+    from memwatch.store.queries import events
+
+    state = state if state is not None else stored_run(db, ref, config)
+    run = state.run
+    if readings is None:
+        readings = stored_readings(db, run.run_id, state.summaries)
+    last_free = {rank: None if r.last is None else r.last.driver_free_bytes for rank, r in readings.items()}
+    return truth_from(run.run_id, run.status, events(db, run.run_id), state.summaries, state.flags, last_free)
