@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ..report.diff import diff_runs, render_diff
+from ..report.run_facts import run_truth
 from ..store import open_store
 from .options import RUN_REF, db_option, json_option
 
@@ -26,5 +27,12 @@ def command(run_a: str, run_b: str, db_path: Path | None, as_json: bool) -> None
     (allocator peak while serving, peak driver use, least free, non-PyTorch drift slope, preemptions), the flags
     and how each run ended, plus the engine settings that differ; then every change in one list.
     """
-    diff = diff_runs(open_store(db_path, readonly=True), run_a, run_b)
-    click.echo(json.dumps(diff.to_dict(), indent=2, default=str) if as_json else render_diff(diff))
+    db = open_store(db_path, readonly=True)
+    diff = diff_runs(db, run_a, run_b)
+    if not as_json:
+        click.echo(render_diff(diff))
+        return
+    data = diff.to_dict()
+    for side, info in (("a", diff.a), ("b", diff.b)):  # each run's shared quantities beside its row
+        data[side].update(run_truth(db, info.run_id).to_dict())
+    click.echo(json.dumps(data, indent=2, default=str))

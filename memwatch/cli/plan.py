@@ -57,7 +57,15 @@ def _plan_run(db_path: Path | None, run: str, as_json: bool) -> None:
     record, events = load_run(db_path, run)
     comparisons = compare_run(record, events)
     if as_json:
-        click.echo(json.dumps([comparison.to_dict() for comparison in comparisons], indent=2))
+        from ..report.run_facts import RANK_KEYS, run_truth
+        from ..store import open_store
+
+        truth = run_truth(open_store(db_path, readonly=True), record["run_id"])
+        rows = []
+        for comparison in comparisons:  # each rank's shared quantities, as every command names them
+            row, shared = comparison.to_dict(), truth.rank(comparison.rank)
+            rows.append({**row, **({} if shared is None else {k: getattr(shared, k) for k in RANK_KEYS})})
+        click.echo(json.dumps(rows, indent=2))
     else:
         click.echo(render_observed(comparisons))
 

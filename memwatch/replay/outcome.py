@@ -29,10 +29,16 @@ class RankOutcome:
     preemptions: int
     oom: bool
     oom_step: int | None
+    """The step whose forward ran out of memory, as every command names it."""
     tightest_oom_margin_bytes: int | None
     steps: int
     drain_s: float | None
     """First request's arrival to last request's finish, when every request finished."""
+    oom_margin_bytes: int | None = None
+    """The margin at the end (at most 0 once memory ran out); the shared quantities follow."""
+    non_torch_at_sizing_bytes: int | None = None
+    weights_bytes: int | None = None
+    kv_cache_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -42,7 +48,9 @@ def run_outcome(db: Database, run_id: str) -> list[RankOutcome]:
     """Every GPU rank's outcome of the stored run ``run_id`` (a vLLM scheduler's ring holds no GPU: its
     preemptions and workload count, it has no row of its own)."""
     events = run_events(db, run_id)
-    check = {rank.rank: rank for rank in check_run(db, run_id).ranks}
+    report = check_run(db, run_id)
+    check = {rank.rank: rank for rank in report.ranks}
+    truth = report.truth
     drain = _drain_s(events)
     preemptions = sum(int(e.data.get("count", 1)) for e in events if e.kind == "preemption")
     outcomes = []
@@ -51,12 +59,17 @@ def run_outcome(db: Database, run_id: str) -> list[RankOutcome]:
     batch, steps = _batch_and_steps(db, run_id, workload_rank(events))
     for rank in ranks:
         sizing = next((e.data for e in events if e.rank == rank and e.kind == "kv_allocated"), None)
-        oom = next((e for e in events if e.rank == rank and e.kind == "oom"), None)
-        margin = check[rank].min_oom_margin_bytes if rank in check else None
+        shared = None if truth is None else truth.rank(rank)
+        margin = check[rank].min_oom_margin_bytes if rank in check else None  # includes the margin at the end
         outcomes.append(RankOutcome(
             rank=rank, kv_blocks=None if sizing is None else int(sizing["num_blocks"]), max_concurrent_seqs=batch,
-            preemptions=preemptions, oom=oom is not None, oom_step=None if oom is None else oom.step + 1,
+            preemptions=preemptions, oom=shared is not None and shared.oom_step is not None,
+            oom_step=None if shared is None else shared.oom_step,
             tightest_oom_margin_bytes=margin, steps=steps, drain_s=drain,
+            oom_margin_bytes=None if shared is None else shared.oom_margin_bytes,
+            non_torch_at_sizing_bytes=None if shared is None else shared.non_torch_at_sizing_bytes,
+            weights_bytes=None if shared is None else shared.weights_bytes,
+            kv_cache_bytes=None if shared is None else shared.kv_cache_bytes,
         ))
     return outcomes
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from memwatch.report.run_data import RankData, RunData
+from memwatch.report.run_facts import non_torch_from
 
 
 def _max(values: list[int | None]) -> int | None:
@@ -33,7 +34,8 @@ class RankFacts:
     activation_reserve_bytes: int | None
     """Warmup's peak − current at sizing."""
     non_pytorch_bytes: int | None
-    """nano-vllm's non-PyTorch term at sizing, used − current."""
+    """Non-PyTorch at sizing, defined once in :func:`memwatch.report.run_facts.non_torch_at_sizing`:
+    ``used − reserved`` (the engine's ``used − current`` also holds the cache slack)."""
     num_blocks: int | None
     block_bytes: int | None
     kv_bytes: int | None
@@ -53,7 +55,7 @@ class RankFacts:
 
 def rank_facts(data: RankData) -> RankFacts:
     sizing = data.sizing or {}
-    current, peak, used = sizing.get("current_bytes"), sizing.get("peak_bytes"), sizing.get("used_bytes")
+    current, peak = sizing.get("current_bytes"), sizing.get("peak_bytes")
     blocks, block_bytes = sizing.get("num_blocks"), sizing.get("block_bytes")
     weights = data.weights_bytes if data.weights_bytes is not None else current
     utilization, total = sizing.get("gpu_memory_utilization"), sizing.get("total_bytes")
@@ -69,7 +71,7 @@ def rank_facts(data: RankData) -> RankFacts:
         weights_bytes=weights,
         torch_other_bytes=None if current is None or weights is None else max(current - weights, 0),
         activation_reserve_bytes=None if peak is None or current is None else peak - current,
-        non_pytorch_bytes=None if used is None or current is None else used - current,
+        non_pytorch_bytes=_non_torch_at_sizing(sizing),
         num_blocks=blocks, block_bytes=block_bytes,
         kv_bytes=None if blocks is None or block_bytes is None else blocks * block_bytes,
         budget_bytes=None if total is None or utilization is None else int(total * utilization),
@@ -79,6 +81,10 @@ def rank_facts(data: RankData) -> RankFacts:
         flags=flags, oom_requested_bytes=requested if isinstance(requested, int) else None,
         oom_step=None if oom is None else oom.step,
     )
+
+
+def _non_torch_at_sizing(sizing: dict[str, Any]) -> int | None:
+    return non_torch_from(sizing.get("used_bytes"), sizing.get("reserved_bytes"), sizing.get("current_bytes"))
 
 
 def _serving_peak(data: RankData) -> int | None:

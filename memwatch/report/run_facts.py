@@ -48,12 +48,15 @@ SHARED_KEYS: tuple[str, ...] = (
 RANK_KEYS: tuple[str, ...] = SHARED_KEYS[:5]
 
 
-def non_torch_at_sizing(sizing: Sizing | None) -> int | None:
+def non_torch_from(used: int | None, reserved: int | None, current: int | None) -> int | None:
     """Non-PyTorch memory at sizing: ``used − reserved`` (the ledger's term), else ``used − current``."""
-    if sizing is None or sizing.used_bytes is None:
-        return None
-    inside = sizing.reserved_bytes if sizing.reserved_bytes is not None else sizing.current_bytes
-    return None if inside is None else sizing.used_bytes - inside
+    inside = reserved if reserved is not None else current
+    return None if used is None or inside is None else used - inside
+
+
+def non_torch_at_sizing(sizing: Sizing | None) -> int | None:
+    """:func:`non_torch_from` of a ledger's sizing."""
+    return None if sizing is None else non_torch_from(sizing.used_bytes, sizing.reserved_bytes, sizing.current_bytes)
 
 
 def end_margin(margin: int | None, ran_out: bool) -> int | None:
