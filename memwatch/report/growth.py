@@ -1,4 +1,5 @@
-"""Before an out-of-memory: which ledger term grew, and how the last window changed, in numbers and in words.
+"""Before an out-of-memory: which ledger term grew (in numbers; :mod:`.causes` words it), and how the last
+window changed.
 
 Which term grew is judged on serving samples against the first one. Cache slack is allowed the
 largest activation seen (the allocator keeps what the biggest forward freed); the other terms are
@@ -77,24 +78,6 @@ def term_growth(points: Points, largest_activation: int, oom: Event) -> TermGrow
     return best
 
 
-def growth_sentence(growth: TermGrowth) -> str:
-    seconds = format_duration_ns(round(growth.seconds * 1e9))
-    if growth.jump:
-        return (f"{capital(growth.label)} jumped by {format_bytes(growth.growth_bytes)} after step "
-                f"{format_count(growth.since_step)} and stayed up, {format_count(growth.steps)} steps ({seconds}) "
-                "before the out-of-memory.")
-    sentence = (f"{capital(growth.label)} grew by {format_bytes(growth.growth_bytes)} over "
-                f"{format_count(growth.steps)} steps ({seconds}), since step {format_count(growth.since_step)}.")
-    if growth.term == "allocated_bytes":
-        sentence += _KEPT_SENTENCE
-    return sentence
-
-
-_KEPT_SENTENCE = (" It stayed allocated between steps beyond the weights and KV: PyTorch memory kept across steps, "
-                  "a leak inside PyTorch; look for tensors kept across steps (outputs, logprobs or metadata held "
-                  "per request).")
-
-
 def last_window(points: Points, oom: Event) -> WindowChange | None:
     start, end = points.first_from_step(oom.step - WINDOW_STEPS), points.last()
     if start is None or end is None:
@@ -111,8 +94,8 @@ def window_sentence(window: WindowChange) -> str:
             return "-"
         return f"{'+' if end >= start else '-'}{format_bytes(abs(end - start))}"
 
-    return (f"In the last window, steps {format_count(window.from_step)} to {format_count(window.to_step)} "
-            f"({format_duration_ns(round(window.seconds * 1e9))}): free memory went from "
+    return (f"From step {format_count(window.from_step)} to step {format_count(window.to_step)} "
+            f"({format_duration_ns(round(window.seconds * 1e9))}), free memory went from "
             f"{format_bytes(window.start['driver_free_bytes'])} to {format_bytes(window.end['driver_free_bytes'])}; "
             f"non-PyTorch {change('non_torch_bytes')}, cache slack {change('cache_slack_bytes')}, "
             f"allocated {change('allocated_bytes')}.")
