@@ -80,6 +80,16 @@ EXPECTED: dict[str, Expected] = {
         "oom", ("Another process took", "after step 99"),
         first_cause="other_process",
         must_not=("Non-PyTorch memory jumped", "leak", "fragment")),
+    # Bursty traffic grows the allocator's cache; from step 600 2 MiB a step leaks outside PyTorch until a crash:
+    # the leak is the cause, since step 599, and the cache PyTorch can reuse is at most a contributor, said after.
+    "non_torch_leak_bursty": Expected(
+        "crashed", ("leak outside PyTorch", "since step 599"), first_cause="leak_outside_pytorch",
+        must_not=("OOM killer", "fragment", "request")),
+    # Rank 1 leaks outside PyTorch and dies with its device full; rank 0, with room to spare, stops with it.
+    "non_torch_leak_tp2": Expected(
+        "crashed", ("rank 1 crashed after step", "leak outside PyTorch", "rank 0 still had",
+                    "likely stopped with rank 1"),
+        first_cause="leak_outside_pytorch", must_not=("OOM killer", "do not point to GPU memory")),
     # Another process holds 2 GiB from step 300 to 700; sized at 0.6 the engine survives; one flag.
     "other_process": Expected("ok", ("no rank ran out of memory; 1 flag (1 external_process",),
                               must_not=("ran out of memory at",)),

@@ -4,7 +4,8 @@
 bytes (an ``external_process`` flag), the allocator's fragmentation (free cache split in pieces too
 small for the failing request, or a ``fragmentation`` flag), a leak outside or inside PyTorch (a
 ledger term that grew steadily), and an under-measured activation (a failing request larger than the
-reserve warmup measured). The cause with the most bytes behind it is said first.
+reserve warmup measured). The cause with the most bytes behind it is said first; a cache that merely
+grew (no sign it is split) is reusable by PyTorch, so it is said last, as a contributor.
 
 When a request failed although the device had more free than it asked for, the allocator's rule
 for new segments is what explains it, so that is said too (:func:`new_segment_bytes`).
@@ -46,7 +47,7 @@ def new_segment_bytes(requested: int) -> int:
 class Cause:
     kind: str
     """``other_process``, ``fragmentation``, ``leak_outside_pytorch``, ``leak_inside_pytorch``,
-    ``outside_pytorch_jump``, ``kept_allocation`` or ``activation_over_reserve``."""
+    ``outside_pytorch_jump``, ``kept_allocation``, ``cache_growth`` or ``activation_over_reserve``."""
     bytes: int
     """The bytes the evidence puts behind it: what ranks it."""
     sentence: str
@@ -91,18 +92,20 @@ def mechanism_sentence(oom: OomFacts) -> str | None:
             "between other allocations outside PyTorch's allocator, or freed only after the request.")
 
 
-def rank_causes(oom: OomFacts | None, growth: TermGrowth | None, over_reserve: int | None, reserve: int | None,
+def rank_causes(oom: OomFacts | None, growths: list[TermGrowth], over_reserve: int | None, reserve: int | None,
                 flags: list[Flag]) -> list[Cause]:
-    """The causes the facts support, most bytes first (``flags``: the rank's flags up to its end)."""
+    """The causes the facts support, most bytes first (``growths``: the terms that grew, ``flags``: the
+    rank's flags up to its end; ``oom`` is ``None`` for a crash, which has no failing request)."""
     causes: list[Cause] = []
     external = next((flag for flag in flags if flag.kind == EXTERNAL_PROCESS), None)
     fragmented = next((flag for flag in flags if flag.kind == FRAGMENTATION), None)
     if external is not None:
-        causes.append(_other_process(external, growth))
-    if growth is not None and not (external is not None and growth.term == "non_torch_bytes"):
-        cause = _grown(growth, oom, fragmented)
-        if cause is not None:
-            causes.append(cause)
+        causes.append(_other_process(external, next((g for g in growths if g.term == "non_torch_bytes"), None)))
+    for growth in growths:
+        if not (external is not None and growth.term == "non_torch_bytes"):
+            cause = _grown(growth, oom, fragmented)
+            if cause is not None:
+                causes.append(cause)
     if oom is not None and not any(cause.kind == "fragmentation" for cause in causes):
         cause = _split_cache(oom, fragmented)
         if cause is not None:
@@ -112,7 +115,8 @@ def rank_causes(oom: OomFacts | None, growth: TermGrowth | None, over_reserve: i
             f"The failing allocation was {format_bytes(over_reserve)} larger than the activation reserve warmup "
             f"measured ({format_bytes(reserve)}): warmup ran a smaller batch than serving needs, so the KV cache "
             "took memory the forward needed (an under-measured activation).")))
-    return sorted(causes, key=lambda cause: -cause.bytes)
+    # A cache that grew is reusable by PyTorch itself: a contributor at most, said after any cause.
+    return sorted(causes, key=lambda cause: (cause.kind == "cache_growth", -cause.bytes))
 
 
 def _other_process(flag: Flag, growth: TermGrowth | None) -> Cause:
@@ -141,13 +145,19 @@ def _grown(growth: TermGrowth, oom: OomFacts | None, fragmented: Flag | None) ->
             f"Memory outside PyTorch's allocator grew by {size} {over}, while PyTorch's own numbers stayed flat: "
             "a leak outside PyTorch (a library or extension that allocates with cudaMalloc and never frees)."))
     if growth.term == "cache_slack_bytes":
+        split = oom is not None and _is_split(oom)
+        if fragmented is None and not split:
+            return Cause("cache_growth", growth.growth_bytes, (
+                f"Memory PyTorch's allocator kept cached but unused grew by {size} {over}: freed blocks it holds "
+                "for its own reuse, which allocations outside PyTorch cannot use."))
         held = "" if oom is None or oom.largest_cached_block_bytes is None else (
             f"; its largest free block was {format_bytes(oom.largest_cached_block_bytes)}")
+        too_small = "too small for the request" if split else "that larger allocations cannot use"
         flagged = "" if fragmented is None else f" (the fragmentation flag at step {format_count(fragmented.step)})"
         return Cause("fragmentation", growth.growth_bytes, (
             f"The allocator's fragmentation: the memory it kept cached but unused grew by {size} {over}{held}. "
-            f"Free memory was split in pieces too small for the request, inside segments that still hold live "
-            f"tensors, which empty_cache cannot release{flagged}."))
+            f"Free memory was split in pieces {too_small}, inside segments that still hold live tensors, which "
+            f"empty_cache cannot release{flagged}."))
     if growth.steps == 0:
         return None  # the failing step's own tensors: not memory kept from before
     if growth.jump:
@@ -160,9 +170,15 @@ def _grown(growth: TermGrowth, oom: OomFacts | None, fragmented: Flag | None) ->
         "held per request)."))
 
 
-def _split_cache(oom: OomFacts, fragmented: Flag | None) -> Cause | None:
+def _is_split(oom: OomFacts) -> bool:
+    """The allocator's free cache held more than the request, but in no piece as large as it."""
     cache, largest, requested = oom.free_cache_bytes, oom.largest_cached_block_bytes, oom.requested_bytes
-    if cache is None or largest is None or requested is None or cache < requested or largest >= requested:
+    return cache is not None and largest is not None and requested is not None and largest < requested <= cache
+
+
+def _split_cache(oom: OomFacts, fragmented: Flag | None) -> Cause | None:
+    cache, largest = oom.free_cache_bytes, oom.largest_cached_block_bytes
+    if not _is_split(oom) or cache is None or largest is None:
         return None
     if cache < FRAGMENTED_MIN_BYTES and fragmented is None:
         return None

@@ -20,7 +20,7 @@ from memwatch.detectors.wording import format_bytes, format_count, format_durati
 from memwatch.flags import OOM, Flag
 from memwatch.records import Event, Sample
 from memwatch.report.causes import OomFacts, mechanism_sentence, rank_causes
-from memwatch.report.growth import TermGrowth, WindowChange, last_window, term_growth, window_sentence
+from memwatch.report.growth import TermGrowth, WindowChange, last_window, term_growths, window_sentence
 from memwatch.report.points import ListPoints, Points
 from memwatch.report.readings import (
     CRASH,
@@ -251,7 +251,8 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     reserve = last.activation_reserve_bytes if last is not None else None
     over = requested - reserve if requested is not None and reserve is not None else None
     over = over if over is not None and over > tolerance else None
-    growth = term_growth(points, largest_activation, oom) if last is not None else None
+    growths = term_growths(points, largest_activation, oom) if last is not None else []
+    growth = growths[0] if growths else None
     window = last_window(points, oom)
     before = tuple(FlagBefore(flag.kind, flag.severity, flag.step, oom.step - flag.step,
                               (oom.ts_ns - flag.ts_ns) / 1e9, flag.message)
@@ -264,7 +265,7 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     end = f"rank {rank}'s crash" if oom.kind == CRASH else "the out-of-memory"
     facts = None if oom.kind == CRASH else OomFacts.of(oom.step, data)
     rank_flags = [flag for flag in flags if flag.rank == rank and flag.kind != OOM and flag.ts_ns <= oom.ts_ns]
-    causes = rank_causes(facts, growth, over, reserve, rank_flags)
+    causes = rank_causes(facts, growths, over, reserve, rank_flags)
     if oom.kind == CRASH:
         total = _int(data.get("total_bytes"))
         if free is None or not total:

@@ -176,6 +176,8 @@ def crash_sentences(status: str, ranks: list[RankReadings], started_ns: int | No
     after = "" if elapsed is None or elapsed <= 0 else f", {format_duration_ns(elapsed)} after it started"
     sentences = [f"the run {said}{how}; its last record is rank {last.rank} step {format_count(last.step)}"
                  f"{'' if last.phase is None else f' ({last.phase})'} at {format_time(last.ts_ns)}{after}."]
+    full = [rank.rank for rank in ranks if rank.last is not None and rank.last.driver_free_bytes is not None
+            and rank.total_bytes and nearly_full(rank.last.driver_free_bytes, rank.total_bytes)]
     for rank in ranks:
         window = rank.last_window()
         if window is None:
@@ -188,6 +190,10 @@ def crash_sentences(status: str, ranks: list[RankReadings], started_ns: int | No
                 left = "no memory free" if free == 0 else f"only {format_bytes(free)} free"
                 sentences.append(f"rank {rank.rank} had {left} at its last sample: a failed GPU allocation is "
                                  "the likely cause.")
+            elif full:
+                # Ranks of one engine stop together: one that still had room went down with the one that had none.
+                sentences.append(f"rank {rank.rank} still had {format_bytes(free)} free at its last sample: it "
+                                 f"likely stopped with rank {full[0]}, whose device was nearly full.")
             else:
                 sentences.append(f"rank {rank.rank} still had {format_bytes(free)} free at its last sample: the "
                                  "readings do not point to GPU memory (look at how the process ended: a signal, "
