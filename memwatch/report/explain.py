@@ -1,11 +1,12 @@
 """``memwatch explain``: a run's post-mortem in plain words, with every number also under stable keys.
 
-For each rank that ran out of memory: the last window before it, the ledger term that grew (by how
-much, since when), whether the failing allocation was larger than the warmup's reserve, and every
-flag raised before it with its lead in steps and seconds. For a run that did not run out: each
-rank's tightest moment, the sample with the smallest OOM margin.
+For each rank that ran out of memory (or died): what failed, why a request failed with memory free when
+it did (the allocator's segments), the causes the recorded facts support, most bytes behind them first
+(:mod:`memwatch.report.causes`), the last window before it, and every flag raised before it with its
+lead in steps and seconds. Each is said once. For a run that did not run out: each rank's tightest
+serving moment, the sample with the smallest OOM margin, or that the margin never fell while serving.
 
-Which term grew, and how the last window changed, is judged in :mod:`memwatch.report.growth`.
+Which terms grew, and how the last window changed, is measured in :mod:`memwatch.report.growth`.
 """
 
 from __future__ import annotations
