@@ -55,12 +55,14 @@ def test_a_leak_is_named_with_its_size_duration_and_onset(runtime_dir: Path, db_
     assert (growth.term, growth.since_step, growth.steps, growth.jump) == ("non_torch_bytes", 199, last - 199, False)
     assert growth.growth_bytes == (last - 199) * LEAK_BYTES
     assert growth.seconds == pytest.approx((last - 199) * DECODE_STEP_S)
-    assert end.sentences[0].startswith(f"rank 0 crashed after step {last:,} with ")
-    assert end.sentences[0].endswith("no out-of-memory was recorded: with the device nearly full, something outside "
-                                     "PyTorch's allocator likely failed to allocate (a library's cudaMalloc).")
-    # The text leads with what is said of any crash, then what grew before it, as for an out-of-memory.
+    # Free memory was a whole number of leaked steps when the leak began: the last one took all of it.
+    assert end.driver_free_bytes == 0
+    assert end.sentences[0] == (f"rank 0 crashed after step {last:,} with no memory free and no out-of-memory was "
+                                "recorded: with the device full, something outside PyTorch's allocator likely failed "
+                                "to allocate (a library's cudaMalloc).")
+    # The text leads with what is said of any crash, then the rank's own account, said once.
     assert explanation.sentences[0].startswith("the run crashed")
-    assert end.sentences[1] in explanation.sentences and end.sentences[0] not in explanation.sentences
+    assert [s for s in explanation.sentences if s in end.sentences] == list(end.sentences)
     assert end.over_reserve_bytes is None
     assert [flag.kind for flag in end.flags] == ["oom_risk", "non_torch_drift", "oom_risk"]
     assert all(flag.steps_before == last - flag.step for flag in end.flags)
@@ -105,8 +107,8 @@ def test_another_process_reads_as_a_jump_and_a_short_warmup_as_an_understated_re
     growth = other.ooms[0].growth
     assert growth is not None and (growth.term, growth.jump, growth.since_step) == ("non_torch_bytes", True, 99)
     assert growth.growth_bytes == free_before
-    assert other.sentences[1].startswith(f"Non-PyTorch memory jumped by {free_before / MiB:.1f} MiB after step 99 "
-                                         "and stayed up")
+    assert other.sentences[1].startswith(f"Another process took {free_before / MiB:.1f} MiB of this GPU after step 99"
+                                         ": memory outside PyTorch's allocator jumped and stayed up")
     scenario = Scenario.load("warmup_decode")
     decode = explain_records(ring_records(run_scenario(scenario, runtime_dir=tmp_path / "decode")))
     (oom,) = decode.ooms
@@ -116,9 +118,11 @@ def test_another_process_reads_as_a_jump_and_a_short_warmup_as_an_understated_re
     assert oom.requested_bytes in wave
     assert oom.activation_reserve_bytes == 4 * 24576 + 4 * 151936 * 4 == 2_529_280
     assert oom.over_reserve_bytes == oom.requested_bytes - 2_529_280
-    assert decode.sentences[2].startswith("The failing allocation was ")
-    assert decode.sentences[2].endswith(" larger than the activation reserve warmup measured (2.4 MiB): warmup ran a "
-                                        "smaller batch than serving needs.")
+    # What grew within the failing step is that step's own tensors, not a cause: the reserve comes next.
+    assert decode.sentences[1].startswith("The failing allocation was ")
+    assert decode.sentences[1].endswith(" larger than the activation reserve warmup measured (2.4 MiB): warmup ran a "
+                                        "smaller batch than serving needs, so the KV cache took memory the forward "
+                                        "needed (an under-measured activation).")
 
 
 def test_a_healthy_run_gets_its_tightest_moment(tmp_path: Path) -> None:
@@ -127,7 +131,11 @@ def test_a_healthy_run_gets_its_tightest_moment(tmp_path: Path) -> None:
     assert [tight.rank for tight in explanation.tightest] == [0, 1]
     assert explanation.sentences[0] == "no rank ran out of memory; no flags."
     tight = explanation.tightest[0]
-    assert explanation.sentences[1].startswith(f"rank 0's tightest moment was step {tight.step:,}: ")
+    # A clean run's margin is flat while serving: its smallest is the first serving sample's, taken before any
+    # request ran, so the margin is said never to have fallen (not "the tightest moment was step 0").
+    assert tight.at_serving_start
+    assert explanation.sentences[1].startswith("rank 0's OOM margin never fell below where it stood when serving "
+                                               "began: ")
     # The margin rule: free after the worst-case forward, whole free cached segments counting as free
     # (no step of a clean run needs more than the reserve).
     assert tight.reclaimable_cache_bytes is not None
@@ -143,7 +151,8 @@ def test_cli_prints_the_post_mortem_and_json_keeps_the_numbers(runtime_dir: Path
     lines = text.output.splitlines()
     assert lines[0] == f"run {run_id}: crashed"
     assert lines[1].startswith("the run crashed")
-    assert any(line.startswith(f"Non-PyTorch memory grew by 2.9 GiB over {last - 199:,} steps") for line in lines)
+    assert any(line.startswith(f"Memory outside PyTorch's allocator grew by 2.9 GiB over {last - 199:,} steps")
+               for line in lines)
     data = json.loads(CliRunner().invoke(cli(), ["explain", run_id, "--db", str(db_path), "--json"]).output)
     assert data["outcome"] == "crashed" and data["run_id"] == run_id
     growth = data["ooms"][0]["growth"]
@@ -186,12 +195,11 @@ def test_a_crash_with_memory_to_spare_speaks_of_no_failing_allocation(tmp_path: 
     (end,) = explanation.ooms
     assert (explanation.outcome, end.crashed, end.step, end.requested_bytes) == ("crashed", True, last.step, None)
     assert end.sentences[0] == (f"rank 0 crashed after step {last.step:,} with {format_bytes(free)} free and no "
-                                "out-of-memory was recorded.")
-    assert explanation.sentences[0].startswith("the run crashed (its process died without closing its ring: "
-                                               "SIGKILL, the OOM killer or a fault); its last record is rank 0 step "
-                                               f"{last.step:,} (serve)")
-    for sentence in (f"rank 0 still had {format_bytes(free)} free at its last sample: the readings do not point to "
-                     "GPU memory.", "No rank recorded an out-of-memory; no flags.",
+                                "out-of-memory was recorded: the readings do not point to GPU memory (look at how "
+                                "the process ended: a signal, the host's OOM killer, a fault).")
+    assert explanation.sentences[0].startswith("the run crashed: its process ended without recording how; its last "
+                                               f"record is rank 0 step {last.step:,} (serve)")
+    for sentence in ("No rank recorded an out-of-memory; no flags.",
                      "No ledger term grew before rank 0's crash.", "No flag was raised before rank 0's crash."):
         assert sentence in explanation.sentences
     assert _said(explanation, *NO_ALLOCATION_FAILED, "no rank ran out of memory") == []
@@ -208,7 +216,7 @@ def test_an_out_of_memory_in_a_process_that_then_died_is_told_as_the_out_of_memo
             f"rank 0 ran out of memory at step {oom.step:,}: a request for "
             f"{format_bytes(oom.data['requested_bytes'])} failed with {format_bytes(oom.data['driver_free_bytes'])} "
             "free.")
-        assert explanation.sentences[1].startswith("Non-PyTorch memory jumped by ")
+        assert explanation.sentences[1].startswith("Another process took ")
         assert explanation.sentences[-1].startswith("Flags before the out-of-memory: oom_risk (critical)")
         assert _said(explanation, "crash", "No rank recorded an out-of-memory", "no rank ran out of memory",
                      "No ledger term grew", "detached") == []
@@ -220,7 +228,7 @@ def test_a_run_that_ended_well_or_with_an_error_says_so_and_nothing_more(tmp_pat
     for status in (None, "ok"):
         ok = explain_records(records, status=status)
         assert (ok.outcome, ok.sentences[0]) == ("ok", "no rank ran out of memory; no flags.")
-        assert ok.sentences[1].startswith("rank 0's tightest moment was step ") and len(ok.sentences) == 2
+        assert ok.sentences[1].startswith("rank 0's OOM margin never fell below") and len(ok.sentences) == 2
         assert _said(ok, *NO_ALLOCATION_FAILED, "crash", "error", "detached", "No ledger term") == []
     error = explain_records(records, status="error")
     assert error.outcome == "error"

@@ -95,9 +95,9 @@ def test_explain_check_and_the_report_speak_of_the_kept_memory(tmp_path: Path) -
     explained = CliRunner().invoke(main, ["explain", run_id, "--db", str(db_path), "--json"])
     sentences = json.loads(explained.output)["sentences"]
     growth = next(sentence for sentence in sentences if sentence.startswith("PyTorch-allocated memory grew by"))
-    assert growth.endswith("It stayed allocated between steps beyond the weights and KV: PyTorch memory kept across "
-                           "steps, a leak inside PyTorch; look for tensors kept across steps (outputs, logprobs or "
-                           "metadata held per request).")
+    assert growth.endswith("and stayed allocated between steps beyond the weights and KV cache: a leak inside "
+                           "PyTorch; look for tensors kept across steps (outputs, logprobs or metadata held per "
+                           "request).")
 
     checked = CliRunner().invoke(main, ["check", run_id, "--db", str(db_path), "--json"])
     assert checked.exit_code == 1

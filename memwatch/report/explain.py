@@ -1,11 +1,12 @@
 """``memwatch explain``: a run's post-mortem in plain words, with every number also under stable keys.
 
-For each rank that ran out of memory: the last window before it, the ledger term that grew (by how
-much, since when), whether the failing allocation was larger than the warmup's reserve, and every
-flag raised before it with its lead in steps and seconds. For a run that did not run out: each
-rank's tightest moment, the sample with the smallest OOM margin.
+For each rank that ran out of memory (or died): what failed, why a request failed with memory free when
+it did (the allocator's segments), the causes the recorded facts support, most bytes behind them first
+(:mod:`memwatch.report.causes`), the last window before it, and every flag raised before it with its
+lead in steps and seconds. Each is said once. For a run that did not run out: each rank's tightest
+serving moment, the sample with the smallest OOM margin, or that the margin never fell while serving.
 
-Which term grew, and how the last window changed, is judged in :mod:`memwatch.report.growth`.
+Which terms grew, and how the last window changed, is measured in :mod:`memwatch.report.growth`.
 """
 
 from __future__ import annotations
@@ -19,14 +20,8 @@ from memwatch.detectors.summary import RankSummary, ServingPoint, serving_point
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
 from memwatch.flags import OOM, Flag
 from memwatch.records import Event, Sample
-from memwatch.report.growth import (
-    TermGrowth,
-    WindowChange,
-    growth_sentence,
-    last_window,
-    term_growth,
-    window_sentence,
-)
+from memwatch.report.causes import OomFacts, mechanism_sentence, rank_causes
+from memwatch.report.growth import TermGrowth, WindowChange, last_window, term_growths, window_sentence
 from memwatch.report.points import ListPoints, Points
 from memwatch.report.readings import (
     CRASH,
@@ -78,6 +73,8 @@ class OomReport:
     sentences: tuple[str, ...]
     crashed: bool = False
     """The rank died outside PyTorch's allocator: no OOM event, ``step`` is its last sample."""
+    causes: tuple[str, ...] = ()
+    """The causes said, most bytes behind them first (:class:`memwatch.report.causes.Cause` kinds)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +89,8 @@ class Tightest:
     sentence: str
     reclaimable_cache_bytes: int | None = None
     """Whole free cached segments (counted as free by the margin); ``None`` without allocator signals."""
+    at_serving_start: bool = False
+    """The smallest margin was already the first serving sample's: it never fell while serving."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +109,8 @@ class Explanation:
     unsized_ranks: tuple[int, ...] = ()
     """Ranks with samples but no KV sizing: no budget, so no headroom, residual or OOM margin."""
     started_ns: int | None = None
+    flag_kinds: tuple[tuple[str, int], ...] = ()
+    """How many flags of each kind, most first."""
 
     @property
     def sentences(self) -> list[str]:
@@ -117,12 +118,14 @@ class Explanation:
             return [sentence for oom in self.ooms for sentence in oom.sentences]
         if self.outcome == "empty":
             return ["no samples were recorded: nothing to explain"]
-        flags = "no flags" if not self.flag_count else f"{format_count(self.flag_count)} flags (see memwatch check)"
+        flags = _flags_said(self.flag_count, self.flag_kinds)
         if self.outcome in ENDED_BADLY:
-            lead = crash_sentences(self.outcome, list(self.readings), self.started_ns)
+            explained = frozenset(end.rank for end in self.ooms)
+            windowed = frozenset(end.rank for end in self.ooms if end.window is not None)
+            lead = crash_sentences(self.outcome, list(self.readings), self.started_ns, explained, windowed)
             lead.append(f"No rank recorded an out-of-memory; {flags}.")
-            # What grew before a rank died, as for an out-of-memory (its first sentence repeats the crash).
-            lead += [sentence for end in self.ooms for sentence in end.sentences[1:]]
+            # Each rank that died: what it had free, what grew before, as for an out-of-memory.
+            lead += [sentence for end in self.ooms for sentence in end.sentences]
         elif self.outcome in ENDED_UNSEEN:
             lead = [unseen_end_sentence(self.outcome, list(self.readings)),
                     f"No rank recorded an out-of-memory; {flags}."]
@@ -135,7 +138,7 @@ class Explanation:
     def to_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "outcome": self.outcome, "status": self.status, "flag_count": self.flag_count,
                 "ooms": [asdict(oom) for oom in self.ooms], "tightest": [asdict(t) for t in self.tightest],
-                "unsized_ranks": list(self.unsized_ranks),
+                "unsized_ranks": list(self.unsized_ranks), "flag_kinds": dict(self.flag_kinds),
                 "readings": [readings.to_dict() for readings in self.readings], "sentences": self.sentences}
 
 
@@ -191,7 +194,7 @@ def explain_from(
                      flags, tolerance)
         for rank, oom in sorted(ooms.items())
     )
-    tightest = tuple(filter(None, (_tightest(rank, summary.tightest_serving)
+    tightest = tuple(filter(None, (_tightest(rank, summary.tightest_serving, summary.first_serving)
                                    for rank, summary in sorted(summaries.items()))))
     unsized = tuple(rank for rank in sorted(readings) if rank in summaries and summaries[rank].sizing is None)
     if reports and not reports[0].crashed:
@@ -200,8 +203,12 @@ def explain_from(
         outcome = "empty"
     else:
         outcome = status if status in ENDED_BADLY or status in ENDED_UNSEEN else "ok"
+    kinds: dict[str, int] = {}
+    for flag in flags:
+        kinds[flag.kind] = kinds.get(flag.kind, 0) + 1
     return Explanation(run_id, outcome, reports, () if reports else tightest, len(flags), status,
-                       tuple(readings[rank] for rank in sorted(readings)), unsized, started_ns)
+                       tuple(readings[rank] for rank in sorted(readings)), unsized, started_ns,
+                       tuple(sorted(kinds.items(), key=lambda item: (-item[1], item[0]))))
 
 
 def explain_run(db: Database, ref: str, config: DetectorConfig | None = None) -> Explanation:
@@ -245,7 +252,8 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     reserve = last.activation_reserve_bytes if last is not None else None
     over = requested - reserve if requested is not None and reserve is not None else None
     over = over if over is not None and over > tolerance else None
-    growth = term_growth(points, largest_activation, oom) if last is not None else None
+    growths = term_growths(points, largest_activation, oom) if last is not None else []
+    growth = growths[0] if growths else None
     window = last_window(points, oom)
     before = tuple(FlagBefore(flag.kind, flag.severity, flag.step, oom.step - flag.step,
                               (oom.ts_ns - flag.ts_ns) / 1e9, flag.message)
@@ -254,22 +262,30 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     phase = data.get("phase") if isinstance(data.get("phase"), str) else None
     where = f" while {phase}" if phase and phase != "serve" else ""
     asked = "" if requested is None else f": a request for {format_bytes(requested)} failed"
-    left = "" if free is None else f" with {format_bytes(free)} free"
+    left = "" if free is None else f" with {_free(free)}"
     end = f"rank {rank}'s crash" if oom.kind == CRASH else "the out-of-memory"
+    facts = None if oom.kind == CRASH else OomFacts.of(oom.step, data)
+    rank_flags = [flag for flag in flags if flag.rank == rank and flag.kind != OOM and flag.ts_ns <= oom.ts_ns]
+    causes = rank_causes(facts, growths, over, reserve, rank_flags)
     if oom.kind == CRASH:
         total = _int(data.get("total_bytes"))
-        cause = (": with the device nearly full, something outside PyTorch's allocator likely failed to allocate "
-                 "(a library's cudaMalloc)" if free is not None and total and nearly_full(free, total) else "")
+        if free is None or not total:
+            cause = ""
+        elif nearly_full(free, total):
+            cause = (f": with the device {'full' if free == 0 else 'nearly full'}, something outside PyTorch's "
+                     "allocator likely failed to allocate (a library's cudaMalloc)")
+        else:
+            cause = (": the readings do not point to GPU memory (look at how the process ended: a signal, the "
+                     "host's OOM killer, a fault)")
         sentences = [f"rank {rank} crashed after step {format_count(oom.step)}{left} and no out-of-memory was "
                      f"recorded{cause}."]
     else:
         sentences = [f"rank {rank} ran out of memory at step {format_count(oom.step)}{where}{asked}{left}."]
-    if growth is not None:
-        sentences.append(growth_sentence(growth))
-    if over is not None:
-        sentences.append(f"The failing allocation was {format_bytes(over)} larger than the activation reserve "
-                         f"warmup measured ({format_bytes(reserve)}): warmup ran a smaller batch than serving needs.")
-    if growth is None and over is None and last is not None:
+        mechanism = None if facts is None else mechanism_sentence(facts)
+        if mechanism is not None:
+            sentences.append(mechanism)
+    sentences += [cause.sentence for cause in causes]
+    if not causes and last is not None:
         # A crash has no failing allocation; an OOM's size or the reserve may not have been recorded.
         if oom.kind != CRASH and requested is not None and reserve is not None:
             sentences.append("No ledger term grew and the failing allocation fit the warmup reserve: the device "
@@ -279,31 +295,51 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     if window is not None:
         sentences.append(window_sentence(window))
     if before:
-        sentences.append(f"Flags before {end}: " + "; ".join(
-            f"{flag.kind} ({flag.severity}) at step {format_count(flag.step)}, {format_count(flag.steps_before)} "
-            f"steps ({format_duration_ns(round(flag.seconds_before * 1e9))}) before" for flag in before) + ".")
+        sentences.append(f"Flags before {end}: " + "; ".join(_flag_before(flag) for flag in before) + ".")
     else:
         sentences.append(f"No flag was raised before {end}.")
     return OomReport(rank, oom.step, oom.ts_ns, phase, requested, free, reserve, over, window, growth, before,
-                     tuple(sentences), oom.kind == CRASH)
+                     tuple(sentences), oom.kind == CRASH, tuple(cause.kind for cause in causes))
+
+
+def _free(free: int) -> str:
+    return "no memory free" if free == 0 else f"{format_bytes(free)} free"
+
+
+def _flag_before(flag: FlagBefore) -> str:
+    if flag.steps_before == 0:
+        return f"{flag.kind} ({flag.severity}) at step {format_count(flag.step)}, the last step"
+    return (f"{flag.kind} ({flag.severity}) at step {format_count(flag.step)}, {format_count(flag.steps_before)} "
+            f"steps ({format_duration_ns(round(flag.seconds_before * 1e9))}) before")
 
 
 # -- healthy runs ---------------------------------------------------------------------------------
 
 
-def _tightest(rank: int, tight: ServingPoint | None) -> Tightest | None:
+def _tightest(rank: int, tight: ServingPoint | None, first: ServingPoint | None) -> Tightest | None:
     if tight is None or tight.oom_margin_bytes is None:
         return None
     margin = tight.oom_margin_bytes
     assert margin is not None
     reclaimable = tight.reclaimable_cache_bytes
     of_it = "" if reclaimable is None else f" of which {format_bytes(reclaimable)} reclaimable"
-    sentence = (f"rank {rank}'s tightest moment was step {format_count(tight.step)}: "
-                f"{format_bytes(margin)} would have been left after a worst-case forward "
+    # The first serving sample is taken before any request ran: when it holds the smallest margin, the
+    # margin never fell while serving, which is what is true to say.
+    at_start = first is not None and (first.step, first.ts_ns) == (tight.step, tight.ts_ns)
+    when = ("'s OOM margin never fell below where it stood when serving began" if at_start
+            else f"'s tightest serving moment was step {format_count(tight.step)}")
+    sentence = (f"rank {rank}{when}: {format_bytes(margin)} would have been left after a worst-case forward "
                 f"({format_bytes(tight.driver_free_bytes)} free, cache slack {format_bytes(tight.cache_slack_bytes)}"
                 f"{of_it}, activation reserve {format_bytes(tight.activation_reserve_bytes)}).")
     return Tightest(rank, tight.step, margin, tight.driver_free_bytes, tight.cache_slack_bytes,
-                    tight.activation_reserve_bytes, tight.headroom_bytes, sentence, reclaimable)
+                    tight.activation_reserve_bytes, tight.headroom_bytes, sentence, reclaimable, at_start)
+
+
+def _flags_said(count: int, kinds: tuple[tuple[str, int], ...]) -> str:
+    if not count:
+        return "no flags"
+    listed = ", ".join(f"{format_count(n)} {kind}" for kind, n in kinds)
+    return f"{format_count(count)} flag{'' if count == 1 else 's'} ({listed}; see memwatch check)"
 
 
 def _int(value: Any) -> int | None:

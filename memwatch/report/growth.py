@@ -1,4 +1,5 @@
-"""Before an out-of-memory: which ledger term grew, and how the last window changed, in numbers and in words.
+"""Before an out-of-memory: which ledger term grew (in numbers; :mod:`.causes` words it), and how the last
+window changed.
 
 Which term grew is judged on serving samples against the first one. Cache slack is allowed the
 largest activation seen (the allocator keeps what the biggest forward freed); the other terms are
@@ -55,50 +56,38 @@ class WindowChange:
 
 
 def term_growth(points: Points, largest_activation: int, oom: Event) -> TermGrowth | None:
+    """The term that grew most beyond its allowance, or ``None`` when none grew by :data:`MIN_GROWTH_BYTES`."""
+    grown = term_growths(points, largest_activation, oom)
+    return grown[0] if grown else None
+
+
+def term_growths(points: Points, largest_activation: int, oom: Event) -> list[TermGrowth]:
+    """Every term that grew by :data:`MIN_GROWTH_BYTES` beyond its allowance, most beyond it first."""
     first, last = points.first(), points.last()
     assert first is not None and last is not None
-    best: TermGrowth | None = None
-    best_excess = MIN_GROWTH_BYTES - 1
+    found: list[tuple[int, TermGrowth]] = []
     for term, label in TERMS:
         start, end = getattr(first, term), getattr(last, term)
         if start is None or end is None:
             continue
         allowed = start + (largest_activation if term == "cache_slack_bytes" else 0)
         excess = end - allowed
-        if excess <= best_excess:
+        if excess < MIN_GROWTH_BYTES:
             continue
         onset = points.last_at_most(term, allowed + ONSET_TOLERANCE_BYTES) or first
         from_bytes = getattr(onset, term)
         grown = end - from_bytes
         reached = points.first_reaching(term, onset.step, from_bytes + JUMP_FRACTION * grown) or last
-        best_excess = excess
-        best = TermGrowth(term, label, from_bytes, end, grown, onset.step, oom.step - onset.step,
-                          (oom.ts_ns - onset.ts_ns) / 1e9, reached.step - onset.step <= JUMP_STEPS)
-    return best
-
-
-def growth_sentence(growth: TermGrowth) -> str:
-    seconds = format_duration_ns(round(growth.seconds * 1e9))
-    if growth.jump:
-        return (f"{capital(growth.label)} jumped by {format_bytes(growth.growth_bytes)} after step "
-                f"{format_count(growth.since_step)} and stayed up, {format_count(growth.steps)} steps ({seconds}) "
-                "before the out-of-memory.")
-    sentence = (f"{capital(growth.label)} grew by {format_bytes(growth.growth_bytes)} over "
-                f"{format_count(growth.steps)} steps ({seconds}), since step {format_count(growth.since_step)}.")
-    if growth.term == "allocated_bytes":
-        sentence += _KEPT_SENTENCE
-    return sentence
-
-
-_KEPT_SENTENCE = (" It stayed allocated between steps beyond the weights and KV: PyTorch memory kept across steps, "
-                  "a leak inside PyTorch; look for tensors kept across steps (outputs, logprobs or metadata held "
-                  "per request).")
+        found.append((excess, TermGrowth(term, label, from_bytes, end, grown, onset.step, oom.step - onset.step,
+                                         (oom.ts_ns - onset.ts_ns) / 1e9, reached.step - onset.step <= JUMP_STEPS)))
+    # Stable on ties: the earlier term in TERMS first, as a strict ``>`` over them would choose.
+    return [growth for _, growth in sorted(found, key=lambda item: -item[0])]
 
 
 def last_window(points: Points, oom: Event) -> WindowChange | None:
     start, end = points.first_from_step(oom.step - WINDOW_STEPS), points.last()
-    if start is None or end is None:
-        return None
+    if start is None or end is None or start.step == end.step:
+        return None  # a window of one step has no change to tell
     keys = ("driver_free_bytes", "non_torch_bytes", "cache_slack_bytes", "allocated_bytes", "oom_margin_bytes")
     return WindowChange(start.step, end.step, (end.ts_ns - start.ts_ns) / 1e9,
                         {key: getattr(start, key) for key in keys}, {key: getattr(end, key) for key in keys})
@@ -111,8 +100,8 @@ def window_sentence(window: WindowChange) -> str:
             return "-"
         return f"{'+' if end >= start else '-'}{format_bytes(abs(end - start))}"
 
-    return (f"In the last window, steps {format_count(window.from_step)} to {format_count(window.to_step)} "
-            f"({format_duration_ns(round(window.seconds * 1e9))}): free memory went from "
+    return (f"From step {format_count(window.from_step)} to step {format_count(window.to_step)} "
+            f"({format_duration_ns(round(window.seconds * 1e9))}), free memory went from "
             f"{format_bytes(window.start['driver_free_bytes'])} to {format_bytes(window.end['driver_free_bytes'])}; "
             f"non-PyTorch {change('non_torch_bytes')}, cache slack {change('cache_slack_bytes')}, "
             f"allocated {change('allocated_bytes')}.")

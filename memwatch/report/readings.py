@@ -1,6 +1,6 @@
 """What a rank's raw readings did, for the post-mortems the ledger cannot give.
 
-Two cases need it. A run that **crashed** (its writer vanished: SIGKILL, the OOM killer, a segfault)
+Two cases need it. A run that **crashed** (its writer vanished: a signal, a fault, a failed allocation)
 ends without an ``oom`` event, so the first thing to say is that, then where it stopped and how the
 memory moved in its last window. A rank that **never sized a KV cache** (a plain ``Monitor`` loop)
 has no budget, so headroom, residual and OOM margin cannot be known; the allocator and driver terms,
@@ -160,30 +160,44 @@ class RankReadings:
         }
 
 
-def crash_sentences(status: str, ranks: list[RankReadings], started_ns: int | None) -> list[str]:
-    """The lead of a post-mortem for a run that ended badly: where it stopped and what the readings did."""
+def crash_sentences(status: str, ranks: list[RankReadings], started_ns: int | None,
+                    explained: frozenset[int] = frozenset(), windowed: frozenset[int] = frozenset()) -> list[str]:
+    """The lead of a post-mortem for a run that ended badly: where it stopped and what the readings did.
+
+    Ranks in ``explained`` have an account of their own that says their free memory, and those in
+    ``windowed`` one that says their last window too: neither is said twice.
+    """
     said = ENDED_BADLY[status]
     last = max((r.last for r in ranks if r.last is not None), key=lambda s: s.ts_ns, default=None)
     if last is None:
         return [f"the run {said} before recording any sample."]
-    how = (" (its process died without closing its ring: SIGKILL, the OOM killer or a fault)"
-           if status == CRASHED else "")
-    after = "" if started_ns is None else f", {format_duration_ns(max(last.ts_ns - started_ns, 0))} after it started"
+    how = ": its process ended without recording how" if status == CRASHED else ""
+    elapsed = None if started_ns is None else last.ts_ns - started_ns
+    after = "" if elapsed is None or elapsed <= 0 else f", {format_duration_ns(elapsed)} after it started"
     sentences = [f"the run {said}{how}; its last record is rank {last.rank} step {format_count(last.step)}"
                  f"{'' if last.phase is None else f' ({last.phase})'} at {format_time(last.ts_ns)}{after}."]
+    full = [rank.rank for rank in ranks if rank.last is not None and rank.last.driver_free_bytes is not None
+            and rank.total_bytes and nearly_full(rank.last.driver_free_bytes, rank.total_bytes)]
     for rank in ranks:
         window = rank.last_window()
         if window is None:
             continue
-        sentences.append(window.sentence(f"rank {rank.rank}'s last {format_count(rank.window_samples)} samples"))
+        if rank.rank not in windowed:
+            sentences.append(window.sentence(f"rank {rank.rank}'s last {format_count(rank.window_samples)} samples"))
         free = window.end["driver_free_bytes"]
-        if free is not None and rank.total_bytes:
+        if free is not None and rank.total_bytes and rank.rank not in explained:
             if nearly_full(free, rank.total_bytes):
-                sentences.append(f"rank {rank.rank} had only {format_bytes(free)} free at its last sample: the "
-                                 "device was nearly full, a likely cause.")
+                left = "no memory free" if free == 0 else f"only {format_bytes(free)} free"
+                sentences.append(f"rank {rank.rank} had {left} at its last sample: a failed GPU allocation is "
+                                 "the likely cause.")
+            elif full:
+                # Ranks of one engine stop together: one that still had room went down with the one that had none.
+                sentences.append(f"rank {rank.rank} still had {format_bytes(free)} free at its last sample: it "
+                                 f"likely stopped with rank {full[0]}, whose device was nearly full.")
             else:
-                sentences.append(f"rank {rank.rank} still had {format_bytes(free)} free at its last sample: "
-                                 "the readings do not point to GPU memory.")
+                sentences.append(f"rank {rank.rank} still had {format_bytes(free)} free at its last sample: the "
+                                 "readings do not point to GPU memory (look at how the process ended: a signal, "
+                                 "the host's OOM killer, a fault).")
     return sentences
 
 
