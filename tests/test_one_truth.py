@@ -60,6 +60,10 @@ def _outputs(db: Path, run_id: str) -> dict[str, dict[str, Any]]:
     last = rows[-1]
     outputs["timeline --ledger (last row)"] = {"oom_margin_bytes": last["oom_margin_bytes"],
                                                "weights_bytes": last["weights_bytes"]}
+    # explain's last window ends where the rank ran out: its margin there is the run's end margin, not another number
+    windows = [oom["window"] for oom in _json(db, "explain", run_id)["ooms"] if oom["window"] and oom["rank"] == 0]
+    if windows:
+        outputs["explain (last window's end)"] = {"oom_margin_bytes": windows[-1]["end"]["oom_margin_bytes"]}
     plans = _json(db, "plan", "--run", run_id)
     assert len(plans) == 1
     outputs["plan --run"] = _shared(plans[0])

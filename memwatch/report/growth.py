@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
 from memwatch.records import Event
 from memwatch.report.points import Points
+from memwatch.report.run_facts import end_margin
 
 MiB = 1 << 20
 WINDOW_STEPS = 100
@@ -89,8 +90,11 @@ def last_window(points: Points, oom: Event) -> WindowChange | None:
     if start is None or end is None or start.step == end.step:
         return None  # a window of one step has no change to tell
     keys = ("driver_free_bytes", "non_torch_bytes", "cache_slack_bytes", "allocated_bytes", "oom_margin_bytes")
+    last = {key: getattr(end, key) for key in keys}
+    # The window ends where memory ran out: its margin is the run's end margin (at most 0), one number with check's.
+    last["oom_margin_bytes"] = end_margin(last["oom_margin_bytes"], ran_out=True)
     return WindowChange(start.step, end.step, (end.ts_ns - start.ts_ns) / 1e9,
-                        {key: getattr(start, key) for key in keys}, {key: getattr(end, key) for key in keys})
+                        {key: getattr(start, key) for key in keys}, last)
 
 
 def window_sentence(window: WindowChange) -> str:
