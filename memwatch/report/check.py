@@ -21,10 +21,60 @@ from memwatch.report.ledger_text import render_lines, terms_lines
 from memwatch.report.readings import ENDED_BADLY, UNSIZED_SENTENCE, RankReadings, crash_sentences
 from memwatch.report.run_facts import RunTruth, run_truth, truth_from
 from memwatch.report.stored import stored_readings, stored_run
+from memwatch.store.queries import samples as stored_samples
 from memwatch.units import format_bytes
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database
+
+
+GRAPHS_OUTSIDE_BUDGET = {"nano-vllm": "nano-vllm does not count them"}
+"""Engines whose KV budget leaves out the CUDA graphs they capture after sizing, and why in a few words.
+
+nano-vllm sizes its KV cache and only then captures its graphs (``capture_cudagraph``), so they live in
+the ``1 − utilization`` slack. vLLM subtracts its cudagraph memory estimate from the budget, and SGLang's
+``mem_fraction_static`` leaves its graphs to a heuristic remainder, so neither is named here."""
+
+
+def graphs_captured_after_sizing(rank_samples: Iterable[Sample]) -> int | None:
+    """Bytes the ``cudagraph`` phase left allocated when it came after the KV sizing (``kv_alloc``).
+
+    The capture's last sample less the sample before it began: the graphs' static buffers and pool, as
+    the allocator holds them. ``None`` when the rank did not capture graphs after sizing.
+    """
+    sized = False
+    before = start = end = None
+    for sample in rank_samples:
+        if sample.phase == "cudagraph":
+            if start is None:
+                start = sample if before is None else before
+            end = sample
+        elif start is not None:
+            break
+        else:
+            sized = sized or sample.phase == "kv_alloc"
+            before = sample
+    if not sized or start is None or end is None or start.allocated_bytes is None or end.allocated_bytes is None:
+        return None
+    return end.allocated_bytes - start.allocated_bytes if end.allocated_bytes > start.allocated_bytes else None
+
+
+def graphs_outside_budget(engine: str | None, graphs_bytes: int | None, terms: LedgerTerms | None) -> int | None:
+    """The graphs' bytes when they are the whole rise of other long-lived PyTorch since sizing (within an
+    eighth) and the engine's budget leaves them out; else ``None`` (a rise beyond them may be a leak)."""
+    if engine not in GRAPHS_OUTSIDE_BUDGET or not graphs_bytes or terms is None:
+        return None
+    if terms.torch_kept_bytes is None or terms.torch_other_bytes is None:
+        return None
+    rise = terms.torch_kept_bytes - terms.torch_other_bytes
+    return graphs_bytes if abs(rise - graphs_bytes) <= graphs_bytes // 8 else None
+
+
+def graphs_sentence(engine: str, graphs_bytes: int) -> str:
+    """The finding, said once wherever a run's graphs explain the memory above its budget."""
+    return (f"CUDA graphs captured after sizing: {format_bytes(graphs_bytes)} outside the budget {engine} sized "
+            f"the KV cache against ({GRAPHS_OUTSIDE_BUDGET[engine]}); they are the other long-lived PyTorch "
+            "now, not a leak")
 
 
 @dataclass(frozen=True)
@@ -41,10 +91,15 @@ class RankCheck:
     min_headroom_bytes: int | None
     min_oom_margin_step: int | None
     min_oom_margin_bytes: int | None
+    cuda_graphs_outside_budget_bytes: int | None = None
+    """CUDA graphs captured after sizing that the engine's budget leaves out (:func:`graphs_outside_budget`)."""
+    engine: str | None = None
 
     @classmethod
-    def from_summary(cls, summary: RankSummary, truth: RunTruth | None = None) -> RankCheck:
-        """``truth`` sets the margin at the last sample (and so the tightest) to the shared definition."""
+    def from_summary(cls, summary: RankSummary, truth: RunTruth | None = None, engine: str | None = None,
+                     graphs_bytes: int | None = None) -> RankCheck:
+        """``truth`` sets the margin at the last sample (and so the tightest) to the shared definition;
+        ``graphs_bytes`` is what :func:`graphs_captured_after_sizing` measured on this rank."""
         sizing, headroom, margin = summary.sizing, summary.min_headroom, summary.min_oom_margin
         terms = summary.last_terms
         margin_step = None if margin is None else margin.step
@@ -62,6 +117,8 @@ class RankCheck:
             min_headroom_step=None if headroom is None else headroom.step,
             min_headroom_bytes=None if headroom is None else headroom.value_bytes,
             min_oom_margin_step=margin_step, min_oom_margin_bytes=margin_bytes,
+            cuda_graphs_outside_budget_bytes=graphs_outside_budget(engine, graphs_bytes, summary.last_terms),
+            engine=engine,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -72,6 +129,7 @@ class RankCheck:
             "last_terms": None if terms is None else terms._asdict(),
             "min_headroom": {"step": self.min_headroom_step, "bytes": self.min_headroom_bytes},
             "min_oom_margin": {"step": self.min_oom_margin_step, "bytes": self.min_oom_margin_bytes},
+            "cuda_graphs_outside_budget_bytes": self.cuda_graphs_outside_budget_bytes,
         }
 
 
@@ -114,8 +172,10 @@ class CheckReport:
 
 
 def check_records(records: Iterable[Sample | Event], config: DetectorConfig | None = None,
-                  status: str | None = None, started_ns: int | None = None) -> CheckReport:
-    """Replay one run's records (in time order) and summarise the ledger and flags per rank."""
+                  status: str | None = None, started_ns: int | None = None,
+                  engine: str | None = None) -> CheckReport:
+    """Replay one run's records (in time order) and summarise the ledger and flags per rank; ``engine``
+    (the run's) says whether CUDA graphs captured after sizing are outside its budget."""
     records = list(records)
     replayed = replay(records, config)
     run_id = records[0].run_id if records else None
@@ -126,7 +186,10 @@ def check_records(records: Iterable[Sample | Event], config: DetectorConfig | No
     last_free = {rank: None if r.last is None else r.last.driver_free_bytes for rank, r in readings.items()}
     truth = truth_from(run_id or "", status, (r for r in records if isinstance(r, Event)), replayed.ranks,
                        replayed.flags, last_free)
-    ranks = tuple(RankCheck.from_summary(replayed.ranks[rank], truth) for rank in sorted(replayed.ranks))
+    graphs = {rank: graphs_captured_after_sizing(r for r in records if isinstance(r, Sample) and r.rank == rank)
+              for rank in replayed.ranks}
+    ranks = tuple(RankCheck.from_summary(replayed.ranks[rank], truth, engine, graphs[rank])
+                  for rank in sorted(replayed.ranks))
     return CheckReport(run_id, ranks, tuple(replayed.flags), status,
                        tuple(readings[rank] for rank in sorted(readings)), started_ns, truth)
 
@@ -141,9 +204,21 @@ def check_run(db: Database, ref: str, config: DetectorConfig | None = None) -> C
     run = state.run
     readings = stored_readings(db, run.run_id, state.summaries)
     truth = run_truth(db, run.run_id, config, state=state, readings=readings)
-    ranks = tuple(RankCheck.from_summary(state.summaries[rank], truth) for rank in sorted(state.summaries))
+    ranks = tuple(RankCheck.from_summary(state.summaries[rank], truth, run.engine,
+                                         _stored_graphs(db, run.run_id, rank) if run.engine in GRAPHS_OUTSIDE_BUDGET
+                                         else None)
+                  for rank in sorted(state.summaries))
     return CheckReport(run.run_id, ranks, tuple(state.flags), run.status,
                        tuple(readings[rank] for rank in sorted(readings)), run.started_ns, truth)
+
+
+def _stored_graphs(db: Database, run_id: str, rank: int) -> int | None:
+    """:func:`graphs_captured_after_sizing` from the rank's startup samples only (up to the capture's end)."""
+    row = db.execute("SELECT MIN(ts_ns) FROM events WHERE run_id = ? AND rank = ? AND kind = 'phase_end'"
+                     " AND json_extract(data, '$.phase') = 'cudagraph'", (run_id, rank)).fetchone()
+    if row is None or row[0] is None:
+        return None
+    return graphs_captured_after_sizing(stored_samples(db, run_id, rank=rank, until_ns=row[0]))
 
 
 def render_check(report: CheckReport) -> str:
@@ -166,6 +241,8 @@ def render_check(report: CheckReport) -> str:
         lines.append(f"  the ledger at step {format_count(rank.last_step or 0)}: the budget, less each term, "
                      "leaves the headroom (exact bytes on the right)")
         lines += render_lines(terms_lines(rank.last_terms), indent="    ")
+        if rank.cuda_graphs_outside_budget_bytes is not None and rank.engine is not None:
+            lines.append(f"  {graphs_sentence(rank.engine, rank.cuda_graphs_outside_budget_bytes)}")
         if rank.min_oom_margin_step is not None:
             lines.append(f"  tightest OOM margin: {format_bytes(rank.min_oom_margin_bytes)} at step "
                          f"{format_count(rank.min_oom_margin_step)}")
