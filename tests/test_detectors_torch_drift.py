@@ -35,7 +35,8 @@ def test_steady_keep_alive_is_torch_drift_with_its_rate_and_steps_left() -> None
     assert flag.data["steps_left"] == margin // (2 * MiB)
     # (MARGIN - 500 MiB) / 2 MiB = 3,385 steps left: beyond the 2,000-step horizon, so a warning
     assert flag.severity == WARNING
-    assert flag.message == ("PyTorch memory that outlives each step grew by 500.0 MiB since step 6, at 2.0 MiB/step "
+    assert flag.message == ("PyTorch memory that outlives each step grew by 500.0 MiB over its level "
+                            "when serving began (step 6), at 2.0 MiB/step "
                             "over the last 200 steps; at this rate the device is full in about "
                             f"{margin // (2 * MiB):,} steps: look for tensors kept across steps (outputs, logprobs "
                             "or metadata held per request)")

@@ -164,7 +164,8 @@ def test_a_leak_inside_pytorch_is_named_while_it_happens(runtime_dir: Path) -> N
     # The serving baseline is the first sample of the serve phase (step 0); the rate is over the window.
     assert (data["baseline_step"], data["steps"]) == (0, 200)
     assert drift[0].message == (
-        f"PyTorch memory that outlives each step grew by {format_bytes(data['growth_bytes'])} since step 0, at "
+        f"PyTorch memory that outlives each step grew by {format_bytes(data['growth_bytes'])} over its level "
+        f"when serving began (step 0), at "
         f"4.0 MiB/step over the last 200 steps; at this rate the device is full in about {data['steps_left']:,} "
         f"steps: look for tensors kept across steps (outputs, logprobs or metadata held per request)")
 

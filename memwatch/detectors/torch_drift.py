@@ -146,8 +146,10 @@ class TorchDriftDetector(Detector):
         margin = terms.oom_margin_bytes
         steps_left = margin // rate if margin is not None and rate > 0 else None
         severity = CRITICAL if steps_left is not None and steps_left <= self._horizon else WARNING
-        words = (f"PyTorch memory that outlives each step grew by {format_bytes(growth)} since step "
-                 f"{format_count(self._baseline_step)}, at {format_bytes(rate)}/step over the last "
+        # The baseline is the level when serving began, not the start of the rise (which ``explain`` dates).
+        words = (f"PyTorch memory that outlives each step grew by {format_bytes(growth)} over its level when "
+                 f"serving began (step {format_count(self._baseline_step)}), at {format_bytes(rate)}/step "
+                 "over the last "
                  f"{format_count(steps)} steps")
         if steps_left is not None:
             words += f"; at this rate the device is full in about {format_count(max(steps_left, 0))} steps"
