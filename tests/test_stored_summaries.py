@@ -34,7 +34,8 @@ def test_stored_summaries_give_the_replays_answers(scenario: str, runtime_dir: P
     db = open_store(db_path, readonly=True)
     assert stored_run(db, run_id).from_summaries
     run, records = stored_records(db, run_id)
-    _same_check(check_run(db, run_id).to_dict(), check_records(records, None, run.status, run.started_ns).to_dict())
+    _same_check(check_run(db, run_id).to_dict(), check_records(records, None, run.status, run.started_ns,
+                                                                    run.engine).to_dict())
     fast, slow = explain_run(db, run_id).to_dict(), explain_records(records, None, run.status, run.started_ns).to_dict()
     assert fast == slow
     # A leak outside PyTorch crashes its rank; another process's memory makes PyTorch's allocator fail.
@@ -48,7 +49,7 @@ def test_other_thresholds_or_a_partial_summary_replay(runtime_dir: Path, db_path
     assert not stored_run(db, run_id, strict).from_summaries
     run, records = stored_records(db, run_id)
     _same_check(check_run(db, run_id, strict).to_dict(),
-                check_records(records, strict, run.status, run.started_ns).to_dict())
+                check_records(records, strict, run.status, run.started_ns, run.engine).to_dict())
     with db.conn:
         db.execute("UPDATE rank_summaries SET complete = 0")
     assert not stored_run(db, run_id).from_summaries

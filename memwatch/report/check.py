@@ -21,7 +21,6 @@ from memwatch.report.ledger_text import render_lines, terms_lines
 from memwatch.report.readings import ENDED_BADLY, UNSIZED_SENTENCE, RankReadings, crash_sentences
 from memwatch.report.run_facts import RunTruth, run_truth, truth_from
 from memwatch.report.stored import stored_readings, stored_run
-from memwatch.store.queries import samples as stored_samples
 from memwatch.units import format_bytes
 
 if TYPE_CHECKING:
@@ -36,27 +35,29 @@ the ``1 − utilization`` slack. vLLM subtracts its cudagraph memory estimate fr
 ``mem_fraction_static`` leaves its graphs to a heuristic remainder, so neither is named here."""
 
 
-def graphs_captured_after_sizing(rank_samples: Iterable[Sample]) -> int | None:
-    """Bytes the ``cudagraph`` phase left allocated when it came after the KV sizing (``kv_alloc``).
+def graphs_captured_after_sizing(summary: RankSummary, capture_ns: int | None) -> int | None:
+    """Bytes the CUDA graph capture left allocated, when it began (``capture_ns``) after the KV sizing.
 
-    The capture's last sample less the sample before it began: the graphs' static buffers and pool, as
-    the allocator holds them. ``None`` when the rank did not capture graphs after sizing.
+    Allocated at the first serving sample less allocated at sizing and the KV cache: the graphs' static
+    buffers and pool as the allocator holds them. Read from the rank's summary and its phase events,
+    which retention keeps whole. ``None`` when the rank did not capture graphs after sizing.
     """
-    sized = False
-    before = start = end = None
-    for sample in rank_samples:
-        if sample.phase == "cudagraph":
-            if start is None:
-                start = sample if before is None else before
-            end = sample
-        elif start is not None:
-            break
-        else:
-            sized = sized or sample.phase == "kv_alloc"
-            before = sample
-    if not sized or start is None or end is None or start.allocated_bytes is None or end.allocated_bytes is None:
+    sizing, first = summary.sizing, summary.first_running
+    if capture_ns is None or sizing is None or first is None or capture_ns < sizing.ts_ns:
         return None
-    return end.allocated_bytes - start.allocated_bytes if end.allocated_bytes > start.allocated_bytes else None
+    if None in (first.allocated_bytes, sizing.current_bytes, sizing.num_blocks, sizing.block_bytes):
+        return None
+    graphs = first.allocated_bytes - sizing.current_bytes - sizing.num_blocks * sizing.block_bytes
+    return graphs if graphs > 0 else None
+
+
+def _capture_ns(events: Iterable[Event]) -> dict[int, int]:
+    """Each rank's first ``cudagraph`` phase start."""
+    starts: dict[int, int] = {}
+    for event in events:
+        if event.kind == "phase_start" and event.data.get("phase") == "cudagraph":
+            starts.setdefault(event.rank, event.ts_ns)
+    return starts
 
 
 def graphs_outside_budget(engine: str | None, graphs_bytes: int | None, terms: LedgerTerms | None) -> int | None:
@@ -186,10 +187,10 @@ def check_records(records: Iterable[Sample | Event], config: DetectorConfig | No
     last_free = {rank: None if r.last is None else r.last.driver_free_bytes for rank, r in readings.items()}
     truth = truth_from(run_id or "", status, (r for r in records if isinstance(r, Event)), replayed.ranks,
                        replayed.flags, last_free)
-    graphs = {rank: graphs_captured_after_sizing(r for r in records if isinstance(r, Sample) and r.rank == rank)
-              for rank in replayed.ranks}
-    ranks = tuple(RankCheck.from_summary(replayed.ranks[rank], truth, engine, graphs[rank])
-                  for rank in sorted(replayed.ranks))
+    capture = _capture_ns(r for r in records if isinstance(r, Event))
+    ranks = tuple(RankCheck.from_summary(summary, truth, engine,
+                                         graphs_captured_after_sizing(summary, capture.get(rank)))
+                  for rank, summary in sorted(replayed.ranks.items()))
     return CheckReport(run_id, ranks, tuple(replayed.flags), status,
                        tuple(readings[rank] for rank in sorted(readings)), started_ns, truth)
 
@@ -204,21 +205,19 @@ def check_run(db: Database, ref: str, config: DetectorConfig | None = None) -> C
     run = state.run
     readings = stored_readings(db, run.run_id, state.summaries)
     truth = run_truth(db, run.run_id, config, state=state, readings=readings)
-    ranks = tuple(RankCheck.from_summary(state.summaries[rank], truth, run.engine,
-                                         _stored_graphs(db, run.run_id, rank) if run.engine in GRAPHS_OUTSIDE_BUDGET
-                                         else None)
-                  for rank in sorted(state.summaries))
+    capture = _stored_capture_ns(db, run.run_id) if run.engine in GRAPHS_OUTSIDE_BUDGET else {}
+    ranks = tuple(RankCheck.from_summary(summary, truth, run.engine,
+                                         graphs_captured_after_sizing(summary, capture.get(rank)))
+                  for rank, summary in sorted(state.summaries.items()))
     return CheckReport(run.run_id, ranks, tuple(state.flags), run.status,
                        tuple(readings[rank] for rank in sorted(readings)), run.started_ns, truth)
 
 
-def _stored_graphs(db: Database, run_id: str, rank: int) -> int | None:
-    """:func:`graphs_captured_after_sizing` from the rank's startup samples only (up to the capture's end)."""
-    row = db.execute("SELECT MIN(ts_ns) FROM events WHERE run_id = ? AND rank = ? AND kind = 'phase_end'"
-                     " AND json_extract(data, '$.phase') = 'cudagraph'", (run_id, rank)).fetchone()
-    if row is None or row[0] is None:
-        return None
-    return graphs_captured_after_sizing(stored_samples(db, run_id, rank=rank, until_ns=row[0]))
+def _stored_capture_ns(db: Database, run_id: str) -> dict[int, int]:
+    """Each rank's first ``cudagraph`` phase start, from the stored events."""
+    rows = db.execute("SELECT rank, MIN(ts_ns) FROM events WHERE run_id = ? AND kind = 'phase_start'"
+                      " AND json_extract(data, '$.phase') = 'cudagraph' GROUP BY rank", (run_id,)).fetchall()
+    return {int(rank): int(ts) for rank, ts in rows if ts is not None}
 
 
 def render_check(report: CheckReport) -> str:
