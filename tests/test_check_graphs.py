@@ -60,6 +60,17 @@ def test_no_graphs_no_finding(runtime_dir: Path, db_path: Path) -> None:
     assert "CUDA graphs" not in render_check(report)
 
 
+def test_a_run_under_sglangs_rules_is_sglangs_and_gets_no_nano_vllm_finding(runtime_dir: Path, db_path: Path) -> None:
+    # The simulator runs nano-vllm's loop under the sizing rules of the engine a scenario names: its runs carry that
+    # engine's name, so a finding about nano-vllm's budget is never said of a run sized by SGLang's rule.
+    run_id = store_scenario("clean_sglang", runtime_dir, db_path)
+    db = open_store(db_path, readonly=True)
+    assert [row[0] for row in db.execute("SELECT engine FROM runs WHERE run_id = ?", (run_id,))] == ["sglang"]
+    report = check_run(db, run_id)
+    assert report.ranks[0].cuda_graphs_outside_budget_bytes is None
+    assert "nano-vllm" not in render_check(report)
+
+
 def test_a_leak_inside_pytorch_is_still_a_leak(runtime_dir: Path, db_path: Path) -> None:
     run_id = store_scenario("torch_leak", runtime_dir, db_path, live=True)
     report = check_run(open_store(db_path, readonly=True), run_id)

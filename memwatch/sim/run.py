@@ -56,7 +56,7 @@ def run_scenario(
         gpu = VirtualGPU(scenario.gpu.total_bytes, context_bytes=scenario.gpu.context_bytes,
                          device_name=scenario.gpu.name, index=rank)
         monitor = Monitor(
-            engine="nano-vllm", model=spec.name, rank=rank, world_size=engine_config.tensor_parallel_size,
+            engine=engine_config.rules, model=spec.name, rank=rank, world_size=engine_config.tensor_parallel_size,
             run_id=run_id, probe=gpu, runtime_dir=runtime_dir, config={"scenario": scenario.name},
             capacity=capacity, spawn_sidecar=spawn_sidecar, clock=clock.now_ns, source="sim",
             close_at_exit=False,  # the simulation ends each rank itself; a simulated crash stays open
