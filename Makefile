@@ -116,7 +116,7 @@ bench: $(TESTENV)
 	$(BIN)/python bench/run.py
 
 # Mutation testing, one module against the tests that cover it (minutes: not part of `make test`), e.g.
-#   make mutate MODULE=memwatch/record_checks.py TESTS="tests/test_record_checks.py"
+#   make mutate MODULE=memwatch/sidecar/record_checks.py TESTS="tests/reliability/test_record_checks.py"
 # mutmut works in a copy of the tree (build/mutate: the working tree is never changed) with [tool.mutmut] of
 # pyproject.toml, and prints the kill rate and every mutant no test caught (`mutmut show NAME` there shows one).
 MUTMUT  := mutmut==3.8.1

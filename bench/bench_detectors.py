@@ -25,8 +25,8 @@ from types import SimpleNamespace
 
 from memwatch.detectors import DetectorSet, RankSummary
 from memwatch.detectors.batch import DrainColumns
-from memwatch.pacing import BATCH_TARGET
 from memwatch.records import Event, Sample
+from memwatch.sidecar.pacing import BATCH_TARGET
 from memwatch_engine.ring_format import _SAMPLE_SLOT
 
 TARGET_RATIO = 30.0

@@ -32,11 +32,11 @@ from pathlib import Path
 
 from adapter_load import AdapterProbe, serve_steps, start_like_adapter
 
-from memwatch.collector import Collector
 from memwatch.export.config import ExportConfig
 from memwatch.export.pipeline import Exporters
-from memwatch.live import LiveDetectors
 from memwatch.records import Event, Sample
+from memwatch.sidecar.collector import Collector
+from memwatch.sidecar.live import LiveDetectors
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine import Monitor

@@ -2,7 +2,7 @@
 
 memwatch: one rank's ring, filled as a real adapter fills it (phases, weights, the KV sizing, rank 0's
 requests, and N serving steps with every column the CUDA probe fills: :mod:`adapter_load`), is drained
-by the sidecar ``memwatch serve`` builds (:class:`memwatch.daemon.Sidecar`: its collector, store writer,
+by the sidecar ``memwatch serve`` builds (:class:`memwatch.sidecar.daemon.Sidecar`: its collector, store writer,
 live detectors and snapshot importer) into a fresh database (schema and index included): decode, row
 building, NULL mapping, cursor bookkeeping, detectors, per-rank summaries and commits all counted. Three
 ways: the shipped configuration on a quiet run (judged); the same on a run whose memory outside PyTorch
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from adapter_load import NUM_BLOCKS, AdapterProbe, serve_steps, start_like_adapter
 
-from memwatch.daemon import Sidecar
+from memwatch.sidecar.daemon import Sidecar
 from memwatch.store import open_store
 from memwatch_engine import Monitor
 

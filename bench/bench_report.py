@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from memwatch.detectors import interleave, replay
-from memwatch.live import flag_row
+from memwatch.sidecar.live import flag_row
 from memwatch.store import open_store
 from memwatch.store.db import Database
 from memwatch.store.queries import events, samples

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from memwatch.detectors import interleave, replay
-from memwatch.live import flag_row
+from memwatch.sidecar.live import flag_row
 from memwatch.store.db import Database
 from memwatch.store.queries import events, samples
 from memwatch.store.summaries import UPSERT_MINUTE, UPSERT_SUMMARY, config_key, minute_rows, summary_params

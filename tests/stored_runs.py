@@ -6,8 +6,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from memwatch.collector import Collector, Observer
-from memwatch.live import LiveDetectors
+from memwatch.sidecar.collector import Collector, Observer
+from memwatch.sidecar.live import LiveDetectors
 from memwatch.sim import run_scenario
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 
 from memwatch.cli import main
 from memwatch.errors import UsageError
-from memwatch.record_checks import check_event, check_sample, screen
+from memwatch.sidecar.record_checks import check_event, check_sample, screen
 from memwatch.store.readonly_sql import run_query
 from memwatch_engine.ring import RingWriter
 from memwatch_engine.ring_reader import RingReader

@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from memwatch.collector import Collector
+from memwatch.sidecar.collector import Collector
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine import Monitor

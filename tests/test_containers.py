@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from pods import Pod, Shape, namespaces_refused, wait_until
 
-from memwatch.collector import ALIVE_CHECK_S
+from memwatch.sidecar.collector import ALIVE_CHECK_S
 
 from processes import query
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from memwatch import cpus
+from memwatch.store import cpus
 
 V2 = "0::/kubepods/pod1/c1\n"
 V2_LIMIT = "/sys/fs/cgroup/kubepods/pod1/c1/cpu.max"

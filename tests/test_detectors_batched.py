@@ -20,9 +20,9 @@ import pytest
 from memwatch.detectors import DetectorConfig, DetectorSet, RankSummary, replay
 from memwatch.detectors.base import Episode
 from memwatch.detectors.batch import CLEAR, FIRE, NOT_CLEAR, SKIP, apply_episode, consecutive, episode_plan
-from memwatch.live import LiveDetectors
 from memwatch.records import Event
 from memwatch.ring_records import RingDrain, read_ring, typed_records
+from memwatch.sidecar.live import LiveDetectors
 from memwatch.sim import run_scenario, shipped_scenarios
 from memwatch.sim.scorecard import START_NS
 from memwatch_engine.ring import RingWriter
@@ -94,7 +94,7 @@ def _summaries(live: LiveDetectors) -> dict[tuple[str, int], Any]:
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_batched_flags_and_summaries_equal_the_per_sample_path_on_every_shipped_scenario(
         rings: dict[str, list[Path]], chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("memwatch.live.DetectorSet", _Counting)
+    monkeypatch.setattr("memwatch.sidecar.live.DetectorSet", _Counting)
     samples = 0
     _Counting.batched = 0
     for name, paths in rings.items():
@@ -235,7 +235,7 @@ WALK_CONFIG = DetectorConfig(
 
 def test_batched_path_equals_the_per_sample_path_on_wandering_ranks(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("memwatch.live.DetectorSet", _Counting)
+    monkeypatch.setattr("memwatch.sidecar.live.DetectorSet", _Counting)
     kinds: set[str] = set()
     for seed in range(4):
         path = tmp_path / f"walk{seed}-r0.ring"

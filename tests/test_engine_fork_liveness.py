@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from pods import Pod, Shape, namespaces_refused, wait_until
 
-from memwatch.collector import ALIVE_CHECK_S
-from memwatch.liveness import ring_writer_alive
+from memwatch.sidecar.collector import ALIVE_CHECK_S
+from memwatch.sidecar.liveness import ring_writer_alive
 from memwatch_engine.ring_reader import RingReader
 
 from processes import memwatch_env, query

@@ -22,7 +22,7 @@ from memwatch.export.config import OTLP_FROM_ENV, export_config, parse_listen
 from memwatch.export.instruments import METRICS, register_instruments
 from memwatch.export.state import ExportState
 from memwatch.flags import FLAG_KINDS, SEVERITIES, Flag
-from memwatch.live import LiveDetectors
+from memwatch.sidecar.live import LiveDetectors
 from memwatch.sim import run_scenario
 from memwatch.store import open_store
 from memwatch_engine.ring_reader import RingHeader

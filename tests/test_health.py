@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from memwatch.daemon import Sidecar
 from memwatch.errors import UnavailableError
 from memwatch.export.http_serving import REQUEST_DEADLINE_S
-from memwatch.health import HealthEndpoint
+from memwatch.sidecar.daemon import Sidecar
+from memwatch.sidecar.health import HealthEndpoint
 
 from processes import memwatch_env, wait_for
 

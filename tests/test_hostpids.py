@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from pods import Pod, Shape, namespaces_refused
 
+from memwatch.attach.hostpids import MAX_STATUS, host_pid, ns_pids
 from memwatch.attach.ring_source import RingSource, find_rings
-from memwatch.hostpids import MAX_STATUS, host_pid, ns_pids
 from memwatch_engine.ring_reader import RingReader
 
 

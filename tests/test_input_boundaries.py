@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from memwatch import hostpids, rejected_rings
-from memwatch.liveness import ring_writer_alive
-from memwatch.record_checks import check_event, check_meta, check_value, screen
-from memwatch.rejected_rings import move_aside
+from memwatch.attach import hostpids
+from memwatch.sidecar import rejected_rings
+from memwatch.sidecar.liveness import ring_writer_alive
+from memwatch.sidecar.record_checks import check_event, check_meta, check_value, screen
+from memwatch.sidecar.rejected_rings import move_aside
 from memwatch_engine.dirfd import file_id
 from memwatch_engine.liveness import writer_lock_held
 from memwatch_engine.ring import RingWriter

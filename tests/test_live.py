@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from memwatch.live import LiveDetectors
+from memwatch.sidecar.live import LiveDetectors
 from memwatch_engine.ring_reader import RingHeader
 
 from fake_nvml import FakeNvmlScript

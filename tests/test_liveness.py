@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from memwatch.liveness import ring_writer_alive, same_pid_namespace
+from memwatch.sidecar.liveness import ring_writer_alive, same_pid_namespace
 from memwatch_engine.ring import RingWriter
 from memwatch_engine.ring_reader import RingReader
 from memwatch_engine.runtime import RuntimeDirError, ensure_runtime_dir, is_private_file, ring_mode

@@ -185,7 +185,7 @@ def test_plotting_libraries_load_only_when_a_report_is_written() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, memwatch.cli, memwatch.daemon, memwatch_engine, memwatch_engine.adapters.oom;"
+    code = ("import sys, memwatch.cli, memwatch.sidecar.daemon, memwatch_engine, memwatch_engine.adapters.oom;"
             " print(sorted(m for m in sys.modules if m.split('.')[0] in ('plotly', 'matplotlib')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr

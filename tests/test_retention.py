@@ -8,7 +8,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from memwatch.cli import main
-from memwatch.daemon import Sidecar
+from memwatch.sidecar.daemon import Sidecar
 from memwatch.store import open_store
 from memwatch.store.retention import Retention, apply_retention
 from memwatch.store.window import window_rows

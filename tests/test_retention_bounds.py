@@ -113,7 +113,7 @@ def test_over_the_cap_a_live_run_keeps_its_tail_and_its_last_evidence_and_nothin
 
 
 def test_the_sidecar_queues_the_caps_steps_through_its_writer(tmp_path: Path, runtime_dir: Path) -> None:
-    from memwatch.daemon import Sidecar
+    from memwatch.sidecar.daemon import Sidecar
 
     db_path = tmp_path / "m.db"
     db = open_store(db_path)

@@ -6,8 +6,8 @@ import random
 import sqlite3
 from pathlib import Path
 
-from memwatch.collector import Collector
-from memwatch.ring_state import MAX_SHAPES, RingState
+from memwatch.sidecar.collector import Collector
+from memwatch.sidecar.ring_state import MAX_SHAPES, RingState
 from memwatch.store import open_store
 from memwatch.store.sample_insert import NULLABLE_FIELDS, nullable_fields, raw_sample_insert, single_phase
 from memwatch.store.writer import StoreWriter

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from memwatch.daemon import Sidecar
-from memwatch.pacing import BATCH_TARGET, MAX_WAIT_INTERVALS, pace
+from memwatch.sidecar.daemon import Sidecar
+from memwatch.sidecar.pacing import BATCH_TARGET, MAX_WAIT_INTERVALS, pace
 from memwatch_engine import Monitor
 
 from probes import ScriptedProbe

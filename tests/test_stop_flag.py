@@ -16,12 +16,12 @@ import threading
 import time
 from pathlib import Path
 
-from memwatch.stop_flag import StopFlag
+from memwatch.sidecar.stop_flag import StopFlag
 
 ROOT = Path(__file__).resolve().parents[1]
 STRESS = """
 import os, signal, sys, threading, time
-from memwatch.stop_flag import StopFlag
+from memwatch.sidecar.stop_flag import StopFlag
 
 flag = StopFlag()
 signal.signal(signal.SIGUSR1, lambda signum, frame: flag.set())

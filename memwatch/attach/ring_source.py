@@ -4,7 +4,7 @@
 its descendants (tensor-parallel workers), reads them from their oldest record, and runs the same
 ledger and detectors the sidecar runs. It only ever reads the shared memory: the engine's per-step
 cost does not change while someone watches (``bench/bench_attach.py`` measures it). An engine in a
-container of its own wrote its pid there, not ours: it is translated (:mod:`memwatch.hostpids`).
+container of its own wrote its pid there, not ours: it is translated (:mod:`memwatch.attach.hostpids`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from memwatch_engine.runtime import RING_SUFFIX, default_runtime_dir, is_private
 from ..detectors import DetectorSet
 from ..errors import NotFoundError
 from ..hostinfo import HostWatcher
-from ..hostpids import host_pid
-from ..liveness import same_pid_namespace
 from ..records import Sample
 from ..ring_records import typed_records
+from ..sidecar.liveness import same_pid_namespace
+from .hostpids import host_pid
 from .snapshot import GpuUsage, RankLedger, Snapshot
 
 RATE_WINDOW_NS = 5_000_000_000

@@ -11,7 +11,7 @@ import click
 
 from ..identity import describe, stored_places
 from ..losses import lost_per_run
-from ..rejected_rings import set_aside_notes
+from ..sidecar.rejected_rings import set_aside_notes
 from ..store import open_store
 from ..store.queries import list_runs
 from ..terminal import printable

@@ -9,8 +9,8 @@ import click
 
 from memwatch_engine.runtime import trusted_uids
 
-from ..daemon import NO_RING_AFTER_S, Sidecar, SidecarRunning
 from ..detectors import DetectorConfig
+from ..sidecar.daemon import NO_RING_AFTER_S, Sidecar, SidecarRunning
 from ..store.moments import parse_duration_ns
 from ..store.retention import DEFAULT_EVIDENCE_NS, DEFAULT_FULL_NS, DEFAULT_ROLLUPS_NS, Retention
 from ..units import parse_bytes
@@ -117,7 +117,7 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
         click.echo(f"memwatch serve: exporting to {', '.join(where)}", err=True)
     endpoint = None
     if health_at is not None:
-        from ..health import STALE_AFTER_S, HealthEndpoint
+        from ..sidecar.health import STALE_AFTER_S, HealthEndpoint
 
         endpoint = HealthEndpoint(*health_at, lambda: sidecar.health(STALE_AFTER_S))
         try:

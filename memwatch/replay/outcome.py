@@ -6,11 +6,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from memwatch.collector import Collector
-from memwatch.live import LiveDetectors
 from memwatch.records import Event
 from memwatch.replay.workload import ARRIVED, FINISHED, request_key, scheduler_ranks, workload_rank
 from memwatch.report.check import check_run
+from memwatch.sidecar.collector import Collector
+from memwatch.sidecar.live import LiveDetectors
 from memwatch.store import open_store
 from memwatch.store.db import Database
 from memwatch.store.queries import events as run_events

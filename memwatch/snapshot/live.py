@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from memwatch.errors import MemwatchError, UsageError
-from memwatch.log_limit import LogLimiter
 from memwatch.records import Event, Sample
+from memwatch.sidecar.log_limit import LogLimiter
 from memwatch.snapshot.importer import snapshot_events
 from memwatch.snapshot.reader import MemorySnapshot
 from memwatch.snapshot.untrusted import DEFAULT_LIMITS, Limits, checked, open_snapshot, read_open, stop_readers

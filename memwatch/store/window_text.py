@@ -9,7 +9,7 @@ A long window is read in two halves at once, the later one by a forked child pro
 allocator (its memory statistics take a global lock), and gained 12 ms. SQLite forbids carrying a
 connection across a fork, so the window is planned on the caller's connection, which is then closed,
 and each half opens its own. The child pays only with a CPU idle for it: on a busy machine the halves
-wait for each other, so by default both are read here then (``jobs``, :func:`memwatch.cpus.cpu_to_spare`).
+wait for each other, so by default both are read here then (``jobs``, :func:`memwatch.store.cpus.cpu_to_spare`).
 
 Two things the table needs besides the rows are planned from index probes: notes (lines about lost
 samples) are sorted in with the rows, and rows that repeat the one shown before them at the same
@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..cpus import cpu_to_spare
 from ..errors import UnavailableError
 from ..records import Sample
+from .cpus import cpu_to_spare
 from .db import readonly_uri
 from .window import RAW_SELECT, key_range_where, run_key, stored_ranks
 

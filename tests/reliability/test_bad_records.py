@@ -9,7 +9,7 @@ import os
 import sqlite3
 from pathlib import Path
 
-from memwatch.collector import Collector
+from memwatch.sidecar.collector import Collector
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine import Monitor

@@ -236,7 +236,7 @@ or None where the value is neither certainly bad nor certainly good (then: one c
 
 @pytest.fixture(scope="module")
 def fuzz_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from memwatch.collector import Collector
+    from memwatch.sidecar.collector import Collector
     from memwatch.store import open_store
     from memwatch.store.writer import StoreWriter
 

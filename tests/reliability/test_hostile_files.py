@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from memwatch.collector import Collector
+from memwatch.sidecar.collector import Collector
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine import Monitor

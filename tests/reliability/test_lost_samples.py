@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from memwatch.attach.ring_source import RingSource
-from memwatch.collector import Collector
+from memwatch.sidecar.collector import Collector
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine import Monitor

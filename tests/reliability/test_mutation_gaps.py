@@ -11,9 +11,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from memwatch.collector import writer_alive
 from memwatch.detectors import DetectorConfig
 from memwatch.flags import KV_PRESSURE
+from memwatch.sidecar.collector import writer_alive
 from memwatch_engine.liveness import process_start_ticks
 
 from synthetic import SyntheticRun, run_flags
@@ -63,7 +63,7 @@ def test_kv_pressure_fires_at_exactly_the_usage_threshold_and_not_below() -> Non
 
 
 def _collector_over(runtime_dir: Path, db_path: Path):
-    from memwatch.collector import Collector
+    from memwatch.sidecar.collector import Collector
     from memwatch.store import open_store
     from memwatch.store.writer import StoreWriter
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from memwatch.collector import Collector
-from memwatch.live import LiveDetectors
-from memwatch.record_checks import EVENT_FIELDS, MAX_TS_NS
+from memwatch.sidecar.collector import Collector
+from memwatch.sidecar.live import LiveDetectors
+from memwatch.sidecar.record_checks import EVENT_FIELDS, MAX_TS_NS
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine.ring import RingWriter

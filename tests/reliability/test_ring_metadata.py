@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from memwatch import rejected_rings
 from memwatch.cli import main
-from memwatch.record_checks import META_FIELDS
+from memwatch.sidecar import rejected_rings
+from memwatch.sidecar.record_checks import META_FIELDS
 from memwatch_engine.ring import RingWriter
 from memwatch_engine.ring_format import _HEADER, HEADER_SIZE, META_OFFSET
 from memwatch_engine.ring_reader import RingReader
@@ -149,7 +149,7 @@ def test_a_state_directory_on_another_file_system_refuses_the_ring_by_name_and_s
         runtime_dir: Path, db_path: Path) -> None:
     import tempfile
 
-    from memwatch.collector import Collector
+    from memwatch.sidecar.collector import Collector
     from memwatch.store import open_store
     from memwatch.store.writer import StoreWriter
     from memwatch_engine.dirfd import open_dir

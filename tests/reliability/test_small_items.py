@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from memwatch.cli import main
-from memwatch.collector import Collector
+from memwatch.sidecar.collector import Collector
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine import Monitor

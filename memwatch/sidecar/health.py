@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .export.http_serving import HttpListener, Reply
+from ..export.http_serving import HttpListener, Reply
 
 STALE_AFTER_S = 30.0
 

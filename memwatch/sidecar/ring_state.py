@@ -7,7 +7,7 @@ from pathlib import Path
 
 from memwatch_engine.ring_reader import RingHeader, RingReader
 
-from .store.sample_insert import nullable_fields, raw_sample_insert, single_phase
+from ..store.sample_insert import nullable_fields, raw_sample_insert, single_phase
 
 MAX_SHAPES = 16
 """Sample statements kept per ring: a serving engine's drains come in one or two shapes, but a writer that

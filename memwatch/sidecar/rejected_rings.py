@@ -49,7 +49,7 @@ def set_aside_ring(writer: Any, runtime_fd: int, state_fd: int | None, name: str
     ``ident`` is the (device, inode) of the file that was opened and judged: only that file is moved.
     Returns whether it was moved.
     """
-    from .store.writer import Batch, WriterStalled  # the sidecar's path; ``memwatch runs`` does not pay for it
+    from ..store.writer import Batch, WriterStalled  # the sidecar's path; ``memwatch runs`` does not pay for it
 
     where = move_aside(runtime_fd, state_fd, name, ident)
     line = f"ignoring ring {name}: {why}; {where}"

@@ -21,15 +21,15 @@ from typing import Any
 
 from memwatch_engine.ring_reader import RingHeader
 
-from .detectors import INERT_EVENTS, DetectorConfig, DetectorSet, RankSummary
-from .detectors.batch import DrainColumns
-from .flags import EXTERNAL_PROCESS, Flag
-from .ledger import LedgerTerms
-from .nvml import GpuProcess, Nvml
-from .records import Event, Sample
-from .ring_records import RingDrain
-from .store.summaries import UPSERT_MINUTE, UPSERT_SUMMARY, config_key, minute_rows, summary_params
-from .units import format_bytes
+from ..detectors import INERT_EVENTS, DetectorConfig, DetectorSet, RankSummary
+from ..detectors.batch import DrainColumns
+from ..flags import EXTERNAL_PROCESS, Flag
+from ..ledger import LedgerTerms
+from ..nvml import GpuProcess, Nvml
+from ..records import Event, Sample
+from ..ring_records import RingDrain
+from ..store.summaries import UPSERT_MINUTE, UPSERT_SUMMARY, config_key, minute_rows, summary_params
+from ..units import format_bytes
 
 log = logging.getLogger("memwatch.flags")
 
@@ -43,7 +43,7 @@ def flag_row(flag: Flag) -> tuple[Any, ...]:
 
 
 class LiveDetectors:
-    """Observer for :class:`memwatch.collector.Collector` that runs the detectors on every record."""
+    """Observer for :class:`memwatch.sidecar.collector.Collector` that runs the detectors on every record."""
 
     def __init__(
         self,

@@ -23,16 +23,16 @@ from memwatch_engine.dirfd import file_id
 from memwatch_engine.ring import RUN_ID_PATTERN, RingFormatError
 from memwatch_engine.ring_reader import RingHeader, RingReader
 
+from ..losses import reported_lost
+from ..records import Event, Sample
+from ..ring_records import RingDrain
+from ..store.writer import Batch, StoreWriter, WriterStalled
 from .liveness import ring_writer_alive, writer_alive
-from .losses import reported_lost
 from .record_checks import check_meta, screen
-from .records import Event, Sample
 from .rejected_rings import set_aside_ring
 from .ring_finder import RingFinder
-from .ring_records import RingDrain
 from .ring_state import RingState
 from .run_rows import rank_end, rank_progress, register
-from .store.writer import Batch, StoreWriter, WriterStalled
 
 log = logging.getLogger("memwatch.collector")
 
@@ -66,7 +66,7 @@ class Collector:
         state_fd: int | None = None,
     ) -> None:
         """``runtime_fd``/``state_fd``: descriptors of the runtime directory and of the sidecar's own state
-        directory (:class:`~memwatch.ring_finder.RingFinder`)."""
+        directory (:class:`~memwatch.sidecar.ring_finder.RingFinder`)."""
         self.runtime_dir = Path(runtime_dir)
         self._finder = RingFinder(self.runtime_dir, trust=trust, runtime_fd=runtime_fd, state_fd=state_fd)
         self._writer = writer

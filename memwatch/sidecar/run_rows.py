@@ -7,8 +7,8 @@ from typing import Any
 
 from memwatch_engine.ring_reader import RingHeader
 
-from .identity import COLUMNS as PLACE_COLUMNS
-from .identity import place_from_meta
+from ..identity import COLUMNS as PLACE_COLUMNS
+from ..identity import place_from_meta
 
 Statement = tuple[str, tuple[Any, ...]]
 

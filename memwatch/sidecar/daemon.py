@@ -1,7 +1,7 @@
 """``memwatch serve``: the sidecar process — lock, collector loop, writer thread, clean shutdown.
 
 One sidecar per runtime directory, guarded by a lock on ``sidecar.lock`` in its private state
-directory (:mod:`memwatch.sidecar_files`), held for the process's life (the kernel drops it if the
+directory (:mod:`memwatch.sidecar.sidecar_files`), held for the process's life (the kernel drops it if the
 process dies, so a stale lock cannot block the next one). SIGTERM/SIGINT stop the loop; before
 exiting it drains every ring one last time and waits for the writer, so nothing already in a ring is
 lost by stopping the sidecar. Every ``retention_interval`` seconds it queues, through the writer like
@@ -21,23 +21,23 @@ from typing import TYPE_CHECKING
 from memwatch_engine.dirfd import open_dir
 from memwatch_engine.runtime import RuntimeDirError, ensure_runtime_dir, judge_runtime_dir
 
+from ..detectors import DetectorConfig
+from ..errors import PermissionDeniedError, UnavailableError
+from ..records import Event
+from ..snapshot.live import SnapshotImporter
+from ..store.db import default_db_path, open_store, quick_check
+from ..store.queries import events
+from ..store.retention import Retention, plan_run, plan_size_cap
+from ..store.writer import Batch, StoreWriter
 from .collector import Collector, Observer
-from .detectors import DetectorConfig
-from .errors import PermissionDeniedError, UnavailableError
 from .live import LiveDetectors
 from .pacing import BATCH_TARGET, pace
-from .records import Event
 from .refused_names import REASONS
 from .sidecar_files import PidFile, StateDir, default_state_dir, signal_sidecar
-from .snapshot.live import SnapshotImporter
 from .stop_flag import StopFlag
-from .store.db import default_db_path, open_store, quick_check
-from .store.queries import events
-from .store.retention import Retention, plan_run, plan_size_cap
-from .store.writer import Batch, StoreWriter
 
 if TYPE_CHECKING:  # the exporters (OpenTelemetry) are imported only by a sidecar that runs them
-    from .export import Exporters
+    from ..export import Exporters
 
 log = logging.getLogger("memwatch.serve")
 
@@ -92,7 +92,7 @@ class Sidecar:
         self.db_path = Path(db_path) if db_path is not None else default_db_path()
         self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir(
             self.runtime_dir, runtime_info, self.db_path)
-        """The sidecar's own files: lock, pid file, ``rejected/`` (:mod:`memwatch.sidecar_files`)."""
+        """The sidecar's own files: lock, pid file, ``rejected/`` (:mod:`memwatch.sidecar.sidecar_files`)."""
         self._state: StateDir | None = None
         self.poll_interval = poll_interval
         self.give_up_after = give_up_after
@@ -229,7 +229,7 @@ class Sidecar:
     def run(self) -> None:
         """Poll until stopped (or idle for ``exit_when_idle`` seconds), then drain and close.
 
-        Between polls it waits until the busiest ring holds a batch (:mod:`memwatch.pacing`), looking at the
+        Between polls it waits until the busiest ring holds a batch (:mod:`memwatch.sidecar.pacing`), looking at the
         rings every ``poll_interval``; a ring still holding records past the drain limit (it is behind) is
         drained again at once, and a poll cut short by a full writer queue goes on once the writer has room.
         """
@@ -308,7 +308,7 @@ class Sidecar:
         return "; ".join(words)
 
     def health(self, stale_after: float = 30.0) -> tuple[bool, bool, str]:
-        """(alive, ready, why not) for ``/healthz`` and ``/readyz`` (:mod:`memwatch.health`); when ready, the
+        """(alive, ready, why not) for ``/healthz`` and ``/readyz`` (:mod:`memwatch.sidecar.health`); when ready, the
         third is :meth:`readiness`."""
         writer = getattr(self, "writer", None)
         if writer is not None and (writer.error is not None or not writer.is_alive()):

@@ -1,0 +1,87 @@
+"""The layout of ``memwatch/``: the sidecar in a package of its own, only shared modules at the top.
+
+A module at the top of ``memwatch/`` is read by more than one part (the domain's shared types, the
+entry points). One that only the sidecar imports belongs in ``memwatch/sidecar/``; a new module
+added at the top must be added to :data:`TOP` here, on purpose.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "memwatch"
+
+# The modules kept at the top of memwatch/, each read by several parts (or an entry point).
+TOP = {
+    "__init__", "__main__", "demo", "errors", "flags", "hostinfo", "identity", "ledger", "losses", "nvml",
+    "optional", "records", "ring_records", "sglang_rule", "terminal", "units",
+}
+# The sidecar's own modules (memwatch serve: its loop, its rings' state, liveness, checks).
+SIDECAR = {
+    "daemon", "collector", "live", "ring_state", "pacing", "stop_flag", "liveness", "rejected_rings", "health",
+    "record_checks", "run_rows", "refused_names", "ring_finder", "sidecar_files", "log_limit",
+}
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _imported(path: Path) -> set[str]:
+    """Every ``memwatch.*`` module a file imports, relative imports resolved, ``from X import name`` as X.name too."""
+    package = _module(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return {name for name in found if name == "memwatch" or name.startswith("memwatch.")}
+
+
+def _importers() -> dict[str, set[str]]:
+    """For each module of memwatch/, the modules of memwatch/ that import it."""
+    importers: dict[str, set[str]] = defaultdict(set)
+    for path in PKG.rglob("*.py"):
+        for name in _imported(path):
+            importers[name].add(_module(path))
+    return importers
+
+
+def test_the_top_of_memwatch_holds_only_the_shared_modules():
+    top = {path.stem for path in PKG.glob("*.py")}
+    assert top == TOP
+
+
+def test_the_sidecar_is_a_package_of_its_own():
+    sidecar = {path.stem for path in (PKG / "sidecar").glob("*.py")}
+    assert sidecar == SIDECAR | {"__init__"}
+    assert not SIDECAR & {path.stem for path in PKG.glob("*.py")}
+
+
+def test_no_module_at_the_top_is_read_by_the_sidecar_alone():
+    importers = _importers()
+    for name in {path.stem for path in PKG.glob("*.py")} - {"__init__", "__main__"}:
+        users = importers[f"memwatch.{name}"]
+        assert users, f"memwatch.{name} is imported by nothing in memwatch/"
+        assert not all(user.startswith("memwatch.sidecar.") for user in users), (
+            f"memwatch.{name} is read by the sidecar alone: move it into memwatch/sidecar/"
+        )
+
+
+def test_the_sidecar_package_loads_nothing_by_itself():
+    # attach and the snapshot importer each take one module of it; importing the package must not load the rest.
+    assert _imported(PKG / "sidecar" / "__init__.py") == set()
