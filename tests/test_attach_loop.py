@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from memwatch.attach.hostinfo import ProcessExited
 from memwatch.attach.loop import watch
 from memwatch.attach.snapshot import Snapshot
-from memwatch.hostinfo import ProcessExited
 
 
 class ScriptedClock:

@@ -7,9 +7,9 @@ import socket
 import sqlite3
 from pathlib import Path
 
+from memwatch.attach.hostinfo import HostProcess
 from memwatch.attach.record import RunRecorder, record_snapshots
 from memwatch.attach.snapshot import GpuUsage, ProcessUsage, Snapshot
-from memwatch.hostinfo import HostProcess
 from memwatch.store import open_store
 from memwatch.store.queries import list_runs
 

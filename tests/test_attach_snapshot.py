@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from memwatch.attach.hostinfo import HostProcess
 from memwatch.attach.snapshot import (
     GPU_KEYS,
     HOST_KEYS,
@@ -17,7 +18,6 @@ from memwatch.attach.snapshot import (
     RankLedger,
     Snapshot,
 )
-from memwatch.hostinfo import HostProcess
 
 GIB = 2**30
 

@@ -11,10 +11,10 @@ import psutil
 import pynvml
 import pytest
 
+from memwatch.attach.hostinfo import HostWatcher, ProcessExited
 from memwatch.attach.nvml_source import NvmlSource
 from memwatch.attach.snapshot import GpuUsage, ProcessUsage
 from memwatch.errors import NotFoundError, UnavailableError
-from memwatch.hostinfo import HostWatcher, ProcessExited
 
 from fake_nvml import GIB, FakeNvmlScript
 

@@ -8,9 +8,9 @@ import io
 import pytest
 from rich.console import Console
 
+from memwatch.attach.hostinfo import HostProcess
 from memwatch.attach.snapshot import GpuUsage, ProcessUsage, RankLedger, Snapshot
 from memwatch.attach.view import format_bytes, render, sparkline
-from memwatch.hostinfo import HostProcess
 
 GIB = 2**30
 START_NS = 1_700_000_000_000_000_000

@@ -9,12 +9,12 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from memwatch.attach.hostinfo import HostProcess
 from memwatch.attach.record import record_snapshots
 from memwatch.attach.snapshot import GpuUsage, ProcessUsage, Snapshot
 from memwatch.cli import MemwatchGroup
 from memwatch.cli import explain as explain_cli
 from memwatch.detectors.wording import format_bytes
-from memwatch.hostinfo import HostProcess
 from memwatch.records import Event, Sample
 from memwatch.report import Explanation, explain_records, explain_run
 from memwatch.report.readings import format_time

@@ -1,4 +1,4 @@
-"""memwatch.hostinfo against real processes."""
+"""memwatch.attach.hostinfo against real processes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 import psutil
 import pytest
 
+from memwatch.attach.hostinfo import MIN_CPU_WINDOW_S, HostWatcher, ProcessExited
 from memwatch.errors import NotFoundError, PermissionDeniedError
-from memwatch.hostinfo import MIN_CPU_WINDOW_S, HostWatcher, ProcessExited
 
 NO_SUCH_PID = 4_194_305
 """Above Linux's PID_MAX_LIMIT (2**22), so no process can ever have it."""

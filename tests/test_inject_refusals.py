@@ -84,7 +84,7 @@ AS_NOBODY = """
 import os, sys
 from memwatch.cli import main
 from memwatch.cli.attach import attach
-import memwatch.attach.inject, memwatch.attach.inject_checks, memwatch.hostinfo
+import memwatch.attach.inject, memwatch.attach.inject_checks, memwatch.attach.hostinfo
 main.add_command(attach)
 os.setgid(65534)
 os.setuid(65534)

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from memwatch.cli import main
-from memwatch.demo import render, summarise
+from memwatch.sim.demo import render, summarise
 from memwatch.sim.scenario import Scenario
 
 from processes import query

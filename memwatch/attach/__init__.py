@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..hostinfo import HostWatcher
 from ..nvml import NvmlUnavailable
+from .hostinfo import HostWatcher
 from .loop import watch
 from .nvml_source import NvmlSource
 from .ring_source import RingSource, find_rings

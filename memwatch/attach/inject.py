@@ -128,7 +128,7 @@ def inject(pid: int, *, interval_s: float = 1.0, timeout_s: float = DEFAULT_TIME
 
 def detach(pid: int, *, timeout_s: float = DEFAULT_TIMEOUT_S, runtime_dir: Path | None = None) -> list[int]:
     """Undo an injection in ``pid`` and its ranks' processes; the pids that detached."""
-    from ..hostinfo import HostWatcher
+    from .hostinfo import HostWatcher
 
     directory = ensure_runtime_dir(runtime_dir)
     writers = _recording({pid, *HostWatcher(pid).children()}, directory)
@@ -317,7 +317,7 @@ HELPER_PROCESSES = ("multiprocessing.resource_tracker", "multiprocessing.forkser
 
 def _python_children(pid: int) -> list[int]:
     """The descendants that may be ranks: every one but multiprocessing's own helpers."""
-    from ..hostinfo import HostWatcher
+    from .hostinfo import HostWatcher
 
     ranks = []
     for child in sorted(HostWatcher(pid).children()):

@@ -153,7 +153,7 @@ def _status_field(pid: int, name: str) -> str | None:
 
 def inject_hint(pid: int) -> str | None:
     """What ``--inject`` would do for ``pid``, when it is a Python process that memwatch does not record."""
-    from ..hostinfo import HostWatcher
+    from .hostinfo import HostWatcher
     from .ring_source import find_rings
 
     try:

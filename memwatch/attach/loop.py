@@ -27,7 +27,7 @@ def watch(
     """Snapshots at 0, ``interval_s``, 2 × ``interval_s``, … up to and including ``duration_s``.
 
     Without ``duration_s`` it runs until the process ends, when ``source.poll`` raises
-    :class:`memwatch.hostinfo.ProcessExited` (which propagates to the caller).
+    :class:`memwatch.attach.hostinfo.ProcessExited` (which propagates to the caller).
     """
     if interval_s <= 0:
         raise ValueError("interval_s must be positive")

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import psutil
 
 from ..errors import NotFoundError, UnavailableError
-from ..hostinfo import HostProcess, HostWatcher, ProcessExited
 from ..nvml import GpuDevice, Nvml
+from .hostinfo import HostProcess, HostWatcher, ProcessExited
 from .snapshot import GpuUsage, Snapshot
 
 
@@ -57,7 +57,7 @@ class NvmlSource:
             raise
 
     def poll(self) -> Snapshot:
-        """The process now; raises :class:`memwatch.hostinfo.ProcessExited` once it is gone."""
+        """The process now; raises :class:`memwatch.attach.hostinfo.ProcessExited` once it is gone."""
         host = self._host.sample()
         devices = self._nvml.devices()
         ts_ns = self._clock()

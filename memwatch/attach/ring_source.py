@@ -20,10 +20,10 @@ from memwatch_engine.runtime import RING_SUFFIX, default_runtime_dir, is_private
 
 from ..detectors import DetectorSet
 from ..errors import NotFoundError
-from ..hostinfo import HostWatcher
 from ..records import Sample
 from ..ring_records import typed_records
 from ..sidecar.liveness import same_pid_namespace
+from .hostinfo import HostWatcher
 from .hostpids import host_pid
 from .snapshot import GpuUsage, RankLedger, Snapshot
 

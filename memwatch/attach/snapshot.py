@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..hostinfo import HostProcess
 from ..nvml import GpuProcess
+from .hostinfo import HostProcess
 
 SNAPSHOT_KEYS = ("ts_ns", "pid", "source", "host", "gpus", "ranks")
 HOST_KEYS = (
@@ -116,7 +116,7 @@ class Snapshot:
 
 
 class Source(Protocol):
-    """Where snapshots come from. ``poll`` raises :class:`memwatch.hostinfo.ProcessExited` at the end."""
+    """Where snapshots come from. ``poll`` raises :class:`memwatch.attach.hostinfo.ProcessExited` at the end."""
 
     def poll(self) -> Snapshot: ...
 

@@ -13,12 +13,12 @@ import click
 from click.core import ParameterSource
 
 from ..attach import open_source, watch
+from ..attach.hostinfo import ProcessExited
 from ..attach.inject_checks import check_all, inject_hint
 from ..attach.record import RunRecorder
 from ..attach.snapshot import Snapshot, Source
 from ..attach.view import TREND_POINTS, render
 from ..errors import UsageError
-from ..hostinfo import ProcessExited
 from ..terminal import printable
 from .options import Seconds, db_option, json_option
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..demo import check_writable, render, run_demo
+from ..sim.demo import check_writable, render, run_demo
 from ..store import default_db_path
 from .options import Text, db_option, json_option
 

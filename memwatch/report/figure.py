@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from memwatch.flags import SEVERITIES, Flag
-from memwatch.optional import require
 from memwatch.report.labels import MARK_PX, label_rows, mark_levels
+from memwatch.report.optional import require
 from memwatch.report.run_data import STACK_TERMS, RankData, RunData
 
 GIB = float(1 << 30)

@@ -12,9 +12,9 @@ import html
 from datetime import UTC, datetime
 from typing import Any
 
-from memwatch.optional import require
 from memwatch.report.facts import RankFacts, run_facts
 from memwatch.report.figure import build_figure
+from memwatch.report.optional import require
 from memwatch.report.run_data import RunData
 from memwatch.units import format_bytes
 

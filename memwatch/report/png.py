@@ -10,7 +10,6 @@ import bisect
 from pathlib import Path
 from typing import Any
 
-from memwatch.optional import require
 from memwatch.report.figure import (
     CRASH_COLOR,
     GIB,
@@ -23,6 +22,7 @@ from memwatch.report.figure import (
     phase_label_rows,
     seconds,
 )
+from memwatch.report.optional import require
 from memwatch.report.run_data import STACK_TERMS, RankData, RunData
 
 WIDTH_IN, MEMORY_IN, KV_IN, DPI = 12.0, 3.6, 1.6, 110

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import psutil
 
-from .errors import NotFoundError, PermissionDeniedError
+from ..errors import NotFoundError, PermissionDeniedError
 
 MIN_CPU_WINDOW_S = 0.1
 """Shortest time the first CPU percent is measured over (ten kernel ticks)."""

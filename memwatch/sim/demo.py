@@ -20,15 +20,15 @@ from typing import IO, Any
 
 from memwatch_engine.spawn import sidecar_running
 
-from .errors import PermissionDeniedError, UnavailableError
-from .ledger import engine_block_count
-from .report.ledger_text import LedgerLine, render_lines
-from .sim.run import run_scenario
-from .sim.scenario import Scenario
-from .store import default_db_path, open_store
-from .store.db import read_only_mount
-from .store.queries import Run, events, get_run
-from .units import format_bytes
+from ..errors import PermissionDeniedError, UnavailableError
+from ..ledger import engine_block_count
+from ..report.ledger_text import LedgerLine, render_lines
+from ..store import default_db_path, open_store
+from ..store.db import read_only_mount
+from ..store.queries import Run, events, get_run
+from ..units import format_bytes
+from .run import run_scenario
+from .scenario import Scenario
 
 
 @dataclass
