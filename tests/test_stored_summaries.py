@@ -36,7 +36,8 @@ def test_stored_summaries_give_the_replays_answers(scenario: str, runtime_dir: P
     run, records = stored_records(db, run_id)
     _same_check(check_run(db, run_id).to_dict(), check_records(records, None, run.status, run.started_ns,
                                                                     run.engine).to_dict())
-    fast, slow = explain_run(db, run_id).to_dict(), explain_records(records, None, run.status, run.started_ns).to_dict()
+    fast = explain_run(db, run_id).to_dict()
+    slow = explain_records(records, None, run.status, run.started_ns, run.engine).to_dict()
     assert fast == slow
     # A leak outside PyTorch crashes its rank; another process's memory makes PyTorch's allocator fail.
     assert fast["outcome"] == {"clean_tp2": "ok", "non_torch_leak_tp2": "crashed", "other_process_oom": "oom"}[scenario]
@@ -53,7 +54,8 @@ def test_other_thresholds_or_a_partial_summary_replay(runtime_dir: Path, db_path
     with db.conn:
         db.execute("UPDATE rank_summaries SET complete = 0")
     assert not stored_run(db, run_id).from_summaries
-    assert explain_run(db, run_id).to_dict() == explain_records(records, None, run.status, run.started_ns).to_dict()
+    replayed = explain_records(records, None, run.status, run.started_ns, run.engine)
+    assert explain_run(db, run_id).to_dict() == replayed.to_dict()
     assert dataclasses.asdict(strict) != dataclasses.asdict(DetectorConfig())
 
 

@@ -51,7 +51,7 @@ def graphs_captured_after_sizing(summary: RankSummary, capture_ns: int | None) -
     return graphs if graphs > 0 else None
 
 
-def _capture_ns(events: Iterable[Event]) -> dict[int, int]:
+def capture_ns(events: Iterable[Event]) -> dict[int, int]:
     """Each rank's first ``cudagraph`` phase start."""
     starts: dict[int, int] = {}
     for event in events:
@@ -187,7 +187,7 @@ def check_records(records: Iterable[Sample | Event], config: DetectorConfig | No
     last_free = {rank: None if r.last is None else r.last.driver_free_bytes for rank, r in readings.items()}
     truth = truth_from(run_id or "", status, (r for r in records if isinstance(r, Event)), replayed.ranks,
                        replayed.flags, last_free)
-    capture = _capture_ns(r for r in records if isinstance(r, Event))
+    capture = capture_ns(r for r in records if isinstance(r, Event))
     ranks = tuple(RankCheck.from_summary(summary, truth, engine,
                                          graphs_captured_after_sizing(summary, capture.get(rank)))
                   for rank, summary in sorted(replayed.ranks.items()))
@@ -205,7 +205,7 @@ def check_run(db: Database, ref: str, config: DetectorConfig | None = None) -> C
     run = state.run
     readings = stored_readings(db, run.run_id, state.summaries)
     truth = run_truth(db, run.run_id, config, state=state, readings=readings)
-    capture = _stored_capture_ns(db, run.run_id) if run.engine in GRAPHS_OUTSIDE_BUDGET else {}
+    capture = stored_capture_ns(db, run.run_id) if run.engine in GRAPHS_OUTSIDE_BUDGET else {}
     ranks = tuple(RankCheck.from_summary(summary, truth, run.engine,
                                          graphs_captured_after_sizing(summary, capture.get(rank)))
                   for rank, summary in sorted(state.summaries.items()))
@@ -213,7 +213,7 @@ def check_run(db: Database, ref: str, config: DetectorConfig | None = None) -> C
                        tuple(readings[rank] for rank in sorted(readings)), run.started_ns, truth)
 
 
-def _stored_capture_ns(db: Database, run_id: str) -> dict[int, int]:
+def stored_capture_ns(db: Database, run_id: str) -> dict[int, int]:
     """Each rank's first ``cudagraph`` phase start, from the stored events."""
     rows = db.execute("SELECT rank, MIN(ts_ns) FROM events WHERE run_id = ? AND kind = 'phase_start'"
                       " AND json_extract(data, '$.phase') = 'cudagraph' GROUP BY rank", (run_id,)).fetchall()

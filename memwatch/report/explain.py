@@ -11,7 +11,7 @@ Which terms grew, and how the last window changed, is measured in :mod:`memwatch
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,8 @@ from memwatch.detectors.wording import format_bytes, format_count, format_durati
 from memwatch.flags import OOM, Flag
 from memwatch.records import Event, Sample
 from memwatch.report.causes import OomFacts, mechanism_sentence, rank_causes
+from memwatch.report.check import graphs_sentence
+from memwatch.report.graphs import replayed_graphs_outside_budget, stored_graphs_outside_budget
 from memwatch.report.growth import TermGrowth, WindowChange, last_window, term_growths, window_sentence
 from memwatch.report.points import ListPoints, Points
 from memwatch.report.readings import (
@@ -111,11 +113,21 @@ class Explanation:
     started_ns: int | None = None
     flag_kinds: tuple[tuple[str, int], ...] = ()
     """How many flags of each kind, most first."""
+    engine: str | None = None
+    cuda_graphs: tuple[tuple[int, int], ...] = ()
+    """Per rank, CUDA graphs captured after sizing that the engine's budget leaves out (``check``'s number)."""
+
+    @property
+    def graphs_sentences(self) -> list[str]:
+        """Memory above the budget that is no leak, said as ``check`` says it."""
+        if self.engine is None:
+            return []
+        return [f"rank {rank}: {graphs_sentence(self.engine, graphs)}." for rank, graphs in self.cuda_graphs]
 
     @property
     def sentences(self) -> list[str]:
         if self.ooms and self.outcome not in ENDED_BADLY:
-            return [sentence for oom in self.ooms for sentence in oom.sentences]
+            return [sentence for oom in self.ooms for sentence in oom.sentences] + self.graphs_sentences
         if self.outcome == "empty":
             return ["no samples were recorded: nothing to explain"]
         flags = _flags_said(self.flag_count, self.flag_kinds)
@@ -133,18 +145,27 @@ class Explanation:
             lead = ["no rank ran out of memory; " + flags + "."]
         unsized = [sentence for readings in self.readings if readings.rank in self.unsized_ranks
                    for sentence in readings.unsized_sentences()]
-        return lead + [tight.sentence for tight in self.tightest] + unsized
+        return lead + [tight.sentence for tight in self.tightest] + self.graphs_sentences + unsized
 
     def to_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "outcome": self.outcome, "status": self.status, "flag_count": self.flag_count,
                 "ooms": [asdict(oom) for oom in self.ooms], "tightest": [asdict(t) for t in self.tightest],
                 "unsized_ranks": list(self.unsized_ranks), "flag_kinds": dict(self.flag_kinds),
-                "readings": [readings.to_dict() for readings in self.readings], "sentences": self.sentences}
+                "readings": [readings.to_dict() for readings in self.readings], "ranks": self._ranks(),
+                "sentences": self.sentences}
+
+    def _ranks(self) -> list[dict[str, Any]]:
+        """Per rank, the keys ``check --json`` has for it too, with the same numbers."""
+        graphs = dict(self.cuda_graphs)
+        return [{"rank": readings.rank, "cuda_graphs_outside_budget_bytes": graphs.get(readings.rank)}
+                for readings in self.readings]
 
 
 def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | None = None,
-                    status: str | None = None, started_ns: int | None = None) -> Explanation:
-    """Replay one run's records (in time order) and explain how it ended (``status``: the run's stored one)."""
+                    status: str | None = None, started_ns: int | None = None,
+                    engine: str | None = None) -> Explanation:
+    """Replay one run's records (in time order) and explain how it ended (``status``: the run's stored one;
+    ``engine``: the run's, which says whether CUDA graphs captured after sizing are outside its budget)."""
     detectors = DetectorSet(config)
     flags: list[Flag] = []
     histories: dict[int, _RankHistory] = {}
@@ -152,10 +173,12 @@ def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | 
     readings: dict[int, RankReadings] = {}
     ended: set[int] = set()
     run_id = None
+    events: list[Event] = []
     for record in records:
         run_id = record.run_id
         history = histories.setdefault(record.rank, _RankHistory())
         if isinstance(record, Event):
+            events.append(record)
             if record.kind == "run_end":
                 ended.add(record.rank)
             flags.extend(detectors.on_event(record))
@@ -179,15 +202,18 @@ def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | 
         ooms = crash_ends(readings, set(readings) - ended)
     points: dict[int, Points] = {rank: ListPoints([p for p in histories[rank].points if p.ts_ns <= oom.ts_ns])
                                  for rank, oom in ooms.items()}
-    return explain_from(run_id, summaries, ooms, points, flags, detectors.config, status, readings, started_ns)
+    graphs = replayed_graphs_outside_budget(engine, summaries, events)
+    return explain_from(run_id, summaries, ooms, points, flags, detectors.config, status, readings, started_ns,
+                        engine, graphs)
 
 
 def explain_from(
     run_id: str | None, summaries: dict[int, RankSummary], ooms: dict[int, Event], points: dict[int, Points],
     flags: list[Flag], config: DetectorConfig, status: str | None, readings: dict[int, RankReadings],
-    started_ns: int | None,
+    started_ns: int | None, engine: str | None = None, graphs: Mapping[int, int] | None = None,
 ) -> Explanation:
-    """The explanation from per-rank summaries and raw readings, each OOM rank's first OOM and points, the flags."""
+    """The explanation from per-rank summaries and raw readings, each OOM rank's first OOM and points, the flags;
+    ``graphs``: per rank, CUDA graphs outside ``engine``'s budget (:mod:`memwatch.report.graphs`)."""
     tolerance = config.activation_tolerance_bytes
     reports = tuple(
         _explain_oom(rank, oom, points[rank], summaries.get(rank, RankSummary(rank)).largest_activation_bytes,
@@ -208,7 +234,8 @@ def explain_from(
         kinds[flag.kind] = kinds.get(flag.kind, 0) + 1
     return Explanation(run_id, outcome, reports, () if reports else tightest, len(flags), status,
                        tuple(readings[rank] for rank in sorted(readings)), unsized, started_ns,
-                       tuple(sorted(kinds.items(), key=lambda item: (-item[1], item[0]))))
+                       tuple(sorted(kinds.items(), key=lambda item: (-item[1], item[0]))), engine,
+                       tuple(sorted((graphs or {}).items())))
 
 
 def explain_run(db: Database, ref: str, config: DetectorConfig | None = None) -> Explanation:
@@ -232,7 +259,8 @@ def explain_run(db: Database, ref: str, config: DetectorConfig | None = None) ->
                                     oom.ts_ns, ledger_events(db, run.run_id, rank, oom.ts_ns),
                                     use_minutes=state.from_summaries)
     return explain_from(run.run_id, state.summaries, ooms, points, state.flags, config or DetectorConfig(),
-                        run.status, readings, run.started_ns)
+                        run.status, readings, run.started_ns, run.engine,
+                        stored_graphs_outside_budget(db, run, state.summaries))
 
 
 def render_explanation(explanation: Explanation) -> str:

@@ -48,6 +48,9 @@ class RankFacts:
     flags: dict[str, int]
     oom_requested_bytes: int | None
     oom_step: int | None
+    cuda_graphs_outside_budget_bytes: int | None = None
+    """CUDA graphs captured after sizing that the engine's budget leaves out: why driver-used may stand above
+    the budget line with no leak (the number ``check`` gives, :mod:`memwatch.report.graphs`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,6 +83,7 @@ def rank_facts(data: RankData) -> RankFacts:
         preemptions=sum(int(e.data.get("count", 1) or 1) for e in data.preemptions),
         flags=flags, oom_requested_bytes=requested if isinstance(requested, int) else None,
         oom_step=None if oom is None else oom.step,
+        cuda_graphs_outside_budget_bytes=data.cuda_graphs_outside_budget_bytes,
     )
 
 

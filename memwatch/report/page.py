@@ -12,6 +12,7 @@ import html
 from datetime import UTC, datetime
 from typing import Any
 
+from memwatch.report.check import graphs_sentence
 from memwatch.report.facts import RankFacts, run_facts
 from memwatch.report.figure import build_figure
 from memwatch.report.optional import require
@@ -57,7 +58,10 @@ def _time(ns: int | None) -> str:
 def _summary_table(facts: list[RankFacts]) -> str:
     head = "".join(f"<th>rank {f.rank}</th>" for f in facts)
     body = []
-    for key, label in _FACT_ROWS:
+    rows = _FACT_ROWS
+    if any(f.cuda_graphs_outside_budget_bytes is not None for f in facts):
+        rows += (("cuda_graphs_outside_budget_bytes", "CUDA graphs outside the budget"),)
+    for key, label in rows:
         cells = "".join(f"<td>{_cell(key, getattr(f, key))}</td>" for f in facts)
         body.append(f"<tr><th class='l'>{html.escape(label)}</th>{cells}</tr>")
     flags = "".join(
@@ -67,6 +71,17 @@ def _summary_table(facts: list[RankFacts]) -> str:
     )
     body.append(f"<tr><th class='l'>flags</th>{flags}</tr>")
     return f"<table id='summary'><tr><th class='l'></th>{head}</tr>{''.join(body)}</table>"
+
+
+def _findings(data: RunData, facts: list[RankFacts]) -> str:
+    """What the table's numbers mean when they look wrong but are not: CUDA graphs the engine's budget leaves
+    out put driver-used above the budget line on a healthy run."""
+    engine = data.run.engine
+    said = [f"<li>rank {f.rank}: {html.escape(graphs_sentence(engine, f.cuda_graphs_outside_budget_bytes))}.</li>"
+            for f in facts if engine is not None and f.cuda_graphs_outside_budget_bytes is not None]
+    if not said:
+        return ""
+    return ("<ul id='findings'>" + "".join(said) + "</ul><p>The timeline draws them above the budget line.</p>")
 
 
 def _flags_table(data: RunData) -> str:
@@ -106,22 +121,23 @@ def render_page(data: RunData, explanation: str) -> str:
     figure = build_figure(data)
     plot = pio.to_html(figure, validate=False, full_html=False, include_plotlyjs=True, include_mathjax=False,
                        div_id="memwatch-plot", config={"displaylogo": False, "responsive": True})
+    facts = run_facts(data)
     downsampled = any(r.series.downsampled for r in data.ranks)
     note = (" Long ranks are drawn from min/max buckets, so every peak and trough is on the plot."
             if downsampled else "")
-    facts = (f"{html.escape(run.engine or '?')} · {html.escape(run.model or '?')} · "
-             f"{html.escape(run.gpu_name or 'GPU ?')} ({_cell('gpu_total_bytes', run.gpu_total_bytes)}) · "
-             f"{run.rank_count or len(data.ranks)} rank(s) · {_time(run.started_ns)} → {_time(run.ended_ns)} · "
-             f"status <b>{html.escape(run.status or '?')}</b>")
+    header = (f"{html.escape(run.engine or '?')} · {html.escape(run.model or '?')} · "
+              f"{html.escape(run.gpu_name or 'GPU ?')} ({_cell('gpu_total_bytes', run.gpu_total_bytes)}) · "
+              f"{run.rank_count or len(data.ranks)} rank(s) · {_time(run.started_ns)} → {_time(run.ended_ns)} · "
+              f"status <b>{html.escape(run.status or '?')}</b>")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">
 <title>memwatch report: run {html.escape(run.run_id)}</title><style>{_STYLE}</style></head>
 <body>
 <h1>memwatch report: run {html.escape(run.run_id)}</h1>
-<p>{facts}</p>
+<p>{header}</p>
 <h2>What happened</h2><pre id="explain">{html.escape(explanation)}</pre>
-<h2>Summary per rank</h2>{_summary_table(run_facts(data))}
+<h2>Summary per rank</h2>{_summary_table(facts)}{_findings(data, facts)}
 <h2>Timeline</h2>
 <p>Per rank, the ledger stacked up to the driver's used memory against the budget the engine sized for
 (total × utilization); below it, KV blocks in use and preemptions. Phases are shaded, flags are triangles

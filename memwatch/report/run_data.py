@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from memwatch.flags import Flag
 from memwatch.ledger import Ledger
 from memwatch.records import Event, Sample
+from memwatch.report.graphs import stored_graphs_outside_budget
 from memwatch.report.series import DEFAULT_BUCKETS, Series, peak_series
 from memwatch.report.stored import stored_run
 from memwatch.store import open_store
@@ -70,6 +71,8 @@ class RankData:
     sizing: dict[str, Any] | None
     weights_bytes: int | None
     total_bytes: int | None
+    cuda_graphs_outside_budget_bytes: int | None = None
+    """CUDA graphs captured after sizing that the engine's budget leaves out, as ``check`` measures them."""
 
     @property
     def has_kv(self) -> bool:
@@ -184,7 +187,9 @@ def _all_series(db: Database, run_id: str, ranks: list[int], buckets: int) -> li
 def load_run_data(db: Database, ref: str, buckets: int = DEFAULT_BUCKETS) -> RunData:
     """The run ``ref`` (id, unique prefix or ``latest``) ready to draw, at most ``buckets`` buckets per rank."""
     run = get_run(db, ref)
-    all_flags = stored_run(db, run.run_id).flags  # stored by a live sidecar, else replayed as check does
+    state = stored_run(db, run.run_id)  # flags stored by a live sidecar, else replayed as check does
+    all_flags = state.flags
+    graphs = stored_graphs_outside_budget(db, run, state.summaries)
     all_events = events(db, run.run_id)
     ranks_rows = {row["rank"]: row for row in run_ranks(db, run.run_id)}
     rank_ids = sorted(set(ranks_rows) | set(_sample_ranks(db, run.run_id)))
@@ -207,6 +212,7 @@ def load_run_data(db: Database, ref: str, buckets: int = DEFAULT_BUCKETS) -> Run
             sizing=sizing, weights_bytes=next((e.data.get("weights_bytes") for e in rank_events
                                                 if e.kind == "weights_loaded"), None),
             total_bytes=(sizing or {}).get("total_bytes") or run.gpu_total_bytes,
+            cuda_graphs_outside_budget_bytes=graphs.get(rank),
         ))
     start = start if start is not None else run.started_ns or 0
     end = end if end is not None else run.ended_ns or start
