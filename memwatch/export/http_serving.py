@@ -216,6 +216,7 @@ class HttpListener:
     def _accept(self) -> None:
         assert self._sock is not None and self._loop is not None
         now = time.monotonic()
+        squeezed = False  # a connection was closed to free a descriptor for this accept
         for _ in range(ACCEPT_BURST):
             try:
                 sock, _ = self._sock.accept()
@@ -230,6 +231,7 @@ class HttpListener:
                     self._loop.remove_reader(self._sock.fileno())
                     self._loop.call_later(SWEEP_S, self._loop.add_reader, self._sock.fileno(), self._accept)
                     return
+                squeezed = True
                 continue
             sock.setblocking(False)
             if len(self._reading) + len(self._answering) >= self.cap:
@@ -243,6 +245,8 @@ class HttpListener:
             if conn.state == _READING:
                 self._loop.add_reader(conn.fd, self._read, conn)
                 conn.polling = True
+            if squeezed:  # accept() takes a descriptor before it looks for a connection: out of them, another try
+                return    # would evict again with none waiting; the loop calls back while one is
 
     def _read(self, conn: _Conn) -> None:
         try:
