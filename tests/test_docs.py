@@ -121,7 +121,8 @@ def test_the_readme_keeps_what_a_newcomer_needs() -> None:
     assert any(line.startswith("make demo ") for line in first_screen)
     assert any(line.startswith("make test ") for line in first_screen)
     headings = re.findall(r"^## (.+)$", _prose(text), re.M)
-    assert headings == ["A tour", "Instrumenting an engine", "Commands", "Exit codes", "Environment", "Documentation"]
+    assert headings == ["A tour", "Instrumenting an engine", "Commands", "Exit codes", "Environment", "Development",
+                        "Documentation"]
     assert len(text.splitlines()) < 300                                # the rest belongs in docs/
     # every page of the site is listed under Documentation (index.md is the site's own front page)
     listed = set(re.findall(r"\]\(docs/([\w-]+\.md)", _section(text, "Documentation")))
