@@ -9,10 +9,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from ship_s3 import S3Server, free_port
 
 from memwatch.errors import NotFoundError, UnavailableError, UsageError
 from memwatch.incident import objstore
+
+from ship_s3 import S3Server, free_port
 
 NAME = "memwatch-incident-20261204T012345Z-pod-a-run1.tar.gz"
 
@@ -99,7 +100,7 @@ def test_without_obstore_one_line_says_what_to_install(tmp_path):
 
 
 def test_base_commands_never_import_obstore():
-    code = ("import sys, memwatch.cli, memwatch.incident.objstore\n"
+    code = ("import sys, memwatch.cli, memwatch.cli.serve, memwatch.sidecar.daemon, memwatch.incident.ship\n"
             "print('obstore' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from memwatch.errors import (
@@ -102,6 +102,11 @@ def _obstore() -> Any:
     return obstore
 
 
+def require() -> None:
+    """Raise the one-line :class:`UnavailableError` now when obstore is not installed."""
+    _obstore()
+
+
 def memory_store() -> Any:
     """The process's one in-memory store (what ``memory://`` URLs name)."""
     global _memory_store
@@ -112,13 +117,15 @@ def memory_store() -> Any:
         return _memory_store
 
 
-def _cloud_store(root: str) -> Any:
-    """A store for a bucket or container, with bounded timeouts and retries."""
+def _cloud_store(root: str, budget_s: float | None = None) -> Any:
+    """A store for a bucket or container, with bounded timeouts and retries (within ``budget_s`` when given)."""
     obs = _obstore()
-    client = {"connect_timeout": timedelta(seconds=CONNECT_TIMEOUT_S), "timeout": timedelta(seconds=REQUEST_TIMEOUT_S)}
+    budget = max(0.5, budget_s) if budget_s is not None else REQUEST_TIMEOUT_S + RETRY_TIMEOUT_S
+    client = {"connect_timeout": timedelta(seconds=min(CONNECT_TIMEOUT_S, budget)),
+              "timeout": timedelta(seconds=min(REQUEST_TIMEOUT_S, budget))}
     if os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes"):
         client["allow_http"] = True
-    retry = {"max_retries": MAX_RETRIES, "retry_timeout": timedelta(seconds=RETRY_TIMEOUT_S),
+    retry = {"max_retries": MAX_RETRIES, "retry_timeout": timedelta(seconds=min(RETRY_TIMEOUT_S, budget)),
              "backoff": {"init_backoff": timedelta(milliseconds=200), "max_backoff": timedelta(seconds=5), "base": 2}}
     kwargs: dict[str, Any] = {}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
@@ -130,7 +137,7 @@ def _cloud_store(root: str) -> Any:
         raise _translate(exc, root) from None
 
 
-def _store_for(loc: Location, *, write: bool) -> tuple[Any, str]:
+def _store_for(loc: Location, *, write: bool, budget_s: float | None = None) -> tuple[Any, str]:
     """The store and the key within it for a location."""
     if loc.scheme == "memory":
         return memory_store(), loc.key
@@ -147,7 +154,7 @@ def _store_for(loc: Location, *, write: bool) -> tuple[Any, str]:
             return obs.store.LocalStore(str(folder)), key
         except Exception as exc:
             raise _translate(exc, loc.url()) from None
-    return _cloud_store(loc.root), loc.key
+    return _cloud_store(loc.root, budget_s), loc.key
 
 
 def _first_line(exc: BaseException) -> str:
@@ -226,24 +233,29 @@ def list_names(prefix_url: str) -> list[str]:
     return sorted(base.url(str(m["path"])) for m in metas)
 
 
-def put(url: str, path: Path) -> None:
+def put(url: str, path: Path, *, budget_s: float | None = None) -> None:
     """Upload the file at ``path`` to ``url`` if nothing is there yet (put-if-absent).
 
     An object already at ``url`` with the same size counts as this upload done before (a retry after a crash
     between upload and clean-up), so uploading twice never makes two copies; one of another size is refused
-    (exit 2) and never overwritten.
+    (exit 2) and never overwritten. ``budget_s`` shortens the time one call may take (a sidecar's shutdown).
     """
+    try:
+        with open(path, "rb") as file:
+            put_file(url, file, os.fstat(file.fileno()).st_size, budget_s=budget_s)
+    except OSError as exc:
+        raise NotFoundError(f"no such file to upload: {path} ({exc.strerror})") from None
+
+
+def put_file(url: str, file: BinaryIO, size: int, *, budget_s: float | None = None) -> None:
+    """:func:`put` of an open file of ``size`` bytes (the spool hands its files over by descriptor)."""
     loc = parse(url)
-    store, key = _store_for(loc, write=True)
+    store, key = _store_for(loc, write=True, budget_s=budget_s)
     if not key:
         raise UsageError(f"{url!r} names a folder, not an object")
     obs = _obstore()
     try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise NotFoundError(f"no such file to upload: {path} ({exc.strerror})") from None
-    try:
-        obs.put(store, key, path, mode="create", use_multipart=False)
+        obs.put(store, key, file, mode="create", use_multipart=False)
         return
     except Exception as exc:
         from obstore import exceptions as oe

@@ -23,6 +23,7 @@ from memwatch_engine.runtime import RuntimeDirError, ensure_runtime_dir, judge_r
 
 from ..detectors import DetectorConfig
 from ..errors import PermissionDeniedError, UnavailableError
+from ..incident.ship import TERMINATION_LOG
 from ..records import Event
 from ..snapshot.live import SnapshotImporter
 from ..store.db import default_db_path, open_store, quick_check
@@ -33,6 +34,7 @@ from .collector import Collector, Observer
 from .live import LiveDetectors
 from .pacing import BATCH_TARGET, pace
 from .refused_names import REASONS
+from .shipping import Shipping
 from .sidecar_files import PidFile, StateDir, default_state_dir, signal_sidecar
 from .stop_flag import StopFlag
 
@@ -74,6 +76,8 @@ class Sidecar:
         runtime_group: int | None = None,
         state_dir: Path | None = None,
         no_ring_after: float = NO_RING_AFTER_S,
+        bundle_to: str | None = None,
+        termination_log: Path | None = TERMINATION_LOG,
     ) -> None:
         self.trust_uids = frozenset(trust_uids)
         try:
@@ -114,6 +118,10 @@ class Sidecar:
         self._started = 0.0
         self._ring_seen = False
         self._said_no_ring = False
+        self.bundle_to = bundle_to
+        """Where incident bundles are shipped (:mod:`memwatch.sidecar.shipping`); ``None``: they stay on the node."""
+        self.termination_log = termination_log
+        self.shipping: Shipping | None = None
 
     def start(self) -> None:
         try:
@@ -136,6 +144,14 @@ class Sidecar:
                 self.close()
                 raise
             observers = [exporters.state, *observers]
+        if self.bundle_to is not None:
+            assert self._state is not None
+            try:
+                self.shipping = Shipping(self.bundle_to, self._state.fd, self.state_dir, exporters,
+                                         self.termination_log)
+            except Exception:
+                self.close()
+                raise
         if self.detect:
             on_flag = None if exporters is None else exporters.state.on_flag
             live = LiveDetectors(self.detector_config, stored_events=self._stored_events, on_flag=on_flag)
@@ -369,6 +385,9 @@ class Sidecar:
         collector = getattr(self, "collector", None)
         if collector is not None:
             collector.close()  # after the writer: observers hear of the rings whose end committed
+        if self.shipping is not None:
+            self.shipping.close()  # the last uploads, before the exporters' last flush carries their log records
+            self.shipping = None
         if self.exporters is not None:
             self.exporters.close()
             self.exporters = None
