@@ -26,12 +26,13 @@ from processes import wait_for
 from ship_s3 import S3Server, free_port
 
 
-def make_bundle(folder: Path, run: str = "run1", verdict: str = "oom", size: int = 2000) -> Path:
+def make_bundle(folder: Path, run: str = "run1", verdict: str = "oom", size: int = 2000, trigger: str = "oom") -> Path:
     """A stand-in bundle: ``manifest.json`` then a payload of ``size`` random bytes (so gzip keeps it that big)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"memwatch-incident-20261204T0123{len(list(folder.iterdir())):02d}Z-pod-a-{run}.tar.gz"
     with tarfile.open(path, "w:gz") as tar:
-        for name, data in (("manifest.json", json.dumps({"run_id": run, "verdict": verdict}).encode()),
+        manifest = {"run_id": run, "verdict": verdict, "trigger": trigger}
+        for name, data in (("manifest.json", json.dumps(manifest).encode()),
                            ("run.db", os.urandom(size))):
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -87,13 +88,13 @@ def test_enqueue_without_a_sidecar_leaves_the_bundle_where_it_was_built(tmp_path
 
 
 def test_bundle_facts_reads_the_manifest(tmp_path):
-    bundle = make_bundle(tmp_path, run="r7", verdict="crashed")
+    bundle = make_bundle(tmp_path, run="r7", verdict="problems", trigger="crashed")
     with open(bundle, "rb") as f:
-        assert bundle_facts(f) == ("crashed", "r7")
+        assert bundle_facts(f) == ("problems", "crashed", "r7")
     junk = tmp_path / "junk"
     junk.write_bytes(b"\x1f\x8b not really gzip")
     with open(junk, "rb") as f:
-        assert bundle_facts(f) == ("unknown", "unknown")
+        assert bundle_facts(f) == ("unknown", "unknown", "unknown")
 
 
 @pytest.mark.parametrize("kind", ["file", "memory"])
@@ -184,13 +185,13 @@ def test_the_termination_message_holds_the_newest_bundles_within_4_kib(tmp_path)
     message = TerminationMessage(log)
     uri = "s3://bucket/" + "p" * 200 + "/memwatch-incident-x.tar.gz"
     for i in range(40):
-        message(Shipped(f"b{i}", f"{uri}{i}", "oom", "r", 1))
+        message(Shipped(f"b{i}", f"{uri}{i}", "oom", "r", 1, "oom"))
     text = log.read_text()
     lines = text.splitlines()
-    # Each line is "memwatch incident: oom " (23) + the URI (239 + 1 or 2 digits) + "\n": 263 or 264 bytes, so 15
-    # of the newest fit in 4,096 (15 × 264 = 3,960; a 16th would make 4,224).
+    # Each line is "memwatch incident: oom (oom) " (29) + the URI (239 + 1 or 2 digits) + "\n": 269 or 270 bytes,
+    # so 15 of the newest fit in 4,096 (15 × 270 = 4,050; a 16th would make 4,320).
     assert len(text.encode()) <= TERMINATION_LIMIT and len(lines) == 15
-    assert lines[-1] == f"memwatch incident: oom {uri}39" and lines[0].endswith(f"{uri}25")
+    assert lines[-1] == f"memwatch incident: oom (oom) {uri}39" and lines[0].endswith(f"{uri}25")
 
 
 def test_no_termination_file_no_termination_message(tmp_path):

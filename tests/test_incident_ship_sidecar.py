@@ -58,11 +58,12 @@ def test_spooled_bundle_survives_a_stop_while_the_store_is_down_and_ships_once_a
         assert len(incidents) == 1
         assert attributes(incidents[0].attributes) == {
             "run_id": "run-oom", "memwatch.incident.uri": uri, "memwatch.incident.verdict": "oom",
+            "memwatch.incident.trigger": "oom",
             "memwatch.incident.bytes": (spool_bytes := len(server.client().get_object(
                 Bucket=bucket, Key=f"incidents/{bundle.name}")["Body"].read()))}
         assert spool_bytes > 2000
-        assert termination.read_text() == f"memwatch incident: oom {uri}\n"
-        assert f"incident bundle shipped to {uri} (oom)" in out, out
+        assert termination.read_text() == f"memwatch incident: oom (oom) {uri}\n"
+        assert f"incident bundle shipped to {uri} (oom, oom)" in out, out
     finally:
         server.stop()
 

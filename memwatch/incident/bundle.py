@@ -98,6 +98,7 @@ def build(db: Database, ref: str, trigger: str, out_dir: Path, *, cap_bytes: int
         dropped: list[str] = []
         window: dict[str, int | None] = {"full_from_ns": _full_from(database), "full_seconds_dropped": 0}
         rolled = 0
+        shrinkable = True
         while True:
             files = {m.DATABASE: database.read_bytes(), **accounts}
             if tail:
@@ -111,9 +112,13 @@ def build(db: Database, ref: str, trigger: str, out_dir: Path, *, cap_bytes: int
             if len(archive) <= cap_bytes:
                 break
             span = _full_span(database)
-            if span > MIN_WINDOW_NS:
+            more = 0
+            if span > MIN_WINDOW_NS and shrinkable:
                 keep = max(MIN_WINDOW_NS, int(span * cap_bytes / len(archive) * 0.8))
-                rolled += _shorten(database, run.run_id, keep)
+                more = _shorten(database, run.run_id, keep)
+                shrinkable = more > 0 and keep > MIN_WINDOW_NS  # at the shortest window, or nothing left to roll
+            if more:
+                rolled += more
                 window["full_from_ns"] = _full_from(database)
                 if "full-resolution window shortened" not in dropped:
                     dropped.append("full-resolution window shortened")

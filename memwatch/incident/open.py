@@ -81,7 +81,7 @@ class _Bounded(io.RawIOBase):
 
     def __init__(self, data: bytes, limit: int) -> None:
         self._gzip = gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb")
-        self._left = limit
+        self._left = self._limit = limit
 
     def readable(self) -> bool:
         return True
@@ -90,14 +90,16 @@ class _Bounded(io.RawIOBase):
         want = min(len(buffer), self._left + 1)
         chunk = self._gzip.read(want)
         if len(chunk) > self._left:
-            raise BundleError(f"the bundle unpacks to over {MAX_UNPACKED_BYTES:,} bytes; not a memwatch bundle")
+            raise BundleError(f"the bundle unpacks to over {self._limit:,} bytes; not a memwatch bundle")
         self._left -= len(chunk)
         buffer[:len(chunk)] = chunk
         return len(chunk)
 
 
-def read_members(data: bytes, limit: int = MAX_UNPACKED_BYTES) -> dict[str, bytes]:
-    """The members of a bundle's bytes by name, every rule of the module's docstring applied."""
+def read_members(data: bytes, limit: int | None = None) -> dict[str, bytes]:
+    """The members of a bundle's bytes by name, every rule of the module's docstring applied; at most ``limit``
+    bytes decompressed (default :data:`MAX_UNPACKED_BYTES`)."""
+    limit = MAX_UNPACKED_BYTES if limit is None else limit
     members: dict[str, bytes] = {}
     try:
         with tarfile.open(fileobj=_Bounded(data, limit), mode="r|") as tar:

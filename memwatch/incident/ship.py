@@ -54,13 +54,19 @@ class Shipped:
     verdict: str
     run_id: str
     size_bytes: int
+    trigger: str = "unknown"
+    """What made the sidecar build it: ``oom``, ``crashed``, ``error``, a critical flag, ``shutdown``, ``manual``."""
+
+    def line(self) -> str:
+        """``<verdict> (<trigger>) <URI>``: how the log and the termination message name it."""
+        return f"{self.verdict} ({self.trigger}) {self.uri}"
 
 
 Announcer = Callable[[Shipped], None]
 
 
-def bundle_facts(file: object) -> tuple[str, str]:
-    """(verdict, run id) from the spooled bundle's ``manifest.json`` ("unknown" where it cannot say).
+def bundle_facts(file: object) -> tuple[str, str, str]:
+    """(verdict, trigger, run id) from the spooled bundle's ``manifest.json`` ("unknown" where it cannot say).
 
     The bundle is the sidecar's own, in its private spool; even so the read is bounded (the manifest's size) and
     every field type-checked, and a bundle that cannot be read is still shipped.
@@ -75,13 +81,14 @@ def bundle_facts(file: object) -> tuple[str, str]:
                     data = tar.extractfile(member)
                     raw = json.loads(data.read(MANIFEST_LIMIT)) if data is not None else {}
                     if isinstance(raw, dict):
-                        verdict = raw.get("verdict") or raw.get("trigger")
-                        run_id = raw.get("run_id")
-                        return (verdict[:200] if isinstance(verdict, str) else "unknown",
-                                run_id[:200] if isinstance(run_id, str) else "unknown")
+                        return tuple(_text(raw.get(key)) for key in ("verdict", "trigger", "run_id"))  # type: ignore[return-value]
     except (OSError, tarfile.TarError, ValueError, EOFError):
         pass
-    return "unknown", "unknown"
+    return "unknown", "unknown", "unknown"
+
+
+def _text(value: object) -> str:
+    return value[:200] if isinstance(value, str) and value else "unknown"
 
 
 class TerminationMessage:
@@ -98,7 +105,7 @@ class TerminationMessage:
     def __call__(self, shipped: Shipped) -> None:
         if self.path is None:
             return
-        self._lines.append(f"memwatch incident: {shipped.verdict} {shipped.uri}")
+        self._lines.append(f"memwatch incident: {shipped.line()}")
         text = ""
         for line in reversed(self._lines):  # the newest always fits (a URI is far below 4 KiB); then older ones
             candidate = line + "\n" + text
@@ -224,12 +231,12 @@ class Shipper:
                 self._failing = True
                 return False
             file.seek(0)
-            verdict, run_id = bundle_facts(file)
+            verdict, trigger, run_id = bundle_facts(file)
         if self._failing:
             log.warning("shipping bundles to %s again", self.dest)
             self._failing = False
-        shipped = Shipped(name, url, verdict, run_id, info.st_size)
-        log.warning("run %s: incident bundle shipped to %s (%s)", run_id, url, verdict)
+        shipped = Shipped(name, url, verdict, run_id, info.st_size, trigger)
+        log.warning("run %s: incident bundle shipped to %s (%s, %s)", run_id, url, verdict, trigger)
         for announce in self.announcers:
             try:
                 announce(shipped)

@@ -8,8 +8,11 @@ the last bundles are built and before the exporters' last flush, so their log re
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from memwatch_engine.dirfd import private_subdir
 
 from ..incident import objstore, spool
 from ..incident.ship import SHUTDOWN_BUDGET_S, TERMINATION_LOG, Announcer, Shipper, TerminationMessage
@@ -18,6 +21,8 @@ if TYPE_CHECKING:
     from ..export import Exporters
 
 log = logging.getLogger("memwatch.serve")
+
+BUILD_DIR = "incidents"
 
 
 class Shipping:
@@ -28,6 +33,10 @@ class Shipping:
         objstore.parse(dest)
         objstore.require()  # obstore missing: one line at start, not at the first incident
         self.spool = spool.Spool(state_fd, state_dir)
+        build_fd = private_subdir(state_fd, BUILD_DIR, shown=state_dir / BUILD_DIR)
+        os.close(build_fd)
+        self.build_dir = state_dir / BUILD_DIR
+        """Where the sidecar builds bundles when shipping them (private, beside the spool)."""
         announcers: list[Announcer] = []
         incident_logger = None if exporters is None else exporters.incident_logger()
         if incident_logger is not None:
