@@ -94,3 +94,28 @@ def test_an_out_of_memory_run_is_shipped_while_the_sidecar_runs(s3, runtime_dir,
         output = sidecar.stop()
     assert f"incident bundle shipped to {dest}/{key} (oom, oom)" in output, output
     assert s3.keys(s3.bucket) == [key]  # stopping ships nothing twice
+
+
+def test_a_bundle_built_while_the_store_is_down_ships_after_a_restart_once(runtime_dir, db_path, monkeypatch):
+    server = S3Server(free_port())  # its port, with nothing listening yet: the store is down
+    for key, value in server.env().items():
+        monkeypatch.setenv(key, value)
+    bucket = f"bundles-{uuid.uuid4().hex[:12]}"
+    dest = f"s3://{bucket}/incidents"
+    spool = runtime_dir / "bundles"
+    try:
+        with SidecarProcess(runtime_dir, db_path, "--bundle-to", dest) as first:
+            engine = _sim(runtime_dir, db_path, "long_prefill")
+            assert engine.wait(120) == 0
+            [name] = wait_for(lambda: os.listdir(spool), timeout=60, what="the OOM's bundle in the spool")
+            out = first.stop()
+        assert os.listdir(spool) == [name] and "1 incident bundle(s) not shipped yet" in out, out
+        server.start()
+        server.client().create_bucket(Bucket=bucket)
+        with SidecarProcess(runtime_dir, db_path, "--bundle-to", dest) as second:
+            wait_for(lambda: not os.listdir(spool), timeout=30, what="the upload after the restart")
+            out = second.stop()
+        assert server.keys(bucket) == [f"incidents/{name}"], out
+        assert f"incident bundle shipped to {dest}/{name} (oom, oom)" in out, out
+    finally:
+        server.stop()
