@@ -23,6 +23,7 @@ from memwatch_engine.runtime import RuntimeDirError, ensure_runtime_dir, judge_r
 
 from ..detectors import DetectorConfig
 from ..errors import PermissionDeniedError, UnavailableError
+from ..incident.ship import TERMINATION_LOG
 from ..records import Event
 from ..snapshot.live import SnapshotImporter
 from ..store.db import default_db_path, open_store, quick_check
@@ -33,6 +34,7 @@ from .collector import Collector, Observer
 from .live import LiveDetectors
 from .pacing import BATCH_TARGET, pace
 from .refused_names import REASONS
+from .shipping import Shipping
 from .sidecar_files import PidFile, StateDir, default_state_dir, signal_sidecar
 from .stop_flag import StopFlag
 
@@ -78,6 +80,8 @@ class Sidecar:
         no_ring_after: float = NO_RING_AFTER_S,
         bundle_dir: Path | None = None,
         on_bundle: Callable[[Path], None] | None = None,
+        bundle_to: str | None = None,
+        termination_log: Path | None = TERMINATION_LOG,
     ) -> None:
         self.trust_uids = frozenset(trust_uids)
         try:
@@ -120,9 +124,13 @@ class Sidecar:
         self._said_no_ring = False
         bundles = bundle_dir if bundle_dir is not None else os.environ.get("MEMWATCH_BUNDLE_DIR") or None
         self.bundle_dir = None if bundles is None else Path(bundles)
-        """Where incident bundles are built (:mod:`memwatch.incident.triggers`); None: no bundles."""
+        """Where incident bundles are built (:mod:`memwatch.incident.triggers`); None: no bundles (unless shipped)."""
         self.on_bundle = on_bundle
         self.incidents: IncidentTriggers | None = None
+        self.bundle_to = bundle_to
+        """Where incident bundles are shipped (:mod:`memwatch.sidecar.shipping`); ``None``: they stay on the node."""
+        self.termination_log = termination_log
+        self.shipping: Shipping | None = None
 
     def start(self) -> None:
         try:
@@ -145,6 +153,18 @@ class Sidecar:
                 self.close()
                 raise
             observers = [exporters.state, *observers]
+        if self.bundle_to is not None:
+            assert self._state is not None
+            try:
+                self.shipping = Shipping(self.bundle_to, self._state.fd, self.state_dir, exporters,
+                                         self.termination_log)
+            except Exception:
+                self.close()
+                raise
+            if self.bundle_dir is None:  # built beside the spool (one file system: handed over by a rename)
+                self.bundle_dir = self.shipping.build_dir
+            if self.on_bundle is None:
+                self.on_bundle = self.shipping.enqueue
         if self.bundle_dir is not None:
             from ..incident.triggers import IncidentTriggers
 
@@ -394,6 +414,9 @@ class Sidecar:
             self.incidents = None
         if collector is not None:
             collector.close()  # after the writer: observers hear of the rings whose end committed
+        if self.shipping is not None:
+            self.shipping.close()  # the last uploads, before the exporters' last flush carries their log records
+            self.shipping = None
         if self.exporters is not None:
             self.exporters.close()
             self.exporters = None
