@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -187,3 +189,12 @@ def test_over_the_cap_the_full_window_shrinks_and_the_manifest_says_so(tmp_path:
     with pytest.raises(BundleTooLarge, match="over the cap"):
         build(db, run_id, "manual", tmp_path / "never", cap_bytes=1024)
     assert not (tmp_path / "never").exists() or not list((tmp_path / "never").iterdir())
+
+
+def test_the_bundle_benchmark_runs() -> None:
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    result = subprocess.run([sys.executable, "bench_bundle.py", "--minutes", "0.1", "--ranks", "2", "--repeats", "1"],
+                            capture_output=True, text=True, timeout=120, cwd=bench)
+    assert result.returncode in (0, 1), result.stderr  # 1 only means a target was missed on this machine
+    assert "samples: 1,200 (2 ranks x 100 steps/s x 0.1 min)" in result.stdout  # 2 x 100 x 6 s
+    assert "build: " in result.stdout and "ratio bundle/baseline" in result.stdout

@@ -49,12 +49,9 @@ def fetch(ref: str, limit: int = MAX_BUNDLE_BYTES) -> bytes:
         path = unquote(urlsplit(ref).path) if scheme else ref
         data = _read_local(path, limit)
     else:
-        try:
-            from .objstore import fetch as fetch_object  # type: ignore[attr-defined]
-        except ImportError:
-            raise UsageError(f"reading {scheme}:// bundles needs the object-store support: pip install "
-                             "'memwatch[bundles]'; or copy the bundle here and pass its path") from None
-        data = fetch_object(ref, limit + 1)
+        from .objstore import fetch as fetch_object  # obstore, the optional extra: exit 4 with how to install it
+
+        data = fetch_object(ref, limit)
     if len(data) > limit:
         raise BundleError(f"the bundle {ref} is over {limit:,} bytes; not a memwatch bundle")
     return data
@@ -217,11 +214,8 @@ def list_names(prefix: str) -> list[str]:
             raise PermissionDeniedError(f"cannot list {folder}: no permission") from None
         base = prefix.rstrip("/") + "/"
         return [base + name for name in names if name.startswith(BUNDLE_PREFIX) and name.endswith(".tar.gz")]
-    try:
-        from .objstore import list_names as list_objects  # type: ignore[attr-defined]
-    except ImportError:
-        raise UsageError(f"listing {scheme}:// needs the object-store support: pip install 'memwatch[bundles]'") \
-            from None
+    from .objstore import list_names as list_objects
+
     return [name for name in list_objects(prefix) if name.rsplit("/", 1)[-1].startswith(BUNDLE_PREFIX)
             and name.endswith(".tar.gz")]
 
