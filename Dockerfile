@@ -11,7 +11,7 @@ RUN command -v pip >/dev/null 2>&1 || python3 -m venv /opt/venv
 COPY pyproject.toml README.md MANIFEST.in build_autoload.py ./
 COPY engine ./engine
 COPY memwatch ./memwatch
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[bundles]'
 
 FROM ${BASE}
 ENV PATH=/opt/venv/bin:$PATH

@@ -27,7 +27,7 @@ $(BASE): pyproject.toml | $(BIN)/python
 $(TESTENV): pyproject.toml $(BASE)
 	@echo "== installing CPU PyTorch 2.13.0 (about 200 MB) and the test tools into $(VENV)"
 	$(BIN)/pip install --progress-bar on torch==2.13.0 numpy
-	$(BIN)/pip install --progress-bar on -e '.[test,report]'
+	$(BIN)/pip install --progress-bar on -e '.[test,report,bundles]'
 	touch $(TESTENV)
 
 demo: $(BASE)

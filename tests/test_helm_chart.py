@@ -83,7 +83,8 @@ def test_the_ordinary_container_fallback_and_the_version_check() -> None:
     (["--set", "retention.keepFull=1day"], "at '/retention/keepFull'"),
     (["--set", "storage.sizeLimit=lots"], "at '/storage/sizeLimit'"),
     (["--set", "exporters.prometheus.port=70000"], "at '/exporters/prometheus/port'"),
-    (["--set", "bundles.enabled=true"], "additional properties 'bundles' not allowed"),  # memwatch has none yet
+    (["--set", "tracing.enabled=true"], "additional properties 'tracing' not allowed"),  # memwatch has none
+    (["--set", "bundles.to=ftp://host/x"], "at '/bundles/to'"),  # serve --bundle-to takes a folder or s3/gs/az
 ])
 def test_the_schema_refuses_bad_values_with_helms_message(args: list[str], where: str) -> None:
     done = helm("template", "e", str(CHART), *args)

@@ -23,7 +23,6 @@ import logging
 import sqlite3
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import click
@@ -49,6 +48,8 @@ COMMANDS: dict[str, str] = {
     "sim": "Simulate an engine on a virtual GPU, with the real Monitor writing real rings.",
     "run": "Run CMD with memwatch on: MEMWATCH=1 and one MEMWATCH_RUN_ID for it and every process it starts.",
     "sql": "Run one read-only SQL query on the database and print its rows.",
+    "bundle": "Write a run's incident bundle: one checked .tar.gz every reading command opens with --db.",
+    "incidents": "List the incident bundles under a folder or URL, newest first, each verified.",
     "prune": "Roll samples older than --keep-full up per second per rank, keep the evidence, reclaim space.",
 }
 """Every command: its module under ``memwatch.cli`` (same name, ``-`` as ``_``) and its short help."""
@@ -160,11 +161,11 @@ def _explain(ctx: click.Context, exc: BaseException) -> None:
 @click.group(cls=MemwatchGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="memwatch")
 @click.option("-v", "--verbose", count=True, help="More log output (repeat for debug).")
-@click.option("--db", GLOBAL_DB, type=click.Path(dir_okay=False, readable=False, path_type=Path),
-              help="SQLite database for the command that follows (its own --db wins; default: $MEMWATCH_DB, "
-                   "else ~/.local/share/memwatch/memwatch.db).")
+@click.option("--db", GLOBAL_DB, type=click.Path(dir_okay=False, readable=False),
+              help="SQLite database (or incident bundle, for a command that reads) for the command that follows "
+                   "(its own --db wins; default: $MEMWATCH_DB, else ~/.local/share/memwatch/memwatch.db).")
 @click.pass_context
-def main(ctx: click.Context, verbose: int, global_db: Path | None) -> None:
+def main(ctx: click.Context, verbose: int, global_db: str | None) -> None:
     """GPU memory observability for LLM inference engines.
 
     Record with the engine plugin (MEMWATCH=1 or memwatch_engine.Monitor), keep timelines with

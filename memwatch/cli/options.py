@@ -17,16 +17,38 @@ from . import GLOBAL_DB
 if TYPE_CHECKING:
     from ..detectors import DetectorConfig
 
-def _pick_db(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+def _pick_db(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
     """The command's ``--db`` when given on the command line, else ``memwatch --db`` before the command, else
-    ``$MEMWATCH_DB`` (``None``: the store's default). So ``--db`` works on either side of the command's name."""
-    if param.name is None or ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE:
-        return value
-    before = global_db(ctx)
-    return before if before is not None else value
+    ``$MEMWATCH_DB`` (``None``: the store's default). So ``--db`` works on either side of the command's name.
+
+    An incident bundle (a ``.tar.gz`` file or a URL) is checked and unpacked here, once, for every command that
+    reads: the command gets its database, read-only, removed when the command ends. A command that writes is told
+    a bundle is read-only."""
+    if param.name is not None and ctx.get_parameter_source(param.name) is not ParameterSource.COMMANDLINE:
+        before = global_db(ctx)
+        value = before if before is not None else value
+    if value is None:
+        return None
+    from ..incident.refs import is_bundle_ref
+
+    if not is_bundle_ref(value):
+        return Path(value)
+    if ctx.info_name not in READS_BUNDLES:
+        raise UsageError(f"{value} is an incident bundle, which is read-only; `memwatch {ctx.info_name}` writes its "
+                         "database: pass a database file")
+    from ..incident.open import open_bundle
+
+    bundle = open_bundle(value)
+    ctx.call_on_close(bundle.close)
+    return bundle.db_path
 
 
-def global_db(ctx: click.Context) -> Path | None:
+READS_BUNDLES = frozenset({"runs", "check", "explain", "timeline", "events", "flags", "report", "diff", "sql",
+                           "replay", "plan"})
+"""The commands that read a database and so take an incident bundle (a file or URL) as their ``--db``."""
+
+
+def global_db(ctx: click.Context) -> str | None:
     """The ``--db`` given before the command's name, if any."""
     root = ctx.find_root()
     return root.params.get(GLOBAL_DB) if root is not ctx else None
@@ -41,10 +63,11 @@ def db_given(ctx: click.Context, name: str = "db_path") -> bool:
 db_option = click.option(
     "--db",
     "db_path",
-    type=click.Path(dir_okay=False, readable=False, path_type=Path),  # the store says why it cannot read (exit 5)
+    type=click.Path(dir_okay=False, readable=False),  # the store says why it cannot read (exit 5)
     envvar="MEMWATCH_DB",
     callback=_pick_db,
-    help="SQLite database (default: the --db before the command, $MEMWATCH_DB, else "
+    help="SQLite database, or for a command that reads, an incident bundle (a .tar.gz file or a file://, s3://, "
+         "gs:// or az:// URL) (default: the --db before the command, $MEMWATCH_DB, else "
          "~/.local/share/memwatch/memwatch.db).",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")

@@ -10,6 +10,7 @@ import click
 from memwatch_engine.runtime import trusted_uids
 
 from ..detectors import DetectorConfig
+from ..incident.ship import TERMINATION_LOG
 from ..sidecar.daemon import NO_RING_AFTER_S, Sidecar, SidecarRunning
 from ..store.moments import parse_duration_ns
 from ..store.retention import DEFAULT_EVIDENCE_NS, DEFAULT_FULL_NS, DEFAULT_ROLLUPS_NS, Retention
@@ -68,12 +69,21 @@ from .options import Seconds, db_option, thresholds_option
 @click.option("--health", metavar="[HOST:]PORT", default=None, envvar="MEMWATCH_HEALTH",
               help="Answer GET /healthz (the loop and store writer run) and /readyz (storing now) on this port, "
                    "for liveness and readiness probes (host 127.0.0.1 unless given; env MEMWATCH_HEALTH).")
+@click.option("--bundle-to", metavar="URL", default=None, envvar="MEMWATCH_BUNDLE_TO",
+              help="Ship incident bundles here: a folder (a path or file:///dir) or an object store prefix "
+                   "(s3://bucket/prefix, gs://…, az://container/prefix; credentials from the cloud SDKs' "
+                   "environment). Spooled in the state directory first; needs memwatch[bundles] "
+                   "(env MEMWATCH_BUNDLE_TO).")
+@click.option("--termination-log", type=click.Path(dir_okay=False, path_type=Path), default=str(TERMINATION_LOG),
+              show_default=True, envvar="MEMWATCH_TERMINATION_LOG",
+              help="Write each shipped bundle's verdict and URL here when the file exists (a pod's termination "
+                   "message; env MEMWATCH_TERMINATION_LOG).")
 def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | None, poll_interval: float,
             exit_when_idle: float | None, give_up_after: float, quiet_if_running: bool, no_detect: bool,
             detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str, keep_rollups: str,
             max_db_size: str, no_ring_warning: float,
             prometheus: str | None, otlp: str | None, console: bool, trust_uids: tuple[int, ...],
-            runtime_group: int | None, health: str | None) -> None:
+            runtime_group: int | None, health: str | None, bundle_to: str | None, termination_log: Path) -> None:
     """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).
 
     With --prometheus, --otlp or --console (or their MEMWATCH_* variables, or OTEL_METRICS_EXPORTER)
@@ -84,6 +94,11 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
     rollups = None if keep_rollups == "forever" else parse_duration_ns(keep_rollups)
     retention = Retention(parse_duration_ns(keep_full), parse_duration_ns(keep_evidence), rollups,
                           parse_bytes(max_db_size) or None)
+    if bundle_to:
+        from ..incident.objstore import parse, require
+
+        parse(bundle_to)  # a bad URL (exit 2) or no obstore (exit 4): one line before anything starts
+        require()
     config = export_config(prometheus, otlp, console)
     health_at = parse_listen(health, "--health") if health is not None else None
     exporters = None
@@ -94,7 +109,8 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
     sidecar = Sidecar(runtime_dir, db_path, poll_interval=poll_interval, exit_when_idle=exit_when_idle,
                       give_up_after=give_up_after, detect=not no_detect, detector_config=detector_config,
                       retention=retention, exporters=exporters, trust_uids=trust_uids, runtime_group=runtime_group,
-                      state_dir=state_dir, no_ring_after=no_ring_warning)
+                      state_dir=state_dir, no_ring_after=no_ring_warning, bundle_to=bundle_to or None,
+                      termination_log=termination_log)
     sidecar.install_signal_handlers()  # before the lock: whoever sees the lock may signal us at once
     try:
         sidecar.start()
@@ -112,6 +128,9 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
     trusted = sorted(trusted_uids(trust_uids))
     if trusted:
         click.echo(f"memwatch serve: also storing the rings of uid {', '.join(map(str, trusted))}", err=True)
+    if sidecar.shipping is not None:
+        click.echo(f"memwatch serve: shipping incident bundles to {bundle_to} (spool {sidecar.shipping.spool.path})",
+                   err=True)
     if exporters is not None:
         where = exporters.describe()
         click.echo(f"memwatch serve: exporting to {', '.join(where)}", err=True)

@@ -21,6 +21,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 
 from .config import OTLP_FROM_ENV, ExportConfig
 from .flag_logs import FlagLogger
+from .incident_logs import IncidentLogger
 from .instruments import register_instruments
 from .otlp import ResilientLogExporter, ResilientMetricExporter, quiet_sdk_loggers, signal_endpoint
 from .prometheus import PrometheusEndpoint
@@ -87,6 +88,12 @@ class Exporters:
             for exporter in log_exporters:
                 self.logger_provider.add_log_record_processor(BatchLogRecordProcessor(exporter))
             self.state.add_flag_listener(FlagLogger(self.logger_provider.get_logger(SCOPE, _version()), self.state))
+
+    def incident_logger(self) -> IncidentLogger | None:
+        """The announcer of shipped incident bundles on the log records' path (``None`` without OTLP or console)."""
+        if self.logger_provider is None:
+            return None
+        return IncidentLogger(self.logger_provider.get_logger(SCOPE, _version()))
 
     def describe(self) -> list[str]:
         """Where each exporter sends (the Prometheus port as bound, for port 0)."""

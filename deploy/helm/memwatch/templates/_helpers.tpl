@@ -161,16 +161,27 @@ tolerations:
 {{- end }}
 {{- end -}}
 
+{{/* The memwatch container's environment: MEMWATCH_BUNDLE_TO when bundles.to is set, then memwatch.env. */}}
+{{- define "memwatch.env" -}}
+{{- if or .Values.memwatch.env .Values.bundles.to }}
+env:
+  {{- with .Values.bundles.to }}
+  - name: MEMWATCH_BUNDLE_TO
+    value: {{ . | quote }}
+  {{- end }}
+  {{- with .Values.memwatch.env }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
 {{/* The memwatch container of the sidecar shape (its name and restartPolicy are set by the caller). */}}
 {{- define "memwatch.sidecarContainer" -}}
 image: {{ include "memwatch.image" .Values.image.memwatch }}
 imagePullPolicy: {{ .Values.image.memwatch.pullPolicy }}
 args:
   {{- include "memwatch.serveArgs" . | nindent 2 }}
-{{- with .Values.memwatch.env }}
-env:
-  {{- toYaml . | nindent 2 }}
-{{- end }}
+{{- include "memwatch.env" . }}
 ports:
   {{- include "memwatch.ports" . | trim | nindent 2 }}
 startupProbe:

@@ -1,0 +1,47 @@
+"""``memwatch incidents URL``: the bundles under a folder or object-store prefix, newest first, each verified."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from ..errors import StoreError
+from .options import Text, json_option
+
+
+@click.command("incidents")
+@click.argument("url", type=Text(max_length=4096))
+@json_option
+def command(url: str, as_json: bool) -> None:
+    """List the incident bundles under a folder or URL, newest first, each verified.
+
+    URL is a folder or a file://, s3://, gs:// or az:// prefix. Each bundle is fetched and its manifest's
+    checksums verified; one that fails is listed as refused and the command exits 6. Open one with any
+    reading command: memwatch explain latest --db URL/NAME.
+    """
+    from ..incident.open import list_bundles
+
+    listed = list_bundles(url)
+    if as_json:
+        for item in listed:
+            click.echo(json.dumps(item.to_dict()))
+    else:
+        rows = [("TIME (UTC)", "POD/HOST", "MODEL", "VERDICT", "RUN", "BUNDLE")]
+        for item in listed:
+            d = item.to_dict()
+            when = "-" if d["created_ns"] is None else time.strftime("%Y-%m-%d %H:%M:%S",
+                                                                       time.gmtime(int(d["created_ns"]) // 10**9))
+            rows.append((when, str(d["pod"] or "-"), str(d["model"] or "-"),
+                         str(d["verdict"]) if item.manifest else f"REFUSED: {item.error}", str(d["run_id"] or "-"),
+                         item.uri.rsplit("/", 1)[-1]))
+        if len(rows) == 1:
+            click.echo(f"no bundles under {url}")
+        else:
+            widths = [max(len(row[i]) for row in rows) for i in range(5)]
+            for row in rows:
+                click.echo("  ".join([*(cell.ljust(width) for cell, width in zip(row, widths, strict=False)), row[5]]))
+    refused = sum(item.manifest is None for item in listed)
+    if refused:
+        raise StoreError(f"{refused} of {len(listed)} bundles under {url} failed their checksums or checks")

@@ -1,0 +1,294 @@
+"""Building an incident bundle: one ``memwatch-incident-<utc>-<pod or host>-<run>.tar.gz`` with a run's evidence.
+
+It holds ``manifest.json`` (:mod:`memwatch.incident.manifest`), ``run.db`` (the run's rows, full resolution and
+per-second roll-ups, in a memwatch database every reading command opens), ``ledger.json`` (the shared quantities of
+:mod:`memwatch.report.run_facts` and ``check``'s ledger), ``flags.json``, ``explain.json`` (``explain``'s account),
+``events.jsonl``, ``snapshot.json`` (the imported memory snapshot's events, when there is one: data, never a pickle)
+and ``sidecar.log`` (the log's tail, when the sidecar built it). Requests are stored as token counts and ids only:
+there is no request text to leave out.
+
+Over the size cap (64 MiB by default), what goes first: the per-second roll-ups are always kept; the full-resolution
+window is shortened (its older seconds are rolled up, as retention does) down to :data:`MIN_WINDOW_NS`; then the
+log tail is cut. The manifest says what was dropped. The file appears under its final name only once whole (written
+under a hidden temporary name, then renamed), so an uploader never ships half a bundle.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import sqlite3
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from ..errors import MemwatchError
+from ..store.db import Database, open_store, readonly_uri
+from ..store.queries import get_run
+from ..store.retention import NS, Retention, plan_run
+from . import manifest as m
+
+if TYPE_CHECKING:
+    from ..detectors import DetectorConfig
+
+DEFAULT_CAP_BYTES = 64 * 1024 * 1024
+MIN_WINDOW_NS = 10 * NS
+"""The shortest full-resolution window a bundle is cut to before its log tail goes."""
+LOG_TAIL_BYTES = 256 * 1024
+"""The most of the sidecar's log a bundle keeps (its last lines)."""
+COMPRESS_LEVEL = 1
+"""gzip's fastest level: on a 15-minute window of 8 ranks it is 5 % larger than level 6 and takes a quarter of the
+time (bench/bench_bundle.py); the build must fit a pod's termination grace period."""
+
+RUN_TABLES = ("runs", "ranks", "events", "flags", "rank_summaries", "serving_minutes")
+"""Tables copied by ``run_id``; ``sample_rows`` and ``sample_seconds`` are copied by the run's key. Rows set aside
+as undecodable (``set_aside``: another process's raw bytes) and ring cursors stay on the node."""
+KEY_TABLES = ("sample_rows", "sample_seconds")
+
+
+class BundleTooLarge(MemwatchError):
+    """Even at the shortest window and without its log, the bundle is over the cap."""
+
+
+@dataclass(frozen=True)
+class Built:
+    path: Path
+    manifest: m.Manifest
+    seconds: float
+
+
+def bundle_name(created_ns: int, place: str | None, run_id: str) -> str:
+    """``memwatch-incident-<utc>-<pod or host>-<run>.tar.gz``, every part reduced to ``[A-Za-z0-9._-]``."""
+    utc = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(created_ns // NS))
+    return f"memwatch-incident-{utc}-{_safe(place or 'unknown', 63)}-{_safe(run_id, 64)}.tar.gz"
+
+
+def _safe(text: str, limit: int) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:limit].lstrip(".") or "_"
+
+
+def build_bundle(db: Database, run_id: str, trigger: str, out_dir: Path, *, cap_bytes: int = DEFAULT_CAP_BYTES,
+                 identity: Mapping[str, str | None] | None = None, log_tail: bytes | None = None,
+                 config: DetectorConfig | None = None, clock: Callable[[], int] = time.time_ns) -> Path:
+    """Build the bundle of ``run_id`` (an id, prefix or ``latest``) from ``db`` into ``out_dir``; its path."""
+    return build(db, run_id, trigger, out_dir, cap_bytes=cap_bytes, identity=identity, log_tail=log_tail,
+                 config=config, clock=clock).path
+
+
+def build(db: Database, ref: str, trigger: str, out_dir: Path, *, cap_bytes: int = DEFAULT_CAP_BYTES,
+          identity: Mapping[str, str | None] | None = None, log_tail: bytes | None = None,
+          config: DetectorConfig | None = None, clock: Callable[[], int] = time.time_ns) -> Built:
+    """:func:`build_bundle`, with the manifest and how long it took."""
+    started = time.monotonic()
+    run = get_run(db, ref)
+    created = clock()
+    accounts = _accounts(db, run.run_id, config)
+    place = _identity(db, run.run_id, identity)
+    work = Path(tempfile.mkdtemp(prefix="memwatch-bundle-"))
+    try:
+        database = work / m.DATABASE
+        _copy_run(_source_path(db), database, run.run_id)
+        tail = (log_tail or b"")[-LOG_TAIL_BYTES:]
+        dropped: list[str] = []
+        window: dict[str, int | None] = {"full_from_ns": _full_from(database), "full_seconds_dropped": 0}
+        rolled = 0
+        shrinkable = True
+        while True:
+            files = {m.DATABASE: database.read_bytes(), **accounts}
+            if tail:
+                files[m.LOG] = tail
+            window["full_seconds_dropped"] = rolled
+            made = m.Manifest(run_id=run.run_id, created_ns=created, trigger=trigger,
+                              verdict=str(json.loads(accounts[m.EXPLAIN]).get("outcome") or "unknown"),
+                              identity=place, files={name: m.digest(data) for name, data in files.items()},
+                              window=dict(window), dropped=tuple(dropped))
+            archive = _archive(made, files, created)
+            if len(archive) <= cap_bytes:
+                break
+            span = _full_span(database)
+            more = 0
+            if span > MIN_WINDOW_NS and shrinkable:
+                keep = max(MIN_WINDOW_NS, int(span * cap_bytes / len(archive) * 0.8))
+                more = _shorten(database, run.run_id, keep)
+                shrinkable = more > 0 and keep > MIN_WINDOW_NS  # at the shortest window, or nothing left to roll
+            if more:
+                rolled += more
+                window["full_from_ns"] = _full_from(database)
+                if "full-resolution window shortened" not in dropped:
+                    dropped.append("full-resolution window shortened")
+            elif tail:
+                tail = b""
+                dropped.append("sidecar log tail cut")
+            else:
+                raise BundleTooLarge(
+                    f"the bundle of run {run.run_id} is {len(archive):,} bytes with only {MIN_WINDOW_NS // NS} s at "
+                    f"full resolution, over the cap of {cap_bytes:,} bytes; raise the cap")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    path = _publish(out_dir, bundle_name(created, place.get("k8s_pod") or place.get("hostname"), run.run_id),
+                    archive)
+    return Built(path, made, time.monotonic() - started)
+
+
+def _accounts(db: Database, run_id: str, config: DetectorConfig | None) -> dict[str, bytes]:
+    """The JSON files, from the database the bundle is built from: the same numbers ``check``, ``explain`` and
+    ``flags`` print for the run."""
+    from ..report.check import check_run
+    from ..report.explain import explain_run
+    from ..report.run_facts import run_truth
+    from ..snapshot.importer import SNAPSHOT_KINDS
+    from ..store.queries import events
+
+    truth = run_truth(db, run_id, config)
+    ledger = {"run": truth.to_dict(), "ranks": [rank.to_dict() for rank in truth.ranks],
+              "check": check_run(db, run_id, config).to_dict()}
+    flags = [{"rank": rank, "step": step, "ts_ns": ts, "kind": kind, "severity": severity, "message": message,
+              "data": _json(data)}
+             for rank, step, ts, kind, severity, message, data in db.execute(
+                 "SELECT rank, step, ts_ns, kind, severity, message, data FROM flags WHERE run_id = ?"
+                 " ORDER BY ts_ns, rowid", (run_id,))]
+    lines = []
+    snapshot = []
+    for event in events(db, run_id):
+        row = {"rank": event.rank, "step": event.step, "ts_ns": event.ts_ns, "kind": event.kind, "data": event.data}
+        lines.append(json.dumps(row, sort_keys=True))
+        if event.kind in SNAPSHOT_KINDS:
+            snapshot.append(row)
+    files = {m.LEDGER: _dump(ledger), m.FLAGS: _dump(flags), m.EXPLAIN: _dump(explain_run(db, run_id, config)
+                                                                             .to_dict()),
+             m.EVENTS: ("\n".join(lines) + "\n" if lines else "").encode("utf-8")}
+    if snapshot:
+        files[m.SNAPSHOT] = _dump(snapshot)
+    return files
+
+
+def _json(text: Any) -> Any:
+    try:
+        return json.loads(text) if isinstance(text, str) else text
+    except ValueError:
+        return text
+
+
+def _dump(value: Any) -> bytes:
+    return json.dumps(value, indent=1, sort_keys=True, default=str).encode("utf-8")
+
+
+def _identity(db: Database, run_id: str, extra: Mapping[str, str | None] | None) -> dict[str, str | None]:
+    """Where and on what the run ran: the ``runs`` row, its config, then what the caller knows (the ring's
+    metadata, the driver); each value a bounded string or None."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
+    wanted = [key for key in m.IDENTITY_KEYS if key in columns]
+    row = db.execute(f"SELECT {', '.join(wanted)}, config FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    found: dict[str, Any] = dict(zip(wanted, row[:-1], strict=True)) if row else {}
+    config = _json(row[-1]) if row else {}
+    for key in m.IDENTITY_KEYS:
+        if found.get(key) is None and isinstance(config, dict):
+            found[key] = config.get(key)
+        if extra and extra.get(key) is not None:
+            found[key] = extra[key]
+    return {key: str(found[key])[:m.MAX_TEXT] if found.get(key) is not None else None for key in m.IDENTITY_KEYS}
+
+
+def _source_path(db: Database) -> str:
+    for _, name, file in db.execute("PRAGMA database_list"):
+        if name == "main" and file:
+            return str(file)
+    raise MemwatchError("a bundle is built from a database file, not an in-memory database")
+
+
+def _copy_run(source: str, target: Path, run_id: str) -> None:
+    """The run's rows, with the schema of this memwatch, into a new database file ``target``."""
+    open_store(target).conn.close()
+    conn = sqlite3.connect(f"file:{quote(os.fsencode(target))}", uri=True)
+    try:
+        conn.execute("PRAGMA journal_mode=DELETE")  # one file, no -wal, when read from the bundle
+        conn.execute("PRAGMA synchronous=OFF")  # a scratch file: the archive is synced, not it
+        conn.execute("PRAGMA cache_size=-65536")
+        conn.execute("ATTACH DATABASE ? AS src", (readonly_uri(source),))
+        key = conn.execute("SELECT run_key FROM src.runs WHERE run_id = ?", (run_id,)).fetchone()
+        with conn:
+            for table in (*RUN_TABLES, *KEY_TABLES):
+                theirs = {row[1] for row in conn.execute(f"PRAGMA src.table_info({table})")}
+                columns = [row[1] for row in conn.execute(f"PRAGMA main.table_info({table})") if row[1] in theirs]
+                if not columns:
+                    continue
+                where, param = ("run_id", run_id) if table in RUN_TABLES else ("run_key", key[0] if key else None)
+                names = ", ".join(columns)
+                conn.execute(f"INSERT INTO main.{table} ({names}) SELECT {names} FROM src.{table} WHERE {where} = ?",
+                             (param,))
+        conn.execute("DETACH DATABASE src")  # a new file filled in key order has no free pages: no VACUUM
+    finally:
+        conn.close()
+
+
+def _full_from(database: Path) -> int | None:
+    conn = sqlite3.connect(database)
+    try:
+        return conn.execute("SELECT min(ts_ns) FROM sample_rows").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def _full_span(database: Path) -> int:
+    conn = sqlite3.connect(database)
+    try:
+        low, high = conn.execute("SELECT min(ts_ns), max(ts_ns) FROM sample_rows").fetchone()
+    finally:
+        conn.close()
+    return 0 if low is None else high - low
+
+
+def _shorten(database: Path, run_id: str, keep_ns: int) -> int:
+    """Roll up the run's full-resolution samples older than ``keep_ns`` before its last one; the seconds rolled."""
+    conn = sqlite3.connect(database)
+    try:
+        db = Database(conn)
+        before = conn.execute("SELECT count(*) FROM sample_seconds").fetchone()[0]
+        with conn:
+            for sql, params in plan_run(db, run_id, Retention(full_ns=keep_ns, evidence_ns=0, rollups_ns=None)):
+                conn.execute(sql, params)
+        after = conn.execute("SELECT count(*) FROM sample_seconds").fetchone()[0]
+        conn.execute("VACUUM")
+        return max(after - before, 0)
+    finally:
+        conn.close()
+
+
+def _archive(made: m.Manifest, files: Mapping[str, bytes], created_ns: int) -> bytes:
+    """The tar.gz of the manifest and the files, in :data:`~memwatch.incident.manifest.MEMBERS` order: regular
+    files only, owned by nobody in particular, dated the bundle's moment."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:gz", compresslevel=COMPRESS_LEVEL, format=tarfile.PAX_FORMAT) as tar:
+        for name in m.MEMBERS:
+            data = made.encode() if name == m.MANIFEST else files.get(name)
+            if data is None:
+                continue
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, created_ns // NS
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def _publish(out_dir: Path, name: str, data: bytes) -> Path:
+    """Write ``data`` as ``out_dir/name`` atomically: a hidden temporary file, synced, then renamed."""
+    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, temporary = tempfile.mkstemp(prefix=".building-", suffix=".part", dir=out_dir)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        final = out_dir / name
+        os.replace(temporary, final)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return final

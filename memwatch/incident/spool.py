@@ -1,0 +1,149 @@
+"""The local spool of incident bundles waiting to be shipped: ``bundles/`` in the sidecar's private state directory.
+
+A finished bundle is moved (renamed, or copied where the spool is on another file system) into the spool before
+anything is uploaded, so a store that is down, a sidecar that is killed or a node that reboots with its state
+volume loses nothing: the next sidecar finds the bundle there and ships it. The spool is a directory of the
+sidecar's user, mode 0700, opened once and used only through its descriptor (``openat``, ``renameat``,
+``unlinkat``), like the sidecar's other files. A copy is written as ``.<name>.tmp`` and renamed into place once
+complete, so the shipper only ever sees whole bundles; leftovers of a copy cut short are removed at start.
+
+Once uploaded, a bundle is deleted from the spool (delete after success); the upload itself is put-if-absent
+(:func:`memwatch.incident.objstore.put`), so a sidecar killed between the two ships it again as "already there",
+never as a second copy.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from memwatch_engine.dirfd import create_exclusive, file_id, open_regular, private_subdir, unlink_if_same
+
+from ..errors import PermissionDeniedError, UsageError
+
+log = logging.getLogger("memwatch.incident")
+
+SPOOL_NAME = "bundles"
+BUNDLE_NAME = re.compile(r"memwatch-incident-[A-Za-z0-9._-]{1,200}\.tar\.gz")
+"""What a bundle's file name looks like (``memwatch-incident-<utc>-<pod or host>-<run>.tar.gz``); nothing else is
+spooled or shipped."""
+COPY_CHUNK = 1 << 20
+
+_active_lock = threading.Lock()
+_active: Spool | None = None
+
+
+class Spool:
+    """The spool directory, open: bundles in, names out (oldest first), deleted once shipped."""
+
+    def __init__(self, state_fd: int, shown: Path, on_enqueue: Callable[[], None] | None = None) -> None:
+        self.on_enqueue = on_enqueue
+        """Called after each bundle is spooled (the shipper's wake-up)."""
+        self.path = shown / SPOOL_NAME
+        try:
+            self.fd = private_subdir(state_fd, SPOOL_NAME, shown=self.path)
+        except OSError as exc:
+            raise PermissionDeniedError(f"cannot use {self.path} as the bundle spool: {exc.strerror or exc}; it must "
+                                        "be a directory of the sidecar's user, mode 0700") from None
+        self._remove_partial_copies()
+
+    def _remove_partial_copies(self) -> None:
+        for name in os.listdir(self.fd):
+            if name.startswith(".") and name.endswith(".tmp"):
+                try:
+                    os.unlink(name, dir_fd=self.fd)
+                    log.info("bundle spool: removed %s, a copy cut short", name)
+                except OSError:
+                    pass
+
+    def enqueue(self, path: Path) -> None:
+        """Move the finished bundle at ``path`` into the spool (a rename, or a copy then a rename), then wake the
+        shipper. The source is removed once the spool holds the whole bundle."""
+        path = Path(path)
+        name = path.name
+        if not BUNDLE_NAME.fullmatch(name):
+            raise UsageError(f"{name!r} is not an incident bundle's name (memwatch-incident-….tar.gz); not spooled")
+        try:
+            os.rename(path, name, dst_dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            self._copy_in(path, name)
+            path.unlink()
+        os.fsync(self.fd)
+        if self.on_enqueue is not None:
+            self.on_enqueue()
+
+    def _copy_in(self, path: Path, name: str) -> None:
+        tmp = f".{name}.tmp"
+        try:
+            os.unlink(tmp, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+        out = create_exclusive(self.fd, tmp, 0o600, os.O_WRONLY)
+        try:
+            with open(path, "rb") as src:
+                while chunk := src.read(COPY_CHUNK):
+                    os.write(out, chunk)
+            os.fsync(out)
+        except BaseException:
+            os.close(out)
+            os.unlink(tmp, dir_fd=self.fd)
+            raise
+        os.close(out)
+        os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def pending(self) -> list[str]:
+        """The bundles waiting, oldest first (by modification time, then name)."""
+        found: list[tuple[int, str]] = []
+        for name in os.listdir(self.fd):
+            if not BUNDLE_NAME.fullmatch(name):
+                continue
+            try:
+                info = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                found.append((info.st_mtime_ns, name))
+        return [name for _, name in sorted(found)]
+
+    def open(self, name: str) -> tuple[int, os.stat_result]:
+        """A read descriptor of the spooled bundle ``name`` and its ``fstat`` (regular files only)."""
+        return open_regular(self.fd, name)
+
+    def remove(self, name: str, ident: tuple[int, int]) -> None:
+        """Delete a shipped bundle, only while its name still denotes the file that was uploaded."""
+        unlink_if_same(self.fd, name, ident)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def activate(spool: Spool | None) -> None:
+    """Make ``spool`` the one :func:`enqueue` feeds (the sidecar's, while it ships; ``None`` when it stops)."""
+    global _active
+    with _active_lock:
+        _active = spool
+
+
+def enqueue(path: Path) -> None:
+    """Hand a finished bundle to the running sidecar's spool; without one (no ``--bundle-to``), it stays at ``path``."""
+    with _active_lock:
+        spool = _active
+    if spool is None:
+        log.info("bundle %s kept at %s (no --bundle-to)", Path(path).name, path)
+        return
+    spool.enqueue(path)
+
+
+def identity(info: os.stat_result) -> tuple[int, int]:
+    """What :meth:`Spool.remove` compares against."""
+    return file_id(info)
