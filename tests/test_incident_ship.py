@@ -124,8 +124,9 @@ def test_a_bundle_built_while_the_store_is_down_is_uploaded_once_it_returns(s3_d
     shipper.enqueue(make_bundle(tmp_path / "out"))
     time.sleep(2.0)
     # Down for 2 s: tries at 0, 0.2, 0.6 (back-off doubled to 0.4, its cap), 1.0, 1.4, 1.8 s, each refused at once
-    # (connection refused): 6 tries; 5 to 7 with the timing slack of a loaded machine.
-    assert 5 <= shipper.attempts <= 7
+    # (connection refused): 6 tries. At least 3 shows it retries on a loaded machine; at most 7 shows the back-off
+    # (without it, a refused connection is retried thousands of times in 2 s).
+    assert 3 <= shipper.attempts <= 7
     assert box.pending() != []
     up(s3_down)
     wait_for(lambda: not box.pending(), timeout=10, what="the upload once the store is back")

@@ -101,6 +101,7 @@ def test_without_obstore_one_line_says_what_to_install(tmp_path):
 
 def test_base_commands_never_import_obstore():
     code = ("import sys, memwatch.cli, memwatch.cli.serve, memwatch.sidecar.daemon, memwatch.incident.ship\n"
+            "import memwatch.export.pipeline, memwatch.incident.open\n"
             "print('obstore' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out

@@ -78,3 +78,18 @@ def test_serve_refuses_a_bad_bundle_url_at_once(tmp_path):
                          env=memwatch_env(tmp_path / "rt", tmp_path / "db"), capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "unsupported URL scheme 'ftp'" in out.stderr, out
+
+
+def test_serve_without_obstore_stops_at_start_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from processes import memwatch_env
+
+    code = "import sys; sys.modules['obstore'] = None; from memwatch.cli import main; main()"
+    out = subprocess.run([sys.executable, "-c", code, "serve", "--bundle-to", "s3://bucket/incidents"],
+                         env=memwatch_env(tmp_path / "rt", tmp_path / "db"), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 4, out
+    assert out.stderr.strip() == ("error: install memwatch[bundles] (pip install 'memwatch[bundles]') to read or "
+                                  "write bundles by URL"), out

@@ -95,9 +95,10 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
     retention = Retention(parse_duration_ns(keep_full), parse_duration_ns(keep_evidence), rollups,
                           parse_bytes(max_db_size) or None)
     if bundle_to:
-        from ..incident.objstore import parse
+        from ..incident.objstore import parse, require
 
-        parse(bundle_to)  # a bad URL is exit 2 before anything starts
+        parse(bundle_to)  # a bad URL (exit 2) or no obstore (exit 4): one line before anything starts
+        require()
     config = export_config(prometheus, otlp, console)
     health_at = parse_listen(health, "--health") if health is not None else None
     exporters = None
