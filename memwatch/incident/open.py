@@ -219,8 +219,8 @@ class Listed:
 
 
 BUNDLE_PREFIX = "memwatch-incident-"
-MAX_LISTED = 1000
-"""The most bundles one listing verifies (each is fetched whole to check its checksums)."""
+MAX_LISTED = 100
+"""The most bundles one listing verifies by default, the newest by name (each is fetched whole to check it)."""
 
 
 def list_names(prefix: str) -> list[str]:
