@@ -139,6 +139,11 @@ def test_memwatch_bundle_writes_the_same_bundle_by_hand(stored: tuple[Path, str,
     path = Path(made["path"])
     assert path.parent == tmp_path and made["manifest"]["trigger"] == "manual" and made["manifest"]["verdict"] == "oom"
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left beside it
+    code, out = _cli("bundle", run_id, "--out", str(tmp_path), "--max-bytes", "1KiB", "--db", str(db_path))
+    assert code == 2 and "under the smallest cap, 64 KiB" in out
+    code, out = _cli("bundle", run_id, "--out", str(tmp_path / "cap"), "--max-bytes", "1.5MiB", "--json", "--db",
+                     str(db_path))
+    assert code == 0 and json.loads(out)["bytes"] <= 1_572_864  # 1.5 × 1,048,576
     code, listing = _cli("incidents", str(tmp_path), "--json")
     assert code == 0
     assert [json.loads(line)["run_id"] for line in listing.splitlines()] == [run_id]
