@@ -193,10 +193,28 @@ def open_bundle(ref: str) -> OpenedBundle:
         with os.fdopen(fd, "wb") as f:
             manifest, _ = load(data, database=f)
         os.chmod(folder, 0o500)  # read-only: SQLite opens the file immutable, with no -shm or journal beside it
+        _check_database(ref, path)
     except BaseException:
         _remove(folder)
         raise
     return OpenedBundle(ref, manifest, path, folder)
+
+
+def _check_database(ref: str, path: Path) -> None:
+    """``run.db`` is a memwatch database this memwatch reads (a forger can rewrite the checksums too): said of the
+    bundle, not of the temporary file a command would otherwise name."""
+    import sqlite3
+
+    from ..errors import StoreError
+    from ..store.db import open_store
+
+    try:
+        open_store(path, readonly=True).conn.close()
+    except StoreError as exc:
+        why = str(exc).replace(str(path), "its run.db").split("; pass another --db")[0]
+        raise BundleError(f"the bundle {ref} is not readable: {why}") from None
+    except sqlite3.DatabaseError as exc:
+        raise BundleError(f"the bundle {ref} holds no readable database ({exc})") from None
 
 
 @dataclass(frozen=True)
