@@ -15,7 +15,8 @@ Exit codes (documented in the README, stable):
 4   unavailable: no GPU, no NVML driver, no sidecar (:class:`UnavailableError`)
 5   permission denied: another user's process or files, a database that cannot be read, or cannot be written by
     a command that writes (:class:`PermissionDeniedError`)
-6   the database is corrupt or not a memwatch database (:class:`StoreError`)
+6   the database is corrupt or not a memwatch database (:class:`StoreError`); an incident bundle is damaged, tampered
+    with, too large or not a bundle
 ==  =====================================================================
 """
 

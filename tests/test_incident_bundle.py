@@ -120,6 +120,17 @@ def test_the_bundle_is_read_only_and_gone_after_the_command(stored: tuple[Path, 
     assert not opened.db_path.parent.exists()
 
 
+def test_two_bundles_of_a_run_never_share_a_name(stored: tuple[Path, str, Path], tmp_path: Path) -> None:
+    db_path, run_id, _ = stored
+    db = open_store(db_path, readonly=True)
+    moment = 1_800_000_000_123_456_789  # 2027-01-15 08:00:00.123 UTC, twice: the second gets the next millisecond
+    first, second = (build_bundle(db, run_id, kind, tmp_path, clock=lambda: moment) for kind in ("oom_risk", "oom"))
+    assert first.name.startswith("memwatch-incident-20270115T080000.123Z-") and first.name.endswith(f"-{run_id}.tar.gz")
+    assert second.name == first.name.replace(".123Z", ".124Z")
+    assert [load(p.read_bytes())[0].trigger for p in (first, second)] == ["oom_risk", "oom"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])  # no temporary left
+
+
 def test_memwatch_bundle_writes_the_same_bundle_by_hand(stored: tuple[Path, str, Path], tmp_path: Path) -> None:
     db_path, run_id, _ = stored
     code, out = _cli("bundle", run_id[:6], "--out", str(tmp_path), "--json", "--db", str(db_path))
@@ -128,6 +139,11 @@ def test_memwatch_bundle_writes_the_same_bundle_by_hand(stored: tuple[Path, str,
     path = Path(made["path"])
     assert path.parent == tmp_path and made["manifest"]["trigger"] == "manual" and made["manifest"]["verdict"] == "oom"
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left beside it
+    code, out = _cli("bundle", run_id, "--out", str(tmp_path), "--max-bytes", "1KiB", "--db", str(db_path))
+    assert code == 2 and "under the smallest cap, 64 KiB" in out
+    code, out = _cli("bundle", run_id, "--out", str(tmp_path / "cap"), "--max-bytes", "1.5MiB", "--json", "--db",
+                     str(db_path))
+    assert code == 0 and json.loads(out)["bytes"] <= 1_572_864  # 1.5 × 1,048,576
     code, listing = _cli("incidents", str(tmp_path), "--json")
     assert code == 0
     assert [json.loads(line)["run_id"] for line in listing.splitlines()] == [run_id]

@@ -179,3 +179,28 @@ def test_not_a_tar_gz_is_refused(tmp_path: Path) -> None:
     assert "not a readable tar.gz" in _refused(tmp_path, b"\x1f\x8b" + os.urandom(500))
     assert "not a readable tar.gz" in _refused(tmp_path, gzip.compress(b"plain text, not a tar"))
     assert "no manifest.json" in _refused(tmp_path, _pack([]))
+
+
+def test_a_rewritten_bundle_whose_database_is_not_one_is_refused(real: tuple[str, dict[str, bytes]],
+                                                                  tmp_path: Path) -> None:
+    # Checksums find damage, not a forger who rewrites the manifest too; what the forger's run.db then is gets the
+    # database's own checks: not SQLite, or SQLite but not a memwatch database, is exit 6 like any bad --db.
+    _, members = real
+    raw = json.loads(members[m.MANIFEST])
+    for database in (b"not a database at all" * 100, _foreign_sqlite(tmp_path)):
+        files = {**members, m.DATABASE: database}
+        raw["files"][m.DATABASE] = {"sha256": m.digest(database)[0], "bytes": len(database)}
+        files[m.MANIFEST] = json.dumps(raw).encode()
+        line = _refused(tmp_path, _pack([_file(name, files[name]) for name in m.MEMBERS if name in files]))
+        said = "memwatch-incident-hostile.tar.gz is not readable: its run.db is"
+        assert line.startswith("error: the bundle ") and said in line and "memwatch database" in line, line
+
+
+def _foreign_sqlite(tmp_path: Path) -> bytes:
+    import sqlite3
+
+    path = tmp_path / "foreign.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE runs (x)")
+    conn.close()
+    return path.read_bytes()

@@ -110,3 +110,5 @@ def test_a_local_folder_lists_like_a_store(stored: tuple[Path, str, list[Path]])
     _, _, bundles = stored
     code, out = _cli("incidents", f"file://{bundles[0].parent}", "--json")
     assert code == 0 and [json.loads(line)["verdict"] for line in out.splitlines()] == ["ok", "oom"]
+    code, out = _cli("incidents", str(bundles[0].parent), "--limit", "1", "--json")  # the newest name only
+    assert code == 0 and [json.loads(line)["verdict"] for line in out.splitlines()] == ["ok"]

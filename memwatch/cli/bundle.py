@@ -7,18 +7,33 @@ from pathlib import Path
 
 import click
 
-from ..incident.bundle import DEFAULT_CAP_BYTES
 from ..store import open_store
-from .options import db_option, int_range, json_option, run_argument
+from .options import Text, db_option, json_option, run_argument
+
+MIN_CAP_BYTES = 64 * 1024
+"""Below this even an empty run's schema and accounts do not fit."""
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    from ..units import SizeError, parse_bytes
+
+    try:
+        size = parse_bytes(value)
+    except SizeError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if size < MIN_CAP_BYTES:
+        raise click.BadParameter(f"{value} is under the smallest cap, {MIN_CAP_BYTES // 1024} KiB")
+    return size
 
 
 @click.command("bundle")
 @run_argument
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Folder the bundle is written to (created if missing).")
-@click.option("--max-bytes", type=int_range(64 * 1024, 2**40), default=DEFAULT_CAP_BYTES, show_default=True,
-              help="Size cap: over it, the full-resolution window is shortened (roll-ups are kept), then the log "
-                   "tail is cut; the manifest says what went.")
+@click.option("--max-bytes", "max_bytes", type=Text(max_length=64), default="64MiB", show_default=True,
+              metavar="SIZE", callback=_size,
+              help="Size cap (e.g. 64MiB, 200MB; at least 64KiB): over it, the full-resolution window is shortened "
+                   "(roll-ups are kept), then the log tail is cut; the manifest says what went.")
 @db_option
 @json_option
 def command(run: str, out_dir: Path, max_bytes: int, db_path: Path | None, as_json: bool) -> None:

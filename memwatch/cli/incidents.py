@@ -8,13 +8,15 @@ import time
 import click
 
 from ..errors import StoreError
-from .options import Text, json_option
+from .options import Text, int_range, json_option
 
 
 @click.command("incidents")
 @click.argument("url", type=Text(max_length=4096))
+@click.option("--limit", type=int_range(1, 10_000), default=100, show_default=True,
+              help="Verify and list only the newest this many (each bundle is fetched whole to check it).")
 @json_option
-def command(url: str, as_json: bool) -> None:
+def command(url: str, limit: int, as_json: bool) -> None:
     """List the incident bundles under a folder or URL, newest first, each verified.
 
     URL is a folder or a file://, s3://, gs:// or az:// prefix. Each bundle is fetched and its manifest's
@@ -23,7 +25,7 @@ def command(url: str, as_json: bool) -> None:
     """
     from ..incident.open import list_bundles
 
-    listed = list_bundles(url)
+    listed = list_bundles(url, limit)
     if as_json:
         for item in listed:
             click.echo(json.dumps(item.to_dict()))

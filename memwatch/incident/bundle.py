@@ -66,8 +66,9 @@ class Built:
 
 
 def bundle_name(created_ns: int, place: str | None, run_id: str) -> str:
-    """``memwatch-incident-<utc>-<pod or host>-<run>.tar.gz``, every part reduced to ``[A-Za-z0-9._-]``."""
-    utc = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(created_ns // NS))
+    """``memwatch-incident-<utc>-<pod or host>-<run>.tar.gz``, every part reduced to ``[A-Za-z0-9._-]``; the time
+    to the millisecond (``20261204T013158.123Z``), so that two bundles of one run (a flag's, then its end's) differ."""
+    utc = time.strftime("%Y%m%dT%H%M%S", time.gmtime(created_ns // NS)) + f".{created_ns // 1_000_000 % 1000:03d}Z"
     return f"memwatch-incident-{utc}-{_safe(place or 'unknown', 63)}-{_safe(run_id, 64)}.tar.gz"
 
 
@@ -133,7 +134,8 @@ def build(db: Database, ref: str, trigger: str, out_dir: Path, *, cap_bytes: int
                     f"full resolution, over the cap of {cap_bytes:,} bytes; raise the cap")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    path = _publish(out_dir, bundle_name(created, place.get("k8s_pod") or place.get("hostname"), run.run_id),
+    path = _publish(out_dir, lambda later: bundle_name(created + later * 1_000_000,
+                                                        place.get("k8s_pod") or place.get("hostname"), run.run_id),
                     archive)
     return Built(path, made, time.monotonic() - started)
 
@@ -277,8 +279,9 @@ def _archive(made: m.Manifest, files: Mapping[str, bytes], created_ns: int) -> b
     return out.getvalue()
 
 
-def _publish(out_dir: Path, name: str, data: bytes) -> Path:
-    """Write ``data`` as ``out_dir/name`` atomically: a hidden temporary file, synced, then renamed."""
+def _publish(out_dir: Path, name: Callable[[int], str], data: bytes) -> Path:
+    """Write ``data`` into ``out_dir`` atomically under ``name(0)``: a hidden temporary file, synced, then linked to
+    its name, which is never overwritten (taken: ``name(1)``, a millisecond later, and so on)."""
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, temporary = tempfile.mkstemp(prefix=".building-", suffix=".part", dir=out_dir)
     try:
@@ -286,9 +289,13 @@ def _publish(out_dir: Path, name: str, data: bytes) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        final = out_dir / name
-        os.replace(temporary, final)
-    except BaseException:
+        for later in range(1000):
+            final = out_dir / name(later)
+            try:
+                os.link(temporary, final)
+                return final
+            except FileExistsError:
+                continue
+        raise MemwatchError(f"a thousand bundles named like {name(0)} are already in {out_dir}")
+    finally:
         Path(temporary).unlink(missing_ok=True)
-        raise
-    return final

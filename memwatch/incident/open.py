@@ -16,6 +16,7 @@ read-only) that is removed when the command ends; no member name is ever used as
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import os
 import shutil
@@ -26,6 +27,7 @@ import weakref
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from ..errors import NotFoundError, PermissionDeniedError, UsageError
@@ -40,6 +42,7 @@ MAX_BUNDLE_BYTES = 256 * 1024 * 1024
 MAX_UNPACKED_BYTES = 2 * 1024 * 1024 * 1024
 """Decompressed bytes in all (tar headers included): a 64 MiB bundle of SQLite pages unpacks to a few hundred MiB."""
 MAX_MEMBERS = len(m.MEMBERS)
+CHUNK = 1 << 20
 MEMBER_LIMITS = {m.MANIFEST: m.MAX_MANIFEST_BYTES, m.LOG: 16 * 1024 * 1024}
 """Per member; the others share :data:`MAX_UNPACKED_BYTES`."""
 def fetch(ref: str, limit: int = MAX_BUNDLE_BYTES) -> bytes:
@@ -93,18 +96,21 @@ class _Bounded(io.RawIOBase):
         return len(chunk)
 
 
-def read_members(data: bytes, limit: int | None = None) -> dict[str, bytes]:
-    """The members of a bundle's bytes by name, every rule of the module's docstring applied; at most ``limit``
-    bytes decompressed (default :data:`MAX_UNPACKED_BYTES`)."""
+def read_members(data: bytes, limit: int | None = None, *,
+                 database: BinaryIO | None = None) -> tuple[dict[str, bytes], dict[str, tuple[str, int]]]:
+    """The members of a bundle's bytes by name and each one's SHA-256 and size, every rule of the module's docstring
+    applied; at most ``limit`` bytes decompressed (default :data:`MAX_UNPACKED_BYTES`). With ``database``, ``run.db``
+    is copied there as it is read (hashed on the way) instead of being kept in memory."""
     limit = MAX_UNPACKED_BYTES if limit is None else limit
     members: dict[str, bytes] = {}
+    digests: dict[str, tuple[str, int]] = {}
     try:
         with tarfile.open(fileobj=_Bounded(data, limit), mode="r|") as tar:
             for count, info in enumerate(tar, start=1):
                 if count > MAX_MEMBERS:
                     raise BundleError(f"the bundle has over {MAX_MEMBERS} members; not a memwatch bundle")
                 name = info.name
-                if name not in m.MEMBERS or name in members:
+                if name not in m.MEMBERS or name in digests:
                     raise BundleError(f"the bundle holds an unexpected member {name[:80]!r}; not a memwatch bundle "
                                       "(nothing was extracted)")
                 if not info.isreg():
@@ -112,10 +118,10 @@ def read_members(data: bytes, limit: int | None = None) -> dict[str, bytes]:
                 if info.size > MEMBER_LIMITS.get(name, limit):
                     raise BundleError(f"the bundle's {name} is {info.size:,} bytes, over its limit; refusing it")
                 source = tar.extractfile(info)
-                content = source.read(info.size + 1) if source is not None else b""
-                if len(content) != info.size:
-                    raise BundleError(f"the bundle's {name} is cut short; the bundle is damaged")
-                members[name] = content
+                sink = database if name == m.DATABASE and database is not None else io.BytesIO()
+                digests[name] = _copy(source, sink, info.size, name)
+                if isinstance(sink, io.BytesIO):
+                    members[name] = sink.getvalue()
     except BundleError:
         raise
     except (tarfile.TarError, OSError, EOFError, zlib.error, ValueError) as exc:
@@ -123,14 +129,32 @@ def read_members(data: bytes, limit: int | None = None) -> dict[str, bytes]:
                           "or not a memwatch bundle") from None
     if m.MANIFEST not in members:
         raise BundleError("the bundle has no manifest.json; not a memwatch bundle")
-    return members
+    return members, digests
 
 
-def load(data: bytes) -> tuple[m.Manifest, dict[str, bytes]]:
-    """The checked manifest and the members of a bundle (:class:`BundleError` unless every check passes)."""
-    members = read_members(data)
+def _copy(source: BinaryIO | None, sink: BinaryIO, size: int, name: str) -> tuple[str, int]:
+    """Copy a member's ``size`` bytes to ``sink`` in chunks; its SHA-256 and size."""
+    digest = hashlib.sha256()
+    left = size
+    while left > 0 and source is not None:
+        chunk = source.read(min(left, CHUNK))
+        if not chunk:
+            break
+        digest.update(chunk)
+        sink.write(chunk)
+        left -= len(chunk)
+    if left:
+        raise BundleError(f"the bundle's {name} is cut short; the bundle is damaged")
+    return digest.hexdigest(), size
+
+
+def load(data: bytes, *, database: BinaryIO | None = None) -> tuple[m.Manifest, dict[str, bytes]]:
+    """The checked manifest and the members of a bundle (:class:`BundleError` unless every check passes); with
+    ``database``, ``run.db`` is written there rather than returned."""
+    members, digests = read_members(data, database=database)
     manifest = m.parse_manifest(members.pop(m.MANIFEST))
-    m.verify(manifest, {name: m.digest(content) for name, content in members.items()})
+    digests.pop(m.MANIFEST)
+    m.verify(manifest, digests)
     return manifest, members
 
 
@@ -161,18 +185,36 @@ def _remove(folder: Path) -> None:
 
 def open_bundle(ref: str) -> OpenedBundle:
     """Fetch, check and unpack the bundle ``ref``; its database, read-only, in a private temporary folder."""
-    manifest, members = load(fetch(ref))
+    data = fetch(ref)
     folder = Path(tempfile.mkdtemp(prefix="memwatch-bundle-"))
     try:
         path = folder / m.DATABASE
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o400)
         with os.fdopen(fd, "wb") as f:
-            f.write(members[m.DATABASE])
+            manifest, _ = load(data, database=f)
         os.chmod(folder, 0o500)  # read-only: SQLite opens the file immutable, with no -shm or journal beside it
+        _check_database(ref, path)
     except BaseException:
         _remove(folder)
         raise
     return OpenedBundle(ref, manifest, path, folder)
+
+
+def _check_database(ref: str, path: Path) -> None:
+    """``run.db`` is a memwatch database this memwatch reads (a forger can rewrite the checksums too): said of the
+    bundle, not of the temporary file a command would otherwise name."""
+    import sqlite3
+
+    from ..errors import StoreError
+    from ..store.db import open_store
+
+    try:
+        open_store(path, readonly=True).conn.close()
+    except StoreError as exc:
+        why = str(exc).replace(str(path), "its run.db").split("; pass another --db")[0]
+        raise BundleError(f"the bundle {ref} is not readable: {why}") from None
+    except sqlite3.DatabaseError as exc:
+        raise BundleError(f"the bundle {ref} holds no readable database ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -195,8 +237,8 @@ class Listed:
 
 
 BUNDLE_PREFIX = "memwatch-incident-"
-MAX_LISTED = 1000
-"""The most bundles one listing verifies (each is fetched whole to check its checksums)."""
+MAX_LISTED = 100
+"""The most bundles one listing verifies by default, the newest by name (each is fetched whole to check it)."""
 
 
 def list_names(prefix: str) -> list[str]:
