@@ -12,6 +12,7 @@ from memwatch_engine.runtime import trusted_uids
 from ..detectors import DetectorConfig
 from ..incident.ship import TERMINATION_LOG
 from ..sidecar.daemon import NO_RING_AFTER_S, Sidecar, SidecarRunning
+from ..sidecar.shipping import BundleSettings
 from ..store.moments import parse_duration_ns
 from ..store.retention import DEFAULT_EVIDENCE_NS, DEFAULT_FULL_NS, DEFAULT_ROLLUPS_NS, Retention
 from ..units import parse_bytes
@@ -109,8 +110,8 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
     sidecar = Sidecar(runtime_dir, db_path, poll_interval=poll_interval, exit_when_idle=exit_when_idle,
                       give_up_after=give_up_after, detect=not no_detect, detector_config=detector_config,
                       retention=retention, exporters=exporters, trust_uids=trust_uids, runtime_group=runtime_group,
-                      state_dir=state_dir, no_ring_after=no_ring_warning, bundle_to=bundle_to or None,
-                      termination_log=termination_log)
+                      state_dir=state_dir, no_ring_after=no_ring_warning,
+                      bundles=BundleSettings.from_env(bundle_to, termination_log))
     sidecar.install_signal_handlers()  # before the lock: whoever sees the lock may signal us at once
     try:
         sidecar.start()
@@ -128,8 +129,9 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
     trusted = sorted(trusted_uids(trust_uids))
     if trusted:
         click.echo(f"memwatch serve: also storing the rings of uid {', '.join(map(str, trusted))}", err=True)
-    if sidecar.shipping is not None:
-        click.echo(f"memwatch serve: shipping incident bundles to {bundle_to} (spool {sidecar.shipping.spool.path})",
+    shipping = None if sidecar.incidents is None else sidecar.incidents.shipping
+    if shipping is not None:
+        click.echo(f"memwatch serve: shipping incident bundles to {bundle_to} (spool {shipping.spool.path})",
                    err=True)
     if exporters is not None:
         where = exporters.describe()

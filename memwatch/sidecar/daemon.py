@@ -23,7 +23,6 @@ from memwatch_engine.runtime import RuntimeDirError, ensure_runtime_dir, judge_r
 
 from ..detectors import DetectorConfig
 from ..errors import PermissionDeniedError, UnavailableError
-from ..incident.ship import TERMINATION_LOG
 from ..records import Event
 from ..snapshot.live import SnapshotImporter
 from ..store.db import default_db_path, open_store, quick_check
@@ -34,14 +33,13 @@ from .collector import Collector, Observer
 from .live import LiveDetectors
 from .pacing import BATCH_TARGET, pace
 from .refused_names import REASONS
-from .shipping import Shipping
+from .shipping import BundleSettings, Incidents
 from .sidecar_files import PidFile, StateDir, default_state_dir, signal_sidecar
 from .stop_flag import StopFlag
 
 if TYPE_CHECKING:  # the exporters (OpenTelemetry) are imported only by a sidecar that runs them
     from ..export import Exporters
     from ..flags import Flag
-    from ..incident.triggers import IncidentTriggers
 
 log = logging.getLogger("memwatch.serve")
 
@@ -78,10 +76,7 @@ class Sidecar:
         runtime_group: int | None = None,
         state_dir: Path | None = None,
         no_ring_after: float = NO_RING_AFTER_S,
-        bundle_dir: Path | None = None,
-        on_bundle: Callable[[Path], None] | None = None,
-        bundle_to: str | None = None,
-        termination_log: Path | None = TERMINATION_LOG,
+        bundles: BundleSettings | None = None,
     ) -> None:
         self.trust_uids = frozenset(trust_uids)
         try:
@@ -122,15 +117,9 @@ class Sidecar:
         self._started = 0.0
         self._ring_seen = False
         self._said_no_ring = False
-        bundles = bundle_dir if bundle_dir is not None else os.environ.get("MEMWATCH_BUNDLE_DIR") or None
-        self.bundle_dir = None if bundles is None else Path(bundles)
-        """Where incident bundles are built (:mod:`memwatch.incident.triggers`); None: no bundles (unless shipped)."""
-        self.on_bundle = on_bundle
-        self.incidents: IncidentTriggers | None = None
-        self.bundle_to = bundle_to
-        """Where incident bundles are shipped (:mod:`memwatch.sidecar.shipping`); ``None``: they stay on the node."""
-        self.termination_log = termination_log
-        self.shipping: Shipping | None = None
+        self.bundles = bundles if bundles is not None else BundleSettings.from_env()
+        """Incident bundles: where built and shipped (:mod:`memwatch.sidecar.shipping`)."""
+        self.incidents: Incidents | None = None
 
     def start(self) -> None:
         try:
@@ -153,27 +142,19 @@ class Sidecar:
                 self.close()
                 raise
             observers = [exporters.state, *observers]
-        if self.bundle_to is not None:
-            assert self._state is not None
-            try:
-                self.shipping = Shipping(self.bundle_to, self._state.fd, self.state_dir, exporters,
-                                         self.termination_log)
-            except Exception:
-                self.close()
-                raise
-            if self.bundle_dir is None:  # built beside the spool (one file system: handed over by a rename)
-                self.bundle_dir = self.shipping.build_dir
-            if self.on_bundle is None:
-                self.on_bundle = self.shipping.enqueue
-        if self.bundle_dir is not None:
-            from ..incident.triggers import IncidentTriggers
-
-            self.incidents = IncidentTriggers(self.db_path, self.bundle_dir, writer=self.writer,
-                                              on_bundle=self.on_bundle, detector_config=self.detector_config)
-            observers = [*observers, self.incidents]
+        assert self._state is not None
+        try:
+            self.incidents = Incidents(self.bundles, db_path=self.db_path, writer=self.writer,
+                                       detector_config=self.detector_config, state_fd=self._state.fd,
+                                       state_dir=self.state_dir, exporters=exporters)
+        except Exception:
+            self.close()
+            raise
+        if self.incidents.triggers is not None:
+            observers = [*observers, self.incidents.triggers]
         if self.detect:
             on_flag = _each(None if exporters is None else exporters.state.on_flag,
-                            None if self.incidents is None else self.incidents.on_flag)
+                            None if self.incidents.triggers is None else self.incidents.on_flag)
             live = LiveDetectors(self.detector_config, stored_events=self._stored_events, on_flag=on_flag)
             observers = [*observers, live]
             if exporters is not None:
@@ -408,15 +389,12 @@ class Sidecar:
         if writer is not None and writer.is_alive():
             writer.close(timeout=10.0)
         if self.incidents is not None:
-            if stopped and active:
-                self.incidents.shutdown(active)
-            self.incidents.close()
-            self.incidents = None
+            self.incidents.close_triggers(active if stopped else set())
         if collector is not None:
             collector.close()  # after the writer: observers hear of the rings whose end committed
-        if self.shipping is not None:
-            self.shipping.close()  # the last uploads, before the exporters' last flush carries their log records
-            self.shipping = None
+        if self.incidents is not None:
+            self.incidents.close_shipping()  # before the exporters' last flush carries their log records
+            self.incidents = None
         if self.exporters is not None:
             self.exporters.close()
             self.exporters = None
