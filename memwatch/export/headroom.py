@@ -103,6 +103,9 @@ class RankInputs:
     """The sidecar's clock when this rank was last seen writing: its ring's count moving at a scrape, or (a state
     fed without rings) the last drain with samples. A drain of old records says nothing of now."""
     latest: LatestSample | None = field(default=None, repr=False)
+    reports: bool | None = None
+    """Whether this rank's samples carry a KV view or a load (``None``: none drained yet), so a scrape reads only
+    whether a rank that never does still writes."""
 
     def take_event(self, kind: str, data: Any) -> None:
         """The block size (KV sizing, config) and the batch size the warmup forward ran at (config)."""
@@ -126,6 +129,7 @@ class RankInputs:
         for row in reversed(rows):
             if row[14] >= 0:
                 self.kv_used, self.kv_total = max(row[13], 0), row[14]
+                self.reports = True
                 break
         first = int.from_bytes(slots[:8], "little") if len(slots) >= RECORD_SIZE else 0
         for row in reversed(rows):  # the last sample with its whole load
@@ -133,7 +137,10 @@ class RankInputs:
             load = sample_load(slots, at) if 0 <= at < len(slots) // RECORD_SIZE else None
             if load is not None and min(load) >= 0:
                 self.running, self.waiting, self.needed = load
+                self.reports = True
                 break
+        if self.reports is None:
+            self.reports = False
 
     def take_sample(self, sample: Sample, now: float) -> None:
         """A typed sample (a state fed records, not a ring's drain): the KV view and prefills; no load."""
@@ -152,6 +159,10 @@ class RankInputs:
     def refresh(self) -> None:
         """Take the ring's newest sample (scrape time); the last drain's values stand for what it does not say."""
         if self.latest is None:
+            return
+        if self.reports is False:  # a rank without a KV view or load (a TP worker): only whether it writes
+            self.latest.moved()
+            self.seen_at = self.latest.seen_at
             return
         latest = self.latest.read()
         self.seen_at = self.latest.seen_at
