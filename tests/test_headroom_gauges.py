@@ -206,3 +206,46 @@ def test_a_stopped_engine_flips_the_signal_to_invalid_within_two_seconds(runtime
             engine.kill()
             engine.wait(timeout=30)
         sidecar.stop()
+
+
+IDLE_ENGINE = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[2])
+    from test_headroom_gauges import _engine
+    from pathlib import Path
+    engine = _engine(Path(sys.argv[1]), "idles")
+    for _ in range(20):
+        engine.step("decode", num_seqs=1, num_tokens=1, kv_blocks_used=10, kv_blocks_total=1000,
+                    requests_running=1, requests_waiting=0, kv_blocks_needed=5)
+    engine.step("decode", num_seqs=1, num_tokens=1, kv_blocks_used=0, kv_blocks_total=1000,
+                requests_running=0, requests_waiting=0, kv_blocks_needed=0)  # the last request finished
+    print("idle", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_an_idle_engine_stays_valid_until_its_process_ends(runtime_dir: Path, db_path: Path) -> None:
+    port = free_port()
+    with SidecarProcess(runtime_dir, db_path, "--prometheus", str(port)) as sidecar:
+        wait_for(lambda: _listening(port), what="the sidecar's /metrics")
+        engine = subprocess.Popen([sys.executable, "-c", IDLE_ENGINE, str(runtime_dir), str(Path(__file__).parent)],
+                                  env=memwatch_env(runtime_dir, db_path), stdout=subprocess.PIPE, text=True)
+        try:
+            assert engine.stdout is not None and engine.stdout.readline().strip() == "idle"
+            wait_for(lambda: _gauges(_scrape(port), "idles").get("memwatch_kv_free_tokens") == 1000 * 16,
+                     what="the idle step")
+            time.sleep(2.0)  # past the 1.5 s a busy engine's signal lasts without a step
+            gauges = _gauges(_scrape(port), "idles")
+            assert gauges["memwatch_signal_valid"] == 1 and gauges["memwatch_signal_age_seconds"] > 1.5
+            engine.kill()  # its ring's writer is gone: the sidecar finishes the run, and the signal is invalid
+            engine.wait(timeout=30)
+            killed = time.monotonic()
+            wait_for(lambda: _gauges(_scrape(port), "idles")["memwatch_signal_valid"] == 0, timeout=10,
+                     what="the killed engine's signal to turn invalid")
+            print(f"invalid {time.monotonic() - killed:.2f} s after the kill")
+        finally:
+            engine.kill()
+            engine.wait(timeout=30)
+            if engine.stdout is not None:
+                engine.stdout.close()
+        sidecar.stop()

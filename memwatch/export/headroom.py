@@ -26,8 +26,11 @@ last drained sample. Definitions (``B`` block size in tokens, ``T`` KV blocks in
 ``memwatch_requests_waiting``, ``memwatch_requests_running``
     the scheduler's queue and running requests after its last step (the llm-d router's other inputs).
 ``memwatch_signal_valid``
-    1 when every rank wrote within ``stale_after`` seconds (1.5 by default) and the KV view and block size
-    are known; else 0 (a stopped engine, a missing input). A router should then ignore the other gauges.
+    1 when every rank wrote within ``stale_after`` seconds (1.5 by default) and the KV view, block size and
+    load are known; else 0 (a stopped engine, a missing input). A router should then ignore the other
+    gauges. An engine idle at its last step (nothing running, nothing waiting) stays valid however long
+    ago that was, until its process ends: it has no step to take until a request arrives, and its KV state
+    cannot change before then.
 ``memwatch_signal_age_seconds``
     seconds since the stalest rank last wrote, on the sidecar's clock.
 
@@ -225,7 +228,8 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
                     fit = min(fit, safe // prompt)
                 admissible[shape_label((prompt, output))] = max(fit, 0)
     load = tight if tight is not None else next((s.inputs for s in ranks if s.inputs.running is not None), None)
-    valid = (age is not None and age <= config.stale_after and ratio is not None
+    idle = tight is not None and tight.running == 0 and tight.waiting == 0
+    valid = (age is not None and (age <= config.stale_after or idle) and ratio is not None
              and all(s.ended_at is None for s in ranks))
     return EngineHeadroom(labels, free_tokens, ratio, admissible, safe, None if load is None else load.waiting,
                           None if load is None else load.running, valid, age)
