@@ -34,7 +34,7 @@ from pathlib import Path
 
 from adapter_load import NUM_BLOCKS, AdapterProbe, start_like_adapter
 
-from memwatch.export.headroom import HeadroomConfig, engine_headroom, render_headroom
+from memwatch.export.headroom import HeadroomConfig, render_headroom
 from memwatch.export.prometheus import _escape, render, render_labels
 from memwatch.export.state import ExportState
 from memwatch.identity import prometheus_labels
@@ -175,7 +175,7 @@ def render_costs(renders: int) -> tuple[list[float], list[float], list[float], i
         for _ in range(renders):
             touch()
             start = time.perf_counter()
-            lines = render_headroom(engine_headroom(state.snapshot(), config, state.clock), labels, _escape)
+            lines = render_headroom(state.engines(state.snapshot()), labels, _escape)
             alone.append((time.perf_counter() - start) * 1000)
             touch()
             start = time.perf_counter()

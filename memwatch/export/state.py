@@ -29,7 +29,7 @@ from ..identity import otel_attributes, place_from_meta
 from ..ledger import Ledger, LedgerTerms
 from ..records import Event, Sample
 from ..ring_records import RingDrain, typed_sample
-from .headroom import HeadroomConfig, RankInputs
+from .headroom import EngineHeadroom, HeadroomConfig, RankInputs, engine_headroom
 from .latest_sample import LatestSample
 
 DEFAULT_LINGER_SECONDS = 60.0
@@ -303,6 +303,12 @@ class ExportState:
                     if series is not None:
                         series.lost = max(series.lost, lost)
             return list(self._ranks.values())
+
+    def engines(self, ranks: list[RankSeries]) -> list[EngineHeadroom]:
+        """The headroom of the engines of ``ranks`` (a :meth:`snapshot`), computed under the state's lock: a scrape
+        reads each ring's newest sample while the collector may be feeding or finishing the same rank."""
+        with self._lock:
+            return engine_headroom(ranks, self.headroom, self._clock)
 
     def _take_terms(self, series: RankSeries) -> None:
         if self._terms_source is not None:
