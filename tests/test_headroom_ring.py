@@ -119,3 +119,24 @@ def test_the_newest_sample_is_read_past_events_and_readings_without_a_load(runti
     monitor.close()
     assert latest.read() is None
     assert os.path.exists(monitor.ring_path) and RECORD_SIZE == 128
+
+
+def test_the_activation_per_token_is_the_largest_prefill_s_else_the_warmup_s() -> None:
+    from memwatch.export.headroom import RankInputs
+
+    inputs = RankInputs()
+    assert inputs.activation_per_token(2 << 30) is None  # no prefill, no batch size: unknown
+    inputs.take_event("config", {"max_num_batched_tokens": 4096, "block_size": 16})
+    assert inputs.block_size == 16
+    assert inputs.activation_per_token(2 << 30) == (2 << 30) / 4096  # the warmup's reserve over its batch
+    # Ring tuples (SAMPLE_FIELDS): flags 1 (own peak), kind 1 (prefill), allocated 7, peak 8, tokens 12.
+    row = [0] * 21
+
+    def prefill(tokens: int, rise: int) -> tuple[int, ...]:
+        row[2], row[4], row[7], row[8], row[12], row[14] = 1, 1, 10 << 30, (10 << 30) + rise, tokens, -1
+        return tuple(row)
+
+    # 100 tokens rising 60 MiB (fixed buffers dominate) and 4,000 rising 1,000 MiB: the larger one's 256 KiB.
+    inputs.take_rows([prefill(100, 60 << 20), prefill(4000, 1000 << 20)], b"", now=1.0)
+    assert inputs.activation_per_token(2 << 30) == (1000 << 20) / 4000
+    assert inputs.seen_at == 1.0 and inputs.reports is False  # no KV view, no load in those rows
