@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from ..identity import prometheus_labels
+from .headroom import render_headroom
 from .http_serving import HttpListener, Reply
 from .instruments import FLAGS_METRIC, METRICS, RINGS_REFUSED
 from .state import ExportState
@@ -60,8 +61,8 @@ def _number(value: float) -> str:
     return repr(float(value)) if isinstance(value, float) else str(value)
 
 
-def render(state: ExportState, resource: dict[str, Any] | None = None) -> str:
-    """Every metric of every live rank in the Prometheus text format."""
+def render(state: ExportState, resource: dict[str, Any] | None = None, *, headroom: bool = True) -> str:
+    """Every metric of every live rank in the Prometheus text format, and (``headroom``) each engine's headroom."""
     ranks = state.snapshot()
     labels = {id(series): render_labels({**prometheus_labels(series.attributes), **series.dcgm}) for series in ranks}
     hw_labels = {id(series): render_labels({**prometheus_labels({**series.attributes, **series.hardware}),
@@ -87,6 +88,9 @@ def render(state: ExportState, resource: dict[str, Any] | None = None) -> str:
         base = labels[id(series)]
         out += [f'{flags}{{{base},kind="{_escape(kind)}",severity="{_escape(severity)}"}} {count}'
                 for kind, severity, count in state.flag_counts(series)]
+    if headroom:
+        out += render_headroom(state.engines(ranks), lambda attributes: render_labels(prometheus_labels(attributes)),
+                               _escape)
     refused = state.refused_rings()
     if refused is not None:
         name = prometheus_name(RINGS_REFUSED.name, RINGS_REFUSED.unit)
