@@ -29,7 +29,7 @@ from pathlib import Path
 
 from memwatch_engine import Monitor
 from memwatch_engine.probes.base import DeviceInfo, Probe
-from memwatch_engine.ring_format import _SAMPLE, HEADER_SIZE, RECORD_SIZE
+from memwatch_engine.ring_format import _SAMPLE_WRITE, HEADER_SIZE, RECORD_SIZE
 
 BATCH = 200
 BATCHES = 500
@@ -63,17 +63,19 @@ class FreeProbe(FixedProbe):
 
 def make_floor(ring: mmap.mmap, capacity: int) -> Callable[..., None]:
     """One ``pack_into`` of a sample into the mapped ring and a counter, with the step's signature."""
-    pack = _SAMPLE.pack_into
+    pack = _SAMPLE_WRITE.pack_into
     mask = capacity - 1
     counter = [0]
     ts = time.time_ns()
     allocated, peak, reserved, used, free, segments, active, pinned, retries, ooms = READING
 
     def floor(kind: str | None = None, num_seqs: int | None = None, num_tokens: int | None = None,
-              kv_blocks_used: int | None = None, kv_blocks_total: int | None = None) -> None:
+              kv_blocks_used: int | None = None, kv_blocks_total: int | None = None, requests_running: int = -1,
+              requests_waiting: int = -1, kv_blocks_needed: int = -1) -> None:
         n = counter[0]
-        pack(ring, HEADER_SIZE + (n & mask) * RECORD_SIZE, n, 1, 0, 5, 2, n, ts, allocated, peak, reserved, used,
-             free, num_tokens, kv_blocks_used, kv_blocks_total, num_seqs, segments, active, pinned, retries, ooms)
+        pack(ring, HEADER_SIZE + (n & mask) * RECORD_SIZE, n, 1, 2, 5, 2, requests_running, n, ts, allocated, peak,
+             reserved, used, free, num_tokens, kv_blocks_used, kv_blocks_total, num_seqs, segments, active, pinned,
+             retries, ooms, requests_waiting, kv_blocks_needed)
         counter[0] = n + 1
 
     return floor
@@ -83,7 +85,7 @@ def timed_batch(step: Callable[..., None]) -> float:
     """Mean microseconds per call over one batch of ``BATCH`` calls."""
     start = time.perf_counter_ns()
     for _ in range(BATCH):
-        step("decode", 64, 64, 1200, 3780)
+        step("decode", 64, 64, 1200, 3780, 64, 3, 410)
     return (time.perf_counter_ns() - start) / BATCH / 1000
 
 

@@ -168,14 +168,22 @@ class Monitor(RingOpening):
         num_tokens: int | None = UNKNOWN,
         kv_blocks_used: int | None = UNKNOWN,
         kv_blocks_total: int | None = UNKNOWN,
+        requests_running: int | None = UNKNOWN,
+        requests_waiting: int | None = UNKNOWN,
+        kv_blocks_needed: int | None = UNKNOWN,
     ) -> None:
         """Record one engine step, after it ran. ``kind`` is ``"prefill"``, ``"decode"`` or None; a count left
         out, ``None`` or -1 is unknown.
 
+        The engine's load after the step, which the sidecar's headroom gauges read: requests running (holding
+        KV) and waiting, and ``kv_blocks_needed``, the KV blocks the running requests will still need to reach
+        their ``max_tokens`` beyond the blocks they hold (summed over requests, each rounded up to whole blocks).
+
         A monitor that started replaces this method with its own hot path (:mod:`.stepper`), which does the same.
         """
         if self._path is not None:
-            self._path.step(kind, num_seqs, num_tokens, kv_blocks_used, kv_blocks_total)
+            self._path.step(kind, num_seqs, num_tokens, kv_blocks_used, kv_blocks_total, requests_running,
+                            requests_waiting, kv_blocks_needed)
 
     @contextmanager
     def stepping(self, kind: str | None = None, **fields: int | None) -> Iterator[None]:

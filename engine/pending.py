@@ -112,17 +112,20 @@ def build_pending_step(pending: PendingRecords, probe: Probe, clock: Callable[[]
     live, count, phase, flags, read = True, 0, 0, 0, read_plain
 
     def step(kind: str | None = None, num_seqs: int | None = UNKNOWN, num_tokens: int | None = UNKNOWN,
-             kv_blocks_used: int | None = UNKNOWN, kv_blocks_total: int | None = UNKNOWN) -> None:
+             kv_blocks_used: int | None = UNKNOWN, kv_blocks_total: int | None = UNKNOWN,
+             requests_running: int | None = UNKNOWN, requests_waiting: int | None = UNKNOWN,
+             kv_blocks_needed: int | None = UNKNOWN) -> None:
         nonlocal count
         if not live:
             return
         try:
             reading = read()
             count += 1
-            seqs, tokens, used, total = (UNKNOWN if n is None else n
-                                         for n in (num_seqs, num_tokens, kv_blocks_used, kv_blocks_total))
+            seqs, tokens, used, total, *load = (
+                UNKNOWN if n is None else n for n in (num_seqs, num_tokens, kv_blocks_used, kv_blocks_total,
+                                                       requests_running, requests_waiting, kv_blocks_needed))
             pending.write_sample(count, clock(), phase, codes.get(kind, 0), flags, *reading[:5], tokens, used,
-                                 total, seqs, *reading[5:])
+                                 total, seqs, *reading[5:], *load)
         except Exception as exc:
             on_fault(exc)
             return

@@ -34,9 +34,10 @@ Byte layout (version 2, little-endian)::
 
     sample (type 1)
       9   u8   flags            bit 0: peak is this step's own (peak was reset after the reading)
+                                bit 1: the engine's load is written (bytes 12..15 and 120..127 below)
      10   u8   phase            phase code (PHASE_CODES; custom phases are announced by phase_start)
      11   u8   step_kind        0 unknown, 1 prefill, 2 decode
-     12   u32  (reserved)
+     12   i32  requests_running requests holding KV that the scheduler runs (with bit 1; else reserved)
      16   i64  step
      24   i64  ts_ns
      32   i64  allocated_bytes, peak_bytes, reserved_bytes, driver_used_bytes, driver_free_bytes
@@ -45,7 +46,15 @@ Byte layout (version 2, little-endian)::
      92   i32  segments         the allocator's segment count                     (version 2 on)
      96   i64  active_bytes, inactive_split_bytes                               (version 2 on)
     112   i32  alloc_retries, num_ooms   the allocator's cumulative counters     (version 2 on)
+    120   i32  requests_waiting          requests queued, not yet running          (with bit 1)
+    124   i32  kv_blocks_needed          KV blocks the running requests still need to reach their
+                                         ``max_tokens``, beyond those they hold    (with bit 1)
             (every measured field is -1 when not available)
+
+    The load (bit 1) came later within version 2: those bytes were padding, which every version 2
+    reader skips, so an older sidecar reads a newer engine's samples unchanged; a reader takes the
+    load only from a sample whose bit 1 is set (:func:`sample_load`), never from an older writer's zeros.
+    Drained tuples leave the load out; it is read from the copied slots, where a reader wants it.
 
     Version 1 differs only there: bytes 92..127 of a sample are padding. Its samples drain as
     16-field tuples, version 2 samples as 21-field tuples (:data:`SAMPLE_FIELDS`).
@@ -87,6 +96,8 @@ FLAG_CLOSED = 1
 TYPE_SAMPLE = 1
 TYPE_EVENT = 2
 SAMPLE_PEAK_IS_STEP = 1
+SAMPLE_HAS_LOAD = 2
+"""Sample flag: bytes 12..15 and 120..127 hold the engine's load (requests running, waiting, KV blocks needed)."""
 CHUNK_MORE = 1
 CHUNK_PAYLOAD = 96
 MAX_EVENT_CHUNKS = 64
@@ -104,6 +115,12 @@ _PUBLISHED = struct.Struct("<Q")
 _FLAGS = struct.Struct("<I")
 _SAMPLE = struct.Struct("<QBBBB4xqqqqqqqqiiiiqqii")
 _SAMPLE_SLOT = struct.Struct(_SAMPLE.format + f"{RECORD_SIZE - _SAMPLE.size}x")
+_SAMPLE_WRITE = struct.Struct("<QBBBBiqqqqqqqqiiiiqqiiii")
+"""What a writer packs: the sample with its load (running at 12, waiting and KV blocks needed at 120)."""
+_RUNNING = struct.Struct("<i")
+_RUNNING_AT = 12
+_WAITING_NEEDED = struct.Struct("<ii")
+_WAITING_AT = 120
 _SAMPLE_V1 = struct.Struct("<QBBBB4xqqqqqqqqiii4x")
 _SAMPLE_SLOT_V1 = struct.Struct(_SAMPLE_V1.format + f"{RECORD_SIZE - _SAMPLE_V1.size}x")
 SAMPLE_FIELDS = (
@@ -118,7 +135,8 @@ PUBLISHED_WORD = _PUBLISHED_AT // 8
 _SEQ = struct.Struct("<Q")
 _FLAGS_AT = 36
 assert _HEADER.size == META_OFFSET and _SAMPLE_SLOT.size == RECORD_SIZE and _CHUNK.size == RECORD_SIZE
-assert _SAMPLE_SLOT_V1.size == RECORD_SIZE and len(SAMPLE_FIELDS) == len(_SAMPLE.unpack(bytes(_SAMPLE.size)))
+assert _SAMPLE_WRITE.size == RECORD_SIZE and _SAMPLE_SLOT_V1.size == RECORD_SIZE
+assert len(SAMPLE_FIELDS) == len(_SAMPLE.unpack(bytes(_SAMPLE.size)))
 
 
 class RingFormatError(Exception):
@@ -134,12 +152,27 @@ def sample_slot(
     allocated: int, peak: int, reserved: int, driver_used: int, driver_free: int,
     num_tokens: int, kv_used: int, kv_total: int, num_seqs: int,
     segments: int = -1, active: int = -1, inactive_split: int = -1, alloc_retries: int = -1, num_ooms: int = -1,
+    requests_running: int = -1, requests_waiting: int = -1, kv_blocks_needed: int = -1,
 ) -> bytes:
-    """One sample record, its sequence number left 0 for the writer to fill."""
-    return _SAMPLE_SLOT.pack(
-        0, TYPE_SAMPLE, flags, phase, step_kind, step, ts_ns, allocated, peak, reserved, driver_used, driver_free,
-        num_tokens, kv_used, kv_total, num_seqs, segments, active, inactive_split, alloc_retries, num_ooms,
+    """One sample record with its load (-1: unknown; flag bit 1 only when some of it is known), its sequence
+    number left 0 for the writer to fill."""
+    if requests_running != -1 or requests_waiting != -1 or kv_blocks_needed != -1:
+        flags |= SAMPLE_HAS_LOAD
+    return _SAMPLE_WRITE.pack(
+        0, TYPE_SAMPLE, flags, phase, step_kind, requests_running, step, ts_ns, allocated, peak,
+        reserved, driver_used, driver_free, num_tokens, kv_used, kv_total, num_seqs, segments, active,
+        inactive_split, alloc_retries, num_ooms, requests_waiting, kv_blocks_needed,
     )
+
+
+def sample_load(slots: bytes, at: int) -> tuple[int, int, int] | None:
+    """(requests running, waiting, KV blocks needed) of the sample in slot ``at`` of copied ``slots``; ``None``
+    when its writer did not write the load (flag bit 1). Each is -1 where the engine did not say."""
+    offset = at * RECORD_SIZE
+    if not slots[offset + 9] & SAMPLE_HAS_LOAD:
+        return None
+    return (_RUNNING.unpack_from(slots, offset + _RUNNING_AT)[0],
+            *_WAITING_NEEDED.unpack_from(slots, offset + _WAITING_AT))
 
 
 def event_slots(step: int, ts_ns: int, kind: str, data: dict[str, Any]) -> list[bytes]:

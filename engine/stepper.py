@@ -22,10 +22,11 @@ from typing import Any, NamedTuple
 from .probes.base import UNKNOWN, Probe
 from .ring import RingWriter
 from .ring_format import (
-    _SAMPLE,
+    _SAMPLE_WRITE,
     HEADER_SIZE,
     PUBLISHED_WORD,
     RECORD_SIZE,
+    SAMPLE_HAS_LOAD,
     SAMPLE_PEAK_IS_STEP,
     STEP_KIND_CODES,
     TYPE_SAMPLE,
@@ -36,7 +37,8 @@ class StepPath(NamedTuple):
     """The step and the few switches the Monitor turns on it."""
 
     step: Callable[..., None]
-    """``step(kind=None, num_seqs=-1, num_tokens=-1, kv_blocks_used=-1, kv_blocks_total=-1)``; -1 or None: unknown."""
+    """``step(kind=None, num_seqs=-1, num_tokens=-1, kv_blocks_used=-1, kv_blocks_total=-1, requests_running=-1,
+    requests_waiting=-1, kv_blocks_needed=-1)``; -1 or None: unknown."""
     set_phase: Callable[[int], None]
     per_step_peak: Callable[[bool], None]
     """On: each step reads the probe and resets its peak in one call, and marks the sample's peak its own."""
@@ -51,12 +53,14 @@ def build_step(writer: RingWriter, probe: Probe, clock: Callable[[], int] = time
     """The step for ``writer``'s ring; ``on_fault(exc)`` is called, once the step has caught ``exc``, to turn it off.
     ``start``: steps already counted (before the ring existed: :mod:`.pending`)."""
     ring, mask, cursor, published, waiting = writer.hot_path()
-    take, give, pack, codes = cursor.pop, cursor.append, _SAMPLE.pack_into, STEP_KIND_CODES
+    take, give, pack, codes = cursor.pop, cursor.append, _SAMPLE_WRITE.pack_into, STEP_KIND_CODES
     read_plain, read_and_reset = probe.read_step, probe.read_step_and_reset
-    live, count, phase, flags, read = True, start, 0, 0, read_plain
+    live, count, phase, flags, read = True, start, 0, SAMPLE_HAS_LOAD, read_plain
 
     def step(kind: str | None = None, num_seqs: int | None = UNKNOWN, num_tokens: int | None = UNKNOWN,
-             kv_blocks_used: int | None = UNKNOWN, kv_blocks_total: int | None = UNKNOWN) -> None:
+             kv_blocks_used: int | None = UNKNOWN, kv_blocks_total: int | None = UNKNOWN,
+             requests_running: int | None = UNKNOWN, requests_waiting: int | None = UNKNOWN,
+             kv_blocks_needed: int | None = UNKNOWN) -> None:
         nonlocal count
         if not live:
             return
@@ -73,19 +77,22 @@ def build_step(writer: RingWriter, probe: Probe, clock: Callable[[], int] = time
                 raise IndexError
         except (KeyError, TypeError, IndexError):
             count += 1
-            slowly(count, kind, (num_seqs, num_tokens, kv_blocks_used, kv_blocks_total),
+            slowly(count, kind, (num_seqs, num_tokens, kv_blocks_used, kv_blocks_total, requests_running,
+                                 requests_waiting, kv_blocks_needed),
                    (allocated, peak, reserved, used, free, segments, active, pinned, retries, ooms))
             return
         count += 1
         try:
-            pack(ring, HEADER_SIZE + (seq & mask) * RECORD_SIZE, seq, TYPE_SAMPLE, flags, phase, code, count,
-                 clock(), allocated, peak, reserved, used, free, num_tokens, kv_blocks_used, kv_blocks_total,
-                 num_seqs, segments, active, pinned, retries, ooms)
+            pack(ring, HEADER_SIZE + (seq & mask) * RECORD_SIZE, seq, TYPE_SAMPLE, flags, phase, code,
+                 requests_running, count, clock(), allocated, peak, reserved, used, free, num_tokens, kv_blocks_used,
+                 kv_blocks_total, num_seqs, segments, active, pinned, retries, ooms, requests_waiting,
+                 kv_blocks_needed)
             seq += 1
             published[PUBLISHED_WORD] = seq
         except Exception:  # a None or a value that does not pack: the slow path says which
             give(seq)
-            slowly(count, kind, (num_seqs, num_tokens, kv_blocks_used, kv_blocks_total),
+            slowly(count, kind, (num_seqs, num_tokens, kv_blocks_used, kv_blocks_total, requests_running,
+                                 requests_waiting, kv_blocks_needed),
                    (allocated, peak, reserved, used, free, segments, active, pinned, retries, ooms))
             return
         give(seq)
@@ -93,9 +100,9 @@ def build_step(writer: RingWriter, probe: Probe, clock: Callable[[], int] = time
     def slowly(number: int, kind: Any, counts: tuple[int | None, ...], reading: tuple[int, ...]) -> None:
         """Step ``number`` through the writer's thread-safe path, with ``None`` read as unknown."""
         try:
-            num_seqs, num_tokens, kv_used, kv_total = (UNKNOWN if n is None else n for n in counts)
+            num_seqs, num_tokens, kv_used, kv_total, *load = (UNKNOWN if n is None else n for n in counts)
             writer.write_sample(number, clock(), phase, codes.get(kind, 0), flags, *reading[:5], num_tokens,
-                                kv_used, kv_total, num_seqs, *reading[5:])
+                                kv_used, kv_total, num_seqs, *reading[5:], *load)
         except Exception as exc:
             on_fault(exc)
 
@@ -105,7 +112,7 @@ def build_step(writer: RingWriter, probe: Probe, clock: Callable[[], int] = time
 
     def per_step_peak(on: bool) -> None:
         nonlocal read, flags
-        read, flags = (read_and_reset, SAMPLE_PEAK_IS_STEP) if on else (read_plain, 0)
+        read, flags = (read_and_reset, SAMPLE_PEAK_IS_STEP | SAMPLE_HAS_LOAD) if on else (read_plain, SAMPLE_HAS_LOAD)
 
     def stop() -> None:
         nonlocal live
