@@ -156,8 +156,10 @@ class SimulatedEngine:
             for runner in self.runners:
                 runner.requests_finished(stats.steps, len(finished))
         kind = "prefill" if is_prefill else "decode"
+        running, waiting, needed = _load(scheduler, manager.block_size)
         lead.monitor.step(kind, num_seqs=len(seqs), num_tokens=num_tokens,
-                          kv_blocks_used=blocks_used, kv_blocks_total=manager.num_blocks)
+                          kv_blocks_used=blocks_used, kv_blocks_total=manager.num_blocks,
+                          requests_running=running, requests_waiting=waiting, kv_blocks_needed=needed)
         for runner in self.runners[1:]:
             runner.monitor.step()
 
@@ -166,3 +168,12 @@ class SimulatedEngine:
         if is_prefill:
             return num_tokens / cost.prefill_tokens_per_s
         return cost.decode_step_s + cost.decode_per_seq_s * num_seqs
+
+
+def _load(scheduler: Scheduler, block_size: int) -> tuple[int, int, int]:
+    """Requests holding KV (running, or part-way through their prefill), requests waiting without any, and the
+    KV blocks the holders still need to reach their ``max_tokens``: what the sidecar's headroom gauges read."""
+    holders = [*scheduler.running, *(seq for seq in scheduler.waiting if seq.block_table)]
+    needed = sum(max(-(-(seq.num_prompt_tokens + seq.max_tokens) // block_size) - len(seq.block_table), 0)
+                 for seq in holders)
+    return len(holders), len(scheduler.waiting) - (len(holders) - len(scheduler.running)), needed
