@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -52,6 +53,14 @@ from .options import Seconds, db_option, thresholds_option
 @click.option("--prometheus", metavar="[HOST:]PORT", default=None,
               help="Serve metrics for Prometheus to scrape at http://HOST:PORT/metrics (host 127.0.0.1 unless "
                    "given; env MEMWATCH_PROMETHEUS).")
+@click.option("--admission-shape", "admission_shapes", multiple=True, metavar="PROMPT:OUTPUT",
+              envvar="MEMWATCH_ADMISSION_SHAPES",
+              help="Export memwatch_admissible_requests for requests of this many prompt and output tokens "
+                   "(repeatable; env MEMWATCH_ADMISSION_SHAPES, space-separated). Default: 512:256, 2048:512 and "
+                   "8192:1024 (chat, a retrieval prompt, a long context).")
+@click.option("--signal-stale-after", type=Seconds(0.0, 3600.0, low_open=True), default=None, metavar="SECONDS",
+              help="memwatch_signal_valid turns 0 when a rank of the engine has not written for this long "
+                   "(default 2).")
 @click.option("--otlp", metavar="[ENDPOINT]", is_flag=False, flag_value="1", default=None,
               help="Push metrics and flag log records over OTLP/HTTP (protobuf) to ENDPOINT, e.g. "
                    "http://collector:4318; without one, OTEL_EXPORTER_OTLP_ENDPOINT or localhost:4318 "
@@ -72,19 +81,25 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
             exit_when_idle: float | None, give_up_after: float, quiet_if_running: bool, no_detect: bool,
             detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str, keep_rollups: str,
             max_db_size: str, no_ring_warning: float,
-            prometheus: str | None, otlp: str | None, console: bool, trust_uids: tuple[int, ...],
+            prometheus: str | None, admission_shapes: tuple[str, ...], signal_stale_after: float | None,
+            otlp: str | None, console: bool, trust_uids: tuple[int, ...],
             runtime_group: int | None, health: str | None) -> None:
     """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).
 
     With --prometheus, --otlp or --console (or their MEMWATCH_* variables, or OTEL_METRICS_EXPORTER)
-    it also exports each live rank's GPU memory, ledger and flags as OpenTelemetry metrics.
+    it also exports each live rank's GPU memory, ledger and flags as OpenTelemetry metrics, and on
+    /metrics each engine's memory headroom for routers (docs/routing.md).
     """
     from ..export.config import export_config, parse_listen
+    from ..export.headroom import DEFAULT_SHAPES, DEFAULT_STALE_AFTER_S, HeadroomConfig, parse_shape
 
     rollups = None if keep_rollups == "forever" else parse_duration_ns(keep_rollups)
     retention = Retention(parse_duration_ns(keep_full), parse_duration_ns(keep_evidence), rollups,
                           parse_bytes(max_db_size) or None)
     config = export_config(prometheus, otlp, console)
+    shapes = tuple(dict.fromkeys(parse_shape(shape) for shape in admission_shapes)) or DEFAULT_SHAPES
+    stale_after = DEFAULT_STALE_AFTER_S if signal_stale_after is None else signal_stale_after
+    config = replace(config, headroom=HeadroomConfig(shapes, stale_after))
     health_at = parse_listen(health, "--health") if health is not None else None
     exporters = None
     if config.enabled:

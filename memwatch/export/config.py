@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import UsageError
+from .headroom import HeadroomConfig
 from .state import DEFAULT_LINGER_SECONDS
 
 DEFAULT_PROMETHEUS_PORT = 9464
@@ -34,6 +35,8 @@ class ExportConfig:
     """An OTLP/HTTP endpoint (base URL), :data:`OTLP_FROM_ENV`, or ``None`` for no OTLP."""
     console: bool = False
     linger: float = DEFAULT_LINGER_SECONDS
+    headroom: HeadroomConfig = field(default_factory=HeadroomConfig)
+    """The headroom gauges' shapes and staleness (``serve --admission-shape``, ``--signal-stale-after``)."""
 
     @property
     def enabled(self) -> bool:

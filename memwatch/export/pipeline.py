@@ -53,7 +53,7 @@ class Exporters:
 
     def __init__(self, config: ExportConfig) -> None:
         self.config = config
-        self.state = ExportState(linger=config.linger)
+        self.state = ExportState(linger=config.linger, headroom=config.headroom)
         self.prometheus: PrometheusEndpoint | None = None
         self.otlp_metrics: ResilientMetricExporter | None = None
         self.otlp_logs: ResilientLogExporter | None = None

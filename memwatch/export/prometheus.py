@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from ..identity import prometheus_labels
+from .headroom import engine_headroom, render_headroom
 from .http_serving import HttpListener, Reply
 from .instruments import FLAGS_METRIC, METRICS, RINGS_REFUSED
 from .state import ExportState
@@ -87,6 +88,8 @@ def render(state: ExportState, resource: dict[str, Any] | None = None) -> str:
         base = labels[id(series)]
         out += [f'{flags}{{{base},kind="{_escape(kind)}",severity="{_escape(severity)}"}} {count}'
                 for kind, severity, count in state.flag_counts(series)]
+    out += render_headroom(engine_headroom(ranks, state.headroom, state.clock),
+                           lambda attributes: render_labels(prometheus_labels(attributes)), _escape)
     refused = state.refused_rings()
     if refused is not None:
         name = prometheus_name(RINGS_REFUSED.name, RINGS_REFUSED.unit)

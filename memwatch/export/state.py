@@ -29,6 +29,8 @@ from ..identity import otel_attributes, place_from_meta
 from ..ledger import Ledger, LedgerTerms
 from ..records import Event, Sample
 from ..ring_records import RingDrain, typed_sample
+from .headroom import HeadroomConfig, RankInputs
+from .latest_sample import LatestSample
 
 DEFAULT_LINGER_SECONDS = 60.0
 """How long a finished rank's series stay published: one default OTLP export interval and scrape."""
@@ -118,6 +120,8 @@ class RankSeries:
     """KV blocks (used, total) of the latest sample that reported them."""
     flags: Counter[tuple[str, str]] = field(default_factory=Counter)
     ended_at: float | None = None
+    inputs: RankInputs = field(default_factory=RankInputs)
+    """What the headroom gauges of this rank's engine read (:mod:`.headroom`)."""
 
     @property
     def limit_bytes(self) -> int | None:
@@ -134,9 +138,12 @@ class ExportState:
     """Collector observer that keeps the exported view of every live rank (thread-safe snapshots)."""
 
     def __init__(self, *, linger: float = DEFAULT_LINGER_SECONDS, clock: Callable[[], float] = time.monotonic,
-                 lost_records: Callable[[], Iterable[tuple[str, int, int]]] | None = None) -> None:
+                 lost_records: Callable[[], Iterable[tuple[str, int, int]]] | None = None,
+                 headroom: HeadroomConfig | None = None) -> None:
         self.linger = linger
-        self._clock = clock
+        self.headroom = headroom or HeadroomConfig()
+        """The shapes and staleness of the headroom gauges."""
+        self.clock = self._clock = clock
         self._lost_records = lost_records
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], RankSeries] = {}
@@ -170,11 +177,22 @@ class ExportState:
     """The collector hands over the ring's own tuples: with the detectors' ledger as the terms source, a drain
     costs its last sample and its events, never a typed record per sample."""
 
+    def ring_opened(self, header: RingHeader, reader: Any) -> None:
+        """The collector opened this rank's ring: a scrape reads its newest sample (:mod:`.latest_sample`)."""
+        with self._lock:
+            inputs = self._series(header).inputs
+            if inputs.latest is not None:
+                inputs.latest.close()
+            inputs.latest = LatestSample(reader.fileno(), header.capacity, self._clock)
+
     def __call__(self, header: RingHeader, records: RingDrain | list[Sample | Event]) -> tuple[()]:
+        typed = not isinstance(records, RingDrain)
         if isinstance(records, RingDrain):
+            self._take_inputs(header, records)
             if self._terms_source is not None:
                 return self._take_drain(header, records)
             records = records.records  # its own ledger reads every sample
+        now = self._clock()
         with self._lock:
             series = self._series(header)
             own_ledger = self._terms_source is None
@@ -185,6 +203,8 @@ class ExportState:
                 if type(record) is Sample:
                     last = record
                     samples += 1
+                    if typed:
+                        series.inputs.take_sample(record, now)
                     if own_ledger:
                         terms = ledger.on_sample(record)
                     if record.kv_blocks_total is not None:  # not every sample carries the KV view
@@ -192,6 +212,8 @@ class ExportState:
                     continue
                 if own_ledger:
                     ledger.on_event(record)
+                if typed:
+                    series.inputs.take_event(record.kind, record.data)  # type: ignore[union-attr]
                 _count(series, record)  # type: ignore[arg-type]
             series.samples += samples
             if kv is not None:
@@ -201,6 +223,15 @@ class ExportState:
                 if own_ledger:
                     series.terms = terms
         return ()
+
+    def _take_inputs(self, header: RingHeader, drain: RingDrain) -> None:
+        """The headroom's inputs of one drain: its samples' KV view, prefills and load, its sizing events."""
+        drained, now = drain.drained, self._clock()
+        with self._lock:
+            inputs = self._series(header).inputs
+            for event in drained.events:
+                inputs.take_event(event[3], event[4])
+            inputs.take_rows(drained.samples, drained.slots, now)
 
     def _take_drain(self, header: RingHeader, drain: RingDrain) -> tuple[()]:
         """What :meth:`__call__` keeps of a drain, from its last samples and its events alone."""
@@ -246,6 +277,8 @@ class ExportState:
             if series is not None:
                 self._take_terms(series)  # the detectors forget the run once all its ranks are done
                 series.ended_at = self._clock()
+                if series.inputs.latest is not None:
+                    series.inputs.latest.close()
 
     # -- read by the exporters' threads ----------------------------------------------------------------
 

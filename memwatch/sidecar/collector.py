@@ -133,6 +133,10 @@ class Collector:
             return
         cursor, lost = (row[0], row[1]) if row else (0, 0)
         self.rings[path] = RingState(path, key, reader, cursor, lost, ident=ident)
+        for observer in self._observers:  # e.g. the exporters, which read a ring's newest sample at a scrape
+            opened = getattr(observer, "ring_opened", None)
+            if opened is not None:
+                opened(header, reader)
         if row is None:
             self._writer.submit(Batch(statements=register(header)))
         log.info("draining %s (run %s rank %d, pid %d)", path.name, header.run_id, header.rank,

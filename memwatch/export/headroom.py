@@ -1,0 +1,280 @@
+"""The memory-headroom signal a router reads: which engine can still take a request of a given shape, now.
+
+One series per engine instance (a run: all its ranks), the tightest of its ranks, on the sidecar's
+``/metrics``. The inputs are the engine's last step (read from the ring at scrape time,
+:mod:`.latest_sample`), the rank's KV sizing and config events, and the ledger of the
+last drained sample. Definitions (``B`` block size in tokens, ``T`` KV blocks in all, ``U`` in use,
+``N`` the blocks the running requests still need to reach their ``max_tokens``, ``W`` requests waiting):
+
+``memwatch_kv_free_tokens``
+    ``(T − U) × B``: tokens that can be allocated now without preempting anyone.
+``memwatch_kv_committed_usage_ratio``
+    ``(U + N) / T``, clamped to 0–1: the KV usage a router reads today, plus what is already promised.
+``memwatch_admissible_requests{shape="P:O"}``
+    the smaller of the KV limit ``floor((T − U − N) / ceil((P + O) / B)) − W`` (blocks neither used nor
+    promised, less the queue ahead, each waiting request counted as one of this shape because the ring
+    carries no per-request sizes) and the activation limit ``floor(max_safe_prefill / P)``; at least 0.
+    Without a measured activation per token the KV limit alone.
+``memwatch_max_safe_prefill_tokens``
+    ``floor(max(oom_margin_bytes, 0) / a)``: the largest prefill whose activation fits in the ledger's
+    OOM margin (:mod:`memwatch.ledger`: the driver's free memory, plus wholly free cached segments, after
+    the next worst-case forward), so admitting it keeps that margin at or above 0. ``a`` is the activation
+    per token of the run's largest prefill (its own peak above what stayed allocated, over its tokens; a
+    larger prefill amortises fixed per-step buffers that a small one would overstate); before the first
+    prefill, the warmup forward's: the ledger's ``activation_reserve_bytes`` over the config's
+    ``max_num_batched_tokens``. Neither known: not exported. The tightest rank's.
+``memwatch_requests_waiting``, ``memwatch_requests_running``
+    the scheduler's queue and running requests after its last step (the llm-d router's other inputs).
+``memwatch_signal_valid``
+    1 when every rank wrote within ``stale_after`` seconds (2 by default) and the KV view and block size
+    are known; else 0 (a stopped engine, a missing input). A router should then ignore the other gauges.
+``memwatch_signal_age_seconds``
+    seconds since the stalest rank last wrote, on the sidecar's clock.
+
+An engine whose run ended keeps its series, with ``memwatch_signal_valid`` 0, while its ranks' series linger.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from memwatch_engine.ring_format import RECORD_SIZE, sample_load
+
+from ..errors import UsageError
+from ..records import Sample
+
+if TYPE_CHECKING:
+    from .latest_sample import LatestSample
+    from .state import RankSeries
+
+DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((512, 256), (2048, 512), (8192, 1024))
+"""Chat, a retrieval-augmented prompt, a long context: the request classes routers tell apart; three series per
+engine keep the scrape small."""
+DEFAULT_STALE_AFTER_S = 2.0
+"""No write from a rank for this long makes the signal invalid: 40 scrapes of the llm-d router (every 50 ms)."""
+_MAX_TOKENS = 1 << 24
+"""Prompt and output lengths a shape may have (16 M tokens)."""
+
+
+@dataclass(frozen=True)
+class HeadroomConfig:
+    """The shapes ``admissible_requests`` is exported for, and when a signal is stale."""
+
+    shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES
+    stale_after: float = DEFAULT_STALE_AFTER_S
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"2048:512"`` -> (2048, 512): prompt tokens (at least 1) and output tokens (at least 0)."""
+    prompt, sep, output = text.strip().partition(":")
+    try:
+        shape = (int(prompt), int(output))
+    except ValueError:
+        shape = (0, -1)
+    if not sep or not 1 <= shape[0] <= _MAX_TOKENS or not 0 <= shape[1] <= _MAX_TOKENS:
+        raise UsageError(f"--admission-shape {text!r} is not PROMPT:OUTPUT tokens (1 to {_MAX_TOKENS} and 0 to "
+                         f"{_MAX_TOKENS}); give e.g. 2048:512")
+    return shape
+
+
+def shape_label(shape: tuple[int, int]) -> str:
+    return f"{shape[0]}:{shape[1]}"
+
+
+@dataclass
+class RankInputs:
+    """What one rank's headroom is computed from; fed on the collector's thread, read on a scrape's."""
+
+    kv_used: int | None = None
+    kv_total: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+    needed: int | None = None
+    block_size: int | None = None
+    max_batched_tokens: int | None = None
+    largest_prefill: tuple[int, int] = (0, 0)
+    """(tokens, activation bytes) of the run's largest prefill with its own peak."""
+    seen_at: float | None = None
+    """The sidecar's clock when this rank last wrote (a drain, or the latest sample read)."""
+    latest: LatestSample | None = field(default=None, repr=False)
+
+    def take_event(self, kind: str, data: Any) -> None:
+        """The block size (KV sizing, config) and the batch size the warmup forward ran at (config)."""
+        if not isinstance(data, dict) or kind not in ("kv_allocated", "config"):
+            return
+        size, batched = data.get("block_size"), data.get("max_num_batched_tokens")
+        if type(size) is int and size > 0:
+            self.block_size = size
+        if type(batched) is int and batched > 0:
+            self.max_batched_tokens = batched
+
+    def take_rows(self, rows: list[tuple[Any, ...]], slots: bytes, now: float) -> None:
+        """A drain's sample tuples (``SAMPLE_FIELDS``, in order) and the slots they were copied from."""
+        if not rows:
+            return
+        self.seen_at = now
+        for row in rows:  # prefills whose peak is their own: (flags & 1, step kind 1)
+            if row[4] == 1 and row[2] & 1 and row[12] > 0 and row[8] >= row[7] >= 0:
+                self._prefill(row[12], row[8] - row[7])
+        for row in reversed(rows):
+            if row[14] >= 0:
+                self.kv_used, self.kv_total = max(row[13], 0), row[14]
+                break
+        first = int.from_bytes(slots[:8], "little") if len(slots) >= RECORD_SIZE else 0
+        for row in reversed(rows):  # the last sample with its whole load
+            at = row[0] - first
+            load = sample_load(slots, at) if 0 <= at < len(slots) // RECORD_SIZE else None
+            if load is not None and min(load) >= 0:
+                self.running, self.waiting, self.needed = load
+                break
+
+    def take_sample(self, sample: Sample, now: float) -> None:
+        """A typed sample (a state fed records, not a ring's drain): the KV view and prefills; no load."""
+        self.seen_at = now
+        if sample.kv_blocks_total is not None and sample.kv_blocks_used is not None:
+            self.kv_used, self.kv_total = sample.kv_blocks_used, sample.kv_blocks_total
+        tokens, peak, allocated = sample.num_tokens, sample.peak_bytes, sample.allocated_bytes
+        if (sample.step_kind == "prefill" and sample.peak_is_step and tokens and peak is not None
+                and allocated is not None and peak >= allocated):
+            self._prefill(tokens, peak - allocated)
+
+    def _prefill(self, tokens: int, rise: int) -> None:
+        if (tokens, rise) > self.largest_prefill:
+            self.largest_prefill = (tokens, rise)
+
+    def refresh(self) -> None:
+        """Take the ring's newest sample (scrape time); the last drain's values stand for what it does not say."""
+        if self.latest is None:
+            return
+        latest = self.latest.read()
+        if self.latest.seen_at is not None:
+            self.seen_at = self.latest.seen_at if self.seen_at is None else max(self.seen_at, self.latest.seen_at)
+        if latest is None:
+            return
+        if latest.kv_total is not None and latest.kv_used is not None:
+            self.kv_used, self.kv_total = latest.kv_used, latest.kv_total
+        if None not in (latest.running, latest.waiting, latest.needed):
+            self.running, self.waiting, self.needed = latest.running, latest.waiting, latest.needed
+
+    def activation_per_token(self, reserve: int | None) -> float | None:
+        """Bytes of activation per prefill token: the largest prefill's, else the warmup's, else ``None``."""
+        tokens, rise = self.largest_prefill
+        if tokens > 0:
+            return max(rise, 1) / tokens
+        if reserve is not None and reserve > 0 and self.max_batched_tokens:
+            return reserve / self.max_batched_tokens
+        return None
+
+
+@dataclass(frozen=True)
+class EngineHeadroom:
+    """One engine instance's signal (``None``: not known, not exported)."""
+
+    labels: dict[str, Any]
+    kv_free_tokens: int | None
+    committed_usage_ratio: float | None
+    admissible: dict[str, int]
+    max_safe_prefill_tokens: int | None
+    requests_waiting: int | None
+    requests_running: int | None
+    valid: bool
+    age_seconds: float | None
+
+
+def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> EngineHeadroom:
+    labels = {k: v for k, v in ranks[0].attributes.items() if k not in ("rank", "pid")}
+    ages = [None if s.inputs.seen_at is None else max(now - s.inputs.seen_at, 0.0) for s in ranks]
+    age = None if None in ages else max(ages)  # type: ignore[type-var]
+    kv = [s.inputs for s in ranks if s.inputs.kv_total and s.inputs.block_size and s.inputs.kv_used is not None]
+    tight = min(kv, key=lambda i: i.kv_total - i.kv_used) if kv else None  # type: ignore[operator]
+    safe = _max_safe_prefill(ranks)
+    free_tokens = ratio = None
+    admissible: dict[str, int] = {}
+    if tight is not None:
+        total, used, size = tight.kv_total, tight.kv_used, tight.block_size
+        free_tokens = max(total - used, 0) * size  # type: ignore[operator]
+        needed, waiting = tight.needed, tight.waiting
+        if needed is not None and waiting is not None:
+            ratio = min(max((used + needed) / total, 0.0), 1.0)  # type: ignore[operator]
+            spare = max(total - used - needed, 0)  # type: ignore[operator]
+            for prompt, output in config.shapes:
+                fit = spare // math.ceil((prompt + output) / size) - waiting  # type: ignore[operator]
+                if safe is not None:
+                    fit = min(fit, safe // prompt)
+                admissible[shape_label((prompt, output))] = max(fit, 0)
+    load = tight if tight is not None else next((s.inputs for s in ranks if s.inputs.running is not None), None)
+    valid = (age is not None and age <= config.stale_after and ratio is not None
+             and all(s.ended_at is None for s in ranks))
+    return EngineHeadroom(labels, free_tokens, ratio, admissible, safe, None if load is None else load.waiting,
+                          None if load is None else load.running, valid, age)
+
+
+def _max_safe_prefill(ranks: list[RankSeries]) -> int | None:
+    """The tightest rank's largest safe prefill (ranks without a margin or an activation measure say nothing)."""
+    per_token = [s.inputs.activation_per_token(None if s.terms is None else s.terms.activation_reserve_bytes)
+                 for s in ranks]
+    known = [a for a in per_token if a is not None]
+    if not known:
+        return None
+    worst = max(known)  # TP ranks run the same forward: a rank without its own measure takes the largest
+    tokens = [int(max(s.terms.oom_margin_bytes, 0) // (a if a is not None else worst))
+              for s, a in zip(ranks, per_token, strict=True)
+              if s.terms is not None and s.terms.oom_margin_bytes is not None]
+    return min(tokens) if tokens else None
+
+
+def engine_headroom(ranks: Iterable[RankSeries], config: HeadroomConfig,
+                    clock: Callable[[], float] = time.monotonic) -> list[EngineHeadroom]:
+    """The signal of every live engine instance (ranks grouped by run), in the order their ranks came."""
+    now = clock()
+    runs: dict[str, list[RankSeries]] = {}
+    for series in ranks:  # a run that ended stays, invalid, while its series linger
+        runs.setdefault(series.attributes["run_id"], []).append(series)
+    for group in runs.values():
+        for series in group:
+            series.inputs.refresh()
+    return [_engine(sorted(group, key=lambda s: s.attributes["rank"]), config, now) for group in runs.values()]
+
+
+HELP = {
+    "memwatch_kv_free_tokens": "KV tokens that can be allocated now without preempting anyone (tightest rank)",
+    "memwatch_kv_committed_usage_ratio": "KV blocks in use plus those running requests still need, over the total",
+    "memwatch_admissible_requests": "More requests of this prompt:output shape that fit now (KV and activation)",
+    "memwatch_max_safe_prefill_tokens": "Largest prefill whose activation fits the OOM margin (tightest rank)",
+    "memwatch_requests_waiting": "Requests queued in the engine's scheduler after its last step",
+    "memwatch_requests_running": "Requests the engine's scheduler runs after its last step",
+    "memwatch_signal_valid": "1 when the headroom signal is fresh and complete, else 0: ignore the other gauges",
+    "memwatch_signal_age_seconds": "Seconds since the engine's stalest rank last wrote, on the sidecar's clock",
+}
+
+
+def render_headroom(engines: list[EngineHeadroom], labels_of: Callable[[dict[str, Any]], str],
+                    escape: Callable[[Any], str]) -> list[str]:
+    """The gauges' exposition lines, each metric's HELP and TYPE once (``labels_of``: the exposition's label
+    rendering, ``escape`` its value escaping)."""
+    base = [labels_of(engine.labels) for engine in engines]
+    columns: list[tuple[str, Callable[[EngineHeadroom], float | int | None]]] = [
+        ("memwatch_kv_free_tokens", lambda e: e.kv_free_tokens),
+        ("memwatch_kv_committed_usage_ratio", lambda e: e.committed_usage_ratio),
+        ("memwatch_max_safe_prefill_tokens", lambda e: e.max_safe_prefill_tokens),
+        ("memwatch_requests_waiting", lambda e: e.requests_waiting),
+        ("memwatch_requests_running", lambda e: e.requests_running),
+        ("memwatch_signal_valid", lambda e: int(e.valid)),
+        ("memwatch_signal_age_seconds", lambda e: None if e.age_seconds is None else round(e.age_seconds, 3)),
+    ]
+    out: list[str] = []
+    for name, read in columns:
+        out += [f"# HELP {name} {HELP[name]}", f"# TYPE {name} gauge"]
+        for engine, labels in zip(engines, base, strict=True):
+            value = read(engine)
+            if value is not None:
+                out.append(f"{name}{{{labels}}} {value}")
+    name = "memwatch_admissible_requests"
+    out += [f"# HELP {name} {HELP[name]}", f"# TYPE {name} gauge"]
+    for engine, labels in zip(engines, base, strict=True):
+        out += [f'{name}{{{labels},shape="{escape(shape)}"}} {n}' for shape, n in engine.admissible.items()]
+    return out
