@@ -5,7 +5,8 @@ loopback. Time moves in ticks of :data:`SCRAPE_INTERVAL_NS` (50 ms, the llm-d ro
 each tick every engine has run the steps that began before it; when requests reach the router in the tick
 (or some wait there), the router first waits (bounded) until each sidecar has drained its engine's rings,
 scrapes every engine's ``/metrics``, parses it with the Prometheus client's parser and routes the tick's
-requests in arrival order with one policy. A tick with nothing to route needs no scrape: the router's view
+requests in arrival order with one policy; a request no engine can admit now waits at the router and is
+offered again every :data:`RETRY_TICKS` ticks. A tick with nothing to route needs no scrape: the router's view
 is read only when it routes, so skipping those scrapes changes no decision. Then every engine runs on to the
 next tick. Nothing depends on how fast this machine is, so the same trace and seed give the same table.
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from memwatch.errors import UsageError
 from memwatch.sim.clock import NS_PER_S
 from memwatch.sim.fleet.engine import FleetEngine, FleetRequest
-from memwatch.sim.fleet.policies import POLICIES, EngineView, make_policy
+from memwatch.sim.fleet.policies import POLICIES, READ, EngineView, Policy, make_policy
 from memwatch.sim.fleet.results import PolicyResult, summarize
 from memwatch.sim.fleet.scrape import scrape
 from memwatch.sim.fleet.sidecar import START_TIMEOUT_S, FleetSidecar
@@ -33,6 +34,8 @@ from memwatch_engine.monitor import new_run_id
 
 SCRAPE_INTERVAL_NS = 50_000_000
 """The router scrapes every engine every 50 ms of the simulator's clock."""
+RETRY_TICKS = 5
+"""Requests the router holds are offered to the policy again every 5 ticks (250 ms), with that tick's scrape."""
 MAX_ENGINES = 16
 DRAIN_AFTER_S = 3600.0
 """The longest the fleet runs on after the trace's last arrival before it stops (a bound, not a target)."""
@@ -55,7 +58,7 @@ def run_fleet(trace: FleetTrace, engines: int, policies: list[str] | tuple[str, 
 
 def _run(trace: FleetTrace, engines: int, policies: list[str], seed: int, home: Path) -> list[PolicyResult]:
     shapes = tuple(arg for prompt, output in trace.shapes for arg in ("--admission-shape", f"{prompt}:{output}"))
-    sidecars = [FleetSidecar(home / f"engine{i}", _supported(shapes)) for i in range(engines)]
+    sidecars = [FleetSidecar(home / f"engine{i}", shapes) for i in range(engines)]
     try:
         for sidecar in sidecars:
             sidecar.start()
@@ -89,32 +92,20 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
         rejected, tick = 0, 0
         while True:
             now = tick * SCRAPE_INTERVAL_NS
-            due = [*held]
-            held.clear()
+            arrived = []
             while arrivals and arrivals[0].arrival_ns < now + SCRAPE_INTERVAL_NS:
-                due.append(arrivals.popleft())
+                arrived.append(arrivals.popleft())
+            if held and tick % RETRY_TICKS:  # first come, first served: newcomers queue behind the held ones
+                held.extend(arrived)
+                due: list[FleetRequest] = []
+            else:
+                due, held = [*held, *arrived], deque()
             alive = [engine for engine in fleet if engine.alive]
-            if due and alive:
-                for engine in alive:  # the router's scrape at this tick
-                    sidecar = sidecars[engine.index]
-                    sidecar.wait_drained()
-                    view = views[engine.index]
-                    view.scrape, view.sent = scrape(sidecar.url), []
-                idle = not arrivals and not any(engine.busy for engine in alive)
-                routed = 0
-                for request in due:
-                    choice = policy.choose(request, [views[engine.index] for engine in alive])
-                    if choice is None:
-                        held.append(request)
-                        continue
-                    fleet[choice].submit(request, serving_ns)
-                    views[choice].sent.append(request)
-                    routed += 1
-                if idle and held and not routed:  # nothing runs or arrives: what it holds can never be admitted
-                    rejected += len(held)
-                    held.clear()
-            elif due:
+            if due and not alive:
                 rejected += len(due)  # no engine is up
+            elif due:
+                rejected += _route(policy, due, held, alive, sidecars, views, serving_ns,
+                                   idle=not arrivals and not any(engine.busy for engine in alive))
             if not arrivals and not held and not any(engine.busy for engine in fleet):
                 break
             if now > last_arrival + DRAIN_AFTER_S * NS_PER_S:
@@ -127,6 +118,32 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
     finally:
         for engine in fleet:
             engine.close()
+
+
+def _route(policy: Policy, due: list[FleetRequest], held: deque[FleetRequest], alive: list[FleetEngine],
+           sidecars: list[FleetSidecar], views: dict[int, EngineView], serving_ns: int, idle: bool) -> int:
+    """Scrape every engine that is up (once each has drained its rings), then route ``due`` in order; what the
+    policy keeps goes to ``held``. Returns the requests rejected: those held while the fleet was idle, with
+    nothing arriving, which no later scrape can admit."""
+    for engine in alive:
+        sidecar = sidecars[engine.index]
+        sidecar.wait_drained()
+        view = views[engine.index]
+        view.scrape, view.sent = scrape(sidecar.url, READ), []
+    routed = 0
+    for request in due:
+        choice = policy.choose(request, [views[engine.index] for engine in alive])
+        if choice is None:
+            held.append(request)
+            continue
+        alive[[engine.index for engine in alive].index(choice)].submit(request, serving_ns)
+        views[choice].sent.append(request)
+        routed += 1
+    if idle and held and not routed:
+        rejected = len(held)
+        held.clear()
+        return rejected
+    return 0
 
 
 def _result(trace: FleetTrace, fleet: list[FleetEngine], name: str, seed: int, requests: list[FleetRequest],
@@ -146,9 +163,3 @@ def _result(trace: FleetTrace, fleet: list[FleetEngine], name: str, seed: int, r
                      preemptions=sum(engine.preemptions for engine in fleet), lost=lost, rejected=rejected,
                      simulated_ns=max(engine.clock.now_ns() for engine in fleet) - serving_ns)
 
-
-def _supported(args: tuple[str, ...]) -> tuple[str, ...]:
-    """The sidecar options this memwatch's ``serve`` has (the admission shapes need the headroom gauges)."""
-    from memwatch.cli.serve import command
-
-    return args if any(param.name == "admission_shapes" for param in command.params) else ()

@@ -42,6 +42,9 @@ ADMISSIBLE = "memwatch_admissible_requests"
 SAFE_PREFILL = "memwatch_max_safe_prefill_tokens"
 COMMITTED = "memwatch_kv_committed_usage_ratio"
 FREE_TOKENS = "memwatch_kv_free_tokens"
+READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, ADMISSIBLE, SAFE_PREFILL, COMMITTED, FREE_TOKENS,
+                  "memwatch_samples_total"})
+"""Every metric family a policy reads (and the sample count that shows how far the sidecar has drained)."""
 
 
 @dataclass

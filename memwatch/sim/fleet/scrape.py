@@ -50,9 +50,31 @@ class Scrape:
         return max(values) if values else None
 
 
-def parse(text: str) -> Scrape:
-    """Parse an exposition with the Prometheus client's parser."""
+def keep_families(text: str, names: frozenset[str]) -> str:
+    """The exposition's lines of the metric families in ``names`` (samples, HELP and TYPE), as a scraper's
+    ``metric_relabel_configs`` keep rule would leave them, so the parser reads only what the router uses."""
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            if len(parts) >= 3 and parts[2] in names:
+                kept.append(line)
+            continue
+        end = len(line)
+        for stop in ("{", " "):
+            found = line.find(stop)
+            if 0 <= found < end:
+                end = found
+        if line[:end] in names:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
+def parse(text: str, keep: frozenset[str] | None = None) -> Scrape:
+    """Parse an exposition with the Prometheus client's parser (only the families in ``keep``, when given)."""
     scrape = Scrape()
+    if keep is not None:
+        text = keep_families(text, keep)
     for family in _parser()(text):
         for sample in family.samples:
             scrape.samples[sample.name].append((dict(sample.labels), float(sample.value)))
@@ -63,11 +85,11 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 """Straight to the sidecar on loopback, whatever proxy the environment names."""
 
 
-def scrape(url: str) -> Scrape:
-    """GET ``url`` and parse it; one clear error when the sidecar does not answer."""
+def scrape(url: str, keep: frozenset[str] | None = None) -> Scrape:
+    """GET ``url`` and parse it (the families in ``keep``); one clear error when the sidecar does not answer."""
     try:
         with _OPENER.open(url, timeout=SCRAPE_TIMEOUT_S) as reply:
             text = reply.read().decode("utf-8")
     except OSError as exc:
         raise UnavailableError(f"cannot scrape {url}: {exc}") from None
-    return parse(text)
+    return parse(text, keep)

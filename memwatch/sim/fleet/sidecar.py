@@ -25,7 +25,7 @@ START_TIMEOUT_S = 30.0
 """How long a sidecar may take to start listening (Python, OpenTelemetry and SQLite on a loaded machine)."""
 DRAIN_TIMEOUT_S = 10.0
 """How long the fleet waits for a sidecar to drain an engine's records before it gives up."""
-POLL_INTERVAL_S = 0.002
+POLL_INTERVAL_S = 0.001
 """The sidecars' ``--poll-interval``: they drain within 8 of these (:mod:`memwatch.sidecar.pacing`)."""
 _LISTENING = re.compile(r"Prometheus on http://127\.0\.0\.1:(\d+)/metrics")
 
