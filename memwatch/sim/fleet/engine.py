@@ -124,6 +124,13 @@ class FleetEngine:
         self._serve = ExitStack()
         self._serve.enter_context(self.sim.phase("serve"))
         self.status = "serving"
+        # An empty step says the KV cache is free and nothing runs, so the sidecar's headroom signal is
+        # complete before the first request (a router would otherwise see an idle engine as unknown).
+        self.runners[0].monitor.step(None, num_seqs=0, num_tokens=0, kv_blocks_used=0,
+                                     kv_blocks_total=sizing.num_blocks, requests_running=0, requests_waiting=0,
+                                     kv_blocks_needed=0)
+        for runner in self.runners[1:]:
+            runner.monitor.step()
 
     def submit(self, request: FleetRequest, serving_start_ns: int) -> None:
         """Queue a request the router sent here; it reaches the engine at its arrival time."""
