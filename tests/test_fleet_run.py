@@ -89,8 +89,8 @@ def test_each_scrape_shows_the_engine_as_of_its_last_step(tmp_path: Path) -> Non
 
 def test_the_same_trace_and_seed_give_the_same_table(small_trace: Path) -> None:
     trace = load_trace(str(small_trace))
-    first = run_fleet(trace, 2, ["round-robin", "kv-usage"], seed=5)
-    second = run_fleet(trace, 2, ["round-robin", "kv-usage"], seed=5)
+    first = run_fleet(trace, 2, ["round-robin", "kv-usage", "memwatch"], seed=5)
+    second = run_fleet(trace, 2, ["round-robin", "kv-usage", "memwatch"], seed=5)
     assert [r.to_dict() for r in first] == [r.to_dict() for r in second]
     assert all(r.completed == 24 and r.ooms == 0 for r in first)
     other = run_fleet(trace, 2, ["round-robin"], seed=6)  # another seed draws another stream
