@@ -50,7 +50,15 @@ def test_export_benchmark_runs_with_the_exporters_delivering() -> None:
     out = _run("bench_export.py", "--samples", "4000", "--repeat", "1", "--scrapes", "2")
     assert "ratio on/off per pair of runs" in out and "(all delivered)" in out
     per_rank = len(METRICS) + len(FLAG_KINDS) * len(SEVERITIES)  # every metric, and the flags by kind and severity
-    assert f"scrape latency with 64 ranks live ({64 * per_rank + 1:,} series)" in out  # + target_info
+    # + target_info, + the one engine's memwatch_signal_valid and _age_seconds (its sizing names no block size, so
+    # no other headroom gauge)
+    assert f"scrape latency with 64 ranks live ({64 * per_rank + 1 + 2:,} series)" in out
+
+
+def test_headroom_benchmark_runs() -> None:
+    out = _run("bench_headroom.py", "--seconds", "2", "--renders", "5")
+    assert "ratio of medians headroom/baseline" in out and "ratio of medians whole/baseline" in out
+    assert "render with 64 ranks (8 engines x 8), 5 renders (80 headroom series)" in out
 
 
 def test_postmortem_benchmark_runs() -> None:

@@ -60,7 +60,7 @@ from .options import Seconds, db_option, thresholds_option
                    "8192:1024 (chat, a retrieval prompt, a long context).")
 @click.option("--signal-stale-after", type=Seconds(0.0, 3600.0, low_open=True), default=None, metavar="SECONDS",
               help="memwatch_signal_valid turns 0 when a rank of the engine has not written for this long "
-                   "(default 2).")
+                   "(default 1.5: a stopped engine reads invalid within 2 s).")
 @click.option("--otlp", metavar="[ENDPOINT]", is_flag=False, flag_value="1", default=None,
               help="Push metrics and flag log records over OTLP/HTTP (protobuf) to ENDPOINT, e.g. "
                    "http://collector:4318; without one, OTEL_EXPORTER_OTLP_ENDPOINT or localhost:4318 "

@@ -26,8 +26,11 @@ last drained sample. Definitions (``B`` block size in tokens, ``T`` KV blocks in
 ``memwatch_requests_waiting``, ``memwatch_requests_running``
     the scheduler's queue and running requests after its last step (the llm-d router's other inputs).
 ``memwatch_signal_valid``
-    1 when every rank wrote within ``stale_after`` seconds (2 by default) and the KV view and block size
-    are known; else 0 (a stopped engine, a missing input). A router should then ignore the other gauges.
+    1 when every rank wrote within ``stale_after`` seconds (1.5 by default) and the KV view, block size and
+    load are known; else 0 (a stopped engine, a missing input). A router should then ignore the other
+    gauges. An engine idle at its last step (nothing running, nothing waiting) stays valid however long
+    ago that was, until its process ends: it has no step to take until a request arrives, and its KV state
+    cannot change before then.
 ``memwatch_signal_age_seconds``
     seconds since the stalest rank last wrote, on the sidecar's clock.
 
@@ -54,8 +57,9 @@ if TYPE_CHECKING:
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((512, 256), (2048, 512), (8192, 1024))
 """Chat, a retrieval-augmented prompt, a long context: the request classes routers tell apart; three series per
 engine keep the scrape small."""
-DEFAULT_STALE_AFTER_S = 2.0
-"""No write from a rank for this long makes the signal invalid: 40 scrapes of the llm-d router (every 50 ms)."""
+DEFAULT_STALE_AFTER_S = 1.5
+"""No write from a rank for this long makes the signal invalid: 30 scrapes of the llm-d router (every 50 ms), and
+half a second to spare for the scrape that sees it, so a stopped engine reads invalid within 2 s of its last step."""
 _MAX_TOKENS = 1 << 24
 """Prompt and output lengths a shape may have (16 M tokens)."""
 
@@ -99,8 +103,12 @@ class RankInputs:
     largest_prefill: tuple[int, int] = (0, 0)
     """(tokens, activation bytes) of the run's largest prefill with its own peak."""
     seen_at: float | None = None
-    """The sidecar's clock when this rank last wrote (a drain, or the latest sample read)."""
+    """The sidecar's clock when this rank was last seen writing: its ring's count moving at a scrape, or (a state
+    fed without rings) the last drain with samples. A drain of old records says nothing of now."""
     latest: LatestSample | None = field(default=None, repr=False)
+    reports: bool | None = None
+    """Whether this rank's samples carry a KV view or a load (``None``: none drained yet), so a scrape reads only
+    whether a rank that never does still writes."""
 
     def take_event(self, kind: str, data: Any) -> None:
         """The block size (KV sizing, config) and the batch size the warmup forward ran at (config)."""
@@ -116,13 +124,15 @@ class RankInputs:
         """A drain's sample tuples (``SAMPLE_FIELDS``, in order) and the slots they were copied from."""
         if not rows:
             return
-        self.seen_at = now
+        if self.latest is None:
+            self.seen_at = now
         for row in rows:  # prefills whose peak is their own: (flags & 1, step kind 1)
             if row[4] == 1 and row[2] & 1 and row[12] > 0 and row[8] >= row[7] >= 0:
                 self._prefill(row[12], row[8] - row[7])
         for row in reversed(rows):
             if row[14] >= 0:
                 self.kv_used, self.kv_total = max(row[13], 0), row[14]
+                self.reports = True
                 break
         first = int.from_bytes(slots[:8], "little") if len(slots) >= RECORD_SIZE else 0
         for row in reversed(rows):  # the last sample with its whole load
@@ -130,7 +140,10 @@ class RankInputs:
             load = sample_load(slots, at) if 0 <= at < len(slots) // RECORD_SIZE else None
             if load is not None and min(load) >= 0:
                 self.running, self.waiting, self.needed = load
+                self.reports = True
                 break
+        if self.reports is None:
+            self.reports = False
 
     def take_sample(self, sample: Sample, now: float) -> None:
         """A typed sample (a state fed records, not a ring's drain): the KV view and prefills; no load."""
@@ -150,9 +163,12 @@ class RankInputs:
         """Take the ring's newest sample (scrape time); the last drain's values stand for what it does not say."""
         if self.latest is None:
             return
+        if self.reports is False:  # a rank without a KV view or load (a TP worker): only whether it writes
+            self.latest.moved()
+            self.seen_at = self.latest.seen_at
+            return
         latest = self.latest.read()
-        if self.latest.seen_at is not None:
-            self.seen_at = self.latest.seen_at if self.seen_at is None else max(self.seen_at, self.latest.seen_at)
+        self.seen_at = self.latest.seen_at
         if latest is None:
             return
         if latest.kv_total is not None and latest.kv_used is not None:
@@ -189,13 +205,18 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
     labels = {k: v for k, v in ranks[0].attributes.items() if k not in ("rank", "pid")}
     ages = [None if s.inputs.seen_at is None else max(now - s.inputs.seen_at, 0.0) for s in ranks]
     age = None if None in ages else max(ages)  # type: ignore[type-var]
-    kv = [s.inputs for s in ranks if s.inputs.kv_total and s.inputs.block_size and s.inputs.kv_used is not None]
+    kv = [s.inputs for s in ranks if s.inputs.kv_total and s.inputs.kv_used is not None]
     tight = min(kv, key=lambda i: i.kv_total - i.kv_used) if kv else None  # type: ignore[operator]
+    # The block size: that rank's own, else another rank's (vLLM's scheduler ring has the KV view, its workers the
+    # sizing event).
+    sizes = [i.block_size for i in (tight, *(s.inputs for s in ranks)) if i is not None and i.block_size]
+    if not sizes:
+        tight = None
     safe = _max_safe_prefill(ranks)
     free_tokens = ratio = None
     admissible: dict[str, int] = {}
     if tight is not None:
-        total, used, size = tight.kv_total, tight.kv_used, tight.block_size
+        total, used, size = tight.kv_total, tight.kv_used, sizes[0]
         free_tokens = max(total - used, 0) * size  # type: ignore[operator]
         needed, waiting = tight.needed, tight.waiting
         if needed is not None and waiting is not None:
@@ -207,7 +228,8 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
                     fit = min(fit, safe // prompt)
                 admissible[shape_label((prompt, output))] = max(fit, 0)
     load = tight if tight is not None else next((s.inputs for s in ranks if s.inputs.running is not None), None)
-    valid = (age is not None and age <= config.stale_after and ratio is not None
+    idle = tight is not None and tight.running == 0 and tight.waiting == 0
+    valid = (age is not None and (age <= config.stale_after or idle) and ratio is not None
              and all(s.ended_at is None for s in ranks))
     return EngineHeadroom(labels, free_tokens, ratio, admissible, safe, None if load is None else load.waiting,
                           None if load is None else load.running, valid, age)

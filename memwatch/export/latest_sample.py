@@ -22,19 +22,20 @@ from typing import NamedTuple
 from memwatch_engine.ring_format import (
     _PUBLISHED,
     _PUBLISHED_AT,
-    _SAMPLE_SLOT,
     HEADER_SIZE,
     MAX_EVENT_CHUNKS,
     RECORD_SIZE,
+    SAMPLE_HAS_LOAD,
     TYPE_SAMPLE,
-    sample_load,
 )
 
 LOOK_BACK = 16
 """Slots read behind ``published`` for the newest sample (events between steps are rarely more)."""
 
-KV_USED, KV_TOTAL = 13, 14
-"""Where a sample tuple holds the KV blocks used and the total (``SAMPLE_FIELDS``)."""
+_PICK = struct.Struct("<QBBxxi64xii32xii")
+"""Of a sample slot only what the headroom reads: seq, type, flags, requests running (12), KV blocks used and
+total (80), requests waiting and KV blocks needed (120): the layout of :mod:`memwatch_engine.ring_format`."""
+assert _PICK.size == RECORD_SIZE
 
 
 class Latest(NamedTuple):
@@ -61,51 +62,60 @@ class LatestSample:
         self._window = capacity - min(MAX_EVENT_CHUNKS, capacity // 8)
         self._clock = clock
         self._published = -1
+        self._latest: Latest | None = None
         self.seen_at: float | None = None
         """The sidecar's clock when ``published`` was last seen to move: when the engine last wrote."""
+
+    def moved(self) -> None:
+        """Only look whether the ring's count moved (one ``pread``): for a rank that reports no KV view or load."""
+        if self._fd < 0:
+            return
+        try:
+            published = _PUBLISHED.unpack(os.pread(self._fd, 8, _PUBLISHED_AT))[0]
+        except (OSError, struct.error):
+            return
+        if published != self._published:
+            self._published, self.seen_at = published, self._clock()
 
     def read(self) -> Latest | None:
         """The newest sample with its load among the last :data:`LOOK_BACK` slots, or ``None`` (none there, a
         copy the writer overtook, a ring that is gone); updates :attr:`seen_at`."""
-        if self._fd < 0:
+        fd = self._fd
+        if fd < 0:
             return None
         try:
-            published = _PUBLISHED.unpack(os.pread(self._fd, 8, _PUBLISHED_AT))[0]
-            if published != self._published:
-                self._published, self.seen_at = published, self._clock()
+            published = _PUBLISHED.unpack(os.pread(fd, 8, _PUBLISHED_AT))[0]
+            if published == self._published:
+                return self._latest  # nothing written since the last look
+            self._published, self.seen_at = published, self._clock()
             count = min(published, LOOK_BACK)
-            if count == 0:
-                return None
             start = published - count
-            blob = self._copy(start, count)
-            after = _PUBLISHED.unpack(os.pread(self._fd, 8, _PUBLISHED_AT))[0]
+            first = start & self._mask
+            if count <= self._mask + 1 - first:
+                blob = os.pread(fd, count * RECORD_SIZE, HEADER_SIZE + first * RECORD_SIZE)
+            else:
+                tail = self._mask + 1 - first
+                blob = (os.pread(fd, tail * RECORD_SIZE, HEADER_SIZE + first * RECORD_SIZE)
+                        + os.pread(fd, (count - tail) * RECORD_SIZE, HEADER_SIZE))
+            after = _PUBLISHED.unpack(os.pread(fd, 8, _PUBLISHED_AT))[0]
         except (OSError, struct.error):  # a ring closed or truncated under us
             return None
         safe_from = after - self._window
+        self._latest = None
         for at in range(len(blob) // RECORD_SIZE - 1, -1, -1):
             seq = start + at
             if seq < safe_from:
-                return None
-            if blob[at * RECORD_SIZE + 8] != TYPE_SAMPLE:
-                continue
-            fields = _SAMPLE_SLOT.unpack_from(blob, at * RECORD_SIZE)
-            if fields[0] != seq:
-                return None  # overwritten while copied
-            load = sample_load(blob, at)
-            if load is None:
-                continue  # a writer that does not record the load
-            running, waiting, needed = load
-            return Latest(seq, _known(fields[KV_USED]), _known(fields[KV_TOTAL]), _known(running), _known(waiting),
-                          _known(needed))
-        return None
-
-    def _copy(self, start: int, count: int) -> bytes:
-        first = start & self._mask
-        tail = self._mask + 1 - first
-        if count <= tail:
-            return os.pread(self._fd, count * RECORD_SIZE, HEADER_SIZE + first * RECORD_SIZE)
-        return (os.pread(self._fd, tail * RECORD_SIZE, HEADER_SIZE + first * RECORD_SIZE)
-                + os.pread(self._fd, (count - tail) * RECORD_SIZE, HEADER_SIZE))
+                break
+            slot_seq, kind, flags, running, kv_used, kv_total, waiting, needed = _PICK.unpack_from(
+                blob, at * RECORD_SIZE)
+            if kind != TYPE_SAMPLE or not flags & SAMPLE_HAS_LOAD:
+                continue  # an event's chunk, or a reading without the load (between steps)
+            if slot_seq != seq:
+                break  # overwritten while copied
+            self._latest = Latest(seq, _known(kv_used), _known(kv_total), _known(running), _known(waiting),
+                                  _known(needed))
+            break
+        return self._latest
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -61,8 +61,8 @@ def _number(value: float) -> str:
     return repr(float(value)) if isinstance(value, float) else str(value)
 
 
-def render(state: ExportState, resource: dict[str, Any] | None = None) -> str:
-    """Every metric of every live rank in the Prometheus text format."""
+def render(state: ExportState, resource: dict[str, Any] | None = None, *, headroom: bool = True) -> str:
+    """Every metric of every live rank in the Prometheus text format, and (``headroom``) each engine's headroom."""
     ranks = state.snapshot()
     labels = {id(series): render_labels({**prometheus_labels(series.attributes), **series.dcgm}) for series in ranks}
     hw_labels = {id(series): render_labels({**prometheus_labels({**series.attributes, **series.hardware}),
@@ -88,8 +88,9 @@ def render(state: ExportState, resource: dict[str, Any] | None = None) -> str:
         base = labels[id(series)]
         out += [f'{flags}{{{base},kind="{_escape(kind)}",severity="{_escape(severity)}"}} {count}'
                 for kind, severity, count in state.flag_counts(series)]
-    out += render_headroom(engine_headroom(ranks, state.headroom, state.clock),
-                           lambda attributes: render_labels(prometheus_labels(attributes)), _escape)
+    if headroom:
+        out += render_headroom(engine_headroom(ranks, state.headroom, state.clock),
+                               lambda attributes: render_labels(prometheus_labels(attributes)), _escape)
     refused = state.refused_rings()
     if refused is not None:
         name = prometheus_name(RINGS_REFUSED.name, RINGS_REFUSED.unit)

@@ -3,7 +3,9 @@
 Ranks run in one process, one after another within each phase and each step, on one virtual clock:
 what matters is that each rank has its own device and its own Monitor writing its own ring. As in
 nano-vllm, only rank 0 schedules; every rank runs the same forward of each step, and rank 0 alone
-reports the step's kind, sequences, tokens and KV blocks, and the preemptions.
+reports the step's kind, sequences, tokens and KV blocks, the load (requests running and waiting,
+the KV blocks the running ones still need, read after the forward as nano-vllm's adapter reads
+them), and the preemptions.
 """
 
 from __future__ import annotations
@@ -146,6 +148,8 @@ class SimulatedEngine:
             runner.forward(num_tokens, len(seqs), prefill=is_prefill, max_seq_len=max_seq_len)
         self.clock.advance(self._step_seconds(num_tokens, len(seqs), is_prefill))
         blocks_used = manager.num_used
+        load = {"requests_running": len(scheduler.running), "requests_waiting": len(scheduler.waiting),
+                "kv_blocks_needed": scheduler.kv_blocks_needed()}  # read where nano-vllm's adapter reads it
         stats.max_kv_blocks_used = max(stats.max_kv_blocks_used, blocks_used)
         stats.max_resident_requests = scheduler.max_resident
         finished = scheduler.postprocess(seqs, is_prefill)
@@ -156,10 +160,8 @@ class SimulatedEngine:
             for runner in self.runners:
                 runner.requests_finished(stats.steps, len(finished))
         kind = "prefill" if is_prefill else "decode"
-        running, waiting, needed = _load(scheduler, manager.block_size)
-        lead.monitor.step(kind, num_seqs=len(seqs), num_tokens=num_tokens,
-                          kv_blocks_used=blocks_used, kv_blocks_total=manager.num_blocks,
-                          requests_running=running, requests_waiting=waiting, kv_blocks_needed=needed)
+        lead.monitor.step(kind, num_seqs=len(seqs), num_tokens=num_tokens, kv_blocks_used=blocks_used,
+                          kv_blocks_total=manager.num_blocks, **load)
         for runner in self.runners[1:]:
             runner.monitor.step()
 
@@ -168,12 +170,3 @@ class SimulatedEngine:
         if is_prefill:
             return num_tokens / cost.prefill_tokens_per_s
         return cost.decode_step_s + cost.decode_per_seq_s * num_seqs
-
-
-def _load(scheduler: Scheduler, block_size: int) -> tuple[int, int, int]:
-    """Requests holding KV (running, or part-way through their prefill), requests waiting without any, and the
-    KV blocks the holders still need to reach their ``max_tokens``: what the sidecar's headroom gauges read."""
-    holders = [*scheduler.running, *(seq for seq in scheduler.waiting if seq.block_table)]
-    needed = sum(max(-(-(seq.num_prompt_tokens + seq.max_tokens) // block_size) - len(seq.block_table), 0)
-                 for seq in holders)
-    return len(holders), len(scheduler.waiting) - (len(holders) - len(scheduler.running)), needed

@@ -22,6 +22,7 @@ from collections import deque
 from memwatch.errors import MemwatchError
 from memwatch.sim.blocks import BlockManager
 from memwatch.sim.sequence import Sequence, SequenceStatus
+from memwatch_engine.load import kv_blocks_needed
 
 
 class SchedulerStalled(MemwatchError):
@@ -54,6 +55,11 @@ class Scheduler:
     def num_resident(self) -> int:
         """Requests holding KV blocks: every running one plus a waiting one mid-way through its prefill."""
         return len(self.running) + sum(1 for seq in self.waiting if seq.block_table)
+
+    def kv_blocks_needed(self) -> int:
+        """KV blocks the running sequences still need to reach their ``max_tokens`` (the step's load)."""
+        return kv_blocks_needed(((seq.num_tokens, seq.num_prompt_tokens + seq.max_tokens) for seq in self.running),
+                                self.block_size)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """The next step's sequences and whether it is a prefill step."""

@@ -17,6 +17,7 @@ from ...probes.base import UNKNOWN
 from ...probes.cuda import CudaProbe
 from ..hooks import require_methods, wrap_function, wrap_method
 from ..oom import capture_oom
+from .scheduler import scheduler_load
 from .state import RANK_ATTRIBUTE, Rank, guard, process
 
 _loading: list[Rank] = []
@@ -217,16 +218,19 @@ def _record_step(state: Rank, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     is_prefill = bool(args[1] if len(args) > 1 else kwargs["is_prefill"])
     num_seqs = len(seqs)
     num_tokens = sum(_prefill_tokens(seq) for seq in seqs) if is_prefill else num_seqs
-    used = total = UNKNOWN
+    used = total = running = waiting = needed = UNKNOWN
     monitor = state.monitor
     if state.rank == 0 and process.scheduler is not None:
-        blocks = process.scheduler.block_manager
+        scheduler = process.scheduler
+        blocks = scheduler.block_manager
         used, total = len(blocks.used_block_ids), len(blocks.blocks)
+        running, waiting, needed = scheduler_load(scheduler)
         if process.preemptions:
             monitor.preempted(process.preemptions)
             process.preemptions = 0
     monitor.step("prefill" if is_prefill else "decode", num_seqs=num_seqs, num_tokens=num_tokens,
-                 kv_blocks_used=used, kv_blocks_total=total)
+                 kv_blocks_used=used, kv_blocks_total=total, requests_running=running, requests_waiting=waiting,
+                 kv_blocks_needed=needed)
 
 
 def _prefill_tokens(seq: Any) -> int:

@@ -1,8 +1,9 @@
 """nano-vllm's engine and scheduler: one run id per engine instance, the block manager, preemptions, requests.
 
 Process-wide state that rank 0's steps read (kept in :mod:`.state`; :mod:`.runner` records the steps):
-the scheduler whose block manager gives the KV blocks in use, the preemptions it made since the last step, and one event
-per request as it arrives and finishes — the workload ``memwatch replay`` reads.
+the scheduler whose block manager gives the KV blocks in use and whose queues give the load (:func:`scheduler_load`),
+the preemptions it made since the last step, and one event per request as it arrives and finishes — the workload
+``memwatch replay`` reads.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from ...load import kv_blocks_needed
 from ...monitor import new_run_id
 from ..hooks import require_methods, wrap_method
 from .state import guard, process
@@ -87,6 +89,18 @@ def _wrap_postprocess(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return postprocess
+
+
+def scheduler_load(scheduler: Any) -> tuple[int, int, int]:
+    """Requests running and waiting, and the KV blocks the running ones still need to reach their ``max_tokens``;
+    -1 for each when this nano-vllm keeps them elsewhere (the step is recorded without its load, not dropped)."""
+    try:
+        running = scheduler.running
+        needed = kv_blocks_needed(((len(seq), seq.num_prompt_tokens + seq.max_tokens) for seq in running),
+                                  scheduler.block_manager.block_size)
+        return len(running), len(scheduler.waiting), needed
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return -1, -1, -1
 
 
 def _request_arrived(seq: Any) -> None:

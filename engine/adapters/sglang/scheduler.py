@@ -7,7 +7,7 @@ the pool is full), ``run_batch``, ``process_batch_result``. Per rank (:mod:`.run
 * ``serve`` from the first ``run_batch``; after each one a sample with the batch's requests, its
   tokens (the extend tokens of a prefill, one per request of a decode), its kind from
   ``forward_mode`` (EXTEND, MIXED and the other extends are ``prefill``, DECODE and TARGET_VERIFY
-  ``decode``, IDLE none), and the token pool: ``total = max_total_num_tokens``,
+  ``decode``, IDLE none), the load (:func:`scheduler_load`), and the token pool: ``total = max_total_num_tokens``,
   ``used = total − available_size() − evictable_size()``, SGLang's own ``num_used``. Tokens the
   radix cache holds for prefix reuse are evictable: a full cache is not KV pressure, so they are not
   counted as used; a ``kv_evictable`` event says how many there are when the count changed, at most
@@ -28,6 +28,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from ...load import kv_blocks_needed
 from ..hooks import patch_now, patch_on_import, require_methods, unwrap_all, wrap_method
 from .runner import Rank, current, guard
 
@@ -105,13 +106,30 @@ def _record_step(state: Rank, scheduler: Any, batch: Any) -> None:
     total = int(scheduler.max_total_num_tokens)
     available = int(scheduler.token_to_kv_pool_allocator.available_size())
     evictable = int(scheduler.tree_cache.evictable_size())
+    running, waiting, needed = scheduler_load(scheduler, batch)
     state.monitor.step(kind, num_seqs=num_seqs, num_tokens=num_tokens if kind else 0,
-                       kv_blocks_used=total - available - evictable, kv_blocks_total=total)
+                       kv_blocks_used=total - available - evictable, kv_blocks_total=total,
+                       requests_running=running, requests_waiting=waiting, kv_blocks_needed=needed)
     if evictable != state.evictable:
         now = time.monotonic_ns()
         if now - state.evictable_at >= EVICTABLE_INTERVAL_NS:
             state.evictable, state.evictable_at = evictable, now
             state.monitor.event("kv_evictable", {"evictable_tokens": evictable, "available_tokens": available})
+
+
+def scheduler_load(scheduler: Any, batch: Any) -> tuple[int, int, int]:
+    """Requests running (the running batch, and this batch's requests when it is a prefill not merged into it yet)
+    and waiting, and the KV tokens (SGLang's pool counts tokens: blocks of 1) the running ones still need to reach
+    their ``max_new_tokens``; -1 for each where this SGLang differs."""
+    try:
+        reqs = list(scheduler.running_batch.reqs)
+        if batch is not scheduler.running_batch:
+            reqs += batch.reqs
+        needed = kv_blocks_needed(((len(r.origin_input_ids) + len(r.output_ids),
+                                    len(r.origin_input_ids) + r.sampling_params.max_new_tokens) for r in reqs), 1)
+        return len(reqs), len(scheduler.waiting_queue), needed
+    except (AttributeError, TypeError):
+        return -1, -1, -1
 
 
 def _wrap_retract_decode(original: Callable[..., Any]) -> Callable[..., Any]:

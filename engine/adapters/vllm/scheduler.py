@@ -11,7 +11,9 @@ scheduled, the step's kind, and ``kv_blocks_used``/``kv_blocks_total`` read from
 (``total = num_gpu_blocks − 1``: the null block is never handed out; ``used = total − free``, the
 blocks this step holds, which is what ``SchedulerStats.kv_cache_usage`` reports as a fraction);
 the requests preempted since the previous step (``SchedulerOutput.preempted_req_ids``) become a
-``preemption`` event. The samples carry no memory readings: the scheduler has no GPU.
+``preemption`` event. The samples carry no memory readings: the scheduler has no GPU. Each sample
+also carries the load (:func:`scheduler_load`): requests running and waiting, and the KV blocks the
+running requests still need to reach their ``max_tokens``.
 
 The workload ``memwatch replay`` reads, from data-parallel engine 0's scheduler only: one
 ``request_arrived`` per request that ``add_request`` takes in (a new id; a streaming session's later
@@ -32,6 +34,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from ...load import kv_blocks_needed
 from ...monitor import Monitor
 from ...probes.base import Probe
 from ..hooks import Guard, patch_on_import, require_methods, unwrap_all, wrap_method
@@ -143,8 +146,23 @@ def _record(scheduler: Any, monitor: Monitor, output: Any) -> None:
     pool = scheduler.kv_cache_manager.block_pool
     total = int(pool.num_gpu_blocks) - 1
     used = total - int(pool.get_num_free_blocks())
+    running, waiting, needed = scheduler_load(scheduler)
     monitor.step(step_kind(output), num_seqs=len(output.num_scheduled_tokens),
-                 num_tokens=int(output.total_num_scheduled_tokens), kv_blocks_used=used, kv_blocks_total=total)
+                 num_tokens=int(output.total_num_scheduled_tokens), kv_blocks_used=used, kv_blocks_total=total,
+                 requests_running=running, requests_waiting=waiting, kv_blocks_needed=needed)
+
+
+def scheduler_load(scheduler: Any) -> tuple[int, int, int]:
+    """Requests running and waiting (as vLLM's own ``num_requests_running``/``waiting`` count them), and the KV
+    blocks the running ones still need to reach their ``max_tokens``; -1 for each where this vLLM differs."""
+    try:
+        counts = getattr(scheduler, "get_request_counts", None)
+        running, waiting = counts() if counts is not None else (len(scheduler.running), len(scheduler.waiting))
+        needed = kv_blocks_needed(((r.num_tokens, r.num_prompt_tokens + r.max_tokens) for r in scheduler.running),
+                                  scheduler.block_size)
+        return int(running), int(waiting), needed
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return -1, -1, -1
 
 
 def _request_monitor(scheduler: Any) -> Monitor | None:

@@ -1,0 +1,121 @@
+"""The engine's load in the ring and how the sidecar reads it: what every step carries for the headroom gauges.
+
+Each number is what the step was given or, for the blocks still needed, worked out by hand from
+``ceil(end / B) - ceil(now / B)`` per request.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from memwatch.export.latest_sample import LatestSample
+from memwatch.sim import run_scenario
+from memwatch.sim.blocks import BlockManager
+from memwatch.sim.scheduler import Scheduler
+from memwatch.sim.sequence import Sequence
+from memwatch_engine import Monitor
+from memwatch_engine.load import kv_blocks_needed
+from memwatch_engine.probes.base import Probe
+from memwatch_engine.ring_format import RECORD_SIZE, SAMPLE_HAS_LOAD, sample_load, sample_slot
+from memwatch_engine.ring_reader import RingReader
+
+
+def _monitor(runtime_dir: Path, run_id: str = "load", capacity: int = 1 << 16) -> Monitor:
+    return Monitor(engine="t", runtime_dir=runtime_dir, probe=Probe(), run_id=run_id, spawn_sidecar=False,
+                   close_at_exit=False, capacity=capacity)
+
+
+def _loads(path: Path) -> list[tuple[int, int, int] | None]:
+    """The load of every sample in the ring, in order."""
+    drained = RingReader(path).drain(0)
+    first = int.from_bytes(drained.slots[:8], "little")
+    return [sample_load(drained.slots, row[0] - first) for row in drained.samples]
+
+
+def test_a_step_carries_its_load_and_a_reading_without_one_says_so(runtime_dir: Path) -> None:
+    monitor = _monitor(runtime_dir)
+    monitor.step("decode", num_seqs=3, num_tokens=3, kv_blocks_used=7, kv_blocks_total=9, requests_running=3,
+                 requests_waiting=5, kv_blocks_needed=11)
+    monitor.step("decode", num_seqs=3, num_tokens=3)  # an engine that does not say: -1 each, still flagged
+    monitor.sample()  # a reading between steps: no load written at all
+    monitor.step("prefill", num_seqs=1, num_tokens=None, requests_running=None, requests_waiting=2,
+                 kv_blocks_needed=0)  # a None takes the writer's own path, as unknown
+    assert _loads(monitor.ring_path) == [(3, 5, 11), (-1, -1, -1), None, (-1, 2, 0)]
+    drained = RingReader(monitor.ring_path).drain(0)
+    # The flag byte of each sample: bit 1 the load; the drained tuple still has its 21 fields.
+    assert [row[2] & SAMPLE_HAS_LOAD for row in drained.samples] == [2, 2, 0, 2]
+    assert {len(row) for row in drained.samples} == {21}
+    monitor.close()
+
+
+def test_only_a_slot_flagged_as_carrying_a_load_is_read_for_one() -> None:
+    """An older writer's padding (zeros) is never read as a load: bit 1 clear, no load, whatever the bytes."""
+    plain = sample_slot(1, 2, 5, 2, 0, 10, 20, 30, 40, 50, 6, 7, 8, 9)
+    assert plain[9] == 0 and sample_load(plain, 0) is None
+    older = plain[:12] + bytes(4) + plain[16:120] + bytes(8)  # a version 2 writer from before the load
+    assert sample_load(older, 0) is None
+    loaded = sample_slot(1, 2, 5, 2, 0, 10, 20, 30, 40, 50, 6, 7, 8, 9, requests_waiting=4)
+    assert loaded[9] == SAMPLE_HAS_LOAD and sample_load(loaded, 0) == (-1, 4, -1)
+
+
+def test_blocks_still_needed_by_hand() -> None:
+    # 16-token blocks: 20 -> 40 tokens is blocks 2 -> 3 (1 more); 16 -> 16 none; 17 -> 48 is 2 -> 3;
+    # a request past its end (max_tokens lowered) needs none, never a negative count.
+    assert kv_blocks_needed([(20, 40)], 16) == 1
+    assert kv_blocks_needed([(16, 16), (17, 48), (50, 30)], 16) == 0 + 1 + 0
+    assert kv_blocks_needed([(1, 4096)], 1) == 4095  # SGLang's pool counts tokens
+    assert kv_blocks_needed([], 16) == 0
+
+
+def test_the_simulated_scheduler_counts_what_its_running_requests_still_need() -> None:
+    manager = BlockManager(10, 16)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b, c = Sequence(0, 40, 20), Sequence(1, 40, 20), Sequence(2, 50, 20)
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    seqs, _ = scheduler.schedule()  # A's prefill: A runs, B and C wait
+    # A ends at 40 + 20 = 60 tokens: ceil(60/16) = 4 blocks, holds ceil(40/16) = 3.
+    assert (len(scheduler.running), len(scheduler.waiting), scheduler.kv_blocks_needed()) == (1, 2, 4 - 3)
+    scheduler.postprocess(seqs, True)
+    for _ in range(2):
+        scheduler.postprocess(*scheduler.schedule())
+    # A and B hold 41 tokens (3 blocks) of 60 (4): 1 each; C 51 (4) of 70 (5): 1.
+    assert (len(scheduler.running), len(scheduler.waiting), scheduler.kv_blocks_needed()) == (3, 0, 3)
+
+
+def test_a_simulated_run_records_the_load_on_the_rank_that_schedules(tmp_path: Path) -> None:
+    result = run_scenario("clean_chat", runtime_dir=tmp_path, start_ns=1_700_000_000 * 10**9)
+    rings = sorted(tmp_path.glob("*.ring"))
+    by_rank = {RingReader(path).header.rank: path for path in rings}
+    lead = [load for load in _loads(by_rank[0]) if load is not None]
+    assert len(lead) == result.steps and all(min(load) >= 0 for load in lead)
+    assert lead[-1][1] == 0  # the last step: every request arrived and none waits
+    for rank, path in by_rank.items():
+        if rank:
+            assert {load for load in _loads(path) if load is not None} == {(-1, -1, -1)}
+
+
+def test_the_newest_sample_is_read_past_events_and_readings_without_a_load(runtime_dir: Path) -> None:
+    monitor = _monitor(runtime_dir, capacity=16)
+    reader = RingReader(monitor.ring_path)
+    now = [10.0]
+    latest = LatestSample(reader.fileno(), reader.header.capacity, clock=lambda: now[0])
+    assert latest.read() is None and latest.seen_at == 10.0  # nothing stepped yet (the phase events only)
+    for step in range(40):  # the 16-slot ring wraps around twice
+        monitor.step("decode", num_seqs=1, num_tokens=1, kv_blocks_used=step, kv_blocks_total=100,
+                     requests_running=1, requests_waiting=step % 3, kv_blocks_needed=100 - step)
+    monitor.event("kv_evictable", {"evictable_tokens": 5})
+    monitor.sample()
+    now[0] = 11.0
+    found = latest.read()
+    assert found is not None and (found.kv_used, found.kv_total, found.running, found.waiting, found.needed) == (
+        39, 100, 1, 39 % 3, 61)
+    assert latest.seen_at == 11.0  # the count moved since the last look
+    now[0] = 12.5
+    assert latest.read() == found and latest.seen_at == 11.0  # nothing new: when it last moved stands
+    latest.close()
+    reader.close()
+    monitor.close()
+    assert latest.read() is None
+    assert os.path.exists(monitor.ring_path) and RECORD_SIZE == 128
