@@ -139,12 +139,8 @@ class FleetEngine:
                                      serving_start_ns + request.arrival_ns))
 
     def advance_to(self, until_ns: int) -> None:
-        """Run every step that begins before ``until_ns`` (the last one may end after it), idling otherwise.
-
-        An engine that ran no step writes one idle sample per rank, as a serving loop polling an empty queue
-        does: its sidecar then knows it is alive and idle, not stopped."""
+        """Run every step that begins before ``until_ns`` (the last one may end after it), idling otherwise."""
         scheduler, manager = self._scheduler, self._manager
-        steps = self.sim.stats.steps
         while self.alive and self.clock.now_ns() < until_ns:
             assert scheduler is not None and manager is not None
             while self.pending and self.pending[0].arrival_ns <= self.clock.now_ns():
@@ -158,9 +154,6 @@ class FleetEngine:
                 self.sim._step(scheduler, manager)
             except (SimulatedOutOfMemory, SimulatedCrash, MemwatchError) as exc:
                 self._die(exc)
-        if self.alive and self.sim.stats.steps == steps:
-            for runner in self.runners:
-                runner.monitor.sample()
 
     def _die(self, exc: BaseException) -> None:
         """The engine's process ends: an OOM is recorded by the rank it hit (inside the serving phase), the
