@@ -109,7 +109,9 @@ def test_the_command_prints_json_per_policy_and_refuses_half_an_invocation(small
     for args, message in ((["--fleet", "2"], "--fleet N and --trace NAME|FILE go together"),
                           (["--fleet", "2", "--trace", str(small_trace), "--router", "fastest"],
                            "unknown router policy 'fastest'"),
-                          (["--fleet", "2", "--trace", "no_such_trace"], "unknown trace 'no_such_trace'")):
+                          (["--fleet", "2", "--trace", "no_such_trace"], "unknown trace 'no_such_trace'"),
+                          (["--fleet", "2", "--trace", "long_prefill"], "adds requests at an engine's step"),
+                          (["--fleet", "2", "--trace", "fleet_long_prefill"], "a fault of engine 3")):
         done = subprocess.run([sys.executable, "-m", "memwatch", "sim", *args], capture_output=True, text=True,
                               timeout=60)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)

@@ -27,6 +27,8 @@ DRAIN_TIMEOUT_S = 10.0
 """How long the fleet waits for a sidecar to drain an engine's records before it gives up."""
 POLL_INTERVAL_S = 0.001
 """The sidecars' ``--poll-interval``: they drain within 8 of these (:mod:`memwatch.sidecar.pacing`)."""
+ORPHAN_EXIT_S = 60.0
+"""A sidecar whose fleet went away without stopping it (killed) exits after this long with no engine writing."""
 _LISTENING = re.compile(r"Prometheus on http://127\.0\.0\.1:(\d+)/metrics")
 
 
@@ -56,7 +58,7 @@ class FleetSidecar:
             env.pop(name, None)
         command = [sys.executable, "-m", "memwatch", "serve", "--runtime-dir", str(self.runtime_dir),
                    "--db", str(self.db_path), "--prometheus", "127.0.0.1:0", "--no-detect",
-                   "--poll-interval", str(POLL_INTERVAL_S), *self.extra_args]
+                   "--poll-interval", str(POLL_INTERVAL_S), "--exit-when-idle", str(ORPHAN_EXIT_S), *self.extra_args]
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              env=env, start_new_session=True)
