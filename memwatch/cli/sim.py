@@ -72,7 +72,8 @@ def command(scenario: str | None, list_scenarios: bool, scorecard: bool, runtime
         _fleet(fleet, trace, routers, seed, as_json)
         return
     if sum((scenario is not None, list_scenarios, scorecard)) != 1:
-        raise UsageError("give exactly one of --scenario NAME|FILE, --list, --scorecard and --fleet N")
+        raise UsageError("give exactly one of --scenario NAME|FILE, --list and --scorecard "
+                         "(or --fleet N --trace NAME|FILE)")
     if list_scenarios:
         _list(as_json)
     elif scorecard:
