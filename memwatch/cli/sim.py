@@ -67,9 +67,10 @@ def command(scenario: str | None, list_scenarios: bool, scorecard: bool, runtime
     loopback; the router scrapes those sidecars (docs/fleet.md). Exit 0 whatever the engines died of.
     """
     if fleet is not None or trace is not None or routers or seed is not None:
-        if fleet is None or trace is None or scenario is not None or list_scenarios or scorecard:
-            raise UsageError("--fleet N and --trace NAME|FILE go together, without --scenario, --list or --scorecard")
-        _fleet(fleet, trace, routers, seed, as_json)
+        if fleet is None or trace is None or scenario is not None or list_scenarios or scorecard or speed is not None:
+            raise UsageError("--fleet N and --trace NAME|FILE go together, without --scenario, --list, --scorecard "
+                             "or --speed")
+        _fleet(fleet, trace, tuple(dict.fromkeys(routers)), seed, as_json)
         return
     if sum((scenario is not None, list_scenarios, scorecard)) != 1:
         raise UsageError("give exactly one of --scenario NAME|FILE, --list and --scorecard "
