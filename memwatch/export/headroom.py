@@ -251,7 +251,7 @@ def _max_safe_prefill(ranks: list[RankSeries]) -> int | None:
 
 def engine_headroom(ranks: Iterable[RankSeries], config: HeadroomConfig,
                     clock: Callable[[], float] = time.monotonic) -> list[EngineHeadroom]:
-    """The signal of every live engine instance (ranks grouped by run), in the order their ranks came."""
+    """The signal of every engine instance (ranks grouped by run): live ones first, each in the order it came."""
     now = clock()
     runs: dict[str, list[RankSeries]] = {}
     for series in ranks:  # a run that ended stays, invalid, while its series linger
@@ -259,7 +259,10 @@ def engine_headroom(ranks: Iterable[RankSeries], config: HeadroomConfig,
     for group in runs.values():
         for series in group:
             series.inputs.refresh()
-    return [_engine(sorted(group, key=lambda s: s.attributes["rank"]), config, now) for group in runs.values()]
+    # Live engines first: a router that reads the first series of a name (llm-d's extractor) reads the pod's
+    # live engine, not one that ended there and lingers.
+    groups = sorted(runs.values(), key=lambda group: any(s.ended_at is not None for s in group))
+    return [_engine(sorted(group, key=lambda s: s.attributes["rank"]), config, now) for group in groups]
 
 
 HELP = {
