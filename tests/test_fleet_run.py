@@ -97,6 +97,21 @@ def test_the_same_trace_and_seed_give_the_same_table(small_trace: Path) -> None:
     assert other[0].to_dict() != first[0].to_dict()
 
 
+def test_an_engine_that_cannot_start_leaves_the_others_to_serve(small_trace: Path) -> None:
+    # Another process holds all of engine 1's GPU before it starts: loading the weights runs it out of memory,
+    # it never serves, and round-robin sends every request to engine 0.
+    text = small_trace.read_text() + """
+[fleet]
+[[fleet.engine_faults]]
+engine = 1
+kind = "other_process"
+size_bytes = 8_589_934_592
+at_step = 0
+"""
+    (result,) = run_fleet(from_text(text, source="t.toml"), 2, ["round-robin"], seed=5)
+    assert (result.completed, result.ooms, result.lost, result.rejected) == (24, 1, 0, 0)
+
+
 def test_the_command_prints_json_per_policy_and_refuses_half_an_invocation(small_trace: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "memwatch", "sim", "--fleet", "2", "--trace", str(small_trace),
                            "--router", "round-robin", "--json"], capture_output=True, text=True, timeout=120)

@@ -85,7 +85,8 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
     try:
         for engine, sidecar in zip(fleet, sidecars, strict=True):
             engine.start()
-            sidecar.watch(engine.ring_paths)
+            if engine.alive:  # one that died starting has closed its rings, which its sidecar may have removed
+                sidecar.watch(engine.ring_paths)
         serving_ns = max(engine.clock.now_ns() for engine in fleet)  # every engine serves from the same instant
         for engine in fleet:
             engine.clock.advance_to(serving_ns)
