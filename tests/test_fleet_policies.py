@@ -10,7 +10,7 @@ from memwatch.errors import UsageError
 from memwatch.sim.fleet.engine import FleetRequest
 from memwatch.sim.fleet.policies import EngineView, KvUsage, MemwatchHeadroom, RoundRobin, make_policy
 from memwatch.sim.fleet.results import percentile, render_table, summarize
-from memwatch.sim.fleet.scrape import parse
+from memwatch.sim.fleet.scrape import keep_families, parse
 from memwatch.sim.fleet.traces import from_text, parse_shape
 
 
@@ -161,3 +161,14 @@ def test_percentiles_and_the_table() -> None:
                        ooms=1, preemptions=7, lost=1, rejected=0, simulated_ns=5_000_000_000)
     assert (result.completed, result.p50_queue_s, result.p99_queue_s, result.tokens_per_s) == (3, 1.0, 2.0, 200.0)
     assert "kv-usage" in render_table([result]) and "200.0" in render_table([result])
+
+
+def test_the_scrape_keeps_whole_families_by_exact_name() -> None:
+    text = ("# HELP memwatch_kv_blocks_used KV cache blocks in use\n# TYPE memwatch_kv_blocks_used gauge\n"
+            'memwatch_kv_blocks_used{run_id="a"} 7\n'
+            "# TYPE memwatch_kv_blocks_used_total counter\nmemwatch_kv_blocks_used_total 9\n"
+            "# TYPE memwatch_signal_valid gauge\nmemwatch_signal_valid 1\n")
+    kept = keep_families(text, frozenset({"memwatch_kv_blocks_used", "memwatch_signal_valid"}))
+    assert kept.splitlines() == [line for line in text.splitlines() if "_used_total" not in line]
+    scrape = parse(text, frozenset({"memwatch_kv_blocks_used"}))
+    assert dict(scrape.samples) == {"memwatch_kv_blocks_used": [({"run_id": "a"}, 7.0)]}
