@@ -38,6 +38,9 @@ RETRY_TICKS = 5
 """Requests the router holds are offered to the policy again every 5 ticks (250 ms), with that tick's scrape."""
 SIGNAL_STALE_AFTER_S = 3600
 """The sidecars' ``--signal-stale-after`` (its largest value): see :func:`_run`."""
+CATCH_UP_TICKS = 200
+"""However long nothing is routed, the fleet waits for its sidecars every 200 ticks (10 s simulated), so a
+sidecar never falls a ring's length behind and loses records (which would change what it exports)."""
 MAX_ENGINES = 16
 DRAIN_AFTER_S = 3600.0
 """The longest the fleet runs on after the trace's last arrival before it stops (a bound, not a target)."""
@@ -120,6 +123,8 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
             tick += 1
             for engine in alive:
                 engine.advance_to(serving_ns + tick * SCRAPE_INTERVAL_NS)
+                if tick % CATCH_UP_TICKS == 0:
+                    sidecars[engine.index].wait_drained()
         return _result(trace, fleet, name, seed, requests, rejected, serving_ns)
     finally:
         for engine in fleet:
