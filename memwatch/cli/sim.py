@@ -35,24 +35,46 @@ STORE_WAIT_SECONDS = 15.0
                    "$XDG_RUNTIME_DIR/memwatch).")
 @click.option("--speed", type=finite_float(0.0, 1e6, low_open=True), default=None,
               help="Virtual seconds per wall-clock second, to watch a run live (default: as fast as it goes).")
+@click.option("--fleet", "fleet", type=click.IntRange(1, 16), default=None, metavar="N",
+              help="Run --trace through N simulated engines, each with its own sidecar, behind a router.")
+@click.option("--router", "routers", metavar="POLICY", multiple=True,
+              help="With --fleet: round-robin, kv-usage or memwatch (repeatable; default: all three, compared).")
+@click.option("--trace", metavar="NAME|FILE", default=None,
+              help="With --fleet: a fleet trace (fleet_bursty_long_context, fleet_long_prefill), a shipped "
+                   "scenario or a scenario file.")
+@click.option("--seed", type=click.IntRange(0), default=None,
+              help="With --fleet: the seed of the trace's random requests and the router's tie-breaks "
+                   "(default: the trace's own).")
 @db_option
 @json_option
 def command(scenario: str | None, list_scenarios: bool, scorecard: bool, runtime_dir: Path | None,
-            speed: float | None, db_path: Path | None, as_json: bool) -> None:
+            speed: float | None, fleet: int | None, routers: tuple[str, ...], trace: str | None, seed: int | None,
+            db_path: Path | None, as_json: bool) -> None:
     """Simulate an engine on a virtual GPU, with the real Monitor writing real rings.
 
     \b
     memwatch sim --list
     memwatch sim --scenario non_torch_leak      then: memwatch explain latest
     memwatch sim --scorecard
+    memwatch sim --fleet 4 --trace fleet_bursty_long_context
 
     A scenario's rings go to the runtime directory, where a sidecar stores them (one is started
     unless MEMWATCH_SPAWN=0, into --db); the command waits until the run is stored. A simulated
     out-of-memory is reported, not failed on: exit 0. --scorecard exits 1 when any scenario does not
     raise what it expects.
+
+    With --fleet, each engine's rings go to a private directory its own sidecar drains and serves on
+    loopback; the router scrapes those sidecars (docs/fleet.md). Exit 0 whatever the engines died of.
     """
+    if fleet is not None or trace is not None or routers or seed is not None:
+        if fleet is None or trace is None or scenario is not None or list_scenarios or scorecard or speed is not None:
+            raise UsageError("--fleet N and --trace NAME|FILE go together, without --scenario, --list, --scorecard "
+                             "or --speed")
+        _fleet(fleet, trace, tuple(dict.fromkeys(routers)), seed, as_json)
+        return
     if sum((scenario is not None, list_scenarios, scorecard)) != 1:
-        raise UsageError("give exactly one of --scenario NAME|FILE, --list and --scorecard")
+        raise UsageError("give exactly one of --scenario NAME|FILE, --list and --scorecard "
+                         "(or --fleet N --trace NAME|FILE)")
     if list_scenarios:
         _list(as_json)
     elif scorecard:
@@ -64,6 +86,20 @@ def command(scenario: str | None, list_scenarios: bool, scorecard: bool, runtime
         assert scenario is not None
         given = db_given(click.get_current_context())
         _simulate(scenario, runtime_dir or default_runtime_dir(), speed, db_path if given else None, as_json)
+
+
+def _fleet(engines: int, trace: str, routers: tuple[str, ...], seed: int | None, as_json: bool) -> None:
+    """Run the trace through the fleet with each policy; print the table or the JSON."""
+    from ..sim.fleet import POLICIES, load_trace, render_table, run_fleet
+
+    loaded = load_trace(trace)
+    results = run_fleet(loaded, engines, list(routers) or list(POLICIES),
+                        seed=loaded.scenario.seed if seed is None else seed)
+    if as_json:
+        click.echo(json.dumps({"trace": loaded.name, "engines": engines,
+                               "policies": {r.policy: r.to_dict() for r in results}}, indent=2))
+    else:
+        click.echo(render_table(results))
 
 
 def _simulate(scenario: str, runtime: Path, speed: float | None, db_path: Path | None, as_json: bool) -> None:

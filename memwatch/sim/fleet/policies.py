@@ -1,0 +1,170 @@
+"""The router's policies: which engine takes a request, from what the router last scraped of each.
+
+Every policy sees only the engines that are up (a dead pod leaves the endpoint list, as its readiness probe
+fails) and, for each, its last scrape plus the requests the router itself sent there since that scrape. A
+router knows what it sent; counting it keeps a burst that arrives between two scrapes from all landing on
+the one engine that looked best at the last scrape, and both load-aware policies count it the same way,
+so what differs between them is what their signals say.
+
+* ``round-robin``: the next engine in turn.
+* ``kv-usage``: the llm-d default's view: KV-cache usage (memwatch's ``memwatch_kv_blocks_used`` over
+  ``memwatch_kv_blocks_total``) and the waiting queue; an engine is saturated at usage >= 0.8 or a queue of
+  5 or more; the least used unsaturated engine wins, the least used of all when every one is saturated.
+* ``memwatch``: engines whose signal is valid and that can admit the request now (``memwatch_admissible_
+  requests`` for the request's shape, less what was sent since the scrape; ``memwatch_max_safe_prefill_
+  tokens`` at least its prompt); the lowest committed KV usage wins, the larger safe prefill breaking ties.
+  When none can, the request waits at the router for a later scrape (admission control instead of
+  preemption or an OOM); when no engine has a valid signal it routes as ``kv-usage`` does.
+
+Ties go to a draw from the run's seeded generator, so the same seed gives the same routing.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from memwatch.errors import UsageError
+from memwatch.sim.fleet.engine import FleetRequest
+from memwatch.sim.fleet.scrape import Scrape
+
+KV_SATURATED_USAGE = 0.8
+"""llm-d's default saturation threshold on KV-cache usage."""
+QUEUE_SATURATED = 5
+"""llm-d's default saturation threshold on the waiting queue."""
+
+KV_USED = "memwatch_kv_blocks_used"
+KV_TOTAL = "memwatch_kv_blocks_total"
+WAITING = "memwatch_requests_waiting"
+VALID = "memwatch_signal_valid"
+ADMISSIBLE = "memwatch_admissible_requests"
+SAFE_PREFILL = "memwatch_max_safe_prefill_tokens"
+COMMITTED = "memwatch_kv_committed_usage_ratio"
+FREE_TOKENS = "memwatch_kv_free_tokens"
+READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, ADMISSIBLE, SAFE_PREFILL, COMMITTED, FREE_TOKENS,
+                  "memwatch_samples_total"})
+"""Every metric family a policy reads (and the sample count that shows how far the sidecar has drained)."""
+
+
+@dataclass
+class EngineView:
+    """What the router knows of one engine that is up."""
+
+    index: int
+    run_id: str
+    scrape: Scrape | None = None
+    sent: list[FleetRequest] = field(default_factory=list)
+    """Requests the router sent here since :attr:`scrape`."""
+
+    def lowest(self, name: str, **labels: str) -> float | None:
+        return None if self.scrape is None else self.scrape.lowest(name, run_id=self.run_id, **labels)
+
+    def highest(self, name: str, **labels: str) -> float | None:
+        return None if self.scrape is None else self.scrape.highest(name, run_id=self.run_id, **labels)
+
+    def kv_usage(self) -> float | None:
+        """KV blocks used over total: the fraction a router reads today."""
+        used, total = self.highest(KV_USED), self.lowest(KV_TOTAL)
+        return None if used is None or not total else used / total
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, request: FleetRequest, views: list[EngineView]) -> int | None:
+        """The index of the engine that takes ``request``, or None to keep it at the router for now."""
+        ...
+
+
+class RoundRobin:
+    name = "round-robin"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._next = 0
+
+    def choose(self, request: FleetRequest, views: list[EngineView]) -> int | None:
+        if not views:
+            return None
+        ordered = sorted(views, key=lambda view: view.index)
+        view = next((v for v in ordered if v.index >= self._next), ordered[0])
+        self._next = view.index + 1
+        return view.index
+
+
+class KvUsage:
+    name = "kv-usage"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def choose(self, request: FleetRequest, views: list[EngineView]) -> int | None:
+        if not views:
+            return None
+        ranked = []
+        for view in views:
+            usage = view.kv_usage()
+            queue = (view.highest(WAITING) or 0) + len(view.sent)
+            usage = 0.0 if usage is None else usage
+            saturated = usage >= KV_SATURATED_USAGE or queue >= QUEUE_SATURATED
+            ranked.append((saturated, usage, queue, self._rng.random(), view.index))
+        return min(ranked)[-1]
+
+
+class MemwatchHeadroom:
+    name = "memwatch"
+
+    def __init__(self, rng: random.Random, shapes: tuple[tuple[int, int], ...] = ()) -> None:
+        self._rng = rng
+        self._fallback = KvUsage(rng)
+        self.shapes = tuple(sorted(shapes, key=lambda shape: (shape[0] + shape[1], shape)))
+
+    def shape_of(self, request: FleetRequest) -> str | None:
+        """The smallest configured shape that covers the request (prompt and output), as its label."""
+        for prompt, output in self.shapes:
+            if request.prompt_tokens <= prompt and request.output_tokens <= output:
+                return f"{prompt}:{output}"
+        return None
+
+    def choose(self, request: FleetRequest, views: list[EngineView]) -> int | None:
+        valid = [view for view in views if view.lowest(VALID) == 1]
+        if not valid:
+            return self._fallback.choose(request, views)
+        shape = self.shape_of(request)
+        ranked = []
+        for view in valid:
+            if shape is not None:
+                admissible = view.lowest(ADMISSIBLE, shape=shape)
+                if admissible is not None and admissible - len(view.sent) < 1:
+                    continue
+            safe = view.lowest(SAFE_PREFILL)
+            if safe is not None and safe < request.prompt_tokens:
+                continue
+            committed = view.highest(COMMITTED)
+            committed = 1.0 if committed is None else committed + _sent_share(view)
+            ranked.append((committed, -(safe or 0.0), self._rng.random(), view.index))
+        return min(ranked)[-1] if ranked else None
+
+
+def _sent_share(view: EngineView) -> float:
+    """The KV share the requests sent since the scrape will commit: their tokens over the cache's tokens
+    (free tokens over the free fraction of blocks; 0 when that cannot be told)."""
+    free_tokens, usage = view.lowest(FREE_TOKENS), view.kv_usage()
+    if not view.sent or free_tokens is None or usage is None or usage >= 1.0 or free_tokens <= 0:
+        return 0.0
+    total_tokens = free_tokens / (1.0 - usage)
+    return sum(r.prompt_tokens + r.output_tokens for r in view.sent) / total_tokens
+
+
+POLICIES = ("round-robin", "kv-usage", "memwatch")
+
+
+def make_policy(name: str, rng: random.Random, shapes: tuple[tuple[int, int], ...] = ()) -> Policy:
+    """A policy by its command-line name."""
+    if name == "round-robin":
+        return RoundRobin(rng)
+    if name == "kv-usage":
+        return KvUsage(rng)
+    if name == "memwatch":
+        return MemwatchHeadroom(rng, shapes)
+    raise UsageError(f"unknown router policy {name!r}; use one of {', '.join(POLICIES)}")

@@ -1,0 +1,174 @@
+"""The router's policies on hand-written expositions, parsed by the Prometheus client's parser as a scrape is."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from memwatch.errors import UsageError
+from memwatch.sim.fleet.engine import FleetRequest
+from memwatch.sim.fleet.policies import EngineView, KvUsage, MemwatchHeadroom, RoundRobin, make_policy
+from memwatch.sim.fleet.results import percentile, render_table, summarize
+from memwatch.sim.fleet.scrape import keep_families, parse
+from memwatch.sim.fleet.traces import from_text, parse_shape
+
+
+def exposition(run: str, *, used: int, total: int = 100, waiting: int = 0, valid: int = 1,
+               committed: float | None = None, admissible: dict[str, int] | None = None,
+               safe: int | None = None, free_tokens: int | None = None, ranks: int = 1) -> str:
+    """A sidecar's text for one engine: the KV gauges per rank, the headroom gauges per engine."""
+    lines = ["# HELP memwatch_kv_blocks_used KV cache blocks in use", "# TYPE memwatch_kv_blocks_used gauge"]
+    lines += [f'memwatch_kv_blocks_used{{run_id="{run}",rank="{r}"}} {used + r}' for r in range(ranks)]
+    lines += ["# TYPE memwatch_kv_blocks_total gauge"]
+    lines += [f'memwatch_kv_blocks_total{{run_id="{run}",rank="{r}"}} {total}' for r in range(ranks)]
+    lines += ["# TYPE memwatch_requests_waiting gauge", f'memwatch_requests_waiting{{run_id="{run}"}} {waiting}',
+              "# TYPE memwatch_signal_valid gauge", f'memwatch_signal_valid{{run_id="{run}"}} {valid}']
+    if committed is not None:
+        lines += ["# TYPE memwatch_kv_committed_usage_ratio gauge",
+                  f'memwatch_kv_committed_usage_ratio{{run_id="{run}"}} {committed}']
+    if safe is not None:
+        lines += ["# TYPE memwatch_max_safe_prefill_tokens gauge",
+                  f'memwatch_max_safe_prefill_tokens{{run_id="{run}"}} {safe}']
+    if free_tokens is not None:
+        lines += ["# TYPE memwatch_kv_free_tokens gauge", f'memwatch_kv_free_tokens{{run_id="{run}"}} {free_tokens}']
+    lines += ["# TYPE memwatch_admissible_requests gauge"]
+    lines += [f'memwatch_admissible_requests{{run_id="{run}",shape="{shape}"}} {n}'
+              for shape, n in (admissible or {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+def view(index: int, text: str) -> EngineView:
+    return EngineView(index, f"r{index}", parse(text))
+
+
+def request(prompt: int = 500, output: int = 100, rid: int = 0) -> FleetRequest:
+    return FleetRequest(rid, prompt, output, 0)
+
+
+def test_the_parser_reads_each_rank_and_the_view_takes_the_tightest() -> None:
+    # Two ranks: 40 and 41 blocks used of 100; the engine's usage is the tighter rank's, 41 / 100.
+    engine = view(0, exposition("r0", used=40, ranks=2) + exposition("other", used=90))
+    assert engine.scrape is not None
+    assert sorted(engine.scrape.values("memwatch_kv_blocks_used", run_id="r0")) == [40.0, 41.0]
+    assert engine.kv_usage() == pytest.approx(0.41)
+    assert engine.highest("memwatch_kv_blocks_used") == 41.0  # another run's series is not this engine's
+
+
+def test_round_robin_takes_turns_and_skips_an_engine_that_is_down() -> None:
+    policy = RoundRobin(random.Random(0))
+    views = [view(i, exposition(f"r{i}", used=0)) for i in range(3)]
+    assert [policy.choose(request(), views) for _ in range(4)] == [0, 1, 2, 0]
+    assert [policy.choose(request(), [views[0], views[2]]) for _ in range(3)] == [2, 0, 2]
+
+
+def test_kv_usage_takes_the_least_used_unsaturated_engine() -> None:
+    # Usage 0.30, 0.10 (but 5 waiting: saturated), 0.79 and 0.85 (saturated): engine 0 wins over engine 2.
+    views = [view(0, exposition("r0", used=30)), view(1, exposition("r1", used=10, waiting=5)),
+             view(2, exposition("r2", used=79)), view(3, exposition("r3", used=85))]
+    assert KvUsage(random.Random(0)).choose(request(), views) == 0
+    # Four sent since the scrape make engine 0's queue 4, still under 5; a fifth saturates it.
+    views[0].sent = [request()] * 4
+    assert KvUsage(random.Random(0)).choose(request(), views) == 0
+    views[0].sent.append(request())
+    assert KvUsage(random.Random(0)).choose(request(), views) == 2
+
+
+def test_kv_usage_with_every_engine_saturated_still_routes_to_the_least_used() -> None:
+    views = [view(0, exposition("r0", used=95)), view(1, exposition("r1", used=82))]
+    assert KvUsage(random.Random(0)).choose(request(), views) == 1
+
+
+def test_memwatch_filters_on_admissible_and_safe_prefill_then_scores_committed_usage() -> None:
+    policy = MemwatchHeadroom(random.Random(0), shapes=((1024, 256), (4096, 1024)))
+    views = [
+        view(0, exposition("r0", used=10, committed=0.20, admissible={"1024:256": 0, "4096:1024": 0}, safe=9000)),
+        view(1, exposition("r1", used=10, committed=0.50, admissible={"1024:256": 3, "4096:1024": 1}, safe=9000)),
+        view(2, exposition("r2", used=10, committed=0.40, admissible={"1024:256": 3, "4096:1024": 1}, safe=2000)),
+    ]
+    # 500:100 is shape 1024:256: engine 0 admits none; engine 2 has the lower committed usage.
+    assert policy.choose(request(500, 100), views) == 2
+    # 3000:800 is shape 4096:1024; engine 2's safe prefill (2,000) is below the prompt: engine 1.
+    assert policy.choose(request(3000, 800), views) == 1
+    # Engine 1 was sent one since the scrape: its one admissible 4096:1024 is taken, so the next waits.
+    views[1].sent = [request(3000, 800)]
+    assert policy.choose(request(3000, 800), views) is None
+
+
+def test_memwatch_without_a_valid_signal_routes_as_kv_usage() -> None:
+    policy = MemwatchHeadroom(random.Random(0), shapes=((1024, 256),))
+    views = [view(0, exposition("r0", used=50, valid=0, committed=0.0, admissible={"1024:256": 9})),
+             view(1, exposition("r1", used=20, valid=0, committed=0.9, admissible={"1024:256": 0}))]
+    assert policy.choose(request(), views) == 1
+
+
+def test_memwatch_counts_what_it_sent_against_committed_usage() -> None:
+    # Both engines: 100 blocks, 50 used, 25,600 free tokens, so 51,200 tokens in all. Engine 0 is at 0.60
+    # committed, engine 1 at 0.62; after one 5,000 + 1,000 token request sent to engine 0 it stands at
+    # 0.60 + 6,000 / 51,200 = 0.717, so the next goes to engine 1.
+    policy = MemwatchHeadroom(random.Random(0), shapes=((8192, 1024),))
+    views = [view(i, exposition(f"r{i}", used=50, committed=c, admissible={"8192:1024": 5}, free_tokens=25_600))
+             for i, c in enumerate((0.60, 0.62))]
+    assert policy.choose(request(5000, 1000), views) == 0
+    views[0].sent = [request(5000, 1000)]
+    assert policy.choose(request(5000, 1000), views) == 1
+
+
+def test_shapes_and_policy_names() -> None:
+    assert parse_shape("2048:512", "here") == (2048, 512)
+    for bad in ("2048", "0:5", "a:b", "-1:3"):
+        with pytest.raises(UsageError, match="PROMPT:OUTPUT"):
+            parse_shape(bad, "here")
+    with pytest.raises(UsageError, match="unknown router policy 'least-load'"):
+        make_policy("least-load", random.Random(0))
+    policy = MemwatchHeadroom(random.Random(0), shapes=((4096, 1024), (1024, 256)))
+    assert policy.shape_of(request(1024, 256)) == "1024:256"
+    assert policy.shape_of(request(1025, 10)) == "4096:1024"
+    assert policy.shape_of(request(5000, 10)) is None
+
+
+def test_a_trace_file_with_a_fleet_table() -> None:
+    text = """
+model = "Qwen3-0.6B"
+[gpu]
+total_bytes = 8_589_934_592
+[[workload.requests]]
+prompt_tokens = 100
+output_tokens = 10
+[fleet]
+admission_shapes = ["512:64"]
+[[fleet.engine_faults]]
+engine = 1
+kind = "other_process"
+size_bytes = 1_000_000
+at_step = 3
+"""
+    trace = from_text(text, source="t.toml")
+    assert trace.shapes == ((512, 64),)
+    assert [f.kind for f in trace.faults_of(0)] == [] and [f.kind for f in trace.faults_of(1)] == ["other_process"]
+    with pytest.raises(UsageError, match="a fault of engine 1, but the fleet has 1 engines"):
+        trace.check(1)
+    with pytest.raises(UsageError, match=r"unknown key 'engines'"):
+        from_text(text.replace("admission_shapes", "engines"), source="t.toml")
+
+
+def test_percentiles_and_the_table() -> None:
+    # Nearest rank: of 1..10, p50 is the 5th value, p99 the 10th.
+    values = [float(v) for v in range(1, 11)]
+    assert percentile(values, 50) == 5.0 and percentile(values, 99) == 10.0 and percentile([], 50) is None
+    # 3 completed requests, 900 output tokens, the last done 4.5 s in: 200 tokens/s.
+    result = summarize("kv-usage", "t", 2, 0, 4, [0, 1_000_000_000, 2_000_000_000], 900, 4_500_000_000,
+                       ooms=1, preemptions=7, lost=1, rejected=0, simulated_ns=5_000_000_000)
+    assert (result.completed, result.p50_queue_s, result.p99_queue_s, result.tokens_per_s) == (3, 1.0, 2.0, 200.0)
+    assert "kv-usage" in render_table([result]) and "200.0" in render_table([result])
+
+
+def test_the_scrape_keeps_whole_families_by_exact_name() -> None:
+    text = ("# HELP memwatch_kv_blocks_used KV cache blocks in use\n# TYPE memwatch_kv_blocks_used gauge\n"
+            'memwatch_kv_blocks_used{run_id="a"} 7\n'
+            "# TYPE memwatch_kv_blocks_used_total counter\nmemwatch_kv_blocks_used_total 9\n"
+            "# TYPE memwatch_signal_valid gauge\nmemwatch_signal_valid 1\n")
+    kept = keep_families(text, frozenset({"memwatch_kv_blocks_used", "memwatch_signal_valid"}))
+    assert kept.splitlines() == [line for line in text.splitlines() if "_used_total" not in line]
+    scrape = parse(text, frozenset({"memwatch_kv_blocks_used"}))
+    assert dict(scrape.samples) == {"memwatch_kv_blocks_used": [({"run_id": "a"}, 7.0)]}
