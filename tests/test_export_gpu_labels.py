@@ -49,7 +49,7 @@ def test_a_stored_rank_carries_dcgm_exporters_uuid_model_and_hostname(runtime_di
         writer.close()
         sidecar.stop()
     for series in (line, ledger):  # every series of the rank joins on UUID, not only the hardware ones
-        assert f'UUID="{UUID}"' in series and 'modelName="NVIDIA H200"' in series and 'Hostname="gpu-7"' in series
+        assert f'UUID="{UUID}"' in series and 'gpu_name="NVIDIA H200"' in series and 'Hostname="gpu-7"' in series
         assert 'namespace="serving"' in series and 'pod="vllm-0"' in series and 'container="engine"' in series
         assert 'gpu="' not in series and 'device="' not in series  # the container's index is not dcgm's
     assert f'hw_id="{UUID}"' in line

@@ -213,8 +213,8 @@ def test_the_scrape_has_the_names_labels_and_values_of_opentelemetry_s_prometheu
 
     def without_dcgm(found: set[tuple[str, frozenset, float]]) -> set[tuple[str, frozenset, float]]:
         """Ours less dcgm-exporter's GPU labels, which only the Prometheus scrape adds (for joins on UUID)."""
-        assert all(dict(labels).get("modelName") == "NVIDIA H100 80GB HBM3" for _, labels, _ in found)
-        return {(name, frozenset((k, v) for k, v in labels if k != "modelName"), value)
+        assert all(dict(labels).get("gpu_name") == "NVIDIA H100 80GB HBM3" for _, labels, _ in found)
+        return {(name, frozenset((k, v) for k, v in labels if k != "gpu_name"), value)
                 for name, labels, value in found}
 
     headroom = set(HEADROOM_HELP)  # engine-level gauges for routers, on /metrics only (docs/routing.md)

@@ -20,8 +20,8 @@ def exposition(run: str, *, used: int, total: int = 100, waiting: int = 0, valid
     """A sidecar's text for one engine: the KV gauges per rank, the headroom gauges per engine."""
     lines = ["# HELP memwatch_kv_blocks_used KV cache blocks in use", "# TYPE memwatch_kv_blocks_used gauge"]
     lines += [f'memwatch_kv_blocks_used{{run_id="{run}",rank="{r}"}} {used + r}' for r in range(ranks)]
-    lines += ["# TYPE memwatch_kv_blocks_total gauge"]
-    lines += [f'memwatch_kv_blocks_total{{run_id="{run}",rank="{r}"}} {total}' for r in range(ranks)]
+    lines += ["# TYPE memwatch_kv_blocks_capacity gauge"]
+    lines += [f'memwatch_kv_blocks_capacity{{run_id="{run}",rank="{r}"}} {total}' for r in range(ranks)]
     lines += ["# TYPE memwatch_requests_waiting gauge", f'memwatch_requests_waiting{{run_id="{run}"}} {waiting}',
               "# TYPE memwatch_signal_valid gauge", f'memwatch_signal_valid{{run_id="{run}"}} {valid}']
     if committed is not None:

@@ -82,7 +82,7 @@ LEDGER_METRICS: tuple[MetricSpec, ...] = tuple(
 KV_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("memwatch.kv.blocks.used", "{block}", "gauge", "KV cache blocks in use",
                lambda s: s.kv_blocks[0]),
-    MetricSpec("memwatch.kv.blocks.total", "{block}", "gauge", "KV cache blocks allocated",
+    MetricSpec("memwatch.kv.blocks.capacity", "{block}", "gauge", "KV cache blocks allocated",
                lambda s: s.kv_blocks[1]),
 )
 

@@ -2,7 +2,7 @@
 
 Names and labels are what OpenTelemetry's Prometheus exporter makes of the same instruments (dots
 become underscores, unit ``By`` adds ``_bytes``, a monotonic sum adds ``_total``, the resource
-becomes ``target_info``), plus dcgm-exporter's names for the GPU (``UUID``, ``modelName``, ``Hostname``),
+becomes ``target_info``), plus dcgm-exporter's names for the GPU (``UUID``, ``Hostname``; its name as ``gpu_name``),
 so that a series joins ``DCGM_FI_*`` series. The lines are built directly from the :class:`ExportState` snapshot, with
 each rank's label set rendered once: going through the SDK's aggregation and a generic exposition
 library costs twenty times as much per series, and a scrape of 64 ranks must stay cheap for the

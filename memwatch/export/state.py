@@ -63,11 +63,12 @@ def gpu_uuid(meta: dict[str, Any]) -> str | None:
 def dcgm_labels(header: RingHeader) -> dict[str, str]:
     """Prometheus labels named as dcgm-exporter names them, so a series joins ``DCGM_FI_*`` on ``UUID``.
 
-    ``UUID`` (the join key: the same GPU has the same one in every container and on the host), ``modelName``
-    and ``Hostname`` (the node, where the engine saw its name). dcgm-exporter's ``gpu`` and ``device``
-    (``nvidia<N>``) are the host's index of the GPU; the engine knows only its own CUDA index, renumbered by
-    ``CUDA_VISIBLE_DEVICES`` and the container's device list, so they are left out rather than given a value
-    that would join the wrong GPU.
+    ``UUID`` (the join key: the same GPU has the same one in every container and on the host) and
+    ``Hostname`` (the node, where the engine saw its name); the GPU's name as ``gpu_name`` (dcgm-exporter's
+    ``modelName`` is camelCase, which ``promtool`` refuses; a join brings it with ``group_left``).
+    dcgm-exporter's ``gpu`` and ``device`` (``nvidia<N>``) are the host's index of the GPU; the engine knows only
+    its own CUDA index, renumbered by ``CUDA_VISIBLE_DEVICES`` and the container's device list, so they are left
+    out rather than given a value that would join the wrong GPU.
     """
     meta = header.meta
     labels = {}
@@ -76,7 +77,7 @@ def dcgm_labels(header: RingHeader) -> dict[str, str]:
         labels["UUID"] = uuid
     name = meta.get("gpu_name")
     if isinstance(name, str) and name:
-        labels["modelName"] = name[:200]
+        labels["gpu_name"] = name[:200]
     node = place_from_meta(meta).get("k8s_node")
     if node:
         labels["Hostname"] = node

@@ -8,7 +8,7 @@ so what differs between them is what their signals say.
 
 * ``round-robin``: the next engine in turn.
 * ``kv-usage``: the llm-d default's view: KV-cache usage (memwatch's ``memwatch_kv_blocks_used`` over
-  ``memwatch_kv_blocks_total``) and the waiting queue; an engine is saturated at usage >= 0.8 or a queue of
+  ``memwatch_kv_blocks_capacity``) and the waiting queue; an engine is saturated at usage >= 0.8 or a queue of
   5 or more; the least used unsaturated engine wins, the least used of all when every one is saturated.
 * ``memwatch``: engines whose signal is valid and that can admit the request now (``memwatch_admissible_
   requests`` for the request's shape, less what was sent since the scrape; ``memwatch_max_safe_prefill_
@@ -35,7 +35,7 @@ QUEUE_SATURATED = 5
 """llm-d's default saturation threshold on the waiting queue."""
 
 KV_USED = "memwatch_kv_blocks_used"
-KV_TOTAL = "memwatch_kv_blocks_total"
+KV_TOTAL = "memwatch_kv_blocks_capacity"
 WAITING = "memwatch_requests_waiting"
 VALID = "memwatch_signal_valid"
 ADMISSIBLE = "memwatch_admissible_requests"
