@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from fake_device import load_fake_cuda
-from vllm_seams import MiB, cpu_init_device, make_config, plan_kv, serve
+from vllm_seams import MiB, cpu_init_device, make_config, plan_kv, serve, triton_as_on_a_gpu_host
 
 WRAPPED = "__memwatch_wrapped__"
 
@@ -82,6 +82,8 @@ def main() -> None:
     load_fake_cuda()
     facts: dict[str, Any] = {}
     from vllm.v1.worker import gpu_worker
+
+    triton_as_on_a_gpu_host(gpu_worker)
 
     gpu_worker.Worker.init_device = cpu_init_device
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_general_plugins, load_plugins_by_group

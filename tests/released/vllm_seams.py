@@ -16,6 +16,7 @@ class CpuModelRunner:
     """The model runner's KV allocation, as ``GPUModelRunner.initialize_kv_cache`` does it, on CPU."""
 
     model_memory_usage = 0
+    is_pooling_model = False  # vLLM 0.34's Worker.execute_model asks
 
     def __init__(self, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
@@ -40,11 +41,27 @@ class CpuModelRunner:
 
         req_ids = list(scheduler_output.num_scheduled_tokens)
         drafts = scheduler_output.scheduled_spec_decode_tokens
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-                                 sampled_token_ids=[[7] * (1 + len(drafts.get(req_id, ()))) for req_id in req_ids])
+        sampled = [[7] * (1 + len(drafts.get(req_id, ()))) for req_id in req_ids]
+        if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # vLLM 0.33; 0.34 indexes by position
+            return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+                                     sampled_token_ids=sampled)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
     def shutdown(self) -> None:
         pass
+
+
+def triton_as_on_a_gpu_host(gpu_worker: Any) -> None:
+    """Let vLLM's CPU platform and ``Worker`` check for Triton and find it, as on every CUDA host.
+
+    vLLM 0.34 refuses an x86 CPU platform without Triton (``CpuPlatform.check_and_update_config``) and
+    a ``Worker`` without it (``gpu_worker.HAS_TRITON``); its CPU wheel brings none, and no kernel runs
+    here (the model runner is :class:`CpuModelRunner`). Only those two checks see the flag: modules
+    already imported built their kernels' placeholders. vLLM 0.33 checks neither.
+    """
+    import vllm.triton_utils
+
+    vllm.triton_utils.HAS_TRITON = gpu_worker.HAS_TRITON = True
 
 
 def cpu_init_device(self: Any) -> None:

@@ -24,7 +24,7 @@ from ...probes.cuda import CudaProbe
 from ..late import SOURCE, instances, record_attached_late
 from . import install_live, uninstall
 from . import scheduler as vllm_scheduler
-from .reading import engine_settings, kv_cache_bytes, worker_identity
+from .reading import engine_settings, kv_cache_bytes, memory_utilization, worker_identity
 from .worker import RANK_ATTRIBUTE, WORKER_MODULE, Rank
 
 
@@ -96,7 +96,7 @@ def _record_kv_sizing(worker: Any, monitor: Monitor) -> None:
     _, _, _, used, free = monitor.probe.read()
     monitor.event("kv_allocated", {
         "total_bytes": used + free if UNKNOWN not in (used, free) else None,
-        "gpu_memory_utilization": float(cache_config.gpu_memory_utilization),
+        "gpu_memory_utilization": memory_utilization(cache_config),
         "used_bytes": None, "peak_bytes": None, "current_bytes": None, "reserved_bytes": None,
         "num_blocks": num_blocks, "block_bytes": kv_bytes // num_blocks if kv_bytes and num_blocks > 0 else None,
         "block_size": int(cache_config.block_size), "kv_cache_bytes": kv_bytes,

@@ -87,7 +87,7 @@ def step_kind(scheduler_output: Any) -> str | None:
         return None
     new = {request.req_id for request in scheduler_output.scheduled_new_reqs}
     cached = scheduler_output.scheduled_cached_reqs
-    resumed = cached.resumed_req_ids
+    resumed = getattr(cached, "resumed_req_ids", None) or ()  # 0.34 re-sends a resumed request as a new one
     outputs = dict(zip(cached.req_ids, cached.num_output_tokens, strict=False))
     drafts = scheduler_output.scheduled_spec_decode_tokens or {}
     for req_id, tokens in scheduled.items():
@@ -108,7 +108,7 @@ def engine_settings(vllm_config: Any) -> dict[str, Any]:
         "kv_cache_dtype": str(cache_config.cache_dtype),
         "tensor_parallel_size": int(parallel_config.tensor_parallel_size),
         "pipeline_parallel_size": int(parallel_config.pipeline_parallel_size),
-        "gpu_memory_utilization": float(cache_config.gpu_memory_utilization),
+        "gpu_memory_utilization": memory_utilization(cache_config),
         "kv_cache_memory_bytes": cache_config.kv_cache_memory_bytes,
         "block_size": int(cache_config.block_size),
         "max_num_batched_tokens": int(scheduler_config.max_num_batched_tokens),
@@ -116,6 +116,13 @@ def engine_settings(vllm_config: Any) -> dict[str, Any]:
         "max_model_len": int(model_config.max_model_len),
         "enforce_eager": bool(model_config.enforce_eager),
     }
+
+
+def memory_utilization(cache_config: Any) -> float:
+    """The utilization vLLM sizes by: 0.34 leaves ``gpu_memory_utilization`` None unless it is set and resolves
+    the default (0.92, or 1.0 with its extensible KV cache) in ``resolved_gpu_memory_utilization``."""
+    resolved = getattr(cache_config, "resolved_gpu_memory_utilization", None)
+    return float(cache_config.gpu_memory_utilization if resolved is None else resolved)
 
 
 def kv_cache_bytes(kv_cache_config: Any) -> int:

@@ -16,7 +16,7 @@ from ...probes.cuda import CudaProbe
 from ..hooks import Guard, require_methods, wrap_method
 from ..oom import capture_oom
 from . import scheduler as vllm_scheduler
-from .reading import engine_settings, kv_cache_bytes, step_kind, worker_identity
+from .reading import engine_settings, kv_cache_bytes, memory_utilization, step_kind, worker_identity
 
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 RANK_ATTRIBUTE = "_memwatch_rank"
@@ -141,7 +141,7 @@ def _profiled(worker: Any, available: int) -> None:
         "cudagraph_memory_estimate_bytes": estimate,
         "peak_activation_memory_bytes": peak_activation,
         "total_consumed_bytes": total_consumed,
-        "gpu_memory_utilization": float(cache_config.gpu_memory_utilization),
+        "gpu_memory_utilization": memory_utilization(cache_config),
         "kv_cache_memory_bytes": cache_config.kv_cache_memory_bytes,
     })
 
@@ -180,7 +180,7 @@ def _record_kv_sizing(worker: Any, kv_cache_config: Any) -> None:
         total_bytes=used + free if known else None, used_bytes=used if known else None,
         peak_bytes=peak if known else None, current_bytes=current if known else None,
         reserved_bytes=reserved if known and reserved != UNKNOWN else None,
-        gpu_memory_utilization=float(cache_config.gpu_memory_utilization), block_size=int(cache_config.block_size),
+        gpu_memory_utilization=memory_utilization(cache_config), block_size=int(cache_config.block_size),
         kv_cache_memory_bytes=sized_bytes, kv_cache_bytes=kv_bytes, budget_rule="vllm", **overridden,
     )
 
