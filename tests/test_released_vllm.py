@@ -1,4 +1,4 @@
-"""The vLLM adapter against the released vLLM 0.33.0 (PyPI wheel, installed by ``make engines``), on CPU.
+"""The vLLM adapter against each released vLLM (0.33.0 and 0.34.0, PyPI wheels installed by ``make engines``), on CPU.
 
 ``released/vllm_driver.py`` runs vLLM's own plugin loader, configs, KV-cache planner, ``Worker``
 class, KV allocation and engine-core ``Scheduler`` in a child process (what stands in for the GPU is
@@ -37,6 +37,11 @@ def released_vllm() -> list[tuple[str, Path]]:
 
 
 VLLM = released_vllm()
+
+
+def _version(engine: Path) -> tuple[int, ...]:
+    [version] = [version for version, folder in VLLM if folder == engine]
+    return tuple(int(part) for part in version.split("."))
 
 
 @pytest.fixture(params=[folder for _, folder in VLLM], ids=[version for version, _ in VLLM])
@@ -110,8 +115,11 @@ def test_dp2_tp2_hybrid_model_offline_scheduler_and_speculative_steps(engine: Pa
         wait_for(lambda: not list(runtime_dir.glob("*.ring")), timeout=60, what="the rings to be drained")
 
     # On: the real Worker and Scheduler classes are patched; still no stat logger, log_stats untouched.
-    assert facts["worker_wrapped"] == ["compile_or_warm_up_model", "determine_available_memory", "execute_model",
-                                       "init_device", "initialize_from_config", "load_model", "shutdown"]
+    # 0.34 commits an extensible KV cache's block count in extend_kv_cache (after warmup): followed too.
+    extends = ["extend_kv_cache"] if _version(engine) >= (0, 34) else []
+    assert facts["worker_wrapped"] == sorted(["compile_or_warm_up_model", "determine_available_memory",
+                                              "execute_model", "init_device", "initialize_from_config",
+                                              "load_model", "shutdown", *extends])
     assert facts["scheduler_wrapped"] == ["__init__", "_free_request", "add_request", "schedule", "shutdown"]
     assert facts["stat_logger_factories"] == [] and facts["async_llm_log_stats"] is False
     assert facts["environment_changed"] == []  # the run id this environment gives is kept, not replaced
@@ -308,3 +316,31 @@ def test_num_gpu_blocks_override_is_the_count_recorded_and_raises_no_flag(
     totals = query(db_path, "SELECT DISTINCT kv_blocks_total FROM samples WHERE rank = 2 AND kv_blocks_total "
                             "IS NOT NULL")
     assert totals == [(99,)]
+
+
+EXTENSIBLE = [(version, folder) for version, folder in VLLM if tuple(map(int, version.split("."))) >= (0, 34)]
+
+
+@pytest.mark.parametrize("engine", [folder for _, folder in EXTENSIBLE], ids=[version for version, _ in EXTENSIBLE])
+def test_an_extensible_kv_cache_is_recorded_with_the_count_committed_after_warmup(
+        engine: Path, tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    """vLLM 0.34's extensible KV cache (its default on CUDA): ``initialize_from_config`` gets the capacity of the
+    8 MiB offered (256 blocks of 32 KiB) as a reservation; after warmup rank 0 measures 200 blocks, rank 1 180,
+    vLLM commits the smallest on both with ``extend_kv_cache``. memwatch records the committed 180, not the
+    256 reserved, so the ledger re-derives 180 and nothing is flagged."""
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0007")
+    facts = _drive(engine, "extensible", tmp_path, env, "200,180")
+    store_rings(runtime_dir, db_path, live=True)
+
+    block_bytes = 4 * 16 * 2 * (64 + 64) * 2  # 4 layers × 16 tokens × 2 KV heads per rank × (K + V) × bf16
+    assert (facts["reserved"], facts["num_blocks"], facts["scheduler_blocks"]) == (256, 180, 180)
+    assert facts["committed_bytes"] == [180 * block_bytes] * 2
+    sizings = {rank: (data["num_blocks"], data["block_bytes"], data["kv_cache_memory_bytes"], data["kv_cache_bytes"],
+                      data["reserved_num_blocks"], data["extensible_kv_cache"])
+               for rank, data in _events(db_path, "kv_allocated")}
+    assert sizings == {rank: (180, block_bytes, 180 * block_bytes, 180 * block_bytes, 256, True) for rank in (0, 1)}
+    assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
+    # The scheduler's total is the committed blocks less the null block.
+    totals = query(db_path, "SELECT DISTINCT kv_blocks_total FROM samples WHERE rank = 2 AND kv_blocks_total "
+                            "IS NOT NULL")
+    assert totals == [(179,)]

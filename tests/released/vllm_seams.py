@@ -22,11 +22,20 @@ class CpuModelRunner:
         self.vllm_config = vllm_config
         self.allocated_bytes = 0
 
-    def initialize_kv_cache(self, kv_cache_config: Any, kv_cache_allocation_context: Any = None) -> None:
+    def initialize_kv_cache(self, kv_cache_config: Any, kv_cache_allocation_context: Any = None,
+                            extensible: bool = False) -> None:
+        self.kv_cache_config = kv_cache_config  # as GPUModelRunner.initialize_kv_cache keeps it
+        if extensible:  # vLLM 0.34: an address range is reserved, nothing committed until extend_kv_cache
+            self.extensible_kv_cache = SimpleNamespace(reserved_headroom_bytes=0, warmup_committable_blocks=0,
+                                                       committable_blocks=lambda: kv_cache_config.num_blocks)
+            return
+        self.allocate(kv_cache_config)
+
+    def allocate(self, kv_cache_config: Any) -> None:
+        """vLLM's ``allocate_kv_cache`` of ``kv_cache_config``, on CPU; the bytes it allocated."""
         import torch
         from vllm.v1.worker.utils import allocate_kv_cache
 
-        self.kv_cache_config = kv_cache_config  # as GPUModelRunner.initialize_kv_cache keeps it
         layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
         caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
         buffers = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in caches.values()}
@@ -49,6 +58,30 @@ class CpuModelRunner:
 
     def shutdown(self) -> None:
         pass
+
+
+def cpu_extensible_kv_cache(gpu_worker: Any) -> None:
+    """What stands for the device's virtual memory under vLLM 0.34's extensible KV cache (``gpu_worker``'s names).
+
+    Segments are not padded to a granule, nothing registers the memory, a worker's cross-rank minimum is its
+    own count (the engine core takes the minimum of all ranks, in vLLM's ``finalize_extensible_kv_cache``),
+    and ``extend_kv_cache`` commits the blocks as plain CPU memory: each backing buffer's bytes per block
+    times the committed count.
+    """
+    import torch
+
+    def extend_kv_cache(runner: Any, kv_cache_config: Any, num_blocks: int) -> None:
+        reserved = runner.kv_cache_config.num_blocks
+        sizes = {tensor.size // reserved * num_blocks for tensor in runner.kv_cache_config.kv_cache_tensors}
+        runner.committed = [torch.empty(size, dtype=torch.uint8) for size in sizes]
+        runner.allocated_bytes = sum(sizes)
+
+    torch.accelerator.current_device_index = lambda: 0
+    gpu_worker.pad_kv_cache_segments = lambda kv_cache_config, *args, **kwargs: kv_cache_config
+    gpu_worker.granule_size = lambda device: 2 * MiB
+    gpu_worker.registers_kv_cache_memory = lambda vllm_config: False
+    gpu_worker._min_across_ranks = lambda value: value
+    gpu_worker.extend_kv_cache = extend_kv_cache
 
 
 def triton_as_on_a_gpu_host(gpu_worker: Any) -> None:

@@ -1,4 +1,4 @@
-"""How memwatch reads vLLM 0.33's own objects: a rank's identity, a step's kind, a KV cache's bytes.
+"""How memwatch reads vLLM's own objects (0.33 and 0.34): a rank's identity, a step's kind, a KV cache's bytes.
 
 Pure functions over the objects vLLM hands the adapter, shared by the worker hooks (:mod:`.worker`) and
 the engine-core scheduler hooks (:mod:`.scheduler`); both record the engine's settings
@@ -14,9 +14,10 @@ the engine-core scheduler hooks (:mod:`.scheduler`); both record the engine's se
   ``rank_identity`` event of each says which (dp, tp, pp) it is.
 * **Step kind.** A request's scheduled tokens are decode work when the request is not new, not
   resumed after a preemption, has produced output already, and got exactly one token plus the
-  draft tokens scheduled for it (speculative decoding); a step is ``decode`` when all of its
+  draft tokens scheduled for it (speculative decoding; 0.34 sends a resumed request as a new one, 0.33
+  lists it in ``resumed_req_ids``); a step is ``decode`` when all of its
   requests are, ``prefill`` when any holds prompt work, and has no kind when nothing ran.
-* **KV bytes.** vLLM 0.33 allocates one backing buffer for all cache groups; every
+* **KV bytes.** vLLM 0.33 and 0.34 allocate one backing buffer for all cache groups; every
   ``KVCacheTensor`` entry carries that buffer's whole ``size`` (``kv_cache_planning.py``,
   ``get_kv_cache_config_from_groups``; ``vllm/v1/worker/utils.py``, ``allocate_kv_cache`` asserts
   one size). The device KV bytes are that size, counted once.
