@@ -344,3 +344,20 @@ def test_an_extensible_kv_cache_is_recorded_with_the_count_committed_after_warmu
     totals = query(db_path, "SELECT DISTINCT kv_blocks_total FROM samples WHERE rank = 2 AND kv_blocks_total "
                             "IS NOT NULL")
     assert totals == [(179,)]
+
+
+@pytest.mark.parametrize("engine", [folder for _, folder in EXTENSIBLE], ids=[version for version, _ in EXTENSIBLE])
+def test_attached_late_to_an_extensible_kv_cache_the_committed_count_is_recorded(
+        engine: Path, tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    """The same engine started with memwatch off and attached (as ``attach --inject`` does) once vLLM committed 180
+    of the 256 blocks reserved: the model runner's config still describes the reservation, vLLM's cache config
+    holds the committed count, and that is what is recorded."""
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0008")
+    facts = _drive(engine, "extensible-late", tmp_path, env, "200,180")
+    store_rings(runtime_dir, db_path)
+
+    block_bytes = 4 * 16 * 2 * (64 + 64) * 2
+    assert (facts["reserved"], facts["num_blocks"]) == (256, 180) and facts["worker_wrapped"] == []
+    sizings = {rank: (data["num_blocks"], data["block_bytes"], data["kv_cache_bytes"], data["attached_late"])
+               for rank, data in _events(db_path, "kv_allocated")}
+    assert sizings == {rank: (180, block_bytes, 180 * block_bytes, True) for rank in (0, 1)}

@@ -99,7 +99,7 @@ def main() -> None:
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_general_plugins, load_plugins_by_group
     from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
 
-    if mode != "off" and mode != "loop":  # turned on here, after the seam above: only vLLM's loader acts
+    if mode not in ("off", "loop", "extensible-late"):  # turned on here, after the seam above: only vLLM's loader acts
         os.environ["MEMWATCH"] = "1"
     environment = dict(os.environ)
     facts["general_plugins"] = sorted(load_plugins_by_group(DEFAULT_PLUGINS_GROUP))
@@ -125,8 +125,9 @@ def main() -> None:
         facts["engines"] = _dense_data_parallel(model)
     elif mode == "override":
         facts.update(_blocks_override(model, int(sys.argv[3])))
-    elif mode == "extensible":
-        facts.update(_extensible(model, [int(blocks) for blocks in sys.argv[3].split(",")]))
+    elif mode in ("extensible", "extensible-late"):
+        facts.update(_extensible(model, [int(blocks) for blocks in sys.argv[3].split(",")],
+                                 late=mode == "extensible-late"))
     elif mode == "loop":
         _loop(model, Path(sys.argv[3]))
         return
@@ -339,12 +340,14 @@ def _blocks_override(model: str, blocks: int) -> dict[str, Any]:
     return facts
 
 
-def _extensible(model: str, measured: list[int]) -> dict[str, Any]:
+def _extensible(model: str, measured: list[int], late: bool = False) -> dict[str, Any]:
     """One engine, TP 2, with vLLM 0.34's extensible KV cache (its default on CUDA): the planner reserves the
     capacity of the 8 MiB each worker offers, ``initialize_from_config`` reserves it, each worker measures
     ``measured[rank]`` blocks after warmup (``CompilationTimes.num_kv_blocks``), vLLM's own
     ``finalize_extensible_kv_cache`` settles on the smallest and shrinks the configs, and every worker's
-    ``extend_kv_cache`` commits that count; the scheduler then serves one prompt on it."""
+    ``extend_kv_cache`` commits that count; the scheduler then serves one prompt on it. ``late``: started with
+    memwatch off, and attached once the count is committed, as ``attach --inject`` attaches (its in-process
+    half, :func:`memwatch_engine.adapters.vllm.late.attach`)."""
     from vllm.v1.core.kv_cache_planning import finalize_extensible_kv_cache
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
@@ -368,6 +371,10 @@ def _extensible(model: str, measured: list[int]) -> dict[str, Any]:
     num_blocks = finalize_extensible_kv_cache(config, kv_cache_configs, scheduler_config, times)
     for worker in workers:
         worker.extend_kv_cache(num_blocks)
+    if late:
+        from memwatch_engine.adapters.vllm import late as vllm_late
+
+        vllm_late.attach(run_id=os.environ["MEMWATCH_RUN_ID"], runtime_dir=os.environ["MEMWATCH_RUNTIME_DIR"])
     scheduler = Scheduler(config, scheduler_config, StructuredOutputManager(config), block_size=16, log_stats=False)
     steps = serve(scheduler, {"a": 100}, max_tokens=3, drafts=0)
     facts = {"reserved": reserved, "num_blocks": num_blocks, "steps": steps,

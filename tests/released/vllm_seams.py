@@ -27,7 +27,8 @@ class CpuModelRunner:
         self.kv_cache_config = kv_cache_config  # as GPUModelRunner.initialize_kv_cache keeps it
         if extensible:  # vLLM 0.34: an address range is reserved, nothing committed until extend_kv_cache
             self.extensible_kv_cache = SimpleNamespace(reserved_headroom_bytes=0, warmup_committable_blocks=0,
-                                                       committable_blocks=lambda: kv_cache_config.num_blocks)
+                                                       committable_blocks=lambda: kv_cache_config.num_blocks,
+                                                       physical_bytes=0)
             return
         self.allocate(kv_cache_config)
 
@@ -63,21 +64,25 @@ class CpuModelRunner:
 def cpu_extensible_kv_cache(gpu_worker: Any) -> None:
     """What stands for the device's virtual memory under vLLM 0.34's extensible KV cache (``gpu_worker``'s names).
 
-    Segments are not padded to a granule, nothing registers the memory, a worker's cross-rank minimum is its
-    own count (the engine core takes the minimum of all ranks, in vLLM's ``finalize_extensible_kv_cache``),
-    and ``extend_kv_cache`` commits the blocks as plain CPU memory: each backing buffer's bytes per block
-    times the committed count.
+    Segments are not padded to a granule (the worker keeps its own copy of the config, as a worker process
+    does), nothing registers the memory, a worker's cross-rank minimum is its own count (the engine core takes
+    the minimum of all ranks, in vLLM's ``finalize_extensible_kv_cache``), and ``extend_kv_cache`` commits
+    the blocks as plain CPU memory: each backing buffer's bytes per block times the committed count. As
+    vLLM's does, it sets the runner's config's block count and leaves its tensors describing the reservation.
     """
+    import copy
+
     import torch
 
     def extend_kv_cache(runner: Any, kv_cache_config: Any, num_blocks: int) -> None:
         reserved = runner.kv_cache_config.num_blocks
         sizes = {tensor.size // reserved * num_blocks for tensor in runner.kv_cache_config.kv_cache_tensors}
         runner.committed = [torch.empty(size, dtype=torch.uint8) for size in sizes]
-        runner.allocated_bytes = sum(sizes)
+        runner.allocated_bytes = runner.extensible_kv_cache.physical_bytes = sum(sizes)
+        runner.kv_cache_config.num_blocks = num_blocks
 
     torch.accelerator.current_device_index = lambda: 0
-    gpu_worker.pad_kv_cache_segments = lambda kv_cache_config, *args, **kwargs: kv_cache_config
+    gpu_worker.pad_kv_cache_segments = lambda kv_cache_config, *args, **kwargs: copy.deepcopy(kv_cache_config)
     gpu_worker.granule_size = lambda device: 2 * MiB
     gpu_worker.registers_kv_cache_memory = lambda vllm_config: False
     gpu_worker._min_across_ranks = lambda value: value

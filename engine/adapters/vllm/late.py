@@ -59,7 +59,7 @@ def detach() -> None:
     for module_name, class_name, attributes in (
             (WORKER_MODULE, "Worker", (RANK_ATTRIBUTE,)),
             (vllm_scheduler.SCHEDULER_MODULE, "Scheduler",
-             (vllm_scheduler.MONITOR_ATTRIBUTE, vllm_scheduler.REQUESTS_ATTRIBUTE))):
+             (vllm_scheduler.MONITOR_ATTRIBUTE, vllm_scheduler.REQUESTS_ATTRIBUTE, vllm_scheduler.KV_ATTRIBUTE))):
         module = sys.modules.get(module_name)
         if module is None:
             continue
@@ -89,6 +89,11 @@ def _record_kv_sizing(worker: Any, monitor: Monitor) -> None:
     kv_cache_config = getattr(worker.model_runner, "kv_cache_config", None)
     if kv_cache_config is not None:
         num_blocks, kv_bytes = int(kv_cache_config.num_blocks), kv_cache_bytes(kv_cache_config)
+        extensible = getattr(worker.model_runner, "extensible_kv_cache", None)
+        if extensible is not None and getattr(cache_config, "enable_extensible_kv_cache", False):
+            # vLLM 0.34's extensible KV cache: the config's tensors still describe the reserved range (its block
+            # count is the committed one); the bytes extend_kv_cache committed are the cache's physical bytes.
+            kv_bytes = int(extensible.physical_bytes)
     elif cache_config.num_gpu_blocks is not None:
         num_blocks, kv_bytes = int(cache_config.num_gpu_blocks), None
     else:
