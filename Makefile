@@ -75,7 +75,11 @@ test-deps:
 # The released engines the adapters are tested against, each in a folder of its own that only the tests
 # put on a child process's path (the mirrors in tests/mirrors use the same module names). --no-deps:
 # CPU torch stays the one in .venv; pip keeps the downloaded wheels in its cache between runs.
-engines: $(ENGINES)/vllm/.installed $(ENGINES)/nanovllm/.installed $(ENGINES)/sglang/.installed
+# One folder per requirements file: tests/released/requirements-NAME.txt installs into $(ENGINES)/NAME
+# (requirements-vllm.txt is vLLM 0.33.0, requirements-vllm-0.34.txt vLLM 0.34.0 in vllm-0.34), so the
+# next engine version is one more requirements file, and the released-code tests run against it too.
+ENGINE_SETS := $(patsubst tests/released/requirements-%.txt,%,$(wildcard tests/released/requirements-*.txt))
+engines: $(foreach set,$(ENGINE_SETS),$(ENGINES)/$(set)/.installed)
 
 $(ENGINES)/%/.installed: tests/released/requirements-%.txt | $(TESTENV)
 	@echo "== installing the released $* into $(ENGINES)/$* (the first time: downloads, and minutes of unpacking)"

@@ -1,4 +1,4 @@
-"""The vLLM adapter against the released vLLM 0.33.0 (PyPI wheel, installed by ``make engines``), on CPU.
+"""The vLLM adapter against each released vLLM (0.33.0 and 0.34.0, PyPI wheels installed by ``make engines``), on CPU.
 
 ``released/vllm_driver.py`` runs vLLM's own plugin loader, configs, KV-cache planner, ``Worker``
 class, KV allocation and engine-core ``Scheduler`` in a child process (what stands in for the GPU is
@@ -9,6 +9,7 @@ memwatch side is read back from a real sidecar's database.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,33 @@ from mirrors.zero_code import ROOT
 from processes import SidecarProcess, memwatch_env, query, wait_for
 from stored_runs import store_rings
 
-ENGINE = ROOT / ".engines" / "vllm"
-DRIVER = Path(__file__).resolve().parent / "released" / "vllm_driver.py"
+RELEASED = Path(__file__).resolve().parent / "released"
+DRIVER = RELEASED / "vllm_driver.py"
+
+
+def released_vllm() -> list[tuple[str, Path]]:
+    """``(version, folder)`` of every released vLLM ``make engines`` installs: one per requirements-vllm*.txt,
+    into ``.engines/<what follows requirements->``, so a new version's requirements file adds it here too."""
+    found = []
+    for requirements in sorted(RELEASED.glob("requirements-vllm*.txt")):
+        [version] = [line.split("==")[1].strip() for line in requirements.read_text().splitlines()
+                     if line.startswith("vllm==")]
+        found.append((version, ROOT / ".engines" / requirements.stem.removeprefix("requirements-")))
+    return found
+
+
+VLLM = released_vllm()
+
+
+def _version(engine: Path) -> tuple[int, ...]:
+    [version] = [version for version, folder in VLLM if folder == engine]
+    return tuple(int(part) for part in version.split("."))
+
+
+@pytest.fixture(params=[folder for _, folder in VLLM], ids=[version for version, _ in VLLM])
+def engine(request: pytest.FixtureRequest) -> Path:
+    """The folder of one released vLLM: every test here runs against each version."""
+    return request.param
 MiB = 1 << 20
 QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "num_hidden_layers": 4,
@@ -32,13 +58,15 @@ QWEN3 = {
 VLLM_OWN_GENERAL_PLUGINS = ["lora_filesystem_resolver", "lora_hf_hub_resolver"]
 
 
-def _drive(mode: str, tmp_path: Path, env: dict[str, str], *args: str) -> dict[str, Any]:
-    if not (ENGINE / ".installed").exists():
-        pytest.fail(f"the released vLLM is not installed in {ENGINE}: run `make engines`")
+def _drive(engine: Path, mode: str, tmp_path: Path, env: dict[str, str], *args: str) -> dict[str, Any]:
+    if not (engine / ".installed").exists():
+        pytest.fail(f"the released vLLM is not installed in {engine}: run `make engines`")
     model = tmp_path / "qwen3-tiny"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(QWEN3))
-    env = {**env, "PYTHONPATH": str(ENGINE), "VLLM_TARGET_DEVICE": "cpu", "FAKE_CUDA_TOTAL_BYTES": str(160 * MiB),
+    # The engine's folder first; then what the tests run with (a checkout's own memwatch before an installed one).
+    path = os.pathsep.join(filter(None, (str(engine), env.get("PYTHONPATH"))))
+    env = {**env, "PYTHONPATH": path, "VLLM_TARGET_DEVICE": "cpu", "FAKE_CUDA_TOTAL_BYTES": str(160 * MiB),
            "FAKE_CUDA_CONTEXT_BYTES": str(64 * MiB)}
     env.pop("MEMWATCH", None)
     done = subprocess.run([sys.executable, str(DRIVER), mode, str(model), *args], env=env, capture_output=True,
@@ -48,9 +76,9 @@ def _drive(mode: str, tmp_path: Path, env: dict[str, str], *args: str) -> dict[s
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_memwatch_off_leaves_plugins_stat_loggers_and_log_stats_as_vllm_has_them(tmp_path: Path,
+def test_memwatch_off_leaves_plugins_stat_loggers_and_log_stats_as_vllm_has_them(engine: Path, tmp_path: Path,
                                                                                  runtime_dir: Path) -> None:
-    facts = _drive("off", tmp_path, memwatch_env(runtime_dir, tmp_path / "unused.db"))
+    facts = _drive(engine, "off", tmp_path, memwatch_env(runtime_dir, tmp_path / "unused.db"))
 
     # vLLM's loader finds memwatch's general plugin (installed) and calls it; it does nothing while off.
     assert facts["general_plugins"] == [*VLLM_OWN_GENERAL_PLUGINS, "memwatch"]
@@ -76,19 +104,22 @@ def _expected_kind(step: dict[str, Any]) -> str | None:
     return "decode" if decode else "prefill"
 
 
-def test_dp2_tp2_hybrid_model_offline_scheduler_and_speculative_steps(tmp_path: Path, runtime_dir: Path,
+def test_dp2_tp2_hybrid_model_offline_scheduler_and_speculative_steps(engine: Path, tmp_path: Path, runtime_dir: Path,
                                                                       db_path: Path) -> None:
     env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0002")
     with SidecarProcess(runtime_dir, db_path) as sidecar:
         sidecar.pause()  # a ring listed before its header is written is ignored for good: keep that race out
-        facts = _drive("on", tmp_path, env)
+        facts = _drive(engine, "on", tmp_path, env)
         sidecar.resume()
         wait_for(lambda: query(db_path, "SELECT status FROM runs") == [("ok",)], timeout=60, what="the run")
         wait_for(lambda: not list(runtime_dir.glob("*.ring")), timeout=60, what="the rings to be drained")
 
     # On: the real Worker and Scheduler classes are patched; still no stat logger, log_stats untouched.
-    assert facts["worker_wrapped"] == ["compile_or_warm_up_model", "determine_available_memory", "execute_model",
-                                       "init_device", "initialize_from_config", "load_model", "shutdown"]
+    # 0.34 commits an extensible KV cache's block count in extend_kv_cache (after warmup): followed too.
+    extends = ["extend_kv_cache"] if _version(engine) >= (0, 34) else []
+    assert facts["worker_wrapped"] == sorted(["compile_or_warm_up_model", "determine_available_memory",
+                                              "execute_model", "init_device", "initialize_from_config",
+                                              "load_model", "shutdown", *extends])
     assert facts["scheduler_wrapped"] == ["__init__", "_free_request", "add_request", "schedule", "shutdown"]
     assert facts["stat_logger_factories"] == [] and facts["async_llm_log_stats"] is False
     assert facts["environment_changed"] == []  # the run id this environment gives is kept, not replaced
@@ -154,12 +185,12 @@ def test_dp2_tp2_hybrid_model_offline_scheduler_and_speculative_steps(tmp_path: 
         (0, "request_finished", {"request_id": "a", "output_tokens": 3})]
 
 
-def test_one_gpu_engine_records_its_workload_and_the_run_replays(tmp_path: Path, runtime_dir: Path,
+def test_one_gpu_engine_records_its_workload_and_the_run_replays(engine: Path, tmp_path: Path, runtime_dir: Path,
                                                                  db_path: Path) -> None:
-    """TP 1: vLLM runs the worker in the engine core, next to the scheduler. vLLM's default block size, 16: the
+    """TP 1: vLLM runs the worker in the engine core, next to the scheduler. Block size 16 (0.33's default): the
     replay of a vLLM run follows vLLM's rules (nano-vllm's multiple of 256 is not asked of it)."""
     env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0003")
-    facts = _drive("workload", tmp_path, env, "16")
+    facts = _drive(engine, "workload", tmp_path, env, "16")
     store_rings(runtime_dir, db_path)
 
     rows = query(db_path, "SELECT rank, kind, data FROM events WHERE kind LIKE 'request_%' ORDER BY rowid")
@@ -202,11 +233,11 @@ def _replay(run_id: str, runtime_dir: Path, db_path: Path, *args: str) -> dict[s
 
 
 def test_an_engine_core_whose_workers_run_elsewhere_keeps_the_workload_on_its_schedulers_ring(
-        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+        engine: Path, tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
     """TP 2: rank 0 is another process's; the scheduler (rank 2, after the two GPU ranks) keeps the requests,
     and the replay reads them there."""
     env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0004")
-    facts = _drive("engine-core", tmp_path, env)
+    facts = _drive(engine, "engine-core", tmp_path, env)
     store_rings(runtime_dir, db_path)
     rows = query(db_path, "SELECT rank, kind, count(*) FROM events WHERE kind LIKE 'request_%' GROUP BY rank, kind")
     assert rows == [(2, "request_arrived", len(facts["prompts"])), (2, "request_finished", len(facts["prompts"]))]
@@ -226,12 +257,12 @@ def test_an_engine_core_whose_workers_run_elsewhere_keeps_the_workload_on_its_sc
 
 
 def test_dense_model_dp2_tp2_engines_reconfigured_as_independent_ranks_are_four_gpu_ranks(
-        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+        engine: Path, tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
     """A dense model served with DP 2 × TP 2: vLLM's ``run_engine_core`` makes each engine core an independent DP
     rank (``data_parallel_size`` 1, ``data_parallel_rank`` 0; the rank stays in ``data_parallel_index``). Each engine
     still gets ranks of its own: four GPU ranks, then the two schedulers, each with its engine's KV total."""
     env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0005")
-    facts = _drive("dense-dp", tmp_path, env)
+    facts = _drive(engine, "dense-dp", tmp_path, env)
     store_rings(runtime_dir, db_path, live=True)
 
     engine_0, engine_1 = facts["engines"]
@@ -262,12 +293,12 @@ def test_dense_model_dp2_tp2_engines_reconfigured_as_independent_ranks_are_four_
     assert (engine_0["steps"][0]["num_tokens"], engine_1["steps"][0]["num_tokens"]) == (160, 200)
 
 
-def test_num_gpu_blocks_override_is_the_count_recorded_and_raises_no_flag(tmp_path: Path, runtime_dir: Path,
-                                                                           db_path: Path) -> None:
+def test_num_gpu_blocks_override_is_the_count_recorded_and_raises_no_flag(
+        engine: Path, tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
     """``num_gpu_blocks_override`` 100 over an 8 MiB budget: vLLM plans on 100 × bytes per block; memwatch records
     that size, so the ledger re-derives the 100 blocks and no rank is flagged."""
     env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0006")
-    facts = _drive("override", tmp_path, env, "100")
+    facts = _drive(engine, "override", tmp_path, env, "100")
     store_rings(runtime_dir, db_path, live=True)
 
     # vLLM's determine_available_memory returned the 8 MiB it was given; its planner made 100 blocks of
@@ -285,3 +316,48 @@ def test_num_gpu_blocks_override_is_the_count_recorded_and_raises_no_flag(tmp_pa
     totals = query(db_path, "SELECT DISTINCT kv_blocks_total FROM samples WHERE rank = 2 AND kv_blocks_total "
                             "IS NOT NULL")
     assert totals == [(99,)]
+
+
+EXTENSIBLE = [(version, folder) for version, folder in VLLM if tuple(map(int, version.split("."))) >= (0, 34)]
+
+
+@pytest.mark.parametrize("engine", [folder for _, folder in EXTENSIBLE], ids=[version for version, _ in EXTENSIBLE])
+def test_an_extensible_kv_cache_is_recorded_with_the_count_committed_after_warmup(
+        engine: Path, tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    """vLLM 0.34's extensible KV cache (its default on CUDA): ``initialize_from_config`` gets the capacity of the
+    8 MiB offered (256 blocks of 32 KiB) as a reservation; after warmup rank 0 measures 200 blocks, rank 1 180,
+    vLLM commits the smallest on both with ``extend_kv_cache``. memwatch records the committed 180, not the
+    256 reserved, so the ledger re-derives 180 and nothing is flagged."""
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0007")
+    facts = _drive(engine, "extensible", tmp_path, env, "200,180")
+    store_rings(runtime_dir, db_path, live=True)
+
+    block_bytes = 4 * 16 * 2 * (64 + 64) * 2  # 4 layers × 16 tokens × 2 KV heads per rank × (K + V) × bf16
+    assert (facts["reserved"], facts["num_blocks"], facts["scheduler_blocks"]) == (256, 180, 180)
+    assert facts["committed_bytes"] == [180 * block_bytes] * 2
+    sizings = {rank: (data["num_blocks"], data["block_bytes"], data["kv_cache_memory_bytes"], data["kv_cache_bytes"],
+                      data["reserved_num_blocks"], data["extensible_kv_cache"])
+               for rank, data in _events(db_path, "kv_allocated")}
+    assert sizings == {rank: (180, block_bytes, 180 * block_bytes, 180 * block_bytes, 256, True) for rank in (0, 1)}
+    assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
+    # The scheduler's total is the committed blocks less the null block.
+    totals = query(db_path, "SELECT DISTINCT kv_blocks_total FROM samples WHERE rank = 2 AND kv_blocks_total "
+                            "IS NOT NULL")
+    assert totals == [(179,)]
+
+
+@pytest.mark.parametrize("engine", [folder for _, folder in EXTENSIBLE], ids=[version for version, _ in EXTENSIBLE])
+def test_attached_late_to_an_extensible_kv_cache_the_committed_count_is_recorded(
+        engine: Path, tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    """The same engine started with memwatch off and attached (as ``attach --inject`` does) once vLLM committed 180
+    of the 256 blocks reserved: the model runner's config still describes the reservation, vLLM's cache config
+    holds the committed count, and that is what is recorded."""
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="0123abcd0008")
+    facts = _drive(engine, "extensible-late", tmp_path, env, "200,180")
+    store_rings(runtime_dir, db_path)
+
+    block_bytes = 4 * 16 * 2 * (64 + 64) * 2
+    assert (facts["reserved"], facts["num_blocks"]) == (256, 180) and facts["worker_wrapped"] == []
+    sizings = {rank: (data["num_blocks"], data["block_bytes"], data["kv_cache_bytes"], data["attached_late"])
+               for rank, data in _events(db_path, "kv_allocated")}
+    assert sizings == {rank: (180, block_bytes, 180 * block_bytes, True) for rank in (0, 1)}

@@ -1,4 +1,4 @@
-"""Drive the released vLLM 0.33.0 (installed by ``make engines``) through memwatch's plugin, on CPU.
+"""Drive a released vLLM (0.33.0 or 0.34.0, installed by ``make engines``) through memwatch's plugin, on CPU.
 
 Run as ``python vllm_driver.py MODE MODEL_DIR [ARG]``; prints one JSON line of what it saw (``loop``:
 lines of its own). vLLM's own
@@ -24,13 +24,15 @@ requests arriving one every four steps. "engine-core" serves the same requests f
 with TP 2 whose two workers start and get their KV cache in processes of their own. "dense-dp" runs the
 data parallelism 2 × tensor parallelism 2 a dense model gets when served: two engine-core processes, each
 through vLLM's ``run_engine_core`` (which makes each engine an independent DP rank). "override BLOCKS"
-runs one TP 2 engine given ``num_gpu_blocks_override``. "loop STOP_FILE"
+runs one TP 2 engine given ``num_gpu_blocks_override``. "extensible BLOCKS,BLOCKS" (0.34) runs one TP 2 engine
+with the extensible KV cache, its two workers measuring those block counts after warmup. "loop STOP_FILE"
 is that one-GPU engine started with memwatch off, serving rounds of requests until STOP_FILE exists: a
 target for ``attach --inject``.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import multiprocessing
 import os
@@ -42,7 +44,15 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from fake_device import load_fake_cuda
-from vllm_seams import MiB, cpu_init_device, make_config, plan_kv, serve
+from vllm_seams import (
+    MiB,
+    cpu_extensible_kv_cache,
+    cpu_init_device,
+    make_config,
+    plan_kv,
+    serve,
+    triton_as_on_a_gpu_host,
+)
 
 WRAPPED = "__memwatch_wrapped__"
 
@@ -83,11 +93,13 @@ def main() -> None:
     facts: dict[str, Any] = {}
     from vllm.v1.worker import gpu_worker
 
+    triton_as_on_a_gpu_host(gpu_worker)
+
     gpu_worker.Worker.init_device = cpu_init_device
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_general_plugins, load_plugins_by_group
     from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
 
-    if mode != "off" and mode != "loop":  # turned on here, after the seam above: only vLLM's loader acts
+    if mode not in ("off", "loop", "extensible-late"):  # turned on here, after the seam above: only vLLM's loader acts
         os.environ["MEMWATCH"] = "1"
     environment = dict(os.environ)
     facts["general_plugins"] = sorted(load_plugins_by_group(DEFAULT_PLUGINS_GROUP))
@@ -113,6 +125,9 @@ def main() -> None:
         facts["engines"] = _dense_data_parallel(model)
     elif mode == "override":
         facts.update(_blocks_override(model, int(sys.argv[3])))
+    elif mode in ("extensible", "extensible-late"):
+        facts.update(_extensible(model, [int(blocks) for blocks in sys.argv[3].split(",")],
+                                 late=mode == "extensible-late"))
     elif mode == "loop":
         _loop(model, Path(sys.argv[3]))
         return
@@ -319,6 +334,52 @@ def _blocks_override(model: str, blocks: int) -> dict[str, Any]:
     steps = serve(scheduler, {"a": 100}, max_tokens=3, drafts=0)
     facts = {"available": available, "num_blocks": [c.num_blocks for c in kv_cache_configs], "steps": steps,
              "kv_cache_tensors": [tensor.size for tensor in kv_cache_configs[0].kv_cache_tensors]}
+    for worker in workers:
+        worker.shutdown()
+    scheduler.shutdown()
+    return facts
+
+
+def _extensible(model: str, measured: list[int], late: bool = False) -> dict[str, Any]:
+    """One engine, TP 2, with vLLM 0.34's extensible KV cache (its default on CUDA): the planner reserves the
+    capacity of the 8 MiB each worker offers, ``initialize_from_config`` reserves it, each worker measures
+    ``measured[rank]`` blocks after warmup (``CompilationTimes.num_kv_blocks``), vLLM's own
+    ``finalize_extensible_kv_cache`` settles on the smallest and shrinks the configs, and every worker's
+    ``extend_kv_cache`` commits that count; the scheduler then serves one prompt on it. ``late``: started with
+    memwatch off, and attached once the count is committed, as ``attach --inject`` attaches (its in-process
+    half, :func:`memwatch_engine.adapters.vllm.late.attach`)."""
+    from vllm.v1.core.kv_cache_planning import finalize_extensible_kv_cache
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.worker import gpu_worker
+    from vllm.v1.worker.worker_base import CompilationTimes
+
+    cpu_extensible_kv_cache(gpu_worker)
+    config = make_config(model, 0, dp=1, tp=2)
+    config.cache_config.enable_extensible_kv_cache = True  # what vLLM settles on for a CUDA device with VMM
+    workers = [gpu_worker.Worker(vllm_config=config, local_rank=tp, rank=tp,
+                                 distributed_init_method="tcp://127.0.0.1:1", is_driver_worker=tp == 0)
+               for tp in range(2)]
+    for worker in workers:
+        worker.init_device()
+    kv_cache_configs = plan_kv(config, [OVERRIDE_KV_BYTES] * 2, hybrid=False)
+    reserved = kv_cache_configs[0].num_blocks
+    for worker, kv_cache_config in zip(workers, kv_cache_configs, strict=True):
+        worker.initialize_from_config(kv_cache_config)
+    scheduler_config = copy.deepcopy(kv_cache_configs[0])
+    times = [CompilationTimes(0.0, 0.0, num_kv_blocks=blocks) for blocks in measured]
+    num_blocks = finalize_extensible_kv_cache(config, kv_cache_configs, scheduler_config, times)
+    for worker in workers:
+        worker.extend_kv_cache(num_blocks)
+    if late:
+        from memwatch_engine.adapters.vllm import late as vllm_late
+
+        vllm_late.attach(run_id=os.environ["MEMWATCH_RUN_ID"], runtime_dir=os.environ["MEMWATCH_RUNTIME_DIR"])
+    scheduler = Scheduler(config, scheduler_config, StructuredOutputManager(config), block_size=16, log_stats=False)
+    steps = serve(scheduler, {"a": 100}, max_tokens=3, drafts=0)
+    facts = {"reserved": reserved, "num_blocks": num_blocks, "steps": steps,
+             "committed_bytes": [worker.model_runner.allocated_bytes for worker in workers],
+             "scheduler_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks}
     for worker in workers:
         worker.shutdown()
     scheduler.shutdown()

@@ -16,16 +16,27 @@ class CpuModelRunner:
     """The model runner's KV allocation, as ``GPUModelRunner.initialize_kv_cache`` does it, on CPU."""
 
     model_memory_usage = 0
+    is_pooling_model = False  # vLLM 0.34's Worker.execute_model asks
 
     def __init__(self, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
         self.allocated_bytes = 0
 
-    def initialize_kv_cache(self, kv_cache_config: Any, kv_cache_allocation_context: Any = None) -> None:
+    def initialize_kv_cache(self, kv_cache_config: Any, kv_cache_allocation_context: Any = None,
+                            extensible: bool = False) -> None:
+        self.kv_cache_config = kv_cache_config  # as GPUModelRunner.initialize_kv_cache keeps it
+        if extensible:  # vLLM 0.34: an address range is reserved, nothing committed until extend_kv_cache
+            self.extensible_kv_cache = SimpleNamespace(reserved_headroom_bytes=0, warmup_committable_blocks=0,
+                                                       committable_blocks=lambda: kv_cache_config.num_blocks,
+                                                       physical_bytes=0)
+            return
+        self.allocate(kv_cache_config)
+
+    def allocate(self, kv_cache_config: Any) -> None:
+        """vLLM's ``allocate_kv_cache`` of ``kv_cache_config``, on CPU; the bytes it allocated."""
         import torch
         from vllm.v1.worker.utils import allocate_kv_cache
 
-        self.kv_cache_config = kv_cache_config  # as GPUModelRunner.initialize_kv_cache keeps it
         layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
         caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
         buffers = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in caches.values()}
@@ -40,11 +51,55 @@ class CpuModelRunner:
 
         req_ids = list(scheduler_output.num_scheduled_tokens)
         drafts = scheduler_output.scheduled_spec_decode_tokens
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-                                 sampled_token_ids=[[7] * (1 + len(drafts.get(req_id, ()))) for req_id in req_ids])
+        sampled = [[7] * (1 + len(drafts.get(req_id, ()))) for req_id in req_ids]
+        if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # vLLM 0.33; 0.34 indexes by position
+            return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+                                     sampled_token_ids=sampled)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
     def shutdown(self) -> None:
         pass
+
+
+def cpu_extensible_kv_cache(gpu_worker: Any) -> None:
+    """What stands for the device's virtual memory under vLLM 0.34's extensible KV cache (``gpu_worker``'s names).
+
+    Segments are not padded to a granule (the worker keeps its own copy of the config, as a worker process
+    does), nothing registers the memory, a worker's cross-rank minimum is its own count (the engine core takes
+    the minimum of all ranks, in vLLM's ``finalize_extensible_kv_cache``), and ``extend_kv_cache`` commits
+    the blocks as plain CPU memory: each backing buffer's bytes per block times the committed count. As
+    vLLM's does, it sets the runner's config's block count and leaves its tensors describing the reservation.
+    """
+    import copy
+
+    import torch
+
+    def extend_kv_cache(runner: Any, kv_cache_config: Any, num_blocks: int) -> None:
+        reserved = runner.kv_cache_config.num_blocks
+        sizes = {tensor.size // reserved * num_blocks for tensor in runner.kv_cache_config.kv_cache_tensors}
+        runner.committed = [torch.empty(size, dtype=torch.uint8) for size in sizes]
+        runner.allocated_bytes = runner.extensible_kv_cache.physical_bytes = sum(sizes)
+        runner.kv_cache_config.num_blocks = num_blocks
+
+    torch.accelerator.current_device_index = lambda: 0
+    gpu_worker.pad_kv_cache_segments = lambda kv_cache_config, *args, **kwargs: copy.deepcopy(kv_cache_config)
+    gpu_worker.granule_size = lambda device: 2 * MiB
+    gpu_worker.registers_kv_cache_memory = lambda vllm_config: False
+    gpu_worker._min_across_ranks = lambda value: value
+    gpu_worker.extend_kv_cache = extend_kv_cache
+
+
+def triton_as_on_a_gpu_host(gpu_worker: Any) -> None:
+    """Let vLLM's CPU platform and ``Worker`` check for Triton and find it, as on every CUDA host.
+
+    vLLM 0.34 refuses an x86 CPU platform without Triton (``CpuPlatform.check_and_update_config``) and
+    a ``Worker`` without it (``gpu_worker.HAS_TRITON``); its CPU wheel brings none, and no kernel runs
+    here (the model runner is :class:`CpuModelRunner`). Only those two checks see the flag: modules
+    already imported built their kernels' placeholders. vLLM 0.33 checks neither.
+    """
+    import vllm.triton_utils
+
+    vllm.triton_utils.HAS_TRITON = gpu_worker.HAS_TRITON = True
 
 
 def cpu_init_device(self: Any) -> None:

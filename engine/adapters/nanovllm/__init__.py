@@ -27,7 +27,8 @@ one (:mod:`.scheduler`, with the scheduler's block manager, preemptions and requ
 memwatch patches a live engine the same way (:mod:`.late`).
 Upstream interface followed: GeeeekExplorer/nano-vllm ``bb823b3`` (chunked prefill: a prefill
 step's tokens are each sequence's ``num_scheduled_tokens``), and ``nano-vllm-fork`` 20260210 from PyPI
-(no chunking: a prefill runs each sequence's tokens past its cached prefix).
+(no chunking: a prefill runs each sequence's tokens past its cached prefix). :data:`TESTED_VERSIONS` names
+both; another version is named once in the log.
 """
 
 from __future__ import annotations
@@ -36,13 +37,18 @@ import sys
 from types import ModuleType
 
 from ..hooks import patch_now, patch_on_import, unwrap_all
+from ..versions import check_on_import, check_version
 from .runner import patch_model_runner
 from .scheduler import patch_llm_engine, patch_scheduler
 from .state import LLM_ENGINE, MODEL_RUNNER, SCHEDULER, process
 
+TESTED_VERSIONS = {"nano-vllm-fork": ("20260210",), "nano-vllm": ("0.2.0",)}
+"""PyPI's fork (``tests/released/requirements-nanovllm.txt``) and upstream's package at ``bb823b3`` (0.2.0)."""
+
 
 def install() -> None:
     """Patch nano-vllm's engine modules when they are imported (now, if they already are)."""
+    check_on_import("nanovllm", "nano-vllm", TESTED_VERSIONS)
     patch_on_import(MODEL_RUNNER, patch_model_runner)
     patch_on_import(SCHEDULER, patch_scheduler)
     patch_on_import(LLM_ENGINE, patch_llm_engine)
@@ -50,6 +56,7 @@ def install() -> None:
 
 def install_live() -> ModuleType | None:
     """Patch the nano-vllm modules this process already runs (an injected memwatch); its model runner module."""
+    check_version("nano-vllm", TESTED_VERSIONS)
     patch_now(SCHEDULER, patch_scheduler)
     patch_now(LLM_ENGINE, patch_llm_engine)
     return patch_now(MODEL_RUNNER, patch_model_runner)

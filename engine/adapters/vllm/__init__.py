@@ -32,7 +32,10 @@ scheduler in the engine core, which offline ``LLM`` and served engines both run 
 An injected memwatch applies the same patches to a live engine (:func:`install_live`,
 :mod:`.late`) and takes them back (:func:`uninstall`). memwatch registers no stat logger and no other
 entry point than this one, so vLLM's stat loggers and ``log_stats`` are the same with memwatch
-installed, on or off. Upstream interface followed: vLLM 0.33.0.
+installed, on or off. Tested with the released vLLM 0.33.0 and 0.34.0 (:data:`TESTED_VERSIONS`): on
+another version the adapter says so once (:mod:`..versions`), checks each method's signature before it
+wraps it, and probes what a signature cannot show — a fresh block pool's free count (:mod:`.scheduler`)
+and 0.34's extensible KV cache, whose block count is committed by ``extend_kv_cache`` (:mod:`.worker`).
 """
 
 from __future__ import annotations
@@ -41,9 +44,13 @@ import logging
 import sys
 
 from ..hooks import patch_now, patch_on_import, unwrap_all
+from ..versions import check_on_import, check_version
 from . import scheduler, worker
 
 log = logging.getLogger("memwatch")
+
+TESTED_VERSIONS = {"vllm": ("0.33.0", "0.34.0")}
+"""The released vLLM versions the adapter's tests run against (``tests/released/requirements-vllm*.txt``)."""
 
 
 def register() -> None:
@@ -61,12 +68,14 @@ def register() -> None:
 
 def install() -> None:
     """Patch vLLM's GPU worker and the engine core's scheduler when their modules are imported."""
+    check_on_import("vllm", "vLLM", TESTED_VERSIONS)
     patch_on_import(worker.WORKER_MODULE, worker.patch_worker)
     scheduler.install()
 
 
 def install_live() -> None:
     """Patch the worker and scheduler modules this process already runs (an injected memwatch)."""
+    check_version("vLLM", TESTED_VERSIONS)
     patch_now(worker.WORKER_MODULE, worker.patch_worker)
     patch_now(scheduler.SCHEDULER_MODULE, scheduler.patch_scheduler)
 

@@ -24,7 +24,7 @@ from ...probes.cuda import CudaProbe
 from ..late import SOURCE, instances, record_attached_late
 from . import install_live, uninstall
 from . import scheduler as vllm_scheduler
-from .reading import engine_settings, kv_cache_bytes, worker_identity
+from .reading import engine_settings, kv_cache_bytes, memory_utilization, worker_identity
 from .worker import RANK_ATTRIBUTE, WORKER_MODULE, Rank
 
 
@@ -59,7 +59,7 @@ def detach() -> None:
     for module_name, class_name, attributes in (
             (WORKER_MODULE, "Worker", (RANK_ATTRIBUTE,)),
             (vllm_scheduler.SCHEDULER_MODULE, "Scheduler",
-             (vllm_scheduler.MONITOR_ATTRIBUTE, vllm_scheduler.REQUESTS_ATTRIBUTE))):
+             (vllm_scheduler.MONITOR_ATTRIBUTE, vllm_scheduler.REQUESTS_ATTRIBUTE, vllm_scheduler.KV_ATTRIBUTE))):
         module = sys.modules.get(module_name)
         if module is None:
             continue
@@ -89,6 +89,11 @@ def _record_kv_sizing(worker: Any, monitor: Monitor) -> None:
     kv_cache_config = getattr(worker.model_runner, "kv_cache_config", None)
     if kv_cache_config is not None:
         num_blocks, kv_bytes = int(kv_cache_config.num_blocks), kv_cache_bytes(kv_cache_config)
+        extensible = getattr(worker.model_runner, "extensible_kv_cache", None)
+        if extensible is not None and getattr(cache_config, "enable_extensible_kv_cache", False):
+            # vLLM 0.34's extensible KV cache: the config's tensors still describe the reserved range (its block
+            # count is the committed one); the bytes extend_kv_cache committed are the cache's physical bytes.
+            kv_bytes = int(extensible.physical_bytes)
     elif cache_config.num_gpu_blocks is not None:
         num_blocks, kv_bytes = int(cache_config.num_gpu_blocks), None
     else:
@@ -96,7 +101,7 @@ def _record_kv_sizing(worker: Any, monitor: Monitor) -> None:
     _, _, _, used, free = monitor.probe.read()
     monitor.event("kv_allocated", {
         "total_bytes": used + free if UNKNOWN not in (used, free) else None,
-        "gpu_memory_utilization": float(cache_config.gpu_memory_utilization),
+        "gpu_memory_utilization": memory_utilization(cache_config),
         "used_bytes": None, "peak_bytes": None, "current_bytes": None, "reserved_bytes": None,
         "num_blocks": num_blocks, "block_bytes": kv_bytes // num_blocks if kv_bytes and num_blocks > 0 else None,
         "block_size": int(cache_config.block_size), "kv_cache_bytes": kv_bytes,

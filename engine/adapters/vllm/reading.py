@@ -1,4 +1,4 @@
-"""How memwatch reads vLLM 0.33's own objects: a rank's identity, a step's kind, a KV cache's bytes.
+"""How memwatch reads vLLM's own objects (0.33 and 0.34): a rank's identity, a step's kind, a KV cache's bytes.
 
 Pure functions over the objects vLLM hands the adapter, shared by the worker hooks (:mod:`.worker`) and
 the engine-core scheduler hooks (:mod:`.scheduler`); both record the engine's settings
@@ -14,9 +14,10 @@ the engine-core scheduler hooks (:mod:`.scheduler`); both record the engine's se
   ``rank_identity`` event of each says which (dp, tp, pp) it is.
 * **Step kind.** A request's scheduled tokens are decode work when the request is not new, not
   resumed after a preemption, has produced output already, and got exactly one token plus the
-  draft tokens scheduled for it (speculative decoding); a step is ``decode`` when all of its
+  draft tokens scheduled for it (speculative decoding; 0.34 sends a resumed request as a new one, 0.33
+  lists it in ``resumed_req_ids``); a step is ``decode`` when all of its
   requests are, ``prefill`` when any holds prompt work, and has no kind when nothing ran.
-* **KV bytes.** vLLM 0.33 allocates one backing buffer for all cache groups; every
+* **KV bytes.** vLLM 0.33 and 0.34 allocate one backing buffer for all cache groups; every
   ``KVCacheTensor`` entry carries that buffer's whole ``size`` (``kv_cache_planning.py``,
   ``get_kv_cache_config_from_groups``; ``vllm/v1/worker/utils.py``, ``allocate_kv_cache`` asserts
   one size). The device KV bytes are that size, counted once.
@@ -87,7 +88,7 @@ def step_kind(scheduler_output: Any) -> str | None:
         return None
     new = {request.req_id for request in scheduler_output.scheduled_new_reqs}
     cached = scheduler_output.scheduled_cached_reqs
-    resumed = cached.resumed_req_ids
+    resumed = getattr(cached, "resumed_req_ids", None) or ()  # 0.34 re-sends a resumed request as a new one
     outputs = dict(zip(cached.req_ids, cached.num_output_tokens, strict=False))
     drafts = scheduler_output.scheduled_spec_decode_tokens or {}
     for req_id, tokens in scheduled.items():
@@ -108,7 +109,7 @@ def engine_settings(vllm_config: Any) -> dict[str, Any]:
         "kv_cache_dtype": str(cache_config.cache_dtype),
         "tensor_parallel_size": int(parallel_config.tensor_parallel_size),
         "pipeline_parallel_size": int(parallel_config.pipeline_parallel_size),
-        "gpu_memory_utilization": float(cache_config.gpu_memory_utilization),
+        "gpu_memory_utilization": memory_utilization(cache_config),
         "kv_cache_memory_bytes": cache_config.kv_cache_memory_bytes,
         "block_size": int(cache_config.block_size),
         "max_num_batched_tokens": int(scheduler_config.max_num_batched_tokens),
@@ -116,6 +117,13 @@ def engine_settings(vllm_config: Any) -> dict[str, Any]:
         "max_model_len": int(model_config.max_model_len),
         "enforce_eager": bool(model_config.enforce_eager),
     }
+
+
+def memory_utilization(cache_config: Any) -> float:
+    """The utilization vLLM sizes by: 0.34 leaves ``gpu_memory_utilization`` None unless it is set and resolves
+    the default (0.92, or 1.0 with its extensible KV cache) in ``resolved_gpu_memory_utilization``."""
+    resolved = getattr(cache_config, "resolved_gpu_memory_utilization", None)
+    return float(cache_config.gpu_memory_utilization if resolved is None else resolved)
 
 
 def kv_cache_bytes(kv_cache_config: Any) -> int:

@@ -22,13 +22,14 @@ per request ``_free_request`` lets go of (stopped, or aborted through ``finish_r
 output tokens it generated. They go to rank 0's ring, as every adapter's workload does, when the
 rank-0 worker runs in this process (one GPU: vLLM's ``UniProcExecutor`` runs it in the engine core);
 otherwise (workers in processes of their own) to this scheduler's ring, so none is lost.
-Upstream interface followed: vLLM 0.33.0 (``vllm/v1/core/sched/scheduler.py``,
+Upstream interface followed: vLLM 0.33.0 and 0.34.0 (``vllm/v1/core/sched/scheduler.py``,
 ``vllm/v1/core/block_pool.py``, ``vllm/v1/request.py``).
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -36,16 +37,21 @@ from typing import Any
 
 from ...load import kv_blocks_needed
 from ...monitor import Monitor
-from ...probes.base import Probe
-from ..hooks import Guard, patch_on_import, require_methods, unwrap_all, wrap_method
+from ...probes.base import UNKNOWN, Probe
+from ..hooks import Guard, patch_on_import, unwrap_all, wrap_method
+from ..versions import require_signatures
 from .reading import engine_settings, scheduler_identity, step_kind
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 MONITOR_ATTRIBUTE = "_memwatch_monitor"
 REQUESTS_ATTRIBUTE = "_memwatch_records_requests"
+KV_ATTRIBUTE = "_memwatch_block_pool_known"
 REQUEST_METHODS = ("add_request", "_free_request")
+SEAMS = {"__init__": ("self",), "schedule": ("self",), "shutdown": ("self",)}
+REQUEST_SEAMS = {"add_request": ("self", "request"), "_free_request": ("self", "request")}
 
 _guard = Guard("vLLM scheduler")
+log = logging.getLogger("memwatch")
 
 
 class _Workload:
@@ -76,11 +82,14 @@ def install() -> None:
 def patch_scheduler(module: ModuleType) -> None:
     """Wrap the methods of ``module.Scheduler`` (``vllm.v1.core.sched.scheduler``) this adapter records."""
     scheduler = module.Scheduler
-    require_methods(scheduler, ("__init__", "schedule", "shutdown"))
+    require_signatures(scheduler, SEAMS)
+    requests = all(name in scheduler.__dict__ for name in REQUEST_METHODS)
+    if requests:
+        require_signatures(scheduler, REQUEST_SEAMS)
     wrap_method(scheduler, "__init__", _wrap_init)
     wrap_method(scheduler, "schedule", _wrap_schedule)
     wrap_method(scheduler, "shutdown", _wrap_shutdown)
-    if all(name in scheduler.__dict__ for name in REQUEST_METHODS):
+    if requests:
         wrap_method(scheduler, "add_request", _wrap_add_request)
         wrap_method(scheduler, "_free_request", _wrap_free_request)
 
@@ -103,6 +112,7 @@ def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _start(scheduler: Any) -> None:
     monitor = start_monitor(scheduler)
+    scheduler.__dict__[KV_ATTRIBUTE] = block_pool_as_known(scheduler.kv_cache_manager.block_pool)
     atexit.register(monitor.close)  # an engine core killed by its front end never reaches shutdown()
 
 
@@ -121,7 +131,23 @@ def start_monitor(scheduler: Any, **monitor_options: Any) -> Monitor:
                        **engine_settings(config))
     scheduler.__dict__[MONITOR_ATTRIBUTE] = monitor
     scheduler.__dict__[REQUESTS_ATTRIBUTE] = identity.dp_rank == 0
+    scheduler.__dict__[KV_ATTRIBUTE] = True  # a live engine's pool (attached late) is not fresh: nothing to probe
     return monitor
+
+
+def block_pool_as_known(pool: Any) -> bool:
+    """The behavioural probe of the KV columns: a fresh pool has all its blocks free but the null block.
+
+    ``used = num_gpu_blocks − 1 − free`` holds only while the pool keeps one null block out and counts
+    every other one as free until a request takes it (vLLM 0.33 and 0.34). A scheduler is built with an
+    empty pool; if it says otherwise, the KV columns are left out (one warning), the steps still recorded.
+    """
+    total, free = int(pool.num_gpu_blocks), int(pool.get_num_free_blocks())
+    if free == total - 1:
+        return True
+    log.warning("memwatch: vLLM's new block pool has %d of %d blocks free, not all but the null block (a "
+                "version this adapter does not know): its steps are recorded without KV block usage", free, total)
+    return False
 
 
 def _monitor(scheduler: Any) -> Monitor | None:
@@ -143,9 +169,11 @@ def _record(scheduler: Any, monitor: Monitor, output: Any) -> None:
     preempted = len(output.preempted_req_ids or ())
     if preempted:
         monitor.preempted(preempted)
-    pool = scheduler.kv_cache_manager.block_pool
-    total = int(pool.num_gpu_blocks) - 1
-    used = total - int(pool.get_num_free_blocks())
+    used = total = UNKNOWN
+    if scheduler.__dict__.get(KV_ATTRIBUTE):
+        pool = scheduler.kv_cache_manager.block_pool
+        total = int(pool.num_gpu_blocks) - 1
+        used = total - int(pool.get_num_free_blocks())
     running, waiting, needed = scheduler_load(scheduler)
     monitor.step(step_kind(output), num_seqs=len(output.num_scheduled_tokens),
                  num_tokens=int(output.total_num_scheduled_tokens), kv_blocks_used=used, kv_blocks_total=total,

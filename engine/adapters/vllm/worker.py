@@ -13,13 +13,21 @@ from typing import Any
 from ...monitor import Monitor
 from ...probes.base import UNKNOWN
 from ...probes.cuda import CudaProbe
-from ..hooks import Guard, require_methods, wrap_method
+from ..hooks import Guard, wrap_method
 from ..oom import capture_oom
+from ..versions import require_signature, require_signatures
 from . import scheduler as vllm_scheduler
-from .reading import engine_settings, kv_cache_bytes, step_kind, worker_identity
+from .reading import engine_settings, kv_cache_bytes, memory_utilization, step_kind, worker_identity
 
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 RANK_ATTRIBUTE = "_memwatch_rank"
+SEAMS = {  # what each wrapped method must take first: the adapter reads these arguments by position or name
+    "init_device": ("self",), "load_model": ("self",), "determine_available_memory": ("self",),
+    "initialize_from_config": ("self", "kv_cache_config"), "compile_or_warm_up_model": ("self",),
+    "execute_model": ("self", "scheduler_output"), "shutdown": ("self",),
+}
+EXTEND_SEAM = ("self", "num_blocks")
+"""vLLM 0.34's ``extend_kv_cache``: with its extensible KV cache, where the final block count is committed."""
 
 _guard = Guard("vLLM")
 
@@ -33,13 +41,16 @@ class Rank:
         self.serving = False
         self.sized_on: tuple[int, int, int, int, int] | None = None
         self.available_kv_bytes: int | None = None
+        self.reserved: tuple[int, int] | None = None  # an extensible KV cache's (capacity, bytes per block)
 
 
 def patch_worker(module: ModuleType) -> None:
     """Wrap the methods of ``module.Worker`` (``vllm.v1.worker.gpu_worker``) this adapter records."""
     worker = module.Worker
-    require_methods(worker, ("init_device", "load_model", "determine_available_memory", "initialize_from_config",
-                             "compile_or_warm_up_model", "execute_model", "shutdown"))
+    require_signatures(worker, SEAMS)
+    extensible = "extend_kv_cache" in worker.__dict__
+    if extensible:
+        require_signature(worker, "extend_kv_cache", EXTEND_SEAM)
     wrap_method(worker, "init_device", _wrap_init_device)
     wrap_method(worker, "load_model", _wrap_load_model)
     wrap_method(worker, "determine_available_memory", _wrap_determine_available_memory)
@@ -47,6 +58,8 @@ def patch_worker(module: ModuleType) -> None:
     wrap_method(worker, "compile_or_warm_up_model", lambda original: _in_phase(original, "cudagraph"))
     wrap_method(worker, "execute_model", _wrap_execute_model)
     wrap_method(worker, "shutdown", _wrap_shutdown)
+    if extensible:
+        wrap_method(worker, "extend_kv_cache", _wrap_extend_kv_cache)
 
 
 def _state(worker: Any) -> Rank | None:
@@ -141,7 +154,7 @@ def _profiled(worker: Any, available: int) -> None:
         "cudagraph_memory_estimate_bytes": estimate,
         "peak_activation_memory_bytes": peak_activation,
         "total_consumed_bytes": total_consumed,
-        "gpu_memory_utilization": float(cache_config.gpu_memory_utilization),
+        "gpu_memory_utilization": memory_utilization(cache_config),
         "kv_cache_memory_bytes": cache_config.kv_cache_memory_bytes,
     })
 
@@ -166,6 +179,11 @@ def _record_kv_sizing(worker: Any, kv_cache_config: Any) -> None:
     num_blocks = int(kv_cache_config.num_blocks)
     kv_bytes = kv_cache_bytes(kv_cache_config)
     block_bytes = kv_bytes // num_blocks if num_blocks > 0 else 0
+    if getattr(worker.cache_config, "enable_extensible_kv_cache", False):
+        # vLLM 0.34's extensible KV cache: num_blocks is the address range reserved; the count is measured after
+        # warmup and committed by extend_kv_cache (below), so the sizing is recorded there.
+        state.reserved = (num_blocks, block_bytes)
+        return
     readings = state.sized_on or (UNKNOWN,) * 5
     current, peak, reserved, used, free = readings
     known = UNKNOWN not in (current, peak, used, free)
@@ -180,8 +198,44 @@ def _record_kv_sizing(worker: Any, kv_cache_config: Any) -> None:
         total_bytes=used + free if known else None, used_bytes=used if known else None,
         peak_bytes=peak if known else None, current_bytes=current if known else None,
         reserved_bytes=reserved if known and reserved != UNKNOWN else None,
-        gpu_memory_utilization=float(cache_config.gpu_memory_utilization), block_size=int(cache_config.block_size),
+        gpu_memory_utilization=memory_utilization(cache_config), block_size=int(cache_config.block_size),
         kv_cache_memory_bytes=sized_bytes, kv_cache_bytes=kv_bytes, budget_rule="vllm", **overridden,
+    )
+
+
+def _wrap_extend_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    def extend_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        _guard.call(_record_extended, self, args[0] if args else kwargs.get("num_blocks"))
+        return result
+
+    return extend_kv_cache
+
+
+def _record_extended(worker: Any, num_blocks: Any) -> None:
+    """``kv_allocated`` for an extensible KV cache: the committed count, sized on the readings taken now.
+
+    vLLM measured the free memory after warmup and CUDA-graph capture (``measure_kv_cache_blocks``) and
+    committed the smallest count of all ranks, so the size recorded is ``blocks × bytes per block``: the
+    ledger re-derives that count, and what was reserved stays in ``reserved_num_blocks``.
+    """
+    state = _state(worker)
+    if state is None or state.reserved is None:
+        return
+    reserved, block_bytes = state.reserved
+    num_blocks = int(num_blocks)
+    current, peak, reserved_bytes, used, free = state.monitor.probe.read()
+    known = UNKNOWN not in (current, peak, used, free)
+    cache_config = worker.cache_config
+    state.monitor.kv_allocated(
+        num_blocks, block_bytes,
+        total_bytes=used + free if known else None, used_bytes=used if known else None,
+        peak_bytes=peak if known else None, current_bytes=current if known else None,
+        reserved_bytes=reserved_bytes if known and reserved_bytes != UNKNOWN else None,
+        gpu_memory_utilization=memory_utilization(cache_config), block_size=int(cache_config.block_size),
+        kv_cache_memory_bytes=num_blocks * block_bytes, kv_cache_bytes=num_blocks * block_bytes, budget_rule="vllm",
+        extensible_kv_cache=True, reserved_num_blocks=reserved,
+        available_kv_cache_memory_bytes=state.available_kv_bytes,
     )
 
 
