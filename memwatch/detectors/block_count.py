@@ -56,8 +56,7 @@ class BlockCountCheck:
             return None
         difference = actual - expected
         block_bytes: int = sizing.block_bytes  # type: ignore[assignment]  # formula_blocks needs it
-        explicit = sizing.explicit_kv_bytes is not None and sizing.budget_rule != "sglang"
-        rule = "its explicit KV size" if explicit else "its own sizing rule"
+        rule = "its explicit KV size" if sizing.checked_by == "explicit" else "its own sizing rule"
         unit = "tokens" if sizing.kv_unit == "token" else "blocks"
         return make_flag(
             event, BLOCK_COUNT_MISMATCH, WARNING,
