@@ -34,7 +34,8 @@ QWEN3 = {
     "vocab_size": 1024, "max_position_embeddings": 2048, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0, "tie_word_embeddings": False,
 }
-RUNNER_WRAPPED = ["__init__", "alloc_memory_pool", "init_cuda_graphs", "init_torch_distributed", "load_model"]
+RUNNER_WRAPPED = ["__init__", "alloc_memory_pool", "init_cuda_graphs", "init_torch_distributed", "load_model",
+                  "post_capture_resize_kv_pool"]
 
 
 def _drive(mode: str, tmp_path: Path, env: dict[str, str], other: str = "0", total: int = TOTAL) -> dict[str, Any]:
