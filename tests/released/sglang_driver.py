@@ -19,7 +19,10 @@ minimum over the ranks decides both pools); ``dp2`` two data-parallel replicas o
 ``dp-attention`` TP 2 with data-parallel attention (:data:`LAYOUTS`); ``serve`` (``serve-off``: memwatch
 off) runs a real ``Scheduler`` through four requests that retract (:func:`_serve`); ``oom`` sizes one
 rank and then asks the device for more than it has left; ``late`` injects memwatch into a scheduler that
-started without it (:func:`_late`).
+started without it (:func:`_late`); ``serve-long`` serves :data:`LONG_PROMPTS` (hundreds of steps, with
+retractions); ``post-capture`` builds the scheduler with ``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1`` (the
+test sets it; ``post_capture_seams`` in ``sglang_seams.py``), so SGLang sizes its pool again after graph
+capture, and serves one round.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fake_device import load_fake_cuda
-from sglang_seams import cuda_seams, forward_seam, free_port, runner_seams
+from sglang_seams import cuda_seams, forward_seam, free_port, post_capture_seams, runner_seams
 
 MiB = 1 << 20
 OOM_REQUEST_BYTES = 512 * MiB
@@ -136,6 +139,29 @@ def _serve(model: str) -> dict[str, Any]:
             "prompts": SERVE_PROMPTS, "max_new_tokens": SERVE_MAX_NEW_TOKENS}
 
 
+LONG_PROMPTS = {f"q{i}": 30 + 5 * i for i in range(12)}
+LONG_MAX_NEW_TOKENS = 60
+
+
+def _serve_long(model: str) -> dict[str, Any]:
+    """Twelve requests of 30 to 85 prompt tokens, 60 output tokens each, on a pool of a few hundred tokens."""
+    scheduler = _scheduler(model)
+    steps = _serve_round(scheduler, LONG_PROMPTS, LONG_MAX_NEW_TOKENS)
+    return {"max_total_num_tokens": scheduler.max_total_num_tokens, "steps": steps, "prompts": LONG_PROMPTS,
+            "max_new_tokens": LONG_MAX_NEW_TOKENS}
+
+
+def _post_capture(model: str) -> dict[str, Any]:
+    """The scheduler sizes its pool, captures (the seam's graph pool), sizes it again, then serves a round."""
+    scheduler = _scheduler(model)
+    runner = scheduler.tp_worker.model_runner
+    steps = _serve_round(scheduler, {"p0": 40, "p1": 60}, 8)
+    return {"max_total_num_tokens": scheduler.max_total_num_tokens, "runner_tokens": runner.max_total_num_tokens,
+            "allocator_size": scheduler.token_to_kv_pool_allocator.size,
+            "backed_bytes": runner.token_to_kv_pool.post_capture_backed_bytes,
+            "post_capture_active": runner.token_to_kv_pool.post_capture_active, "steps": steps}
+
+
 def _late(model: str, runtime_dir: str) -> dict[str, Any]:
     """A scheduler started with memwatch off serves a round; memwatch is injected (the request
     ``attach --inject`` makes the target run, handed to ``memwatch_engine.inject.handle``), a second round
@@ -221,7 +247,9 @@ def main() -> None:
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    if mode in ("on", "oom", "serve", *LAYOUTS):
+    if mode == "post-capture":
+        post_capture_seams()
+    if mode in ("on", "oom", "serve", "serve-long", "post-capture", *LAYOUTS):
         _activate()
     facts: dict[str, Any] = {
         "environment_changed": sorted(name for name in set(os.environ) | set(environment)
@@ -243,6 +271,10 @@ def main() -> None:
             facts["error"] = type(exc).__name__
     elif mode in ("serve", "serve-off"):
         facts.update(_serve(model))
+    elif mode == "serve-long":
+        facts.update(_serve_long(model))
+    elif mode == "post-capture":
+        facts.update(_post_capture(model))
     elif mode == "late":
         facts.update(_late(model, os.environ["MEMWATCH_RUNTIME_DIR"]))
     elif mode in LAYOUTS:
