@@ -9,6 +9,7 @@ fake device's sizes and the model's config; the memwatch side is read back from 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ def _drive(mode: str, tmp_path: Path, env: dict[str, str], other: str = "0", tot
     model = tmp_path / "qwen3-tiny"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(QWEN3))
-    env = {**env, "PYTHONPATH": str(ENGINE), "FAKE_CUDA_TOTAL_BYTES": str(total),
+    env = {**env, "PYTHONPATH": os.pathsep.join((str(ENGINE), str(ROOT))), "FAKE_CUDA_TOTAL_BYTES": str(total),
            "FAKE_CUDA_CONTEXT_BYTES": str(CONTEXT), "FAKE_CUDA_OTHER_BYTES": other,
            # SGLang's Python radix tree (its Rust one allocates device tensors natively); admission that counts
            # 10 of a new request's output tokens, so that decoding outgrows the pool and SGLang retracts.

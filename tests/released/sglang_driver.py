@@ -75,9 +75,9 @@ SERVE_MAX_NEW_TOKENS = 80
 SERVE_MEM_FRACTION = 0.264
 
 
-def _scheduler(model: str) -> Any:
+def _scheduler(model: str, ports: list[Any] | None = None) -> Any:
     """A real ``Scheduler`` (its model worker, pools, radix cache, policy) on one GPU, as
-    ``run_scheduler_process`` builds it."""
+    ``run_scheduler_process`` builds it; its ``PortArgs`` are appended to ``ports`` when given."""
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import PortArgs
@@ -86,7 +86,77 @@ def _scheduler(model: str) -> Any:
                         attention_backend="torch_native", sampling_backend="pytorch", grammar_backend="none",
                         mem_fraction_static=SERVE_MEM_FRACTION)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
-    return Scheduler(args, PortArgs.init_new(args))
+    port_args = PortArgs.init_new(args)
+    if ports is not None:
+        ports.append(port_args)
+    return Scheduler(args, port_args)
+
+
+def _requests(prompts: dict[str, int], max_new_tokens: int) -> list[Any]:
+    """The tokenizer manager's ``TokenizedGenerateReqInput`` for each prompt (token ids sharing no prefix)."""
+    from array import array
+
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    requests = []
+    for rid, length in prompts.items():
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        params.normalize(None)
+        first = 1 + 100 * (sum(map(ord, rid)) % 9)
+        requests.append(TokenizedGenerateReqInput(
+            rid=rid, input_text=None, input_ids=array("q", range(first, first + length)), mm_inputs=None,
+            input_embeds=None, token_type_ids=None, sampling_params=params, return_logprob=False,
+            logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False))
+    return requests
+
+
+def _event_loop(scheduler: Any, port_args: Any, prompts: dict[str, int], max_new_tokens: int) -> list[dict[str, Any]]:
+    """SGLang's own ``event_loop_normal`` until every request finished, the requests sent as the tokenizer
+    manager sends them (a ZeroMQ PUSH socket bound on ``scheduler_input_ipc_name``, ``sock_send``).
+
+    What stands in is the loop's end only: after ``on_idle`` with every request finished, ``gracefully_exit``.
+    Per batch, read between ``run_batch`` and ``process_batch_result`` (an instance attribute over the method):
+    SGLang's forward mode, requests, extend tokens, available and evictable tokens, and the requests
+    retracted to make room for it (``metrics_reporter.num_retracted_reqs``, reset after each batch)."""
+    import zmq
+    from sglang.srt.managers.io_struct import sock_send
+    from sglang.srt.utils.network import get_zmq_socket
+
+    steps: list[dict[str, Any]] = []
+    finished: set[str] = set()
+    process_batch_result, on_idle = scheduler.process_batch_result, scheduler.on_idle
+
+    def observe(batch: Any, result: Any) -> Any:
+        allocator = scheduler.token_to_kv_pool_allocator
+        steps.append({"mode": batch.forward_mode.name, "num_seqs": batch.batch_size(),
+                      "extend_tokens": batch.extend_num_tokens, "available": allocator.available_size(),
+                      "evictable": scheduler.tree_cache.evictable_size(),
+                      "retracted": scheduler.metrics_reporter.num_retracted_reqs})
+        scheduler.metrics_reporter.num_retracted_reqs = 0
+        if len(steps) > 5000:
+            raise RuntimeError("the scheduler ran 5,000 batches without finishing")
+        outcome = process_batch_result(batch, result)
+        finished.update(req.rid for req in batch.reqs if req.finished())
+        return outcome
+
+    def idle() -> None:
+        on_idle()
+        if len(finished) == len(prompts):
+            scheduler.gracefully_exit = True
+
+    scheduler.process_batch_result, scheduler.on_idle = observe, idle
+    scheduler.metrics_reporter.num_retracted_reqs = 0
+    context = zmq.Context()
+    sender = get_zmq_socket(context, zmq.PUSH, port_args.scheduler_input_ipc_name, True)
+    try:
+        for request in _requests(prompts, max_new_tokens):
+            sock_send(sender, request)
+        scheduler.event_loop_normal()
+    finally:
+        sender.close(linger=0)
+        context.term()
+    return steps
 
 
 def _serve_round(scheduler: Any, prompts: dict[str, int], max_new_tokens: int) -> list[dict[str, Any]]:
@@ -144,9 +214,16 @@ LONG_MAX_NEW_TOKENS = 60
 
 
 def _serve_long(model: str) -> dict[str, Any]:
-    """Twelve requests of 30 to 85 prompt tokens, 60 output tokens each, on a pool of a few hundred tokens."""
-    scheduler = _scheduler(model)
-    steps = _serve_round(scheduler, LONG_PROMPTS, LONG_MAX_NEW_TOKENS)
+    """Twelve requests of 30 to 85 prompt tokens, 60 output tokens each, on a pool of a few hundred tokens.
+
+    memwatch's ``kv_evictable`` events come at most once a second; here every change is recorded, so that each
+    can be compared with SGLang's count at its step."""
+    from memwatch_engine.adapters.sglang import scheduler as hooks
+
+    hooks.EVICTABLE_INTERVAL_NS = 0
+    ports: list[Any] = []
+    scheduler = _scheduler(model, ports)
+    steps = _event_loop(scheduler, ports[0], LONG_PROMPTS, LONG_MAX_NEW_TOKENS)
     return {"max_total_num_tokens": scheduler.max_total_num_tokens, "steps": steps, "prompts": LONG_PROMPTS,
             "max_new_tokens": LONG_MAX_NEW_TOKENS}
 
