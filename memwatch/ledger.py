@@ -207,6 +207,16 @@ def _integer(data: dict[str, Any], key: str) -> int | None:
     return None if value is None else int(value)
 
 
+def kv_bytes_of(data: dict[str, Any]) -> int | None:
+    """The KV bytes a ``kv_allocated`` event's data records: the pools' sum (``kv_pools``), else
+    ``num_blocks × block_bytes``; the one definition :attr:`Sizing.kv_bytes` and the reports share."""
+    pools = _pool_bytes(data.get("kv_pools"))
+    if pools is not None:
+        return pools
+    blocks, block_bytes = _integer(data, "num_blocks"), _integer(data, "block_bytes")
+    return None if blocks is None or block_bytes is None else blocks * block_bytes
+
+
 def _pool_bytes(pools: Any) -> int | None:
     """``Σ tokens × cell_size_bytes`` of a ``kv_pools`` mapping (pool name → those two), None if malformed."""
     if not isinstance(pools, dict) or not pools:

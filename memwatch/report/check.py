@@ -45,9 +45,10 @@ def graphs_captured_after_sizing(summary: RankSummary, capture_ns: int | None) -
     sizing, first = summary.sizing, summary.first_running
     if capture_ns is None or sizing is None or first is None or capture_ns < sizing.ts_ns:
         return None
-    if None in (first.allocated_bytes, sizing.current_bytes, sizing.num_blocks, sizing.block_bytes):
+    kv = sizing.kv_bytes
+    if None in (first.allocated_bytes, sizing.current_bytes, kv):
         return None
-    graphs = first.allocated_bytes - sizing.current_bytes - sizing.num_blocks * sizing.block_bytes
+    graphs = first.allocated_bytes - sizing.current_bytes - kv  # type: ignore[operator]
     return graphs if graphs > 0 else None
 
 

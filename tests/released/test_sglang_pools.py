@@ -33,7 +33,8 @@ GPT_OSS = {
 
 def test_a_hybrid_sliding_window_model_is_sized_pool_by_pool_and_checked_by_its_own_rule(
         tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
-    facts = drive("on", tmp_path, memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000101"), GPT_OSS)
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000101")
+    facts = drive("on", tmp_path, env, GPT_OSS)
     store_rings(runtime_dir, db_path, live=True)
     # Free before the weights: TOTAL − CONTEXT = 960 MiB. At sizing 934 MiB: less the 24 MiB of weights and one
     # 2 MiB allocator segment holding SGLang's MoE expert-location map (128 bytes). Budget 934 − 960 × 0.2 = 742 MiB.
@@ -67,6 +68,12 @@ def test_a_hybrid_sliding_window_model_is_sized_pool_by_pool_and_checked_by_its_
     # The explicit-size arithmetic is not this rule's: 778,043,392 // 1,843 = 422,161 would have flagged −49 tokens.
     assert budget // 1843 == full + 49
     assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
+    # check's ledger and the run's shared KV number are the same exact bytes.
+    done = memwatch(env, "check", "5a1a00000101", "--json")
+    assert done.returncode in (0, 1), done.stderr
+    checked = json.loads(done.stdout)
+    assert checked["kv_cache_bytes"] == checked["ranks"][0]["last_terms"]["kv_bytes"] == 778_027_008
+    assert checked["flag_counts"].get("block_count_mismatch") is None
 
     # A pool memwatch does not re-derive (SGLang's request-capped split, a Mamba state pool) is recorded, never
     # checked by a rule that is not its own, even when its count is nothing the explicit size would give.
