@@ -127,3 +127,23 @@ def test_the_resize_after_cuda_graph_capture_is_a_second_sizing_that_ledger_and_
     assert done.returncode in (0, 1), done.stderr
     [rank] = json.loads(done.stdout)["ranks"]
     assert rank["num_blocks"] == tokens and rank["last_terms"]["kv_bytes"] == tokens * QWEN3_CELL
+
+
+def test_ranks_are_compared_at_the_same_sizing_so_a_resize_read_first_is_no_mismatch() -> None:
+    """TP 2: both ranks size 58,736 tokens, then resize to 46,448 after capture; rank 0's resize is read before rank
+    1's. Compared only with sizings of the same moment, nothing differs until rank 1 resizes to another count."""
+    def sizing(rank: int, blocks: int, moment: str | None) -> Event:
+        data = {"num_blocks": blocks, "block_bytes": QWEN3_CELL, "kv_unit": "token", "budget_rule": "sglang-pipeline"}
+        return Event("r", rank, 0, 0, "kv_allocated", data if moment is None else {**data, "sizing_event": moment})
+
+    check, ledger = BlockCountCheck(), Ledger()
+    flags = []
+    for event in (sizing(0, 58_736, None), sizing(1, 58_736, None), sizing(0, 46_448, "post_capture"),
+                  sizing(1, 46_448, "post_capture")):
+        ledger.on_event(event)
+        flags += check.on_sizing(event, ledger.sizing)
+    assert flags == []
+    late = sizing(1, 46_464, "post_capture")
+    ledger.on_event(late)
+    [flag] = check.on_sizing(late, ledger.sizing)
+    assert flag.data["spread_blocks"] == 16 and flag.data["num_blocks_by_rank"] == {"0": 46_448, "1": 46_464}
