@@ -134,6 +134,9 @@ class Sizing(NamedTuple):
     """The event's data, for a rule that reads more than the fields above (SGLang's, in tokens)."""
     kv_unit: str = "block"
     """What ``num_blocks`` counts: KV blocks, or tokens (SGLang sizes a token pool: one cell per token)."""
+    kv_in_readings_bytes: int = 0
+    """KV memory already allocated when the readings were taken (``kv_in_readings_bytes``: the part of
+    SGLang's pool backed before its post-capture resize), which ``current`` holds and the KV term counts."""
     pool_bytes: int | None = None
     """The KV bytes of every pool when the engine keeps several of different cell sizes (``kv_pools``: SGLang's
     full and sliding-window pools); ``None`` when the KV cache is ``num_blocks × block_bytes``."""
@@ -293,6 +296,7 @@ class Ledger:
             explicit_kv_bytes=_integer(data, "kv_cache_memory_bytes"),
             budget_rule=data.get("budget_rule") if isinstance(data.get("budget_rule"), str) else None,
             rule_inputs=data, kv_unit="token" if data.get("kv_unit") == "token" else "block",
+            kv_in_readings_bytes=_integer(data, "kv_in_readings_bytes") or 0,
             pool_bytes=_pool_bytes(data.get("kv_pools")),
         )
         self._declared_after_sizing = 0
@@ -306,7 +310,7 @@ class Ledger:
         weights = self._loaded_weights if self._loaded_weights is not None else current
         self._weights = weights
         if current is not None and weights is not None:
-            self._torch_other = max(current - weights, 0) + self._declared_after_sizing
+            self._torch_other = max(current - weights - sizing.kv_in_readings_bytes, 0) + self._declared_after_sizing
         self._kv = sizing.kv_bytes
         if sizing.peak_bytes is not None and current is not None:
             self._activation_reserve = sizing.peak_bytes - current

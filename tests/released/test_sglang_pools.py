@@ -100,7 +100,7 @@ def test_the_resize_after_cuda_graph_capture_is_a_second_sizing_that_ledger_and_
     # Second: the free memory SGLang read after capture less the same headroom, plus the KV memory already
     # backed (one 2 MiB granule for each of the 4 layers' K and V buffers), capped at the first count.
     assert second["sizing_event"] == "post_capture" and second["post_capture_cap_tokens"] == 58_736
-    assert second["post_capture_backed_before_bytes"] == 8 * 2 * MiB
+    assert second["kv_in_readings_bytes"] == 8 * 2 * MiB
     free_gb = second["post_capture_available_gb"]
     assert free_gb < (TOTAL - CONTEXT - WEIGHTS) / GiB  # capture and the scheduler's pools took some after sizing
     budget = int((free_gb - headroom_gb) * GiB) + 16 * MiB
@@ -127,6 +127,9 @@ def test_the_resize_after_cuda_graph_capture_is_a_second_sizing_that_ledger_and_
     assert done.returncode in (0, 1), done.stderr
     [rank] = json.loads(done.stdout)["ranks"]
     assert rank["num_blocks"] == tokens and rank["last_terms"]["kv_bytes"] == tokens * QWEN3_CELL
+    # The 16 MiB backed before the resize are in the readings' current and in the KV term: other long-lived
+    # PyTorch memory leaves them out rather than count them twice.
+    assert rank["last_terms"]["torch_other_bytes"] == second["current_bytes"] - WEIGHTS - 16 * MiB
 
 
 def test_ranks_are_compared_at_the_same_sizing_so_a_resize_read_first_is_no_mismatch() -> None:

@@ -21,9 +21,10 @@ runner (speculative decoding) shares the process and is not a rank of its own. P
 * ``cudagraph`` around ``init_cuda_graphs``; the OOM observer once the rank started;
 * ``post_capture_resize_kv_pool`` (``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1``: SGLang sizes the pool
   again after graph capture, before the scheduler reads its count): a second ``kv_allocated``
-  (``sizing_event: "post_capture"``) with the readings before the resize, the byte budget SGLang
-  computed then (``post_capture_budget_bytes``) and the first count that caps it
-  (``post_capture_cap_tokens``); the ledger and ``check`` use it from then on.
+  (``sizing_event: "post_capture"``) with the readings before the resize, the free memory SGLang read
+  then (``post_capture_available_gb``), the byte budget it computed (``post_capture_budget_bytes``), the
+  first count that caps it (``post_capture_cap_tokens``) and the pool's memory already backed, which
+  the readings hold (``kv_in_readings_bytes``); the ledger and ``check`` use it from then on.
 
 Upstream interface followed: SGLang 0.5.23 (``model_executor/model_runner.py``,
 ``mem_cache/kv_cache_configurator.py``, ``model_executor/pool_configurator.py``).
@@ -407,7 +408,7 @@ def _resized(state: Rank, runner: Any, before: int, readings: tuple[int, int, in
         swa_max_total_num_tokens=getattr(runner, "swa_max_total_num_tokens", None))
     _kv_allocated(state, sized, pool, budget,
                   {"sizing_event": "post_capture", "post_capture_budget_bytes": budget,
-                   "post_capture_cap_tokens": before, "post_capture_backed_before_bytes": backed,
+                   "post_capture_cap_tokens": before, "kv_in_readings_bytes": backed,
                    "kv_cache_bytes": int(getattr(pool, "post_capture_backed_bytes", 0)) or None})
     state.monitor.set_config(max_num_seqs=int(runner.max_running_requests))
 
