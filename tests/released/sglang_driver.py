@@ -20,7 +20,8 @@ minimum over the ranks decides both pools); ``dp2`` two data-parallel replicas o
 off) runs a real ``Scheduler`` through four requests that retract (:func:`_serve`); ``oom`` sizes one
 rank and then asks the device for more than it has left; ``late`` injects memwatch into a scheduler that
 started without it (:func:`_late`); ``serve-long`` serves :data:`LONG_PROMPTS` (hundreds of steps, with
-retractions); ``post-capture`` builds the scheduler with ``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1`` (the
+retractions); ``late-size`` injects memwatch into a rank that sized its pool without it;
+``post-capture`` builds the scheduler with ``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1`` (the
 test sets it; ``post_capture_seams`` in ``sglang_seams.py``), so SGLang sizes its pool again after graph
 capture, and serves one round.
 """
@@ -49,6 +50,9 @@ def _server_args(model: str, tp: int, **overrides: Any) -> Any:
     return ServerArgs(model_path=model, device="cuda", tp_size=tp, skip_tokenizer_init=True, **settings)
 
 
+_RUNNERS: list[Any] = []  # every model runner sized here, alive for an injected memwatch to find
+
+
 def _size_rank(model: str, tp: int, tp_rank: int, dp_rank: int | None = None, gpu_id: int | None = None,
                **overrides: Any) -> dict[str, Any]:
     """One scheduler process's model runner, up to its KV pool, as ``run_scheduler_process`` places it."""
@@ -64,6 +68,7 @@ def _size_rank(model: str, tp: int, tp_rank: int, dp_rank: int | None = None, gp
     runner = ModelRunner(model_config=ModelConfig.from_server_args(args), mem_fraction_static=args.mem_fraction_static,
                          gpu_id=gpu_id, nccl_port=1, server_args=args)
     runner.alloc_memory_pool()
+    _RUNNERS.append(runner)
     allocator = runner.token_to_kv_pool_allocator
     return {"max_total_num_tokens": runner.max_total_num_tokens, "available_size": allocator.available_size(),
             "pre_model_load_memory": runner.pre_model_load_memory, "page_size": runner.page_size,
@@ -352,6 +357,12 @@ def main() -> None:
         facts.update(_serve_long(model))
     elif mode == "post-capture":
         facts.update(_post_capture(model))
+    elif mode == "late-size":  # memwatch injected into a rank that sized its pool without it
+        facts["ranks"] = [_size_rank(model, 1, 0)]
+        from memwatch_engine.adapters.sglang import late
+
+        [monitor] = late.attach(run_id=os.environ["MEMWATCH_RUN_ID"], runtime_dir=os.environ["MEMWATCH_RUNTIME_DIR"])
+        monitor.close("detached")
     elif mode == "late":
         facts.update(_late(model, os.environ["MEMWATCH_RUNTIME_DIR"]))
     elif mode in LAYOUTS:

@@ -150,3 +150,22 @@ def test_ranks_are_compared_at_the_same_sizing_so_a_resize_read_first_is_no_mism
     ledger.on_event(late)
     [flag] = check.on_sizing(late, ledger.sizing)
     assert flag.data["spread_blocks"] == 16 and flag.data["num_blocks_by_rank"] == {"0": 46_448, "1": 46_464}
+
+
+def test_memwatch_injected_after_sizing_reads_a_hybrid_pool_pool_by_pool(tmp_path: Path, runtime_dir: Path,
+                                                                         db_path: Path) -> None:
+    """SGLang sized the GPT-OSS pools without memwatch; an injected memwatch reads both from the live runner (the
+    counts of the first test), each at its own cell, with the readings SGLang sized on unknown."""
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000103")
+    facts = drive("late-size", tmp_path, env, GPT_OSS)
+    store_rings(runtime_dir, db_path, live=True)
+    assert facts["runner_wrapped"] == []  # sized with memwatch off
+    [(_, sizing)] = events(db_path, "kv_allocated")
+    assert sizing["kv_pools"] == {"full": {"tokens": 422_112, "cell_size_bytes": 1024},
+                                  "swa": {"tokens": 337_680, "cell_size_bytes": 1024}}
+    assert (sizing["num_blocks"], sizing["block_bytes"], sizing["budget_rule"]) == (422_112, 1024, "sglang-hybrid-swa")
+    assert sizing["used_bytes"] is None and sizing["attached_late"] is True
+    ledger = Ledger()
+    ledger.on_event(Event("5a1a00000103", 0, 0, 0, "kv_allocated", sizing))
+    assert ledger.sizing.kv_bytes == (422_112 + 337_680) * 1024 and ledger.sizing.formula_blocks is None
+    assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
