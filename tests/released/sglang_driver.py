@@ -20,7 +20,8 @@ minimum over the ranks decides both pools); ``dp2`` two data-parallel replicas o
 off) runs a real ``Scheduler`` through four requests that retract (:func:`_serve`); ``oom`` sizes one
 rank and then asks the device for more than it has left; ``late`` injects memwatch into a scheduler that
 started without it (:func:`_late`); ``serve-long`` serves :data:`LONG_PROMPTS` (hundreds of steps, with
-retractions); ``late-size`` injects memwatch into a rank that sized its pool without it;
+retractions); ``request-cap`` sizes one rank with :data:`REQUEST_CAP` (a hybrid sliding-window model's
+request-capped pools); ``late-size`` injects memwatch into a rank that sized its pool without it;
 ``post-capture`` builds the scheduler with ``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1`` (the
 test sets it; ``post_capture_seams`` in ``sglang_seams.py``), so SGLang sizes its pool again after graph
 capture, and serves one round.
@@ -50,6 +51,8 @@ def _server_args(model: str, tp: int, **overrides: Any) -> Any:
     return ServerArgs(model_path=model, device="cuda", tp_size=tp, skip_tokenizer_init=True, **settings)
 
 
+REQUEST_CAP = {"disable_radix_cache": True, "max_running_requests": 8, "chunked_prefill_size": 256,
+               "disable_overlap_schedule": True}
 _RUNNERS: list[Any] = []  # every model runner sized here, alive for an injected memwatch to find
 
 
@@ -331,7 +334,7 @@ def main() -> None:
 
     if mode == "post-capture":
         post_capture_seams()
-    if mode in ("on", "oom", "serve", "serve-long", "post-capture", *LAYOUTS):
+    if mode in ("on", "oom", "serve", "serve-long", "post-capture", "request-cap", *LAYOUTS):
         _activate()
     facts: dict[str, Any] = {
         "environment_changed": sorted(name for name in set(os.environ) | set(environment)
@@ -357,6 +360,8 @@ def main() -> None:
         facts.update(_serve_long(model))
     elif mode == "post-capture":
         facts.update(_post_capture(model))
+    elif mode == "request-cap":  # radix cache off, 8 requests at most: SGLang sizes the sliding-window pool for them
+        facts["ranks"] = [_size_rank(model, 1, 0, **REQUEST_CAP)]
     elif mode == "late-size":  # memwatch injected into a rank that sized its pool without it
         facts["ranks"] = [_size_rank(model, 1, 0)]
         from memwatch_engine.adapters.sglang import late

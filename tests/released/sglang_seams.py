@@ -9,9 +9,9 @@
   does (``get_available_gpu_memory``, the minimum over the ranks through a gloo group when there are
   several) and state the groups;
 * ``ModelRunner.load_model`` (the weights) takes ``WEIGHTS_BYTES`` of the device and sets what SGLang's
-  sets (model, dtype, sliding window); ``init_cuda_graphs`` (graph capture) takes ``GRAPHS_BYTES`` and
-  captures nothing; ``TpModelWorker.forward_batch_generation`` (the model's forward and sampling)
-  returns token 7 for every request;
+  sets (model, dtype, the sliding window as SGLang resolves it); ``init_cuda_graphs`` (graph capture)
+  takes ``GRAPHS_BYTES`` and captures nothing; ``TpModelWorker.forward_batch_generation`` (the model's
+  forward and sampling) returns token 7 for every request;
 * torchvision's two operator schemas its CUDA-built ``_C`` library would define are declared, since
   that library cannot load next to CPU PyTorch.
 """
@@ -105,6 +105,7 @@ def runner_seams() -> None:
     import torch
     from sglang.srt.distributed import bootstrap
     from sglang.srt.model_executor import model_runner
+    from sglang.srt.model_executor.model_runner_components.load_model_utils import resolve_sliding_window_size
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils.common import get_available_gpu_memory
 
@@ -139,7 +140,8 @@ def runner_seams() -> None:
         self.weights = fake_cuda.empty(WEIGHTS_BYTES)
         self.model = Model(self.model_config.num_hidden_layers)
         self.loader = SimpleNamespace(preloaded_weights_bytes=0)  # nothing loaded ahead of the runner
-        self.startup_weight_load = self.sliding_window_size = None
+        self.startup_weight_load = None
+        self.sliding_window_size = resolve_sliding_window_size(self.model, self.model_config)  # SGLang's own
         self.prefill_aware_swa = False
         self.dtype = self.model_config.dtype
 

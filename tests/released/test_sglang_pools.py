@@ -84,6 +84,36 @@ def test_a_hybrid_sliding_window_model_is_sized_pool_by_pool_and_checked_by_its_
         assert BlockCountCheck().on_sizing(other, ledger.sizing) == []
 
 
+def test_a_request_capped_sliding_window_pool_is_recorded_exactly_and_never_checked_by_another_rule(
+        tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
+    """Radix cache off and at most 8 requests: SGLang's SWARequestCapPoolConfigurator sizes the sliding-window pool
+    for 8 requests and gives the full pool the rest of the same 742 MiB budget. memwatch does not re-derive that
+    split: it records both pools exactly and raises no flag."""
+    env = memwatch_env(runtime_dir, db_path, MEMWATCH_RUN_ID="5a1a00000104")
+    facts = drive("request-cap", tmp_path, env, GPT_OSS)
+    store_rings(runtime_dir, db_path, live=True)
+    # Per request: the window (128) + SGLang's eviction interval (128) × 1 draft token + a page (16) + a decode
+    # page (16) = 288; 8 requests, one 256-token prefill chunk in flight and a page: 2,576 tokens (whole pages).
+    swa = 288 * 8 + 256 + 16
+    # The full pool: what is left of 742 MiB after 2,576 sliding-window tokens of 1,024 bytes, in whole pages.
+    full = (742 * MiB - swa * 1024) // 1024 // 16 * 16
+    assert (swa, full) == (2_576, 757_232)
+    [rank] = facts["ranks"]
+    assert (rank["max_total_num_tokens"], rank["available_size"], rank["max_running_requests"]) == (full, swa, 8)
+    [(_, sizing)] = events(db_path, "kv_allocated")
+    assert sizing["budget_rule"] == "sglang-hybrid-swa-SWARequestCapPoolConfigurator"
+    assert sizing["kv_pools"] == {"full": {"tokens": full, "cell_size_bytes": 1024},
+                                  "swa": {"tokens": swa, "cell_size_bytes": 1024}}
+    ledger = Ledger()
+    event = Event("5a1a00000104", 0, 0, 0, "kv_allocated", sizing)
+    ledger.on_event(event)
+    assert ledger.sizing.kv_bytes == (full + swa) * 1024 and ledger.sizing.formula_blocks is None
+    # The profiled budget over the pools' mean bytes a token would have claimed another count (and a flag).
+    assert 742 * MiB // (sizing["kv_cache_bytes"] // full) != full
+    assert BlockCountCheck().on_sizing(event, ledger.sizing) == []
+    assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
+
+
 def test_the_resize_after_cuda_graph_capture_is_a_second_sizing_that_ledger_and_check_follow(
         tmp_path: Path, runtime_dir: Path, db_path: Path) -> None:
     """SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1: SGLang's scheduler sizes its pool, captures, sizes it again on the

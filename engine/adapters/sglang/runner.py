@@ -53,6 +53,8 @@ RESIZE_MODULE = "sglang.srt.model_executor.model_runner_components.kv_pool_runti
 RUNNER_METHODS = ("__init__", "init_torch_distributed", "load_model", "alloc_memory_pool", "init_cuda_graphs")
 RESIZE_METHOD = "post_capture_resize_kv_pool"
 HYBRID_SWA = "HybridSWAPoolConfigurator"
+SWA_POOLS = (HYBRID_SWA, "SWARequestCapPoolConfigurator")
+"""SGLang's sliding-window pool configurators, each with a ``calculate_pool_sizes`` of its own."""
 
 guard = Guard("SGLang")
 
@@ -104,7 +106,7 @@ def install_live() -> None:
 
 def uninstall() -> None:
     for name, attributes in ((RUNNER_MODULE, ("ModelRunner",)), (CONFIGURATOR_MODULE, ("KVCacheConfigurator",)),
-                             (POOL_MODULE, ("DefaultPoolConfigurator", HYBRID_SWA)), (RESIZE_MODULE, ())):
+                             (POOL_MODULE, ("DefaultPoolConfigurator", *SWA_POOLS)), (RESIZE_MODULE, ())):
         module = sys.modules.get(name)
         if module is not None:
             for attribute in attributes:
@@ -138,10 +140,12 @@ def _patch_pool_configurator(module: ModuleType) -> None:
     pool = module.DefaultPoolConfigurator
     require_methods(pool, ("calculate_pool_sizes",))
     wrap_method(pool, "calculate_pool_sizes", _wrap_calculate_pool_sizes)
-    hybrid = getattr(module, HYBRID_SWA, None)
-    if hybrid is not None:
-        require_methods(hybrid, ("calculate_pool_sizes", "_full_cell_bytes", "_swa_cell_bytes"))
-        wrap_method(hybrid, "calculate_pool_sizes", _wrap_calculate_pool_sizes)
+    for name in SWA_POOLS:
+        hybrid = getattr(module, name, None)
+        if hybrid is not None and "calculate_pool_sizes" in vars(hybrid):
+            require_methods(hybrid, ("calculate_pool_sizes",) if name != HYBRID_SWA else
+                            ("calculate_pool_sizes", "_full_cell_bytes", "_swa_cell_bytes"))
+            wrap_method(hybrid, "calculate_pool_sizes", _wrap_calculate_pool_sizes)
 
 
 def _patch_resize(module: ModuleType) -> None:
@@ -291,6 +295,8 @@ def pool_inputs(pool: Any) -> dict[str, Any]:
     draft model, fused entry or unified pool adds to them (only then is the split memwatch's rule)."""
     name = type(pool).__name__
     if not hasattr(pool, "_swa_cell_bytes"):
+        if not hasattr(pool, "_fixed_overhead_bytes"):  # a configurator of another shape (DeepSeek V4's)
+            return {"pool_configurator": name}
         return {"pool_configurator": name, "cell_size_bytes": int(pool._cell_size),
                 "fixed_overhead_bytes": int(pool._fixed_overhead_bytes)}
     drafts = (pool._draft_full_layers_num, pool._draft_swa_layers_num, pool._draft_swa_full_layers_num,
