@@ -21,7 +21,7 @@ One name per quantity, in every command and in the JSON (these field names are t
                            later phase declares (``phase_end`` data ``long_lived_bytes``, CUDA graphs)
 ``torch_kept_bytes``       the same term as each sample measures it: ``allocated − weights − KV``, what
                            stays allocated between steps; a leak inside PyTorch is this series rising
-``kv_bytes``               ``num_blocks × block_bytes``
+``kv_bytes``               ``num_blocks × block_bytes``, or each pool's tokens × its cell size (``kv_pools``)
 ``activation_reserve_bytes``  ``peak − current`` at sizing (the warmup forward)
 ``headroom_bytes``         what the budget has left: budget − non-PyTorch − weights − other − KV − reserve
 ``residual_bytes``         headroom now minus headroom at sizing
@@ -104,8 +104,12 @@ class LedgerTerms(NamedTuple):
     (``allocated − weights − KV``; a sample is read between steps). Rises with tensors kept across steps."""
 
 
-KNOWN_BUDGET_RULES = (None, "nano-vllm", sglang_rule.RULE)
+KNOWN_BUDGET_RULES = (None, "nano-vllm", *sglang_rule.RULES)
 """Rules whose block count :attr:`Sizing.formula_blocks` re-derives from the recorded readings."""
+EXPLICIT_KV_RULES = (None, "nano-vllm", "vllm")
+"""Rules under which an explicit KV size fixes the count: ``kv_cache_memory_bytes // block_bytes``. Another
+rule's ``kv_cache_memory_bytes`` (SGLang's profiled budget, which its own pool arithmetic divides) is only a
+budget: dividing it by a cell size is not that rule, so it is never checked that way."""
 
 
 class Sizing(NamedTuple):
@@ -130,28 +134,67 @@ class Sizing(NamedTuple):
     """The event's data, for a rule that reads more than the fields above (SGLang's, in tokens)."""
     kv_unit: str = "block"
     """What ``num_blocks`` counts: KV blocks, or tokens (SGLang sizes a token pool: one cell per token)."""
+    kv_in_readings_bytes: int = 0
+    """KV memory already allocated when the readings were taken (``kv_in_readings_bytes``: the part of
+    SGLang's pool backed before its post-capture resize), which ``current`` holds and the KV term counts."""
+    pool_bytes: int | None = None
+    """The KV bytes of every pool when the engine keeps several of different cell sizes (``kv_pools``: SGLang's
+    full and sliding-window pools); ``None`` when the KV cache is ``num_blocks × block_bytes``."""
+
+    @property
+    def kv_bytes(self) -> int | None:
+        """The KV cache's bytes as the engine sized it: each pool's tokens × its cell size, summed."""
+        if self.pool_bytes is not None:
+            return self.pool_bytes
+        if self.num_blocks is None or self.block_bytes is None:
+            return None
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def checked_by(self) -> str | None:
+        """How :attr:`formula_blocks` knows the count: ``"rule"`` (the engine's rule re-derived), ``"explicit"``
+        (an explicit KV size divided by the block size), or ``None`` when it does not."""
+        if self.block_bytes is None or self.block_bytes <= 0:
+            return None
+        if self.budget_rule in sglang_rule.RULES:
+            return "rule"
+        if self.budget_rule not in EXPLICIT_KV_RULES:
+            return None
+        if self.explicit_kv_bytes is not None:
+            return "explicit"
+        return "rule" if self.budget_rule in KNOWN_BUDGET_RULES else None
 
     @property
     def formula_blocks(self) -> int | None:
         """The block count the engine's own rule gives on its own readings, ``None`` if unknowable.
 
-        Only for a rule memwatch knows and the adapter claimed: SGLang's token rule
-        (:mod:`memwatch.sglang_rule`), an explicit KV size, or nano-vllm's
-        ``total × utilization − used − peak + current``. Any other rule (a fork's) has no check here.
+        Only for a rule memwatch knows and the adapter claimed: SGLang's token rules
+        (:mod:`memwatch.sglang_rule`), an explicit KV size under a rule where it fixes the count, or
+        nano-vllm's ``total × utilization − used − peak + current``. Any other rule (a fork's, or an SGLang
+        pool memwatch does not re-derive) has no check here.
         """
-        if self.block_bytes is None or self.block_bytes <= 0:
+        checked_by = self.checked_by
+        if checked_by is None:
             return None
-        if self.budget_rule == sglang_rule.RULE:
+        if self.budget_rule in sglang_rule.RULES:
             return sglang_rule.derived_tokens(self.rule_inputs or {})
-        if self.explicit_kv_bytes is not None:
-            return self.explicit_kv_bytes // self.block_bytes
-        if self.budget_rule not in KNOWN_BUDGET_RULES:
-            return None
+        if checked_by == "explicit":
+            return self.explicit_kv_bytes // self.block_bytes  # type: ignore[operator]
         readings = (self.total_bytes, self.gpu_memory_utilization, self.used_bytes, self.peak_bytes,
                     self.current_bytes)
         if any(value is None for value in readings):
             return None
         return engine_block_count(*readings, self.block_bytes)  # type: ignore[arg-type]
+
+    @property
+    def budget_basis(self) -> str:
+        """What ``budget_bytes`` is for this sizing, in words: the printed budget line says it, per rule."""
+        if self.explicit_kv_bytes is None:
+            return "total × utilization"
+        rule = self.budget_rule or ""
+        sized_by = ("the KV bytes SGLang profiled" if rule.startswith("sglang") else
+                    "the KV bytes vLLM sized" if rule == "vllm" else "the explicit KV size")
+        return f"used + peak − current + {sized_by}"
 
 
 def _number(data: dict[str, Any], key: str) -> Any:
@@ -165,6 +208,31 @@ def _number(data: dict[str, Any], key: str) -> Any:
 def _integer(data: dict[str, Any], key: str) -> int | None:
     value = _number(data, key)
     return None if value is None else int(value)
+
+
+def kv_bytes_of(data: dict[str, Any]) -> int | None:
+    """The KV bytes a ``kv_allocated`` event's data records: the pools' sum (``kv_pools``), else
+    ``num_blocks × block_bytes``; the one definition :attr:`Sizing.kv_bytes` and the reports share."""
+    pools = _pool_bytes(data.get("kv_pools"))
+    if pools is not None:
+        return pools
+    blocks, block_bytes = _integer(data, "num_blocks"), _integer(data, "block_bytes")
+    return None if blocks is None or block_bytes is None else blocks * block_bytes
+
+
+def _pool_bytes(pools: Any) -> int | None:
+    """``Σ tokens × cell_size_bytes`` of a ``kv_pools`` mapping (pool name → those two), None if malformed."""
+    if not isinstance(pools, dict) or not pools:
+        return None
+    total = 0
+    for pool in pools.values():
+        if not isinstance(pool, dict):
+            return None
+        tokens, cell = _integer(pool, "tokens"), _integer(pool, "cell_size_bytes")
+        if tokens is None or cell is None:
+            return None
+        total += tokens * cell
+    return total
 
 
 def _sum_or_none(*values: int | None) -> int | None:
@@ -228,6 +296,8 @@ class Ledger:
             explicit_kv_bytes=_integer(data, "kv_cache_memory_bytes"),
             budget_rule=data.get("budget_rule") if isinstance(data.get("budget_rule"), str) else None,
             rule_inputs=data, kv_unit="token" if data.get("kv_unit") == "token" else "block",
+            kv_in_readings_bytes=_integer(data, "kv_in_readings_bytes") or 0,
+            pool_bytes=_pool_bytes(data.get("kv_pools")),
         )
         self._declared_after_sizing = 0
         self._set_sizing_terms(self.sizing)
@@ -240,9 +310,8 @@ class Ledger:
         weights = self._loaded_weights if self._loaded_weights is not None else current
         self._weights = weights
         if current is not None and weights is not None:
-            self._torch_other = max(current - weights, 0) + self._declared_after_sizing
-        if sizing.num_blocks is not None and sizing.block_bytes is not None:
-            self._kv = sizing.num_blocks * sizing.block_bytes
+            self._torch_other = max(current - weights - sizing.kv_in_readings_bytes, 0) + self._declared_after_sizing
+        self._kv = sizing.kv_bytes
         if sizing.peak_bytes is not None and current is not None:
             self._activation_reserve = sizing.peak_bytes - current
         self._long_lived = _sum_or_none(weights, self._torch_other, self._kv)

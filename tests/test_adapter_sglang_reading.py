@@ -52,6 +52,9 @@ def test_step_kind_from_the_forward_mode(mode: str, kind: str | None) -> None:
 @pytest.mark.parametrize(("configurator", "pool", "pp", "unified", "rule"), [
     ({}, "DefaultPoolConfigurator", 1, False, "sglang"),
     ({"is_hybrid_swa": True}, "HybridSWAPoolConfigurator", 1, False, "sglang-hybrid-swa"),
+    ({"is_hybrid_swa": True}, "SWARequestCapPoolConfigurator", 1, False,
+     "sglang-hybrid-swa-SWARequestCapPoolConfigurator"),
+    ({"is_hybrid_swa": True, "mambaish_config": object()}, "HybridSWAPoolConfigurator", 1, False, "sglang-mamba"),
     ({"mambaish_config": object()}, "DefaultPoolConfigurator", 1, False, "sglang-mamba"),
     ({}, "DefaultPoolConfigurator", 1, True, "sglang-unified"),
     ({}, "DefaultPoolConfigurator", 2, False, "sglang-pipeline"),
@@ -59,4 +62,6 @@ def test_step_kind_from_the_forward_mode(mode: str, kind: str | None) -> None:
 def test_only_sglangs_default_pool_claims_the_rule_the_ledger_re_derives(configurator: dict, pool: str, pp: int,
                                                                          unified: bool, rule: str) -> None:
     values = {"is_hybrid_swa": False, "mambaish_config": None, **configurator}
-    assert sizing_rule(SimpleNamespace(**values), pool, pp, unified) == rule
+    assert sizing_rule(SimpleNamespace(**values), pool, pp, unified, swa_plain=True) == rule
+    if rule == "sglang-hybrid-swa":  # a draft model's pools priced into the split: not the rule memwatch re-derives
+        assert sizing_rule(SimpleNamespace(**values), pool, pp, unified, swa_plain=False) == "sglang-hybrid-swa-draft"

@@ -9,6 +9,7 @@ fake device's sizes and the model's config; the memwatch side is read back from 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,8 @@ QWEN3 = {
     "vocab_size": 1024, "max_position_embeddings": 2048, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0, "tie_word_embeddings": False,
 }
-RUNNER_WRAPPED = ["__init__", "alloc_memory_pool", "init_cuda_graphs", "init_torch_distributed", "load_model"]
+RUNNER_WRAPPED = ["__init__", "alloc_memory_pool", "init_cuda_graphs", "init_torch_distributed", "load_model",
+                  "post_capture_resize_kv_pool"]
 
 
 def _drive(mode: str, tmp_path: Path, env: dict[str, str], other: str = "0", total: int = TOTAL) -> dict[str, Any]:
@@ -43,7 +45,7 @@ def _drive(mode: str, tmp_path: Path, env: dict[str, str], other: str = "0", tot
     model = tmp_path / "qwen3-tiny"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(QWEN3))
-    env = {**env, "PYTHONPATH": str(ENGINE), "FAKE_CUDA_TOTAL_BYTES": str(total),
+    env = {**env, "PYTHONPATH": os.pathsep.join((str(ENGINE), str(ROOT))), "FAKE_CUDA_TOTAL_BYTES": str(total),
            "FAKE_CUDA_CONTEXT_BYTES": str(CONTEXT), "FAKE_CUDA_OTHER_BYTES": other,
            # SGLang's Python radix tree (its Rust one allocates device tensors natively); admission that counts
            # 10 of a new request's output tokens, so that decoding outgrows the pool and SGLang retracts.

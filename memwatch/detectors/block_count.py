@@ -6,7 +6,9 @@ compared within their engine (a ``rank_identity`` event's ``dp_rank``; engine 0 
 the count a rank reports must be what the engine's sizing rule gives on the readings it reports, or
 the ledger's accounting of that rank does not hold (checked for the rules memwatch knows).
 ``block_count_mismatch`` is raised once per distinct disagreement: again only when a rank re-sizes
-and the counts differ in a new way.
+and the counts differ in a new way. Ranks are compared at the same sizing moment (``sizing_event`` of
+the ``kv_allocated`` data: SGLang sizes again after CUDA-graph capture), so a rank that resized is not
+set against one whose resize has not been read yet.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from memwatch.records import Event
 class BlockCountCheck:
     """``block_count_mismatch`` for one run, fed every rank's KV sizing."""
 
-    __slots__ = ("_blocks_by_rank", "_engine_by_rank", "_reported")
+    __slots__ = ("_blocks_by_rank", "_engine_by_rank", "_moment_by_rank", "_reported")
 
     def __init__(self) -> None:
         self._blocks_by_rank: dict[int, int] = {}
+        self._moment_by_rank: dict[int, object] = {}
         self._engine_by_rank: dict[int, int] = {}
         self._reported: set[tuple[tuple[int, int], ...]] = set()
 
@@ -43,6 +46,7 @@ class BlockCountCheck:
             flags.append(formula_flag)
         if sizing.num_blocks is not None:
             self._blocks_by_rank[event.rank] = sizing.num_blocks
+            self._moment_by_rank[event.rank] = _moment(event)
             ranks_flag = self._check_ranks(event, sizing)
             if ranks_flag is not None:
                 flags.append(ranks_flag)
@@ -56,8 +60,7 @@ class BlockCountCheck:
             return None
         difference = actual - expected
         block_bytes: int = sizing.block_bytes  # type: ignore[assignment]  # formula_blocks needs it
-        explicit = sizing.explicit_kv_bytes is not None and sizing.budget_rule != "sglang"
-        rule = "its explicit KV size" if explicit else "its own sizing rule"
+        rule = "its explicit KV size" if sizing.checked_by == "explicit" else "its own sizing rule"
         unit = "tokens" if sizing.kv_unit == "token" else "blocks"
         return make_flag(
             event, BLOCK_COUNT_MISMATCH, WARNING,
@@ -69,9 +72,9 @@ class BlockCountCheck:
         )
 
     def _check_ranks(self, event: Event, sizing: Sizing) -> Flag | None:
-        engine = self._engine_by_rank.get(event.rank, 0)
+        engine, moment = self._engine_by_rank.get(event.rank, 0), _moment(event)
         counts = {rank: blocks for rank, blocks in self._blocks_by_rank.items()
-                  if self._engine_by_rank.get(rank, 0) == engine}
+                  if self._engine_by_rank.get(rank, 0) == engine and self._moment_by_rank.get(rank) == moment}
         if len(set(counts.values())) < 2:
             return None
         signature = tuple(sorted(counts.items()))
@@ -91,3 +94,9 @@ class BlockCountCheck:
              "most_blocks": most, "spread_blocks": spread, "spread_bytes": spread_bytes,
              "block_bytes": block_bytes},
         )
+
+
+def _moment(event: Event) -> object:
+    """Which sizing of a rank a ``kv_allocated`` event is (``None``: the first; ``"post_capture"``: SGLang's resize)."""
+    data = event.data if isinstance(event.data, dict) else {}
+    return data.get("sizing_event")

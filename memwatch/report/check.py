@@ -45,9 +45,10 @@ def graphs_captured_after_sizing(summary: RankSummary, capture_ns: int | None) -
     sizing, first = summary.sizing, summary.first_running
     if capture_ns is None or sizing is None or first is None or capture_ns < sizing.ts_ns:
         return None
-    if None in (first.allocated_bytes, sizing.current_bytes, sizing.num_blocks, sizing.block_bytes):
+    kv = sizing.kv_bytes
+    if None in (first.allocated_bytes, sizing.current_bytes, kv):
         return None
-    graphs = first.allocated_bytes - sizing.current_bytes - sizing.num_blocks * sizing.block_bytes
+    graphs = first.allocated_bytes - sizing.current_bytes - kv  # type: ignore[operator]
     return graphs if graphs > 0 else None
 
 
@@ -95,6 +96,8 @@ class RankCheck:
     cuda_graphs_outside_budget_bytes: int | None = None
     """CUDA graphs captured after sizing that the engine's budget leaves out (:func:`graphs_outside_budget`)."""
     engine: str | None = None
+    budget_basis: str = "total × utilization"
+    """What the budget is under the rank's sizing rule, in words (:attr:`memwatch.ledger.Sizing.budget_basis`)."""
 
     @classmethod
     def from_summary(cls, summary: RankSummary, truth: RunTruth | None = None, engine: str | None = None,
@@ -119,7 +122,7 @@ class RankCheck:
             min_headroom_bytes=None if headroom is None else headroom.value_bytes,
             min_oom_margin_step=margin_step, min_oom_margin_bytes=margin_bytes,
             cuda_graphs_outside_budget_bytes=graphs_outside_budget(engine, graphs_bytes, summary.last_terms),
-            engine=engine,
+            engine=engine, budget_basis="total × utilization" if sizing is None else sizing.budget_basis,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -239,7 +242,7 @@ def render_check(report: CheckReport) -> str:
             continue
         lines.append(f"  the ledger at step {format_count(rank.last_step or 0)}: the budget, less each term, "
                      "leaves the headroom (exact bytes on the right)")
-        lines += render_lines(terms_lines(rank.last_terms), indent="    ")
+        lines += render_lines(terms_lines(rank.last_terms, rank.budget_basis), indent="    ")
         if rank.cuda_graphs_outside_budget_bytes is not None and rank.engine is not None:
             lines.append(f"  {graphs_sentence(rank.engine, rank.cuda_graphs_outside_budget_bytes)}")
         if rank.min_oom_margin_step is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from memwatch.ledger import kv_bytes_of
 from memwatch.report.run_data import RankData, RunData
 from memwatch.report.run_facts import non_torch_from
 
@@ -76,7 +77,7 @@ def rank_facts(data: RankData) -> RankFacts:
         activation_reserve_bytes=None if peak is None or current is None else peak - current,
         non_pytorch_bytes=_non_torch_at_sizing(sizing),
         num_blocks=blocks, block_bytes=block_bytes,
-        kv_bytes=None if blocks is None or block_bytes is None else blocks * block_bytes,
+        kv_bytes=kv_bytes_of(sizing),
         budget_bytes=None if total is None or utilization is None else int(total * utilization),
         peak_used_bytes=_max(series.used_max), min_free_bytes=_min(series.free_min),
         serving_peak_bytes=_serving_peak(data),

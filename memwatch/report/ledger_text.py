@@ -42,9 +42,11 @@ class LedgerLine(NamedTuple):
     note: str = ""
 
 
-def terms_lines(terms: LedgerTerms) -> list[LedgerLine]:
-    """A sample's ledger: budget − each term = headroom, then the quantities outside the sum."""
-    lines = [LedgerLine("", "budget (total × utilization)", terms.budget_bytes)]
+def terms_lines(terms: LedgerTerms, basis: str = "total × utilization") -> list[LedgerLine]:
+    """A sample's ledger: budget − each term = headroom, then the quantities outside the sum.
+
+    ``basis`` names what the budget is under the engine's rule (:attr:`memwatch.ledger.Sizing.budget_basis`)."""
+    lines = [LedgerLine("", f"budget ({basis})", terms.budget_bytes)]
     lines += [LedgerLine("−", label, getattr(terms, key)) for key, label in SUM_TERMS]
     lines.append(LedgerLine("=", "headroom (left in the budget)", terms.headroom_bytes))
     lines += [LedgerLine("·", label, getattr(terms, key), note) for key, label, note in OUTSIDE_TERMS]

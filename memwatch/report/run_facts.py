@@ -148,8 +148,7 @@ def truth_from(run_id: str, status: str | None, events: Iterable[Event], summari
             non_torch_at_sizing_bytes=non_torch_at_sizing(sizing),
             oom_margin_bytes=end_margin(None if terms is None else terms.oom_margin_bytes, ran_out),
             weights_bytes=weights,
-            kv_cache_bytes=None if sizing is None or sizing.num_blocks is None or sizing.block_bytes is None
-            else sizing.num_blocks * sizing.block_bytes,
+            kv_cache_bytes=None if sizing is None else sizing.kv_bytes,
         ))
     counts: dict[str, int] = {}
     for flag in flags:

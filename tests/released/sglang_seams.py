@@ -9,9 +9,9 @@
   does (``get_available_gpu_memory``, the minimum over the ranks through a gloo group when there are
   several) and state the groups;
 * ``ModelRunner.load_model`` (the weights) takes ``WEIGHTS_BYTES`` of the device and sets what SGLang's
-  sets (model, dtype, sliding window); ``init_cuda_graphs`` (graph capture) takes ``GRAPHS_BYTES`` and
-  captures nothing; ``TpModelWorker.forward_batch_generation`` (the model's forward and sampling)
-  returns token 7 for every request;
+  sets (model, dtype, the sliding window as SGLang resolves it); ``init_cuda_graphs`` (graph capture)
+  takes ``GRAPHS_BYTES`` and captures nothing; ``TpModelWorker.forward_batch_generation`` (the model's
+  forward and sampling) returns token 7 for every request;
 * torchvision's two operator schemas its CUDA-built ``_C`` library would define are declared, since
   that library cannot load next to CPU PyTorch.
 """
@@ -105,6 +105,7 @@ def runner_seams() -> None:
     import torch
     from sglang.srt.distributed import bootstrap
     from sglang.srt.model_executor import model_runner
+    from sglang.srt.model_executor.model_runner_components.load_model_utils import resolve_sliding_window_size
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils.common import get_available_gpu_memory
 
@@ -139,7 +140,8 @@ def runner_seams() -> None:
         self.weights = fake_cuda.empty(WEIGHTS_BYTES)
         self.model = Model(self.model_config.num_hidden_layers)
         self.loader = SimpleNamespace(preloaded_weights_bytes=0)  # nothing loaded ahead of the runner
-        self.startup_weight_load = self.sliding_window_size = None
+        self.startup_weight_load = None
+        self.sliding_window_size = resolve_sliding_window_size(self.model, self.model_config)  # SGLang's own
         self.prefill_aware_swa = False
         self.dtype = self.model_config.dtype
 
@@ -167,3 +169,59 @@ def forward_seam() -> None:
                                      can_run_cuda_graph=False)
 
     tp_worker.TpModelWorker.forward_batch_generation = forward_batch_generation
+
+
+VMM_GRANULARITY = 2 * MiB
+
+
+def post_capture_seams() -> None:
+    """``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1`` on the fake device: the setting alone decides
+    (``is_post_capture_kv_active``; SGLang's own gate also asks for a CUDA platform and captured decode and
+    prefill graphs, which a CPU run cannot have), and the KV pool's virtual-memory
+    backing (``KvVmmBufferOwner``: address space reserved for the largest pool, memory committed in
+    granules of 2 MiB as SGLang backs a span) with buffers on the CPU and each committed granule taken from
+    the fake device. The resize itself is SGLang's: ``post_capture_resize_kv_pool`` reads the free memory
+    after capture, sizes a budget and calls the configurator, the pool and the allocator."""
+    import fake_cuda
+    import torch
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache import memory_pool
+    from sglang.srt.model_executor import model_runner
+
+    def is_post_capture_kv_active(*, server_args: Any, is_draft_worker: bool, **kwargs: Any) -> bool:
+        return not is_draft_worker and envs.SGLANG_ENABLE_POST_CAPTURE_KV_SIZING.get()
+
+    class Backing:
+        def __init__(self, *, device: str, device_id: int, store_dtype: Any, page_size: int,
+                     reserved_num_tokens: int, buffer_descs: Any) -> None:
+            self.page_size, self.reserved = int(page_size), int(reserved_num_tokens)
+            self.descs = list(buffer_descs)
+            self.tensors = [torch.empty(d.shape, dtype=store_dtype, device="cpu") for d in self.descs]
+            self.backed = [0] * len(self.descs)
+            self.granules: list[Any] = []
+            self.ensure_prefix(self.page_size)
+
+        def _back(self, spans: list[int]) -> None:
+            for index, span in enumerate(spans):
+                want = -(-int(span) // VMM_GRANULARITY) * VMM_GRANULARITY
+                if want > self.backed[index]:
+                    self.granules.append(fake_cuda.empty(want - self.backed[index]))
+                    self.backed[index] = want
+
+        def ensure_prefix(self, num_tokens: int) -> None:
+            self._back([d.prefix_span_bytes(num_tokens, self.page_size) for d in self.descs])
+
+        def finalize(self, final_num_tokens: int) -> None:
+            self._back([d.final_span_bytes(int(final_num_tokens), self.page_size) for d in self.descs])
+
+        @property
+        def backed_bytes(self) -> int:
+            return sum(self.backed)
+
+        def close(self) -> None:
+            for granule in self.granules:
+                granule.free()
+            self.granules, self.tensors = [], []
+
+    model_runner.is_post_capture_kv_active = is_post_capture_kv_active
+    memory_pool.KvVmmBufferOwner = Backing

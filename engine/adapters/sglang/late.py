@@ -5,10 +5,11 @@ Used by an injected memwatch through :mod:`memwatch_engine.adapters.late`. The p
 ``Scheduler`` and ``ScheduleBatch``; the process's target ``ModelRunner`` (not a draft model's) becomes
 its rank, with what startup would have recorded read from the live objects: the rank's identity, the
 engine's settings, the token pool SGLang sized (``max_total_num_tokens``; bytes a token from the live
-pool configurator), ``mem_fraction_static``, the device total and the weights the model's CUDA
-parameters hold now. The readings SGLang sized on (free memory at sizing and before the weights) are
-gone, so ``kv_allocated`` leaves them out (the ledger cannot re-derive the pool) and ``attached_late``
-names the terms that cannot be known. The next ``run_batch`` starts ``serve``.
+pool configurator, a hybrid sliding-window model's two pools each at its own), ``mem_fraction_static``,
+the device total and the weights the model's CUDA parameters hold now. The readings SGLang sized on
+(free memory at sizing and before the weights) are gone, so ``kv_allocated`` leaves them out (the
+ledger cannot re-derive the pool) and ``attached_late`` names the terms that cannot be known. The next
+``run_batch`` starts ``serve``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ...monitor import Monitor
 from ...probes.base import UNKNOWN
 from ...probes.cuda import CudaProbe
 from . import install_live, runner, scheduler
-from .reading import engine_settings, rank_identity
+from .reading import engine_settings, rank_identity, sizing_rule
 
 UNKNOWN_TERMS = ("activation_reserve_bytes", "torch_other_bytes", "headroom_bytes", "residual_bytes")
 REASON = "memwatch was injected after SGLang started: the readings it sized its token pool on were never taken"
@@ -70,27 +71,45 @@ def detach() -> None:
 
 
 def _record_kv_sizing(target: Any, monitor: Monitor) -> None:
-    """``kv_allocated`` from the live runner: the token pool, bytes a token, the fraction, the device total."""
-    cell = _cell_size(target)
+    """``kv_allocated`` from the live runner: the token pool(s), bytes a token, the fraction, the device total."""
+    inputs = _pool_inputs(target)
     _, _, _, used, free = monitor.probe.read()
-    monitor.event("kv_allocated", {
+    data: dict[str, Any] = {
         "total_bytes": used + free if UNKNOWN not in (used, free) else None,
         "gpu_memory_utilization": float(target.mem_fraction_static),
         "used_bytes": None, "peak_bytes": None, "current_bytes": None, "reserved_bytes": None,
-        "num_blocks": int(target.max_total_num_tokens), "block_bytes": cell, "block_size": 1,
-        "kv_unit": "token", "max_total_num_tokens": int(target.max_total_num_tokens),
-        "page_size": int(target.page_size), "budget_rule": "sglang", "attached_late": True,
-    })
+        "num_blocks": int(target.max_total_num_tokens), "block_bytes": inputs.get("cell_size_bytes"),
+        "block_size": 1, "kv_unit": "token", "max_total_num_tokens": int(target.max_total_num_tokens),
+        "page_size": int(target.page_size), "budget_rule": _rule(target, inputs), "attached_late": True,
+    }
+    if "swa_cell_size_bytes" in inputs:  # a hybrid sliding-window pool: each pool at its own cell size
+        full, swa = inputs["full_cell_size_bytes"], inputs["swa_cell_size_bytes"]
+        data.update(block_bytes=full or swa, kv_pools={
+            "full": {"tokens": int(getattr(target, "full_max_total_num_tokens", 0) or 0), "cell_size_bytes": full},
+            "swa": {"tokens": int(getattr(target, "swa_max_total_num_tokens", 0) or 0), "cell_size_bytes": swa}})
+    monitor.event("kv_allocated", data)
 
 
-def _cell_size(target: Any) -> int | None:
-    """Bytes a token, as SGLang's pool configurator computes them for the live configurator."""
+def _rule(target: Any, inputs: dict[str, Any]) -> str:
+    """The rule the live pool was sized by, named as at startup (:func:`.reading.sizing_rule`)."""
+    from sglang.srt.runtime_context import get_memory
+
+    configurator = getattr(target, "kv_cache_configurator", None)
+    return sizing_rule(configurator, inputs.get("pool_configurator"), int(getattr(configurator, "pp_size", 1)),
+                       bool(getattr(get_memory(), "enable_unified_memory", False)), bool(inputs.get("swa_plain")))
+
+
+def _pool_inputs(target: Any) -> dict[str, Any]:
+    """The live pool configurator's cell size(s) (:func:`.runner.pool_inputs`), empty when it cannot say."""
     configurator = getattr(target, "kv_cache_configurator", None)
     if configurator is None:
-        return None
+        return {}
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
-    return getattr(create_memory_pool_configurator(configurator), "_cell_size", None)
+    try:
+        return runner.pool_inputs(create_memory_pool_configurator(configurator))
+    except AttributeError:
+        return {}
 
 
 def _weights_bytes(model: Any) -> int | None:

@@ -14,9 +14,11 @@ and the scheduler hooks (:mod:`.scheduler`).
   attention-DP group of it) is one "engine" for the per-engine block-count check: its
   ``rank_identity`` carries ``dp_rank = replica × attn_dp_size + attn_dp_rank``.
 * **Sizing rule.** memwatch re-derives ``max_total_num_tokens`` (:mod:`memwatch.sglang_rule`) when
-  SGLang sized the pool with ``DefaultPoolConfigurator`` from a profiled budget, on one pipeline
-  stage, without a Mamba state pool or a unified memory pool: the rule is then ``"sglang"``.
-  Otherwise the event names what SGLang did instead (``"sglang-hybrid-swa"``, …) and is not checked.
+  SGLang sized the pool from a profiled budget, on one pipeline stage, without a Mamba state pool or a
+  unified memory pool, with ``DefaultPoolConfigurator`` (rule ``"sglang"``) or, for a hybrid
+  sliding-window model without a draft model's pools, ``HybridSWAPoolConfigurator`` (rule
+  ``"sglang-hybrid-swa"``). Otherwise the event names what SGLang did instead (``"sglang-mamba"``,
+  ``"sglang-pipeline"``, ``"sglang-hybrid-swa-SWARequestCapPoolConfigurator"``, …) and is not checked.
 """
 
 from __future__ import annotations
@@ -65,16 +67,20 @@ def rank_identity(parallel: Any) -> RankIdentity:
     )
 
 
-def sizing_rule(configurator: Any, pool_configurator: str | None, pp_size: int, unified_memory: bool) -> str:
-    """The rule name a ``kv_allocated`` event claims (``"sglang"`` only where memwatch re-derives it)."""
-    if getattr(configurator, "is_hybrid_swa", False):
-        return "sglang-hybrid-swa"
+def sizing_rule(configurator: Any, pool_configurator: str | None, pp_size: int, unified_memory: bool,
+                swa_plain: bool = False) -> str:
+    """The rule name a ``kv_allocated`` event claims: ``"sglang"`` or ``"sglang-hybrid-swa"`` only where memwatch
+    re-derives the count (:mod:`memwatch.sglang_rule`), another ``"sglang-…"`` name where it does not."""
     if getattr(configurator, "mambaish_config", None) is not None:
         return "sglang-mamba"
     if unified_memory:
         return "sglang-unified"
     if pp_size > 1:
         return "sglang-pipeline"
+    if getattr(configurator, "is_hybrid_swa", False):
+        if pool_configurator != "HybridSWAPoolConfigurator":
+            return f"sglang-hybrid-swa-{pool_configurator or 'unknown'}"
+        return "sglang-hybrid-swa" if swa_plain else "sglang-hybrid-swa-draft"
     if pool_configurator != "DefaultPoolConfigurator":
         return f"sglang-{pool_configurator or 'unknown'}"
     return "sglang"
