@@ -1,6 +1,6 @@
 """The load each step carries, recorded by an adapter on the engine code people install.
 
-nano-vllm-fork 20260210, vLLM 0.33.0 and SGLang 0.5.23 (``make engines``) run their real schedulers through
+nano-vllm-fork 20260210, vLLM 0.33.0 and 0.34.0 and SGLang 0.5.23 (``make engines``) run their real schedulers through
 ``released/*_driver.py``; no sidecar runs, so the rings stay in the runtime directory to be read.
 """
 
@@ -12,12 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from mirrors.zero_code import zero_code_env
 from test_released_nanovllm import _generate
 from test_released_sglang import CONTEXT, SMALL
 from test_released_sglang import DRIVER as SGLANG_DRIVER
 from test_released_sglang import ENGINE as SGLANG
-from test_released_vllm import DRIVER, ENGINE, QWEN3
+from test_released_vllm import DRIVER, QWEN3, VLLM
 
 from memwatch_engine.ring_format import sample_load
 from memwatch_engine.ring_reader import RingReader
@@ -42,12 +43,12 @@ def test_nano_vllm_records_each_steps_load_worked_out_by_hand(tmp_path: Path, ru
     reader.close()
 
 
-def _drive_vllm(mode: str, tmp_path: Path, env: dict[str, str], *args: str) -> dict:
+def _drive_vllm(engine: Path, mode: str, tmp_path: Path, env: dict[str, str], *args: str) -> dict:
     """``released/vllm_driver.py`` as ``test_released_vllm`` runs it, on this checkout's memwatch as well."""
     model = tmp_path / "qwen3-tiny"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(QWEN3))
-    path = ":".join(filter(None, (str(ENGINE), os.environ.get("PYTHONPATH"))))
+    path = ":".join(filter(None, (str(engine), os.environ.get("PYTHONPATH"))))
     env = {**env, "PYTHONPATH": path, "VLLM_TARGET_DEVICE": "cpu", "FAKE_CUDA_TOTAL_BYTES": str(160 << 20),
            "FAKE_CUDA_CONTEXT_BYTES": str(64 << 20)}
     env.pop("MEMWATCH", None)
@@ -67,9 +68,10 @@ def _loads(ring: Path) -> list[tuple[int, int, int]]:
             if (load := sample_load(drained.slots, row[0] - first)) is not None and min(load) >= 0]
 
 
-def test_vllm_s_scheduler_records_each_steps_load_worked_out_by_hand(tmp_path: Path, runtime_dir: Path,
+@pytest.mark.parametrize("engine", [folder for _, folder in VLLM], ids=[version for version, _ in VLLM])
+def test_vllm_s_scheduler_records_each_steps_load_worked_out_by_hand(engine: Path, tmp_path: Path, runtime_dir: Path,
                                                                     db_path: Path) -> None:
-    facts = _drive_vllm("workload", tmp_path, memwatch_env(runtime_dir, db_path), "16")
+    facts = _drive_vllm(engine, "workload", tmp_path, memwatch_env(runtime_dir, db_path), "16")
     [loads] = [found for ring in runtime_dir.glob("*.ring") if (found := _loads(ring))]  # the scheduler's ring
     assert len(loads) == len(facts["steps"])
     # Requests of 40 + 10 i tokens, r_i arriving before step 4 i, each to 20 tokens, in blocks of 16 (128 blocks:
