@@ -71,6 +71,12 @@ WEIGHTS_LOADED = "weights_loaded"
 PHASE_END = "phase_end"
 
 
+def is_startup_sizing(data: Any) -> bool:
+    """A ``kv_allocated`` event's data is the engine's startup sizing (the one a plan or a replay models), not a
+    later resize such as SGLang's after CUDA-graph capture (``sizing_event: "post_capture"``)."""
+    return not (isinstance(data, dict) and data.get("sizing_event") is not None)
+
+
 def engine_block_count(
     total_bytes: int, gpu_memory_utilization: float, used_bytes: int, peak_bytes: int,
     current_bytes: int, block_bytes: int,

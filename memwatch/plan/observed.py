@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from decimal import Decimal
 from typing import Any
 
+from memwatch.ledger import is_startup_sizing
 from memwatch.models.activation import forward_activation_bytes, warmup_batch
 from memwatch.models.spec import ModelSpec, canonical_dtype
 from memwatch.plan.capacity import (
@@ -208,10 +209,11 @@ def compare_rank(run: Mapping[str, Any], kv_event: Mapping[str, Any]) -> PlanVsO
 
 
 def compare_run(run: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> list[PlanVsObserved]:
-    """One comparison per rank that recorded a ``kv_allocated`` event (the last one of each rank)."""
+    """One comparison per rank that recorded a ``kv_allocated`` event: the last startup sizing of each rank (a plan
+    models the engine's start; a resize after CUDA-graph capture is compared by ``check``, not here)."""
     latest: dict[int, Mapping[str, Any]] = {}
     for event in events:
-        if event.get("kind") == "kv_allocated":
+        if event.get("kind") == "kv_allocated" and is_startup_sizing(event.get("data")):
             latest[int(event.get("rank") or 0)] = event
     if not latest:
         raise PlanError(f"run {run.get('run_id')!r} has no kv_allocated event: the engine never sized "

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from memwatch.errors import NotFoundError
+from memwatch.ledger import is_startup_sizing
 from memwatch.records import Event, Sample
 from memwatch.replay.sglang_budget import SGLangSizing, sglang_sizing
 from memwatch.replay.transients import NO_TRANSIENTS, TransientSeries, transients
@@ -143,7 +144,8 @@ class Calibration:
 def calibrate(run_id: str, model: str | None, gpu_name: str | None, config: dict[str, Any],
               events: list[Event], samples_by_rank: dict[int, list[Sample]]) -> Calibration:
     """The calibration of one stored run; :class:`NotFoundError` when it never sized a KV cache."""
-    sizing = {event.rank: event.data for event in events if event.kind == "kv_allocated"}
+    sizing = {event.rank: event.data for event in events
+              if event.kind == "kv_allocated" and is_startup_sizing(event.data)}  # the sizing the replay re-runs
     if 0 not in sizing:
         raise NotFoundError(f"run {run_id} never sized a KV cache (no kv_allocated event on rank 0), so there is "
                             "no memory model to replay; replay a run that got to serving")

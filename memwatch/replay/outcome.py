@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from memwatch.ledger import is_startup_sizing
 from memwatch.records import Event
 from memwatch.replay.workload import ARRIVED, FINISHED, request_key, scheduler_ranks, workload_rank
 from memwatch.report.check import check_run
@@ -58,7 +59,8 @@ def run_outcome(db: Database, run_id: str) -> list[RankOutcome]:
     ranks = sorted(({e.rank for e in events} | set(check)) - set(schedulers))
     batch, steps = _batch_and_steps(db, run_id, workload_rank(events))
     for rank in ranks:
-        sizing = next((e.data for e in events if e.rank == rank and e.kind == "kv_allocated"), None)
+        sizing = next((e.data for e in events if e.rank == rank and e.kind == "kv_allocated"
+                       and is_startup_sizing(e.data)), None)
         shared = None if truth is None else truth.rank(rank)
         margin = check[rank].min_oom_margin_bytes if rank in check else None  # includes the margin at the end
         outcomes.append(RankOutcome(

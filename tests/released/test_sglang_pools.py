@@ -161,6 +161,15 @@ def test_the_resize_after_cuda_graph_capture_is_a_second_sizing_that_ledger_and_
     # PyTorch memory leaves them out rather than count them twice.
     assert rank["last_terms"]["torch_other_bytes"] == second["current_bytes"] - WEIGHTS - 16 * MiB
 
+    # plan --run compares the plan with the startup sizing, which is what a plan models: its 58,736 tokens and
+    # the weights as loaded, not the resize's readings taken after the graphs and the scheduler's pools.
+    done = memwatch(env, "plan", "--run", "5a1a00000102", "--json")
+    assert done.returncode == 0, done.stderr
+    [planned] = json.loads(done.stdout)
+    measured = {term["term"]: term for term in planned["terms"]}
+    assert measured["KV tokens"]["measured_bytes"] == 58_736 * QWEN3_CELL
+    assert measured["weights"]["measured_bytes"] == WEIGHTS
+
 
 def test_ranks_are_compared_at_the_same_sizing_so_a_resize_read_first_is_no_mismatch() -> None:
     """TP 2: both ranks size 58,736 tokens, then resize to 46,448 after capture; rank 0's resize is read before rank
