@@ -15,10 +15,16 @@ from typing import Any
 from ...monitor import Monitor
 from ...probes.base import UNKNOWN
 from ...probes.cuda import CudaProbe
-from ..hooks import require_methods, wrap_function, wrap_method
+from ..hooks import wrap_function, wrap_method
 from ..oom import capture_oom
+from ..versions import require_signatures
 from .scheduler import scheduler_load
 from .state import RANK_ATTRIBUTE, Rank, guard, process
+
+RUNNER_SEAMS = {"__init__": ("self", "config", "rank", "event"), "warmup_model": ("self",),
+                "allocate_kv_cache": ("self",), "capture_cudagraph": ("self",), "run": ("self", "seqs", "is_prefill"),
+                "exit": ("self",)}
+"""The methods wrapped and the leading parameters the wrappers pass and read."""
 
 _loading: list[Rank] = []
 """The rank whose ``__init__`` is loading weights in this process (``load_model`` gets no runner)."""
@@ -30,7 +36,7 @@ _loading: list[Rank] = []
 def patch_model_runner(module: ModuleType) -> None:
     """Wrap ``ModelRunner`` and the ``load_model`` it imported: phases, KV sizing and steps per rank."""
     runner = module.ModelRunner
-    require_methods(runner, ("__init__", "warmup_model", "allocate_kv_cache", "capture_cudagraph", "run", "exit"))
+    require_signatures(runner, RUNNER_SEAMS)
     if not callable(getattr(module, "load_model", None)):
         raise AttributeError(f"{module.__name__} has no load_model (an engine version this adapter does not know)")
     wrap_method(runner, "__init__", _wrap_runner_init)

@@ -15,8 +15,13 @@ from typing import Any
 
 from ...load import kv_blocks_needed
 from ...monitor import new_run_id
-from ..hooks import require_methods, wrap_method
+from ..hooks import wrap_method
+from ..versions import require_signatures
 from .state import guard, process
+
+SCHEDULER_SEAMS = {"__init__": ("self", "config"), "preempt": ("self", "seq")}
+REQUEST_SEAMS = {"add": ("self", "seq"), "postprocess": ("self", "seqs", "token_ids")}
+"""The methods wrapped and the leading parameters the wrappers pass and read (the fork's and upstream's)."""
 
 # -- LLMEngine: one run id per engine instance ------------------------------------------------------
 
@@ -48,10 +53,13 @@ def _assign_run_id() -> None:
 
 def patch_scheduler(module: ModuleType) -> None:
     """Wrap the ``Scheduler`` methods that tell the block manager, preemptions and requests."""
-    require_methods(module.Scheduler, ("__init__", "preempt"))
+    require_signatures(module.Scheduler, SCHEDULER_SEAMS)
+    requests = hasattr(module.Scheduler, "add") and hasattr(module.Scheduler, "postprocess")
+    if requests:
+        require_signatures(module.Scheduler, REQUEST_SEAMS)
     wrap_method(module.Scheduler, "__init__", _wrap_scheduler_init)
     wrap_method(module.Scheduler, "preempt", _wrap_preempt)
-    if hasattr(module.Scheduler, "add") and hasattr(module.Scheduler, "postprocess"):
+    if requests:
         wrap_method(module.Scheduler, "add", _wrap_add)
         wrap_method(module.Scheduler, "postprocess", _wrap_postprocess)
 

@@ -29,8 +29,13 @@ from types import ModuleType
 from typing import Any
 
 from ...load import kv_blocks_needed
-from ..hooks import patch_now, patch_on_import, require_methods, unwrap_all, wrap_method
+from ..hooks import patch_now, patch_on_import, unwrap_all, wrap_method
+from ..versions import require_signatures
 from .runner import Rank, current, guard
+
+SCHEDULER_SEAMS = {"run_batch": ("self", "batch"), "process_batch_result": ("self", "batch"),
+                   "_add_request_to_queue": ("self", "req", "is_retracted")}
+"""The methods wrapped and the leading parameters the wrappers pass and read (SGLang 0.5.23's)."""
 
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 BATCH_MODULE = "sglang.srt.managers.schedule_batch"
@@ -58,7 +63,7 @@ def uninstall() -> None:
 
 def _patch_scheduler(module: ModuleType) -> None:
     scheduler = module.Scheduler
-    require_methods(scheduler, ("run_batch", "process_batch_result", "_add_request_to_queue"))
+    require_signatures(scheduler, SCHEDULER_SEAMS)
     wrap_method(scheduler, "run_batch", _wrap_run_batch)
     wrap_method(scheduler, "process_batch_result", _wrap_process_batch_result)
     wrap_method(scheduler, "_add_request_to_queue", _wrap_add_request_to_queue)
@@ -66,7 +71,7 @@ def _patch_scheduler(module: ModuleType) -> None:
 
 def _patch_batch(module: ModuleType) -> None:
     batch = module.ScheduleBatch
-    require_methods(batch, ("retract_decode",))
+    require_signatures(batch, {"retract_decode": ("self",)})
     wrap_method(batch, "retract_decode", _wrap_retract_decode)
 
 
