@@ -210,3 +210,19 @@ def test_a_send_that_would_block_sends_nothing_and_waits_to_write() -> None:
     listener._write(conn)
     assert bytes(conn.out) == b"HTTP/1.1 200 OK\r\n"  # not a byte dropped
     assert loop.writers == [99] and conn.polling
+
+
+def test_a_listener_answers_on_its_loop_unless_told_to_offload(listeners: list[HttpListener]) -> None:
+    # The health checks are cheap and must not wait behind a slow /metrics: they run on the loop's own thread.
+    seen: list[str] = []
+
+    def route(path: str) -> Reply:
+        seen.append(threading.current_thread().name)
+        return Reply(200, b"ok\n")
+
+    listener = HttpListener("127.0.0.1", 0, route, name="memwatch-test-fd", option="--edge")  # offload not given
+    listener.start()
+    listeners.append(listener)
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as conn:
+        assert _answer(conn).startswith(b"HTTP/1.1 200 OK\r\n")
+    assert seen == ["memwatch-test-fd"]
