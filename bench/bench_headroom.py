@@ -10,9 +10,9 @@
    at most 100 ms.
 2. Cost with 64 ranks (8 engines of 8 ranks, each with its own ring; rank 0 of each reports the KV blocks
    and the load, as the adapters do). ``/metrics`` rendered in-process from an export state that drained
-   every ring once, every engine stepping between renders as between a router's scrapes: the headroom
-   gauges alone (reading the 64 rings, grouping, computing, formatting), judged under 1 ms (median); and
-   the whole page with and without them (the baseline), with their ratio.
+   every ring once, every engine stepping between renders as between a router's scrapes: the whole page
+   with every gauge, judged under 1 ms (median); the headroom gauges alone (reading the 64 rings, grouping,
+   computing, formatting); and the page without them (the baseline), with their ratio.
 
 Run: .venv/bin/python bench/bench_headroom.py [--seconds S] [--renders N]
 """
@@ -217,10 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  baseline, no headroom:   {_spread(without, 'ms')}")
     print(f"  ratio of medians whole/baseline: {statistics.median(whole) / statistics.median(without):.2f}")
     fresh_ok = p99 <= FRESH_TARGET_MS and len(fresh) >= 10
-    render_ok = statistics.median(alone) < RENDER_TARGET_MS
+    render_ok = statistics.median(whole) < RENDER_TARGET_MS
     print(f"targets: freshness p99 <= {FRESH_TARGET_MS:.0f} ms -> {'PASS' if fresh_ok else 'FAIL'} ({p99:.1f} ms); "
-          f"headroom render median < {RENDER_TARGET_MS:.0f} ms -> {'PASS' if render_ok else 'FAIL'} "
-          f"({statistics.median(alone):.3f} ms)   (load average {', '.join(f'{v:.1f}' for v in os.getloadavg())}, "
+          f"whole /metrics median < {RENDER_TARGET_MS:.0f} ms -> {'PASS' if render_ok else 'FAIL'} "
+          f"({statistics.median(whole):.3f} ms)   (load average {', '.join(f'{v:.1f}' for v in os.getloadavg())}, "
           f"cpus: {os.cpu_count()})")
     return 0 if fresh_ok and render_ok else 1
 

@@ -92,7 +92,7 @@ def test_otlp_metrics_and_flag_logs_match_the_store(runtime_dir: Path, db_path: 
         for term in CHECK_TERMS:  # every term `memwatch check` prints, in bytes
             _, value, unit = _by_rank(latest["memwatch." + term.removesuffix("_bytes")])[rank]
             assert (value, unit) == (getattr(terms, term), "By"), term
-        exported_kv = [_by_rank(latest[f"memwatch.kv.blocks.{which}"]).get(rank) for which in ("used", "total")]
+        exported_kv = [_by_rank(latest[f"memwatch.kv.blocks.{which}"]).get(rank) for which in ("used", "capacity")]
         if kv:  # the simulator's scheduler (rank 0) reports the KV blocks; no series for a rank that does not
             assert [point[1:] for point in exported_kv] == [(kv[0][0], "{block}"), (kv[0][1], "{block}")]
         else:

@@ -12,6 +12,7 @@ starve (:mod:`.http_serving`); rendering runs on a few worker threads.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Any
@@ -20,7 +21,7 @@ from ..identity import prometheus_labels
 from .headroom import render_headroom
 from .http_serving import HttpListener, Reply
 from .instruments import FLAGS_METRIC, METRICS, RINGS_REFUSED
-from .state import ExportState
+from .state import ExportState, RankSeries
 
 log = logging.getLogger("memwatch.export")
 
@@ -57,6 +58,23 @@ def render_labels(attributes: dict[str, Any]) -> str:
     return ",".join(f'{_INVALID.sub("_", key)}="{_escape(value)}"' for key, value in attributes.items())
 
 
+def _labels(series: RankSeries) -> tuple[str, str]:
+    """The rank's label text, and with its hardware's (``hw.*`` metrics): rendered once, a rank's labels never
+    change."""
+    cached = series.rendered.get("prometheus_labels")
+    if cached is None:
+        cached = (render_labels({**prometheus_labels(series.attributes), **series.dcgm}),
+                  render_labels({**prometheus_labels({**series.attributes, **series.hardware}), **series.dcgm}))
+        series.rendered["prometheus_labels"] = cached
+    return cached
+
+
+@functools.lru_cache(maxsize=256)
+def _flag_labels(kind: str, severity: str) -> str:
+    """``kind="…",severity="…"``: a handful of pairs, each series of every rank on every scrape, escaped once."""
+    return f'kind="{_escape(kind)}",severity="{_escape(severity)}"'
+
+
 def _number(value: float) -> str:
     return repr(float(value)) if isinstance(value, float) else str(value)
 
@@ -64,9 +82,7 @@ def _number(value: float) -> str:
 def render(state: ExportState, resource: dict[str, Any] | None = None, *, headroom: bool = True) -> str:
     """Every metric of every live rank in the Prometheus text format, and (``headroom``) each engine's headroom."""
     ranks = state.snapshot()
-    labels = {id(series): render_labels({**prometheus_labels(series.attributes), **series.dcgm}) for series in ranks}
-    hw_labels = {id(series): render_labels({**prometheus_labels({**series.attributes, **series.hardware}),
-                                            **series.dcgm}) for series in ranks}
+    labelled = [(series, *_labels(series)) for series in ranks]
     out: list[str] = []
     if resource:
         out += ["# HELP target_info Target metadata", "# TYPE target_info gauge",
@@ -76,18 +92,23 @@ def render(state: ExportState, resource: dict[str, Any] | None = None, *, headro
         counter = spec.kind == "counter"
         sample = name + "_total" if counter else name
         out += [f"# HELP {sample} {spec.description}", f"# TYPE {sample} {'counter' if counter else 'gauge'}"]
-        by_rank = hw_labels if spec.name.startswith("hw.") else labels
-        read = spec.read
-        for series in ranks:
+        hardware = spec.name.startswith("hw.")
+        read, append = spec.read, out.append
+        for series, base, hw in labelled:
             value = read(series)
-            if value is not None:
-                out.append(f"{sample}{{{by_rank[id(series)]}}} {_number(value)}")
+            if value is not None:  # an int or a float prints as _number prints it (a float's str is its repr)
+                text = value if type(value) in (int, float) else _number(value)
+                append(f"{sample}{{{hw if hardware else base}}} {text}")
     flags = prometheus_name(FLAGS_METRIC, "") + "_total"
     out += [f"# HELP {flags} Flags the live detectors raised, by kind and severity", f"# TYPE {flags} counter"]
-    for series in ranks:
-        base = labels[id(series)]
-        out += [f'{flags}{{{base},kind="{_escape(kind)}",severity="{_escape(severity)}"}} {count}'
-                for kind, severity, count in state.flag_counts(series)]
+    for series, base, _ in labelled:
+        raised = state.raised_flags(series)
+        cached = series.rendered.get("prometheus_flags")
+        if cached is None or cached[0] != raised:  # a flag is rare: most scrapes reuse the rank's block
+            cached = (raised, [f'{flags}{{{base},{_flag_labels(kind, severity)}}} {count}'
+                               for kind, severity, count in state._all_flag_counts(raised)])
+            series.rendered["prometheus_flags"] = cached
+        out += cached[1]
     if headroom:
         out += render_headroom(state.engines(ranks), lambda attributes: render_labels(prometheus_labels(attributes)),
                                _escape)

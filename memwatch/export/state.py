@@ -123,6 +123,9 @@ class RankSeries:
     ended_at: float | None = None
     inputs: RankInputs = field(default_factory=RankInputs)
     """What the headroom gauges of this rank's engine read (:mod:`.headroom`)."""
+    rendered: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """What an exporter rendered of this rank and may reuse while it holds (its labels never change; its flag
+    counts rarely): kept here so it lives and dies with the rank."""
 
     @property
     def limit_bytes(self) -> int | None:
@@ -319,8 +322,16 @@ class ExportState:
 
     def flag_counts(self, series: RankSeries) -> list[tuple[str, str, int]]:
         """Every (kind, severity) with its count, zeros included, so that a rate sees the first flag."""
+        return self._all_flag_counts(self.raised_flags(series))
+
+    def raised_flags(self, series: RankSeries) -> tuple[tuple[tuple[str, str], int], ...]:
+        """The (kind, severity) counts raised so far, in a stable order: what :meth:`flag_counts` is made of."""
         with self._lock:
-            counts = dict(series.flags)
+            return tuple(sorted(series.flags.items()))
+
+    @staticmethod
+    def _all_flag_counts(raised: tuple[tuple[tuple[str, str], int], ...]) -> list[tuple[str, str, int]]:
+        counts = dict(raised)
         return [(kind, severity, counts.get((kind, severity), 0)) for kind in FLAG_KINDS for severity in SEVERITIES
                 ] + [(kind, severity, n) for (kind, severity), n in counts.items() if kind not in FLAG_KINDS]
 
