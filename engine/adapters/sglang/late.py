@@ -21,7 +21,8 @@ from typing import Any
 from ...monitor import Monitor
 from ...probes.base import UNKNOWN
 from ...probes.cuda import CudaProbe
-from . import install_live, runner, scheduler
+from . import install_live, runner, scheduler, sizing
+from . import state as rank_state
 from .reading import engine_settings, rank_identity, sizing_rule
 
 UNKNOWN_TERMS = ("activation_reserve_bytes", "torch_other_bytes", "headroom_bytes", "residual_bytes")
@@ -39,8 +40,8 @@ def attach(*, run_id: str, runtime_dir: str | None, source: str = "injected") ->
     if not runners:
         return None
     install_live()
-    if runner.process.rank is not None:
-        return [runner.process.rank.monitor]
+    if rank_state.process.rank is not None:
+        return [rank_state.process.rank.monitor]
     from sglang.srt.runtime_context import get_parallel
 
     target = runners[-1]
@@ -50,9 +51,9 @@ def attach(*, run_id: str, runtime_dir: str | None, source: str = "injected") ->
                       world_size=identity.world_size, run_id=run_id, probe=CudaProbe(int(target.gpu_id)),
                       runtime_dir=runtime_dir, spawn_sidecar=False, source=source,
                       config={**settings, "data_parallel_size": identity.dp_size, "attached_late": True})
-    state = runner.Rank(monitor, identity)
+    state = rank_state.Rank(monitor, identity)
     state.records_requests = identity.pp_rank == 0 and int(getattr(get_parallel(), "attn_tp_rank", 0) or 0) == 0
-    runner.process.rank = state
+    rank_state.process.rank = state
     monitor.event("rank_identity", identity.event())
     weights = _weights_bytes(getattr(target, "model", None))
     unknown = UNKNOWN_TERMS if weights is not None else ("weights_bytes", *UNKNOWN_TERMS)
@@ -67,7 +68,7 @@ def detach() -> None:
     """Put SGLang's own methods back and forget the rank (its monitor is closed by the injector)."""
     scheduler.uninstall()
     runner.uninstall()
-    runner.process.rank = None
+    rank_state.process.rank = None
 
 
 def _record_kv_sizing(target: Any, monitor: Monitor) -> None:
@@ -100,14 +101,14 @@ def _rule(target: Any, inputs: dict[str, Any]) -> str:
 
 
 def _pool_inputs(target: Any) -> dict[str, Any]:
-    """The live pool configurator's cell size(s) (:func:`.runner.pool_inputs`), empty when it cannot say."""
+    """The live pool configurator's cell size(s) (:func:`.sizing.pool_inputs`), empty when it cannot say."""
     configurator = getattr(target, "kv_cache_configurator", None)
     if configurator is None:
         return {}
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
     try:
-        return runner.pool_inputs(create_memory_pool_configurator(configurator))
+        return sizing.pool_inputs(create_memory_pool_configurator(configurator))
     except AttributeError:
         return {}
 

@@ -31,7 +31,7 @@ from typing import Any
 from ...load import kv_blocks_needed
 from ..hooks import patch_now, patch_on_import, unwrap_all, wrap_method
 from ..versions import require_signatures
-from .runner import Rank, current, guard
+from .state import Rank, current, guard
 
 SCHEDULER_SEAMS = {"run_batch": ("self", "batch"), "process_batch_result": ("self", "batch"),
                    "_add_request_to_queue": ("self", "req", "is_retracted")}
