@@ -87,6 +87,7 @@ class IncidentTriggers:
         self.log_tail = LogTail()
         logging.getLogger("memwatch").addHandler(self.log_tail)
         self._driver: str | bool | None = False
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._work, name="memwatch-incidents", daemon=True)
         self._thread.start()
 
@@ -171,6 +172,7 @@ class IncidentTriggers:
                         run_id, kind)
 
     def _stop_worker(self) -> None:
+        self._stopping.set()  # the worker ends once the queue is empty, even if the sentinel found no room
         if self._thread.is_alive():
             try:
                 self._jobs.put(None, timeout=1.0)
@@ -180,7 +182,12 @@ class IncidentTriggers:
 
     def _work(self) -> None:
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=0.5)
+            except queue.Empty:
+                if self._stopping.is_set():
+                    return
+                continue
             if job is None:
                 return
             if self._writer is not None and not self._writer.flush(COMMIT_WAIT_S):  # the flag's row first
