@@ -105,3 +105,17 @@ def test_base_commands_never_import_obstore():
             "print('obstore' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out
+
+
+def test_a_listing_past_its_bound_is_refused_as_too_wide(tmp_path, monkeypatch):
+    # Three objects against a bound of 2: the names are input from elsewhere, never read without end.
+    folder = tmp_path / "incidents"
+    folder.mkdir()
+    for n in range(3):
+        (folder / f"b{n}.tar.gz").write_bytes(b"x")
+    monkeypatch.setattr(objstore, "MAX_LISTED", 2)
+    with pytest.raises(UsageError, match="more than 2 objects under") as wide:
+        objstore.list_names(f"file://{folder}")
+    assert wide.value.exit_code == 2
+    monkeypatch.setattr(objstore, "MAX_LISTED", 3)
+    assert len(objstore.list_names(f"file://{folder}")) == 3  # exactly at the bound is listed

@@ -212,6 +212,10 @@ def fetch(url: str, limit_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
+MAX_LISTED = 100_000
+"""Objects a listing reads at most (their names, a few MB); beyond, the prefix is refused as too wide."""
+
+
 def list_names(prefix_url: str) -> list[str]:
     """The full URL of every object under ``prefix_url`` (a folder or a bucket prefix), sorted; each can be fetched."""
     loc = parse(prefix_url)
@@ -226,11 +230,16 @@ def list_names(prefix_url: str) -> list[str]:
         store, prefix = _store_for(loc, write=False)
         prefix = prefix.rstrip("/") or None
         base = loc
+    names: list[str] = []
     try:
-        metas = [m for batch in obs.list(store, prefix) for m in batch]
+        for batch in obs.list(store, prefix):
+            names += [str(m["path"]) for m in batch]
+            if len(names) > MAX_LISTED:  # a listing is input from elsewhere too: bounded in memory and time
+                raise UsageError(f"more than {MAX_LISTED:,} objects under {prefix_url}; give a narrower prefix "
+                                 "(a day's or a pod's)")
     except Exception as exc:
         raise _translate(exc, prefix_url) from None
-    return sorted(base.url(str(m["path"])) for m in metas)
+    return sorted(base.url(name) for name in names)
 
 
 def put(url: str, path: Path, *, budget_s: float | None = None) -> None:
