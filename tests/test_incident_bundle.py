@@ -214,3 +214,22 @@ def test_the_bundle_benchmark_runs() -> None:
     assert result.returncode in (0, 1), result.stderr  # 1 only means a target was missed on this machine
     assert "samples: 1,200 (2 ranks x 100 steps/s x 0.1 min)" in result.stdout  # 2 x 100 x 6 s
     assert "build: " in result.stdout and "ratio bundle/baseline" in result.stdout
+
+
+def test_a_bundle_is_published_by_name_in_its_folder_never_through_a_planted_link(tmp_path: Path) -> None:
+    # A folder others can write: a link planted at the bundle's name is not followed (the next name is taken),
+    # and a folder that is itself a link is refused rather than written through.
+    from memwatch.incident.bundle import _publish
+
+    shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
+    shared.mkdir()
+    elsewhere.write_bytes(b"theirs")
+    (shared / "b-0.tar.gz").symlink_to(elsewhere)
+    path = _publish(shared, lambda n: f"b-{n}.tar.gz", b"ours")
+    assert path == shared / "b-1.tar.gz" and path.read_bytes() == b"ours"
+    assert elsewhere.read_bytes() == b"theirs"
+    assert sorted(p.name for p in shared.iterdir()) == ["b-0.tar.gz", "b-1.tar.gz"]  # no temporary left
+    (tmp_path / "linked").symlink_to(shared)
+    with pytest.raises(OSError):
+        _publish(tmp_path / "linked", lambda n: f"c-{n}.tar.gz", b"ours")
+    assert not (shared / "c-0.tar.gz").exists()

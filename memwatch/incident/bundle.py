@@ -19,6 +19,7 @@ import io
 import json
 import os
 import re
+import secrets
 import shutil
 import sqlite3
 import tarfile
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
+
+from memwatch_engine.dirfd import create_exclusive, open_dir
 
 from ..errors import MemwatchError
 from ..store.db import Database, open_store, readonly_uri
@@ -281,21 +284,30 @@ def _archive(made: m.Manifest, files: Mapping[str, bytes], created_ns: int) -> b
 
 def _publish(out_dir: Path, name: Callable[[int], str], data: bytes) -> Path:
     """Write ``data`` into ``out_dir`` atomically under ``name(0)``: a hidden temporary file, synced, then linked to
-    its name, which is never overwritten (taken: ``name(1)``, a millisecond later, and so on)."""
+    its name, which is never overwritten (taken: ``name(1)``, a millisecond later, and so on).
+
+    Through a descriptor of ``out_dir`` (its last component not a symlink) and names within it only: the folder
+    may be one another user can write (a shared ``--out``), and no path is looked up twice."""
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, temporary = tempfile.mkstemp(prefix=".building-", suffix=".part", dir=out_dir)
+    dir_fd = open_dir(out_dir)
+    temporary = f".building-{os.getpid()}-{secrets.token_hex(8)}.part"
     try:
+        fd = create_exclusive(dir_fd, temporary, 0o600, os.O_WRONLY)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         for later in range(1000):
-            final = out_dir / name(later)
+            final = name(later)
             try:
-                os.link(temporary, final)
-                return final
+                os.link(temporary, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+                return out_dir / final
             except FileExistsError:
                 continue
         raise MemwatchError(f"a thousand bundles named like {name(0)} are already in {out_dir}")
     finally:
-        Path(temporary).unlink(missing_ok=True)
+        try:
+            os.unlink(temporary, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        os.close(dir_fd)
