@@ -14,7 +14,9 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import yaml
 from helm_chart import VALUE_SETS, documents, template
+from pod_security import violations
 
 from memwatch.cli.serve import command as serve
 
@@ -218,7 +220,7 @@ def test_a_hostpath_namespace_gets_the_pod_security_level_it_needs(name: str) ->
 @pytest.mark.parametrize("name", list(SETS))
 def test_network_policy_admits_metrics_from_monitoring_and_no_pod_to_health(name: str) -> None:
     text = SETS[name]
-    policies = [d for d in documents(text) if d["kind"] == "NetworkPolicy"]
+    policies = [d for d in documents(text) if d["kind"] == "NetworkPolicy" and "Ingress" in d["spec"]["policyTypes"]]
     if "networkPolicy.enabled=false" in " ".join(VALUE_SETS.get(name.removeprefix("chart:"), ("", []))[1]):
         assert not policies
         return
@@ -293,3 +295,145 @@ def test_the_sidecar_needs_no_torch(runtime_dir: Path, db_path: Path, tmp_path: 
         sidecar.terminate()
         output, _ = sidecar.communicate(timeout=30)
     assert sidecar.returncode == 0, output
+
+
+def _level(resource: dict, name: str) -> str:
+    """The Pod Security level the chart says this workload's namespace needs (what namespace.create labels)."""
+    if resource["kind"] == "DaemonSet" or any("hostPath" in v for v in _pod_spec(resource).get("volumes", [])):
+        return "privileged"
+    engine_uid = next((c.get("securityContext", {}).get("runAsUser") for c in _named(resource, "vllm")), None)
+    return "restricted" if engine_uid else "baseline"
+
+
+@pytest.mark.parametrize(("name", "resource"), RESOURCES, ids=IDS)
+def test_pod_security_restricted_for_every_container_the_chart_owns(name: str, resource: dict) -> None:
+    # The Pod Security Standards' fields, checked as admission would: memwatch's own container meets "restricted"
+    # in the sidecar shape; so does vLLM's wherever it runs as a non-root uid. The exceptions, each named: an
+    # engine left as its image's root (runAsNonRoot alone, so "baseline"), the engine pod's hostPath rings
+    # directory (its one exception), and the agent (root on two hostPaths: "privileged").
+    if resource["kind"] not in WORKLOADS:
+        return
+    spec = _pod_spec(resource)
+    level = _level(resource, name)
+    found = violations(spec, "restricted")
+    if resource["kind"] == "DaemonSet":
+        assert sorted(found) == ["memwatch.securityContext.runAsNonRoot", "memwatch.securityContext.runAsUser 0",
+                                 "volume db: hostPath", "volume runtime: hostPath"], found
+        (memwatch,) = _named(resource, "memwatch")
+        assert "hostPath" not in str([v for v in spec["volumes"] if v["name"] not in ("db", "runtime")])
+        assert violations({"containers": [memwatch]}, "baseline") == []
+        return
+    if resource["kind"] == "Pod":  # mode: engine
+        assert found == ["volume memwatch-rings: hostPath"], found
+        assert violations({**spec, "volumes": []}, "restricted") == []  # all but the hostPath
+        return
+    expected = [] if level == "restricted" else ["vllm.securityContext.runAsNonRoot"]
+    assert found == expected, found
+    assert violations(spec, "baseline") == []
+
+
+def test_the_created_namespace_is_labelled_with_the_level_its_pods_meet() -> None:
+    for args, level in ((["--set", "engine.runAsUser=1000"], "restricted"), ([], "baseline"),
+                        (["--set", "mode=engine", "--set", "engine.runAsUser=1000"], "privileged")):
+        docs = documents(template("r", ["--set", "namespace.name=llm", "--set", "namespace.create=true", *args]))
+        (namespace,) = [d for d in docs if d["kind"] == "Namespace"]
+        assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == level, args
+        for workload in _workloads("---\n".join(yaml.safe_dump(d) for d in docs)):
+            assert violations(_pod_spec(workload), level) == [], (args, level)
+
+
+def test_the_pod_security_checks_refuse_what_the_standards_refuse() -> None:
+    # The checker itself, on pods the standards name: each field alone is refused at its level.
+    good = {"securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{"name": "c", "securityContext": {"allowPrivilegeEscalation": False,
+                                                             "capabilities": {"drop": ["ALL"]}}}],
+            "volumes": [{"name": "v", "emptyDir": {}}]}
+    assert violations(good, "restricted") == []
+    bad = {
+        "spec.hostPID": {**good, "hostPID": True},
+        "c.securityContext.privileged": {**good, "containers": [{"name": "c",
+                                                                 "securityContext": {"privileged": True}}]},
+        "volume h: hostPath": {**good, "volumes": [{"name": "h", "hostPath": {"path": "/"}}]},
+        "c.ports.hostPort": {**good, "containers": [{**good["containers"][0], "ports": [{"hostPort": 80}]}]},
+        "spec.securityContext.seccompProfile Unconfined": {**good, "securityContext": {
+            "runAsNonRoot": True, "seccompProfile": {"type": "Unconfined"}}},
+    }
+    for field, spec in bad.items():
+        assert field in violations(spec, "baseline"), field
+    restricted_only = {
+        "c.securityContext.runAsNonRoot": {**good, "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}},
+        "c.securityContext.seccompProfile": {**good, "securityContext": {"runAsNonRoot": True}},
+        "c.securityContext.allowPrivilegeEscalation": {**good, "containers": [{"name": "c", "securityContext": {
+            "capabilities": {"drop": ["ALL"]}}}]},
+        "c.securityContext.capabilities.drop ALL": {**good, "containers": [{"name": "c", "securityContext": {
+            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["NET_RAW"]}}}]},
+        "volume g: gitRepo": {**good, "volumes": [{"name": "g", "gitRepo": {"repository": "x"}}]},
+    }
+    for field, spec in restricted_only.items():
+        assert violations(spec, "baseline") == [] and field in violations(spec, "restricted"), field
+
+
+@pytest.mark.parametrize(("name", "resource"), RESOURCES, ids=IDS)
+def test_memwatchs_read_only_root_has_a_small_tmp(name: str, resource: dict) -> None:
+    # Python's tempfile and the bundles' scratch need a writable /tmp: an emptyDir, bounded.
+    for container in _named(resource, "memwatch"):
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        (tmp,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
+        (volume,) = [v for v in _pod_spec(resource)["volumes"] if v["name"] == tmp["name"]]
+        assert "emptyDir" in volume, volume
+        if tmp["name"] == "memwatch-tmp":  # the chart's own (a set may mount one of its own instead)
+            assert _bytes(volume["emptyDir"]["sizeLimit"]) == 64 * 2**20
+
+
+def test_extra_volumes_reach_the_containers_and_replace_the_charts_own_mount() -> None:
+    (deployment,) = _workloads(SETS["chart:sidecar-bundles-volumes"])
+    spec = _pod_spec(deployment)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["db"] == {"name": "db", "persistentVolumeClaim": {"claimName": "memwatch-db"}}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert "memwatch-db" not in volumes  # the claim holds the database: no emptyDir left unused
+    (memwatch,) = _named(deployment, "memwatch")
+    assert {m["mountPath"]: m["name"] for m in memwatch["volumeMounts"]} == {
+        "/run/memwatch": "memwatch-run", "/var/lib/memwatch": "db", "/tmp": "memwatch-tmp"}
+    (vllm,) = _named(deployment, "vllm")
+    assert {m["mountPath"]: m["name"] for m in vllm["volumeMounts"]} == {"/run/memwatch": "memwatch-run",
+                                                                           "/dev/shm": "dshm"}
+    (agent,) = _workloads(SETS["chart:agent-bundles-otlp-volumes"])
+    (memwatch,) = _named(agent, "memwatch")
+    assert {m["mountPath"]: m["name"] for m in memwatch["volumeMounts"]} == {
+        "/run/memwatch": "runtime", "/var/lib/memwatch": "db", "/tmp": "scratch"}
+    assert sorted(v["name"] for v in _pod_spec(agent)["volumes"]) == ["db", "runtime", "scratch"]
+    engine = _workloads(template("e", ["--set", "mode=engine", "--set-json",
+                                       'extraVolumes=[{"name":"dshm","emptyDir":{"medium":"Memory"}}]', "--set-json",
+                                       'engine.extraVolumeMounts=[{"name":"dshm","mountPath":"/dev/shm"}]']))[0]
+    assert [m["mountPath"] for m in _named(engine, "vllm")[0]["volumeMounts"]] == ["/run/memwatch/rings", "/dev/shm"]
+    assert [v["name"] for v in _pod_spec(engine)["volumes"]] == ["memwatch-rings", "dshm"]
+
+
+@pytest.mark.parametrize("name", list(SETS))
+def test_the_agent_is_node_critical_and_the_engines_are_not(name: str) -> None:
+    # A node agent is scheduled before, and evicted after, ordinary pods (dcgm-exporter's chart does the same);
+    # priorityClassName stays the operator's for engine pods ("" by default; one set names "high").
+    for workload in _workloads(SETS[name]):
+        expected = "system-node-critical" if workload["kind"] == "DaemonSet" else (
+            "high" if name == "chart:sidecar-monitors-otlp" else None)
+        assert _pod_spec(workload).get("priorityClassName") == expected, name
+
+
+@pytest.mark.parametrize("name", list(SETS))
+def test_egress_is_bounded_to_dns_and_the_store_when_bundles_are_shipped(name: str) -> None:
+    docs = documents(SETS[name])
+    egress = [d for d in docs if d["kind"] == "NetworkPolicy" and "Egress" in d["spec"]["policyTypes"]]
+    for workload in _workloads(SETS[name]):
+        for container in _named(workload, "memwatch"):
+            to = {e["name"]: e.get("value") for e in container.get("env", [])}.get("MEMWATCH_BUNDLE_TO")
+            labels = _pod_labels(workload).items()
+            mine = [p for p in egress if p["spec"]["podSelector"]["matchLabels"].items() <= labels]
+            policy_on = "networkPolicy.enabled=false" not in " ".join(
+                VALUE_SETS.get(name.removeprefix("chart:"), ("", []))[1])
+            assert len(mine) == (1 if to and policy_on else 0), name
+            for policy in mine:
+                ports = [p["port"] for rule in policy["spec"]["egress"] for p in rule["ports"]]
+                otlp = _option(container["args"], "--otlp")
+                store = [443] if to.startswith(("s3://", "gs://", "az://")) else []
+                assert ports == [53, 53, *store, *([int(otlp.rsplit(":", 1)[1])] if otlp else [])], (name, ports)
