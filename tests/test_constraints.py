@@ -75,3 +75,9 @@ def test_the_generator_pins_what_is_installed_here_with_what_it_pulls_in() -> No
     assert pins["opentelemetry-api"] == metadata.version("opentelemetry-api")
     assert "memwatch" not in pins and "pytest" not in pins  # the project itself, and no test tool
     assert _pins(module.render(pins)) == pins
+
+
+def test_the_build_context_carries_the_constraints() -> None:
+    # .dockerignore leaves deploy/ out of the context: the constraints file must be let back in, or the COPY fails.
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "deploy" in lines and lines.index("!deploy/constraints.txt") > lines.index("deploy")

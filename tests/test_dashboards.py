@@ -122,3 +122,17 @@ def _row_panels(dashboard: dict, row: str) -> list[dict]:
         elif inside:
             panels.append(panel)
     return panels
+
+
+def test_the_readmes_scrape_example_keeps_the_pod_labels_on_the_charts_port() -> None:
+    # Without honor_labels the engine pod's namespace/pod/container become exported_*, and the alerts' labels with
+    # them; the port is the one the chart's memwatch listens on.
+    readme = (ROOT / "dashboards" / "README.md").read_text()
+    config = yaml.safe_load(re.search(r"```yaml\n(global:.*?)```", readme, re.S).group(1))
+    (job,) = config["scrape_configs"]
+    assert job["honor_labels"] is True
+    chart_port = yaml.safe_load((ROOT / "deploy" / "helm" / "memwatch" / "values.yaml").read_text())[
+        "exporters"]["prometheus"]["port"]
+    ports = {int(target.rsplit(":", 1)[1]) for target in job["static_configs"][0]["targets"]}
+    assert ports == {chart_port} == {9400}
+    assert config["rule_files"] == ["/path/to/dashboards/memwatch-alerts.yml"]

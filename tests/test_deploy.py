@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import kubernetes_validate
@@ -437,3 +438,16 @@ def test_egress_is_bounded_to_dns_and_the_store_when_bundles_are_shipped(name: s
                 otlp = _option(container["args"], "--otlp")
                 store = [443] if to.startswith(("s3://", "gs://", "az://")) else []
                 assert ports == [53, 53, *store, *([int(otlp.rsplit(":", 1)[1])] if otlp else [])], (name, ports)
+
+
+def test_the_docs_state_the_python_pyproject_requires_and_that_bundles_exist() -> None:
+    required = re.fullmatch(r">=(3\.\d+)", tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "requires-python"]).group(1)
+    for path in ("Dockerfile", "README.md", "deploy/README.md", "deploy/engine.Dockerfile"):
+        text = (ROOT / path).read_text()
+        assert set(re.findall(r"Python (3\.\d+)\+", text)) <= {required}, path
+    assert "Python 3.11+" in (ROOT / "Dockerfile").read_text()
+    for path in ("deploy/README.md", "deploy/helm/memwatch/values.yaml"):
+        text = (ROOT / path).read_text()
+        assert "no incident bundles" not in text and "does not make them yet" not in text, path
+        assert "bundles.to" in text or "bundles:" in text, path
