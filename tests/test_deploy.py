@@ -326,6 +326,9 @@ def test_pod_security_restricted_for_every_container_the_chart_owns(name: str, r
         return
     if resource["kind"] == "Pod":  # mode: engine
         assert found == ["volume memwatch-rings: hostPath"], found
+        # The uid is the pod's alone: a container-level one would override a pod run as another uid.
+        (vllm,) = _named(resource, "vllm")
+        assert "runAsUser" not in vllm["securityContext"] and "runAsGroup" not in vllm["securityContext"]
         assert violations({**spec, "volumes": []}, "restricted") == []  # all but the hostPath
         return
     expected = [] if level == "restricted" else ["vllm.securityContext.runAsNonRoot"]

@@ -257,16 +257,18 @@ memwatch.extraVolumeMounts mounts something at that path instead, then memwatch.
 {{- end -}}
 
 {{/* The engine container's securityContext: Pod Security "restricted" (runAsNonRoot with a non-root uid; vLLM's
-image runs as root when engine.runAsUser is unset), then engine.securityContext merged over it. */}}
+image runs as root when engine.runAsUser is unset), then engine.securityContext merged over it. The uid and group
+are the container's in the sidecar shape (memwatch has its own); the engine pod sets them on the pod. */}}
 {{- define "memwatch.engineSecurityContext" -}}
 {{- $context := dict "allowPrivilegeEscalation" false "capabilities" (dict "drop" (list "ALL"))
       "seccompProfile" (dict "type" "RuntimeDefault") -}}
 {{- $uid := .Values.engine.runAsUser -}}
+{{- $sidecar := eq .Values.mode "sidecar" -}}
 {{- if not (kindIs "invalid" $uid) -}}
-{{- $_ := set $context "runAsUser" (int64 $uid) -}}
+{{- if $sidecar }}{{ $_ := set $context "runAsUser" (int64 $uid) }}{{ end -}}
 {{- if gt (int64 $uid) 0 }}{{ $_ := set $context "runAsNonRoot" true }}{{ end -}}
 {{- end -}}
-{{- if not (kindIs "invalid" .Values.engine.runAsGroup) -}}
+{{- if and $sidecar (not (kindIs "invalid" .Values.engine.runAsGroup)) -}}
 {{- $_ := set $context "runAsGroup" (int64 .Values.engine.runAsGroup) -}}
 {{- end -}}
 {{- mergeOverwrite $context (deepCopy .Values.engine.securityContext) | toYaml -}}
