@@ -150,7 +150,8 @@ def test_an_egress_policy_only_when_bundles_go_somewhere() -> None:
     assert dns["ports"] == [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]
     assert dns["to"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
                           "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}]
-    assert store == {"ports": [{"port": 443, "protocol": "TCP"}], "to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}
+    assert store == {"ports": [{"port": 443, "protocol": "TCP"}],
+                     "to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}}]}
     # A folder needs no network: DNS alone. The OTLP collector's port is added when OTLP is on.
     (folder,) = policies("--set", "mode=agent", "--set", "bundles.to=file:///var/lib/memwatch/incidents",
                          "--set", "exporters.otlp.enabled=true", "--set", "exporters.otlp.endpoint=https://otel")[
