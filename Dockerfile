@@ -1,8 +1,10 @@
 # memwatch's sidecar: stores engines' rings in SQLite, exports metrics, answers probes.
 # No torch and no GPU needed: the engine image carries the plugin (deploy/engine.Dockerfile).
 #   docker build -t memwatch:0.1.0 .
-# BASE: any Debian-like image with Python 3.10+; where it has no pip (Debian's own python3, PEP 668), memwatch
-# goes into a virtual environment at /opt/venv, which is first on PATH either way.
+# BASE: any Debian-like image with Python 3.11+ (pyproject.toml's requires-python); where it has no pip (Debian's
+# own python3, PEP 668), memwatch goes into a virtual environment at /opt/venv, which is first on PATH either way.
+# The dependencies are pinned by deploy/constraints.txt (the versions the tests ran with; deploy/pin_constraints.py
+# writes it), so a rebuild installs what was tested.
 ARG BASE=python:3.11-slim
 FROM ${BASE} AS build
 ENV PATH=/opt/venv/bin:$PATH
@@ -11,7 +13,8 @@ RUN command -v pip >/dev/null 2>&1 || python3 -m venv /opt/venv
 COPY pyproject.toml README.md MANIFEST.in build_autoload.py ./
 COPY engine ./engine
 COPY memwatch ./memwatch
-RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[bundles]'
+COPY deploy/constraints.txt ./constraints.txt
+RUN pip wheel --no-cache-dir --wheel-dir /wheels -c constraints.txt '.[bundles]'
 
 FROM ${BASE}
 ENV PATH=/opt/venv/bin:$PATH

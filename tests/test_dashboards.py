@@ -12,6 +12,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import yaml
+
 from memwatch.flags import FLAG_KINDS, RESERVE_OVERSTATED
 
 from prometheus_server import binary
@@ -48,6 +50,26 @@ def test_promtool_unit_tests_fire_each_alert_and_stay_silent_on_a_clean_run() ->
     for alert in alerts:
         cases = re.findall(rf"- alertname: {alert}\n\s+eval_time: \w+\n\s+exp_alerts:(.*)", tests)
         assert sorted(case.strip() == "[]" for case in cases) == [False, True], alert  # one silent, one firing
+
+
+POD_LABELS = ("namespace", "pod", "container", "node", "k8s_pod_uid", "container_id")
+"""The engine's pod as it claims it (dcgm-exporter's names) and as the node agent reads it from the writer's cgroup."""
+
+
+def test_every_alert_keeps_the_engines_pod_labels() -> None:
+    # An aggregation that names only host, run_id and rank drops them: an alert that cannot say which pod it is.
+    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
+    assert len(rules) == 11
+    for rule in rules:
+        kept = re.fullmatch(r"\w+ by \(([^)]*)\) \(.*\) [<>] [0-9]+", rule["expr"])
+        assert kept, rule["expr"]
+        labels = [label.strip() for label in kept.group(1).split(",")]
+        assert labels == ["host", "run_id", "rank", *POD_LABELS], rule["alert"]
+    # promtool's unit tests (above) fire each alert on a series with these labels and expect every one of them
+    # on the alert: count the cases that check them, one per alert but MemwatchOom (an engine outside a pod).
+    tests = RULE_TESTS.read_text()
+    assert tests.count("k8s_pod_uid: 7c9e6679-7425-40de-944b-e07fc1f90ae7\n") == 10
+    assert tests.count("summary: \"run bad rank 0 on node1 (pod llm/vllm-0):") == 10
 
 
 def test_one_alert_per_flag_kind_of_warning_or_worse_and_one_for_the_oom_margin() -> None:
@@ -100,3 +122,17 @@ def _row_panels(dashboard: dict, row: str) -> list[dict]:
         elif inside:
             panels.append(panel)
     return panels
+
+
+def test_the_readmes_scrape_example_keeps_the_pod_labels_on_the_charts_port() -> None:
+    # Without honor_labels the engine pod's namespace/pod/container become exported_*, and the alerts' labels with
+    # them; the port is the one the chart's memwatch listens on.
+    readme = (ROOT / "dashboards" / "README.md").read_text()
+    config = yaml.safe_load(re.search(r"```yaml\n(global:.*?)```", readme, re.S).group(1))
+    (job,) = config["scrape_configs"]
+    assert job["honor_labels"] is True
+    chart_port = yaml.safe_load((ROOT / "deploy" / "helm" / "memwatch" / "values.yaml").read_text())[
+        "exporters"]["prometheus"]["port"]
+    ports = {int(target.rsplit(":", 1)[1]) for target in job["static_configs"][0]["targets"]}
+    assert ports == {chart_port} == {9400}
+    assert config["rule_files"] == ["/path/to/dashboards/memwatch-alerts.yml"]

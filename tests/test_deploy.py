@@ -14,75 +14,33 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-from helm_chart import VALUE_SETS, documents, template
+from helm_chart import VALUE_SETS, documents
+from rendered import (
+    IDS,
+    RESOURCES,
+    SETS,
+    WORKLOADS,
+    arg_value,
+    named,
+    pod_labels,
+    pod_spec,
+    quantity_bytes,
+    workloads,
+)
 
 from memwatch.cli.serve import command as serve
 
 from processes import memwatch_env, query, wait_for
 
 ROOT = Path(__file__).parent.parent
-PLAIN = ["deploy/sidecar/vllm-with-memwatch.yaml", "deploy/daemonset/memwatch-agent.yaml",
-         "deploy/daemonset/vllm-pod.yaml"]
 KUBERNETES = "1.30.0"
 """The oldest version the manifests are checked against: native sidecars are on by default from 1.29."""
 MONITORING = "monitoring.coreos.com/v1"
 """Prometheus Operator's kinds: not in Kubernetes' schemas; their fields are checked by the tests below."""
-WORKLOADS = {"Deployment", "DaemonSet", "Pod"}
+OPERATOR_DURATION = r"(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)"
+"""monitoring.coreos.com/v1's Duration (the operator's CRDs validate interval and scrapeTimeout with it)."""
 
 
-def _sets() -> dict[str, str]:
-    """Every set of objects checked: each plain manifest, and the chart rendered with each value set."""
-    found = {path: (ROOT / path).read_text() for path in PLAIN}
-    found.update({f"chart:{name}": template(release, args) for name, (release, args) in VALUE_SETS.items()})
-    return found
-
-
-SETS = _sets()
-
-
-def _resources() -> list[tuple[str, dict]]:
-    return [(f"{name}:{doc['kind']}/{doc['metadata']['name']}", doc) for name, text in SETS.items()
-            for doc in documents(text)]
-
-
-def _pod_spec(resource: dict) -> dict:
-    spec = resource.get("spec", {})
-    return spec.get("template", {}).get("spec", spec)
-
-
-def _pod_labels(resource: dict) -> dict:
-    if resource["kind"] == "Pod":
-        return resource["metadata"].get("labels", {})
-    return resource["spec"]["template"]["metadata"].get("labels", {})
-
-
-def _containers(resource: dict) -> list[dict]:
-    spec = _pod_spec(resource)
-    return [*spec.get("initContainers", []), *spec.get("containers", [])]
-
-
-def _workloads(text: str) -> list[dict]:
-    return [doc for doc in documents(text) if doc["kind"] in WORKLOADS]
-
-
-def _named(resource: dict, name: str) -> list[dict]:
-    return [c for c in _containers(resource) if c["name"] == name]
-
-
-def _option(args: list[str], name: str) -> str | None:
-    return next((a.split("=", 1)[1] for a in args if a.startswith(f"{name}=")), None)
-
-
-def _bytes(quantity: str) -> float:
-    """A Kubernetes quantity (2Gi, 500M, 1.5G) in bytes."""
-    number, unit = re.fullmatch(r"([0-9.]+)([KMGTP]i?|k)?", quantity).groups()
-    scale = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
-             "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, None: 1}
-    return float(number) * scale[unit]
-
-
-RESOURCES = _resources()
-IDS = [name for name, _ in RESOURCES]
 
 
 def test_both_shapes_and_the_engine_pod_are_there() -> None:
@@ -100,13 +58,13 @@ def test_every_object_is_valid_kubernetes_strictly(name: str, resource: dict, ve
 
 @pytest.mark.parametrize(("name", "resource"), RESOURCES, ids=IDS)
 def test_memwatch_containers_pass_options_serve_accepts_and_have_probes(name: str, resource: dict) -> None:
-    for container in _named(resource, "memwatch"):
+    for container in named(resource, "memwatch"):
         assert "memwatch" in container["image"] and "vllm" not in container["image"]
         args = container["args"]
         assert args[0] == "serve"
         serve.make_context("serve", list(args[1:]))  # click raises on an unknown option or a bad value
         assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-        health_port = int(_option(args, "--health").split(":")[-1])
+        health_port = int(arg_value(args, "--health").split(":")[-1])
         assert {p["name"]: p["containerPort"] for p in container["ports"]}["health"] == health_port
         assert container["livenessProbe"]["httpGet"]["port"] in (health_port, "health")
 
@@ -115,8 +73,8 @@ def test_memwatch_containers_pass_options_serve_accepts_and_have_probes(name: st
 def test_no_memwatch_readiness_probe_gates_an_engine(name: str, resource: dict) -> None:
     # A native sidecar's readinessProbe (or an ordinary container's beside the engine) is the pod's readiness:
     # a locked database would take vLLM out of its Service. Liveness restarts memwatch alone.
-    if _named(resource, "vllm"):
-        for container in _named(resource, "memwatch"):
+    if named(resource, "vllm"):
+        for container in named(resource, "memwatch"):
             assert "readinessProbe" not in container, name
             assert container["startupProbe"]["httpGet"]["path"] == "/readyz"
 
@@ -124,7 +82,7 @@ def test_no_memwatch_readiness_probe_gates_an_engine(name: str, resource: dict) 
 @pytest.mark.parametrize(("name", "resource"), RESOURCES, ids=IDS)
 def test_engine_args_follow_the_images_entrypoint(name: str, resource: dict) -> None:
     # vLLM's image has ENTRYPOINT ["vllm", "serve"]; Kubernetes appends args: they must start with the model.
-    for container in _named(resource, "vllm"):
+    for container in named(resource, "vllm"):
         assert "vllm" in container["image"] and "memwatch" in container["image"]
         assert "command" not in container
         assert container["args"][0] not in ("vllm", "serve"), container["args"]
@@ -133,7 +91,7 @@ def test_engine_args_follow_the_images_entrypoint(name: str, resource: dict) -> 
 
 @pytest.mark.parametrize(("name", "resource"), RESOURCES, ids=IDS)
 def test_engines_get_the_downward_api_names_memwatch_reads(name: str, resource: dict) -> None:
-    for container in _named(resource, "vllm"):
+    for container in named(resource, "vllm"):
         env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
         assert env["MEMWATCH"] == "1" and env["MEMWATCH_SPAWN"] == "0", name
         assert env["MEMWATCH_RUNTIME_DIR"] == "/run/memwatch/rings"
@@ -148,23 +106,23 @@ def test_the_agent_needs_no_capability_and_is_in_its_runtime_group(name: str, re
     # group root needs no capability to make its own directory 3770 and read the rings through the group.
     if resource["kind"] != "DaemonSet":
         return
-    (container,) = _named(resource, "memwatch")
+    (container,) = named(resource, "memwatch")
     capabilities = container["securityContext"]["capabilities"]
     assert capabilities.get("drop") == ["ALL"] and not capabilities.get("add"), capabilities
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
-    group = int(_option(container["args"], "--runtime-group"))
-    assert group in _pod_spec(resource)["securityContext"]["supplementalGroups"]
+    group = int(arg_value(container["args"], "--runtime-group"))
+    assert group in pod_spec(resource)["securityContext"]["supplementalGroups"]
 
 
 def test_engine_pods_for_the_agent_carry_its_group() -> None:
-    (agent,) = _workloads(SETS["deploy/daemonset/memwatch-agent.yaml"])
-    (memwatch,) = _named(agent, "memwatch")
-    group = int(_option(memwatch["args"], "--runtime-group"))
+    (agent,) = workloads(SETS["deploy/daemonset/memwatch-agent.yaml"])
+    (memwatch,) = named(agent, "memwatch")
+    group = int(arg_value(memwatch["args"], "--runtime-group"))
     env = {e["name"]: e.get("value", "") for e in memwatch.get("env", [])}
     trusted = {0, *(int(a.split("=")[1]) for a in memwatch["args"] if a.startswith("--trust-uid=")),
                *(int(u) for u in env.get("MEMWATCH_TRUST_UIDS", "").split(",") if u)}
-    (engine,) = _workloads(SETS["deploy/daemonset/vllm-pod.yaml"])
-    spec = _pod_spec(engine)
+    (engine,) = workloads(SETS["deploy/daemonset/vllm-pod.yaml"])
+    spec = pod_spec(engine)
     assert group in spec["securityContext"]["supplementalGroups"]
     assert spec["securityContext"].get("runAsUser", 0) in trusted
 
@@ -174,24 +132,24 @@ def test_storage_holds_the_bound_the_manifest_states(name: str) -> None:
     # An emptyDir past its sizeLimit gets the pod evicted, engine included: the database's bound under the
     # retention passed to memwatch is stated in the manifest, and the limit holds it.
     text = SETS[name]
-    for workload in _workloads(text):
-        for container in _named(workload, "memwatch"):
+    for workload in workloads(text):
+        for container in named(workload, "memwatch"):
             stated = re.search(r"^# - Database bound: (\S+) under (.*)$", text, re.M)
             assert stated, f"{name}: no database bound stated"
-            bound = _bytes(stated.group(1))
+            bound = quantity_bytes(stated.group(1))
             for option in ("--keep-full", "--keep-evidence", "--keep-rollups", "--max-db-size"):
-                value = _option(container["args"], option)
+                value = arg_value(container["args"], option)
                 assert (value is None) == (f"{option}=" not in stated.group(2)), (option, stated.group(2))
-            if (size := _option(container["args"], "--max-db-size")) is not None:
+            if (size := arg_value(container["args"], "--max-db-size")) is not None:
                 from memwatch.units import parse_bytes
 
                 assert 0 < parse_bytes(size) <= bound, (size, bound)  # the cap is what makes it a bound
             else:
-                assert _option(container["args"], "--keep-rollups") not in (None, "forever"), name
+                assert arg_value(container["args"], "--keep-rollups") not in (None, "forever"), name
             mounts = {m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/var/lib/memwatch"}
-            for volume in _pod_spec(workload)["volumes"]:
+            for volume in pod_spec(workload)["volumes"]:
                 if volume["name"] in mounts and "emptyDir" in volume:
-                    assert _bytes(volume["emptyDir"]["sizeLimit"]) >= bound, name
+                    assert quantity_bytes(volume["emptyDir"]["sizeLimit"]) >= bound, name
 
 
 @pytest.mark.parametrize("name", list(SETS))
@@ -200,7 +158,7 @@ def test_pods_mount_no_service_account_token(name: str) -> None:
         if doc["kind"] == "ServiceAccount":
             assert doc["automountServiceAccountToken"] is False
         if doc["kind"] in WORKLOADS:
-            assert _pod_spec(doc)["automountServiceAccountToken"] is False, name
+            assert pod_spec(doc)["automountServiceAccountToken"] is False, name
 
 
 @pytest.mark.parametrize("name", list(SETS))
@@ -218,22 +176,22 @@ def test_a_hostpath_namespace_gets_the_pod_security_level_it_needs(name: str) ->
 @pytest.mark.parametrize("name", list(SETS))
 def test_network_policy_admits_metrics_from_monitoring_and_no_pod_to_health(name: str) -> None:
     text = SETS[name]
-    policies = [d for d in documents(text) if d["kind"] == "NetworkPolicy"]
+    policies = [d for d in documents(text) if d["kind"] == "NetworkPolicy" and "Ingress" in d["spec"]["policyTypes"]]
     if "networkPolicy.enabled=false" in " ".join(VALUE_SETS.get(name.removeprefix("chart:"), ("", []))[1]):
         assert not policies
         return
-    for workload in _workloads(text):
-        ports = {p["name"]: p["containerPort"] for c in _named(workload, "memwatch") for p in c["ports"]}
+    for workload in workloads(text):
+        ports = {p["name"]: p["containerPort"] for c in named(workload, "memwatch") for p in c["ports"]}
         if not ports:
             continue  # an engine pod for the agent: memwatch listens elsewhere
-        labels = _pod_labels(workload)
+        labels = pod_labels(workload)
         (policy,) = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
         assert policy["spec"]["policyTypes"] == ["Ingress"]
         rules = {port["port"]: rule for rule in policy["spec"]["ingress"] for port in rule["ports"]}
         assert ports["health"] not in rules and "health" not in rules  # the kubelet's probes come from the node
         if "metrics" in ports:
             assert rules[ports["metrics"]]["from"][0]["namespaceSelector"]["matchLabels"]
-        for engine in _named(workload, "vllm"):
+        for engine in named(workload, "vllm"):
             assert {p["containerPort"] for p in engine["ports"]} <= set(rules)
 
 
@@ -247,17 +205,22 @@ def test_monitors_scrape_the_metrics_port_and_keep_the_engine_labels(name: str) 
             (service,) = [s for s in services if selector.items() <= s["metadata"]["labels"].items()]
             names = {p["name"] for p in service["spec"]["ports"]}
             endpoints = monitor["spec"]["endpoints"]
-            (workload,) = [w for w in _workloads(SETS[name])
-                           if service["spec"]["selector"].items() <= _pod_labels(w).items()]
+            (workload,) = [w for w in workloads(SETS[name])
+                           if service["spec"]["selector"].items() <= pod_labels(w).items()]
             target = {p["targetPort"] for p in service["spec"]["ports"] if p["name"] == "metrics"}
-            assert target <= {p["containerPort"] for c in _named(workload, "memwatch") for p in c["ports"]}
+            assert target <= {p["containerPort"] for c in named(workload, "memwatch") for p in c["ports"]}
         else:
             assert monitor["kind"] == "PodMonitor"
-            (workload,) = [w for w in _workloads(SETS[name]) if selector.items() <= _pod_labels(w).items()]
-            names = {p["name"] for c in _named(workload, "memwatch") for p in c["ports"]}
+            (workload,) = [w for w in workloads(SETS[name]) if selector.items() <= pod_labels(w).items()]
+            names = {p["name"] for c in named(workload, "memwatch") for p in c["ports"]}
             endpoints = monitor["spec"]["podMetricsEndpoints"]
         assert [e["port"] for e in endpoints] == ["metrics"] and "metrics" in names
         assert all(e["honorLabels"] is True for e in endpoints)
+        for endpoint in endpoints:  # what the operator's CRD admits: its Duration pattern, RelabelConfig lists
+            for field in ("interval", "scrapeTimeout"):
+                assert field not in endpoint or re.fullmatch(OPERATOR_DURATION, endpoint[field]), endpoint
+            for field in ("relabelings", "metricRelabelings"):
+                assert all(isinstance(r, dict) and r.get("action") for r in endpoint.get(field, [])), endpoint
 
 
 def test_the_images_command_parses_and_what_it_copies_exists() -> None:

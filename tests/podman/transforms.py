@@ -99,6 +99,17 @@ def empty_dirs_as_kubelet_makes_them(doc: Doc, root: Path) -> Doc:
     return doc
 
 
+def fs_group_as_supplemental_group(doc: Doc) -> Doc:
+    """``fsGroup`` among every container's supplementary groups, as the kubelet adds it: podman ignores
+    ``fsGroup``, so an engine with no capability (``drop: ALL``) could not write into the group's rings directory
+    where it can in a cluster."""
+    context = pod_spec(doc).get("securityContext", {})
+    group = context.get("fsGroup")
+    if group is not None and group not in context.setdefault("supplementalGroups", []):
+        context["supplementalGroups"].append(group)
+    return doc
+
+
 def local_images(doc: Doc, images: dict[str, str]) -> Doc:
     """Image names by role -> the locally built ``localhost/...`` images (no registry here)."""
     for container in containers(doc):
@@ -153,7 +164,8 @@ def playable(docs: list[Doc], images: dict[str, str], node: Path) -> tuple[list[
     out, ports = [], {}
     for doc in drop_unsupported_kinds(copy.deepcopy(docs)):
         doc = daemonset_as_pod(doc)
-        for change in (native_sidecar_as_container, drop_gpu_limits, downward_api_literal, named_probe_ports):
+        for change in (native_sidecar_as_container, drop_gpu_limits, downward_api_literal, named_probe_ports,
+                       fs_group_as_supplemental_group):
             doc = change(doc)
         doc = local_images(empty_dirs_as_kubelet_makes_them(hostpaths_under(doc, node), node), images)
         ports.update(free_ports(doc))

@@ -144,7 +144,7 @@ seccompProfile:
 {{- define "memwatch.podCommon" -}}
 serviceAccountName: {{ include "memwatch.serviceAccountName" . }}
 automountServiceAccountToken: false
-{{- with .Values.priorityClassName }}
+{{- with ternary .Values.agent.priorityClassName .Values.priorityClassName (eq .Values.mode "agent") }}
 priorityClassName: {{ . }}
 {{- end }}
 {{- with .Values.imagePullSecrets }}
@@ -212,15 +212,116 @@ resources:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 volumeMounts:
-  - name: memwatch-run
-    mountPath: /run/memwatch
-  - name: memwatch-db
-    mountPath: /var/lib/memwatch
+  {{- include "memwatch.memwatchMounts" . | nindent 2 }}
 {{- end -}}
 
-{{/* The Pod Security level the namespace needs: privileged for hostPath (agent, engine), else baseline. */}}
+{{/* The mount paths memwatch.extraVolumeMounts gives, as a JSON list: the chart's own mount there is left out. */}}
+{{- define "memwatch.extraPaths" -}}
+{{- $paths := list -}}
+{{- range .Values.memwatch.extraVolumeMounts -}}
+{{- $paths = append $paths (.mountPath | trimSuffix "/") -}}
+{{- end -}}
+{{- $paths | toJson -}}
+{{- end -}}
+
+{{/* memwatch's mounts: the runtime directory, the database and /tmp (read-only root) unless
+memwatch.extraVolumeMounts mounts something at that path instead, then memwatch.extraVolumeMounts. */}}
+{{- define "memwatch.memwatchMounts" -}}
+{{- $agent := eq .Values.mode "agent" -}}
+{{- $paths := include "memwatch.extraPaths" . | fromJsonArray -}}
+- name: {{ ternary "runtime" "memwatch-run" $agent }}
+  mountPath: /run/memwatch
+{{- if not (has "/var/lib/memwatch" $paths) }}
+- name: {{ ternary "db" "memwatch-db" $agent }}
+  mountPath: /var/lib/memwatch
+{{- end }}
+{{- if not (has "/tmp" $paths) }}
+- name: memwatch-tmp
+  mountPath: /tmp
+{{- end }}
+{{- with .Values.memwatch.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* /tmp for memwatch's read-only root (unless memwatch.extraVolumeMounts mounts one), then extraVolumes. */}}
+{{- define "memwatch.extraVolumes" -}}
+{{- if and (ne .Values.mode "engine") (not (has "/tmp" (include "memwatch.extraPaths" . | fromJsonArray))) }}
+- name: memwatch-tmp
+  emptyDir:
+    sizeLimit: {{ .Values.memwatch.tmpSizeLimit }}
+{{- end }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The engine container's securityContext: Pod Security "restricted" (runAsNonRoot with a non-root uid; vLLM's
+image runs as root when engine.runAsUser is unset), then engine.securityContext merged over it. The uid and group
+are the container's in the sidecar shape (memwatch has its own); the engine pod sets them on the pod. */}}
+{{- define "memwatch.engineSecurityContext" -}}
+{{- $context := dict "allowPrivilegeEscalation" false "capabilities" (dict "drop" (list "ALL"))
+      "seccompProfile" (dict "type" "RuntimeDefault") -}}
+{{- $uid := .Values.engine.runAsUser -}}
+{{- $sidecar := eq .Values.mode "sidecar" -}}
+{{- if not (kindIs "invalid" $uid) -}}
+{{- if $sidecar }}{{ $_ := set $context "runAsUser" (int64 $uid) }}{{ end -}}
+{{- if gt (int64 $uid) 0 }}{{ $_ := set $context "runAsNonRoot" true }}{{ end -}}
+{{- end -}}
+{{- if and $sidecar (not (kindIs "invalid" .Values.engine.runAsGroup)) -}}
+{{- $_ := set $context "runAsGroup" (int64 .Values.engine.runAsGroup) -}}
+{{- end -}}
+{{- mergeOverwrite $context (deepCopy .Values.engine.securityContext) | toYaml -}}
+{{- end -}}
+
+{{/* Milliseconds of a Prometheus duration (1m30s, 500ms): checks that scrapeTimeout does not exceed interval. */}}
+{{- define "memwatch.durationMs" -}}
+{{- $scale := dict "y" 31536000000 "w" 604800000 "d" 86400000 "h" 3600000 "m" 60000 "s" 1000 "ms" 1 -}}
+{{- $total := 0 -}}
+{{- range regexFindAll "[0-9]+(ms|y|w|d|h|m|s)" . -1 -}}
+{{- $total = add $total (mul (regexFind "^[0-9]+" . | int64) (get $scale (regexFind "[a-z]+$" .))) -}}
+{{- end -}}
+{{- $total -}}
+{{- end -}}
+
+{{/* A monitor's endpoint fields after port and path; fails when both monitors are on or scrapeTimeout > interval. */}}
+{{- define "memwatch.monitorEndpoint" -}}
+{{- $root := index . 0 -}}
+{{- $monitor := index . 1 -}}
+{{- if and $root.Values.monitoring.serviceMonitor.enabled $root.Values.monitoring.podMonitor.enabled }}
+{{- fail "monitoring.serviceMonitor and monitoring.podMonitor are both enabled: they scrape the same port twice; enable one" }}
+{{- end }}
+{{- if not $root.Values.exporters.prometheus.enabled }}
+{{- fail "monitoring.serviceMonitor and monitoring.podMonitor need exporters.prometheus.enabled" }}
+{{- end }}
+{{- if and $monitor.interval $monitor.scrapeTimeout }}
+{{- if gt (include "memwatch.durationMs" $monitor.scrapeTimeout | int64) (include "memwatch.durationMs" $monitor.interval | int64) }}
+{{- fail (printf "monitoring: scrapeTimeout %s exceeds interval %s, which Prometheus refuses" $monitor.scrapeTimeout $monitor.interval) }}
+{{- end }}
+{{- end }}
+{{- with $monitor.interval }}
+interval: {{ . | quote }}
+{{- end }}
+{{- with $monitor.scrapeTimeout }}
+scrapeTimeout: {{ . | quote }}
+{{- end }}
+honorLabels: true
+{{- with $monitor.relabelings }}
+relabelings:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $monitor.metricRelabelings }}
+metricRelabelings:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The Pod Security level the namespace needs: privileged for hostPath (agent, engine); sidecar: restricted with a
+non-root engine, else baseline (vLLM's image runs as root). */}}
 {{- define "memwatch.podSecurity" -}}
-{{- .Values.namespace.podSecurity | default (ternary "baseline" "privileged" (eq .Values.mode "sidecar")) -}}
+{{- $nonRoot := and (not (kindIs "invalid" .Values.engine.runAsUser)) (gt (int64 (default 0 .Values.engine.runAsUser)) 0) -}}
+{{- $sidecar := ternary "restricted" "baseline" $nonRoot -}}
+{{- .Values.namespace.podSecurity | default (ternary $sidecar "privileged" (eq .Values.mode "sidecar")) -}}
 {{- end -}}
 
 {{/* The metrics Service: the agent's own name; beside an engine, <name>-memwatch. */}}
