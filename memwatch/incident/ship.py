@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import tarfile
 import threading
 import time
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import MemwatchError, UsageError
+from ..errors import MemwatchError, PermissionDeniedError, UsageError
 from . import objstore
 from .spool import Spool, identity
 
@@ -94,16 +95,20 @@ def _text(value: object) -> str:
 class TerminationMessage:
     """The container's termination message: the latest shipped bundles, one ``verdict URI`` line each, ≤ 4 KiB.
 
-    Written only where the file already exists and can be written (Kubernetes mounts it into every container);
-    a failure is one debug line, never the sidecar's.
+    Written only where the file already exists as a regular file and can be written (Kubernetes mounts it into
+    every container); a failure is one debug line, never the sidecar's. Its folder is opened once, at start, and
+    refused (:func:`check_termination_folder`) when another uid may write it: root would otherwise truncate
+    whatever that uid links there. The file is opened through that descriptor with ``O_NOFOLLOW|O_NONBLOCK``, judged
+    regular by ``fstat``, and only then truncated and written.
     """
 
     def __init__(self, path: Path | None = TERMINATION_LOG) -> None:
         self.path = path
         self._lines: deque[str] = deque(maxlen=64)
+        self._dir_fd = -1 if path is None else check_termination_folder(path)
 
     def __call__(self, shipped: Shipped) -> None:
-        if self.path is None:
+        if self.path is None or self._dir_fd < 0:
             return
         self._lines.append(f"memwatch incident: {shipped.line()}")
         text = ""
@@ -115,16 +120,44 @@ class TerminationMessage:
         if not text:
             text = self._lines[-1].encode()[: TERMINATION_LIMIT - 1].decode(errors="ignore") + "\n"
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+            fd = os.open(self.path.name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY,
+                         dir_fd=self._dir_fd)
         except OSError as exc:
             log.debug("no termination message at %s: %s", self.path, exc.strerror or exc)
             return
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                log.debug("no termination message at %s: not a regular file", self.path)
+                return
+            os.ftruncate(fd, 0)
             os.write(fd, text.encode())
         except OSError as exc:
             log.debug("cannot write the termination message %s: %s", self.path, exc.strerror or exc)
         finally:
             os.close(fd)
+
+    def close(self) -> None:
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
+
+def check_termination_folder(path: Path) -> int:
+    """A descriptor of ``path``'s folder (-1 when it does not exist); refused (:class:`PermissionDeniedError`, one
+    line) when a uid other than root and this one owns it or it is writable by group or others."""
+    try:
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        log.debug("no termination message at %s: %s", path, exc.strerror or exc)
+        return -1
+    info = os.fstat(fd)
+    if info.st_uid not in (0, os.geteuid()) or info.st_mode & 0o022:
+        os.close(fd)
+        who = f"belongs to uid {info.st_uid}" if info.st_uid not in (0, os.geteuid()) else \
+            f"can be written by other users (mode {info.st_mode & 0o7777:o})"
+        raise PermissionDeniedError(f"--termination-log {path}: its folder {path.parent} {who}; give a file in a "
+                                    "folder only root or this user can write (Kubernetes: /dev/termination-log)")
+    return fd
 
 
 class Shipper:

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from memwatch_engine.dirfd import create_exclusive, file_id, open_regular, private_subdir, unlink_if_same
+from memwatch_engine.dirfd import create_exclusive, file_id, open_dir, open_regular, private_subdir, unlink_if_same
 
 from ..errors import PermissionDeniedError, UsageError
 
@@ -63,24 +63,52 @@ class Spool:
                     pass
 
     def enqueue(self, path: Path) -> None:
-        """Move the finished bundle at ``path`` into the spool (a rename, or a copy then a rename), then wake the
-        shipper. The source is removed once the spool holds the whole bundle."""
+        """Move the finished bundle at ``path`` into the spool (:meth:`enqueue_from` its folder's descriptor)."""
         path = Path(path)
-        name = path.name
+        dir_fd = open_dir(path.parent)
+        try:
+            self.enqueue_from(dir_fd, path.name)
+        finally:
+            os.close(dir_fd)
+
+    def enqueue_from(self, src_fd: int, name: str) -> None:
+        """Move the finished bundle ``name`` of the folder ``src_fd`` into the spool (a rename, or on another file
+        system a copy then a rename), then wake the shipper. The source is removed once the spool holds it whole.
+
+        By descriptors only, never following a link: what is moved or copied is a regular file judged by ``fstat``
+        (a name swapped for a link to another file is refused, never copied)."""
         if not BUNDLE_NAME.fullmatch(name):
             raise UsageError(f"{name!r} is not an incident bundle's name (memwatch-incident-….tar.gz); not spooled")
+        fd, info = open_regular(src_fd, name)
         try:
-            os.rename(path, name, dst_dir_fd=self.fd)
-        except OSError as exc:
-            if exc.errno != errno.EXDEV:
-                raise
-            self._copy_in(path, name)
-            path.unlink()
+            if self.holds(name):  # handed on before, by a sidecar stopped before the source was removed
+                unlink_if_same(src_fd, name, file_id(info))
+                return
+            try:
+                os.rename(name, name, src_dir_fd=src_fd, dst_dir_fd=self.fd)
+                moved = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+                if file_id(moved) != file_id(info) or not stat.S_ISREG(moved.st_mode):  # swapped in between
+                    os.rename(name, name, src_dir_fd=self.fd, dst_dir_fd=src_fd)
+                    raise UsageError(f"{name} changed while it was spooled; not shipped")
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                self._copy_in(fd, name)
+                unlink_if_same(src_fd, name, file_id(info))
+        finally:
+            os.close(fd)
         os.fsync(self.fd)
         if self.on_enqueue is not None:
             self.on_enqueue()
 
-    def _copy_in(self, path: Path, name: str) -> None:
+    def holds(self, name: str) -> bool:
+        """Whether the regular file ``name`` waits in the spool."""
+        try:
+            return stat.S_ISREG(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def _copy_in(self, src: int, name: str) -> None:
         tmp = f".{name}.tmp"
         try:
             os.unlink(tmp, dir_fd=self.fd)
@@ -88,9 +116,9 @@ class Spool:
             pass
         out = create_exclusive(self.fd, tmp, 0o600, os.O_WRONLY)
         try:
-            with open(path, "rb") as src:
-                while chunk := src.read(COPY_CHUNK):
-                    os.write(out, chunk)
+            os.lseek(src, 0, os.SEEK_SET)
+            while chunk := os.read(src, COPY_CHUNK):
+                os.write(out, chunk)
             os.fsync(out)
         except BaseException:
             os.close(out)

@@ -2,8 +2,14 @@
 thread and the announcers, started and stopped.
 
 Started once the sidecar holds its lock (the spool lives in its private state directory, so two sidecars never
-ship one spool); the shipper rescans the spool at once, so what a previous sidecar left goes first. Stopped after
-the last bundles are built and before the exporters' last flush, so their log records leave with it.
+ship one spool); the shipper rescans the spool at once, so what a previous sidecar left goes first, and the builder
+builds at once what the database says is still owed (:mod:`memwatch.incident.owed`). Stopped after the last bundles
+are built and before the exporters' last flush, so their log records leave with it.
+
+Bundles are built where the sidecar may write, never in ``$TMPDIR`` (a pod's root file system is read-only): in
+``incidents/`` of its state directory, or in ``MEMWATCH_BUNDLE_DIR``. That folder is opened once and judged by
+``fstat``: one another uid owns or may write is refused at start (a folder of someone else's is a place where root's
+files get swapped for links), and the partial work of a build cut short is removed.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from memwatch_engine.dirfd import private_subdir
+from memwatch_engine.dirfd import open_dir, private_subdir
 
+from ..errors import PermissionDeniedError
 from ..incident import objstore, spool
+from ..incident.scratch import remove_leftovers
 from ..incident.ship import SHUTDOWN_BUDGET_S, TERMINATION_LOG, Announcer, Shipper, TerminationMessage
 
 if TYPE_CHECKING:
@@ -39,16 +47,13 @@ class Shipping:
                  termination_log: Path | None = TERMINATION_LOG, **shipper_options: float) -> None:
         objstore.parse(dest)
         objstore.require()  # obstore missing: one line at start, not at the first incident
+        self.termination = TerminationMessage(termination_log)  # refused at start: a folder others can write
         self.spool = spool.Spool(state_fd, state_dir)
-        build_fd = private_subdir(state_fd, BUILD_DIR, shown=state_dir / BUILD_DIR)
-        os.close(build_fd)
-        self.build_dir = state_dir / BUILD_DIR
-        """Where the sidecar builds bundles when shipping them (private, beside the spool)."""
         announcers: list[Announcer] = []
         incident_logger = None if exporters is None else exporters.incident_logger()
         if incident_logger is not None:
             announcers.append(incident_logger)
-        announcers.append(TerminationMessage(termination_log))
+        announcers.append(self.termination)
         self.shipper = Shipper(dest, self.spool, announcers, **shipper_options)
         self.spool.on_enqueue = self.shipper.wake
         spool.activate(self.spool)
@@ -57,8 +62,8 @@ class Shipping:
         log.info("shipping incident bundles to %s (spool %s%s)", dest, self.spool.path,
                  f", {waiting} waiting from before" if waiting else "")
 
-    def enqueue(self, path: Path) -> None:
-        self.shipper.enqueue(path)
+    def enqueue_from(self, dir_fd: int, name: str) -> None:
+        self.spool.enqueue_from(dir_fd, name)
 
     def close(self, budget_s: float = SHUTDOWN_BUDGET_S) -> None:
         spool.activate(None)
@@ -66,6 +71,7 @@ class Shipping:
         thread = self.shipper._thread
         if thread is None or not thread.is_alive():
             self.spool.close()
+        self.termination.close()
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,8 @@ class BundleSettings:
     build_dir: Path | None = None
     """Where bundles are built; with :attr:`to` and none given, beside the spool (handed over by a rename)."""
     termination_log: Path | None = TERMINATION_LOG
-    on_bundle: Callable[[Path], None] | None = None
-    """Told of each finished bundle (the shipper's spool when shipping)."""
+    on_bundle: Callable[[int, str], None] | None = None
+    """Told of each finished bundle, as its folder's descriptor and its name (the spool's, when shipping)."""
 
     @classmethod
     def from_env(cls, to: str | None = None, termination_log: Path | None = TERMINATION_LOG) -> BundleSettings:
@@ -95,16 +101,32 @@ class Incidents:
                  exporters: Exporters | None) -> None:
         self.shipping: Shipping | None = None
         self.triggers: IncidentTriggers | None = None
+        self.build_fd = -1
         build_dir, on_bundle = settings.build_dir, settings.on_bundle
-        if settings.to is not None:
-            self.shipping = Shipping(settings.to, state_fd, state_dir, exporters, settings.termination_log)
-            build_dir = build_dir or self.shipping.build_dir
-            on_bundle = on_bundle or self.shipping.enqueue
         if build_dir is not None:
-            from ..incident.triggers import IncidentTriggers
+            self.build_fd = open_build_dir(build_dir)
+        elif settings.to is not None:
+            build_dir = state_dir / BUILD_DIR
+            try:
+                self.build_fd = private_subdir(state_fd, BUILD_DIR, shown=build_dir)
+            except OSError as exc:
+                raise PermissionDeniedError(f"cannot build bundles in {build_dir}: {exc.strerror or exc}; it must be "
+                                            "a directory of the sidecar's user, mode 0700") from None
+        try:
+            if settings.to is not None:
+                self.shipping = Shipping(settings.to, state_fd, state_dir, exporters, settings.termination_log)
+                on_bundle = on_bundle or self.shipping.enqueue_from
+            if build_dir is not None:
+                from ..incident.triggers import IncidentTriggers
 
-            self.triggers = IncidentTriggers(db_path, build_dir, writer=writer, on_bundle=on_bundle,
-                                             detector_config=detector_config)
+                remove_leftovers(self.build_fd)  # we hold the lock: no build of ours is running there
+                in_spool = None if self.shipping is None else self.shipping.spool.holds
+                self.triggers = IncidentTriggers(db_path, build_dir, dir_fd=self.build_fd, on_bundle=on_bundle,
+                                                 detector_config=detector_config, in_spool=in_spool)
+        except BaseException:
+            self.close_triggers(set())
+            self.close_shipping()
+            raise
 
     def on_flag(self, flag: Flag) -> None:
         if self.triggers is not None:
@@ -121,9 +143,38 @@ class Incidents:
                 self.triggers.shutdown(still_active)
             self.triggers.close()
             self.triggers = None
+        if self.build_fd >= 0:
+            os.close(self.build_fd)
+            self.build_fd = -1
 
     def close_shipping(self) -> None:
         """The last uploads, before the exporters' last flush carries their log records."""
         if self.shipping is not None:
             self.shipping.close()
             self.shipping = None
+
+
+def open_build_dir(path: Path) -> int:
+    """A descriptor of the bundle build folder ``path`` (created 0700 when missing): refused, in one line, when it
+    is not a directory of this uid that no other uid may write."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        fd = open_dir(path)
+    except OSError as exc:
+        raise PermissionDeniedError(f"MEMWATCH_BUNDLE_DIR {path}: {exc.strerror or exc}; give a folder of the "
+                                    "sidecar's user") from None
+    info = os.fstat(fd)
+    why = None
+    if info.st_uid != os.geteuid():
+        why = f"belongs to uid {info.st_uid}, not {os.geteuid()}"
+    elif info.st_mode & 0o022:
+        why = f"can be written by other users (mode {info.st_mode & 0o7777:o})"
+    if why is not None:
+        os.close(fd)
+        raise PermissionDeniedError(f"MEMWATCH_BUNDLE_DIR {path} {why}; bundles are built only in a folder of the "
+                                    "sidecar's user that no other user can write (chown it, chmod 700)")
+    return fd
