@@ -77,18 +77,24 @@ class PodSidecar:
 
 def crash_an_engine(runtime_dir: Path, db_path: Path) -> str:
     """A simulated engine that serves, then is SIGKILLed: its run ends ``crashed``; its run id."""
+    before = {row[0] for row in query(db_path, "SELECT run_id FROM runs")} if db_path.exists() else set()
+
+    def new_run() -> list[tuple[object, ...]]:
+        return [row for row in query(db_path, "SELECT run_id, status FROM runs") if row[0] not in before] \
+            if db_path.exists() else []
+
     engine = subprocess.Popen([sys.executable, "-m", "memwatch", "sim", "--scenario", "clean_chat", "--speed", "2"],
                               env=memwatch_env(runtime_dir, db_path), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
-        wait_for(lambda: query(db_path, "SELECT 1 FROM samples WHERE phase = 'serve' LIMIT 1 OFFSET 30"),
-                 timeout=60, what="the engine to serve")
+        [(run_id, _)] = wait_for(new_run, timeout=60, what="the engine's run")
+        wait_for(lambda: query(db_path, "SELECT 1 FROM samples WHERE run_id = ? AND phase = 'serve' LIMIT 1"
+                                        " OFFSET 30", (run_id,)), timeout=60, what="the engine to serve")
     finally:
         engine.send_signal(signal.SIGKILL)
         engine.wait(10)
-    wait_for(lambda: query(db_path, "SELECT 1 FROM runs WHERE status = 'crashed'"), timeout=60,
-             what="the run's crashed ending")
-    [(run_id,)] = query(db_path, "SELECT run_id FROM runs")
+    wait_for(lambda: query(db_path, "SELECT 1 FROM runs WHERE run_id = ? AND status = 'crashed'", (run_id,)),
+             timeout=60, what="the run's crashed ending")
     return str(run_id)
 
 

@@ -88,13 +88,26 @@ from .options import Seconds, db_option, thresholds_option
               show_default=True, envvar="MEMWATCH_TERMINATION_LOG",
               help="Write each shipped bundle's verdict and URL here when the file exists (a pod's termination "
                    "message; env MEMWATCH_TERMINATION_LOG).")
+@click.option("--spool-max-bytes", default="256MiB", show_default=True, metavar="SIZE",
+              envvar="MEMWATCH_SPOOL_MAX_BYTES",
+              help="The most the bundles waiting to be shipped may take; over it, the oldest are dropped, each with a "
+                   "bundle_dropped event (env MEMWATCH_SPOOL_MAX_BYTES; docs/incidents.md sizes it).")
+@click.option("--spool-max-bundles", type=click.IntRange(1, 100_000), default=64, show_default=True, metavar="N",
+              envvar="MEMWATCH_SPOOL_MAX_BUNDLES",
+              help="The most bundles waiting to be shipped; over it, the oldest are dropped (env "
+                   "MEMWATCH_SPOOL_MAX_BUNDLES).")
+@click.option("--bundles-per-hour", type=click.IntRange(0, 100_000), default=10, show_default=True, metavar="N",
+              envvar="MEMWATCH_BUNDLES_PER_HOUR",
+              help="Incident bundles an hour per engine uid (a burst of N, then one each 3600/N s; 0: no limit); the "
+                   "rest are dropped with a log line (env MEMWATCH_BUNDLES_PER_HOUR).")
 def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | None, poll_interval: float,
             exit_when_idle: float | None, give_up_after: float, quiet_if_running: bool, no_detect: bool,
             detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str, keep_rollups: str,
             max_db_size: str, no_ring_warning: float,
             prometheus: str | None, admission_shapes: tuple[str, ...], signal_stale_after: float | None,
             otlp: str | None, console: bool, trust_uids: tuple[int, ...],
-            runtime_group: int | None, health: str | None, bundle_to: str | None, termination_log: Path) -> None:
+            runtime_group: int | None, health: str | None, bundle_to: str | None, termination_log: Path,
+            spool_max_bytes: str, spool_max_bundles: int, bundles_per_hour: int) -> None:
     """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).
 
     With --prometheus, --otlp or --console (or their MEMWATCH_* variables, or OTEL_METRICS_EXPORTER)
@@ -126,7 +139,9 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
                       give_up_after=give_up_after, detect=not no_detect, detector_config=detector_config,
                       retention=retention, exporters=exporters, trust_uids=trust_uids, runtime_group=runtime_group,
                       state_dir=state_dir, no_ring_after=no_ring_warning,
-                      bundles=BundleSettings.from_env(bundle_to, termination_log))
+                      bundles=BundleSettings.from_env(bundle_to, termination_log,
+                                                      spool_bytes=parse_bytes(spool_max_bytes),
+                                                      spool_count=spool_max_bundles, per_hour=bundles_per_hour))
     sidecar.install_signal_handlers()  # before the lock: whoever sees the lock may signal us at once
     try:
         sidecar.start()

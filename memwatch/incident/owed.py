@@ -15,7 +15,9 @@ sidecar that starts finds every bundle still owed. A row's ``state``:
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +47,7 @@ class Ledger:
     def __init__(self, db_path: Path) -> None:
         self.db_path = db_path
         self._db: Database | None = None
+        self._lock = threading.Lock()  # the builder's thread, the shutdown, the spool's drops: one at a time
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
@@ -52,13 +55,14 @@ class Ledger:
         return self._db.conn
 
     def _run(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
-        try:
-            conn = self._conn()
-            with conn:
-                return list(conn.execute(sql, params))
-        except Exception:
-            self.close()
-            raise
+        with self._lock:
+            try:
+                conn = self._conn()
+                with conn:
+                    return list(conn.execute(sql, params))
+            except Exception:
+                self._close()
+                raise
 
     def owed(self) -> list[Owed]:
         """The rows not yet built, oldest decision first."""
@@ -87,7 +91,18 @@ class Ledger:
         value = rows[0][0] if rows else None
         return value if isinstance(value, int) else None
 
+    def bundle_dropped(self, name: str, size: int, why: str, now_ns: int) -> None:
+        """The spool dropped the bundle ``name``: its row says so, and its run gets a ``bundle_dropped`` event."""
+        data = json.dumps({"bundle": name, "bytes": size, "why": why}, sort_keys=True)
+        self._run("INSERT INTO events (run_id, rank, step, ts_ns, kind, data) SELECT run_id, NULL, NULL, ?,"
+                  " 'bundle_dropped', ? FROM incidents WHERE bundle = ?", (now_ns, data, name))
+        self._run("UPDATE incidents SET state = ?, note = ? WHERE bundle = ?", (DROPPED, why, name))
+
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._db is not None:
             try:
                 self._db.conn.close()

@@ -159,6 +159,11 @@ class IncidentTriggers:
         self._round()
         return self.built[before:]
 
+    def bundle_dropped(self, name: str, size: int, why: str) -> None:
+        """The spool dropped ``name`` to stay within its cap: recorded in its row and as its run's event."""
+        self.counts["dropped"] += 1
+        self._ledger.bundle_dropped(name, size, why, time.time_ns())
+
     def oldest_owed_ns(self) -> int | None:
         """When the oldest bundle still owed was decided, for ``/readyz`` (``None``: none, or unknown)."""
         try:

@@ -25,6 +25,7 @@ from memwatch_engine.dirfd import open_dir, private_subdir
 
 from ..errors import PermissionDeniedError
 from ..incident import objstore, spool
+from ..incident.ratelimit import PER_HOUR, PerUid
 from ..incident.scratch import remove_leftovers
 from ..incident.ship import SHUTDOWN_BUDGET_S, TERMINATION_LOG, Announcer, Shipper, TerminationMessage
 
@@ -44,11 +45,12 @@ class Shipping:
     """``--bundle-to`` at work: :meth:`enqueue` a finished bundle; :meth:`close` at the sidecar's stop."""
 
     def __init__(self, dest: str, state_fd: int, state_dir: Path, exporters: Exporters | None = None,
-                 termination_log: Path | None = TERMINATION_LOG, **shipper_options: float) -> None:
+                 termination_log: Path | None = TERMINATION_LOG, *, spool_bytes: int = spool.CAP_BYTES,
+                 spool_count: int = spool.CAP_COUNT, **shipper_options: float) -> None:
         objstore.parse(dest)
         objstore.require()  # obstore missing: one line at start, not at the first incident
         self.termination = TerminationMessage(termination_log)  # refused at start: a folder others can write
-        self.spool = spool.Spool(state_fd, state_dir)
+        self.spool = spool.Spool(state_fd, state_dir, cap_bytes=spool_bytes, cap_count=spool_count)
         announcers: list[Announcer] = []
         incident_logger = None if exporters is None else exporters.incident_logger()
         if incident_logger is not None:
@@ -85,12 +87,17 @@ class BundleSettings:
     termination_log: Path | None = TERMINATION_LOG
     on_bundle: Callable[[int, str], None] | None = None
     """Told of each finished bundle, as its folder's descriptor and its name (the spool's, when shipping)."""
+    spool_bytes: int = spool.CAP_BYTES
+    spool_count: int = spool.CAP_COUNT
+    per_hour: int = PER_HOUR
+    """Bundles an hour per engine uid (0: no limit)."""
 
     @classmethod
-    def from_env(cls, to: str | None = None, termination_log: Path | None = TERMINATION_LOG) -> BundleSettings:
+    def from_env(cls, to: str | None = None, termination_log: Path | None = TERMINATION_LOG,
+                 **limits: int) -> BundleSettings:
         """Settings with the build folder from ``MEMWATCH_BUNDLE_DIR``, if set."""
         build = os.environ.get("MEMWATCH_BUNDLE_DIR") or None
-        return cls(to or None, None if build is None else Path(build), termination_log)
+        return cls(to or None, None if build is None else Path(build), termination_log, **limits)
 
 
 class Incidents:
@@ -114,7 +121,8 @@ class Incidents:
                                             "a directory of the sidecar's user, mode 0700") from None
         try:
             if settings.to is not None:
-                self.shipping = Shipping(settings.to, state_fd, state_dir, exporters, settings.termination_log)
+                self.shipping = Shipping(settings.to, state_fd, state_dir, exporters, settings.termination_log,
+                                         spool_bytes=settings.spool_bytes, spool_count=settings.spool_count)
                 on_bundle = on_bundle or self.shipping.enqueue_from
             if build_dir is not None:
                 from ..incident.triggers import IncidentTriggers
@@ -122,7 +130,10 @@ class Incidents:
                 remove_leftovers(self.build_fd)  # we hold the lock: no build of ours is running there
                 in_spool = None if self.shipping is None else self.shipping.spool.holds
                 self.triggers = IncidentTriggers(db_path, build_dir, dir_fd=self.build_fd, on_bundle=on_bundle,
-                                                 detector_config=detector_config, in_spool=in_spool)
+                                                 detector_config=detector_config, in_spool=in_spool,
+                                                 limiter=PerUid(settings.per_hour))
+                if self.shipping is not None:
+                    self.shipping.spool.on_drop = self.triggers.bundle_dropped
         except BaseException:
             self.close_triggers(set())
             self.close_shipping()
