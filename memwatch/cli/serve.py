@@ -168,9 +168,11 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
         click.echo(f"memwatch serve: exporting to {', '.join(where)}", err=True)
     endpoint = None
     if health_at is not None:
-        from ..sidecar.health import STALE_AFTER_S, HealthEndpoint
+        from ..sidecar.health import STALE_AFTER_S, HealthEndpoint, with_bundles
 
-        endpoint = HealthEndpoint(*health_at, lambda: sidecar.health(STALE_AFTER_S))
+        incidents = sidecar.incidents
+        endpoint = HealthEndpoint(*health_at, with_bundles(lambda: sidecar.health(STALE_AFTER_S),
+                                                           lambda: None if incidents is None else incidents.overdue()))
         try:
             endpoint.start()
         except BaseException:

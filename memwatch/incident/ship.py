@@ -181,6 +181,9 @@ class Shipper:
         self._thread: threading.Thread | None = None
         self.attempts = 0
         self.shipped: list[Shipped] = []
+        self.shipped_count = 0
+        self.failures = 0
+        """Uploads that failed (each try), for the metrics."""
         self._failing = False
 
     def url_of(self, name: str) -> str:
@@ -258,6 +261,7 @@ class Shipper:
                 self._refused.add(name)
                 return False
             except MemwatchError as exc:
+                self.failures += 1
                 if not self._failing:
                     log.warning("cannot ship bundles to %s yet (%s); retrying with back-off, nothing is lost",
                                 self.dest, exc)
@@ -278,6 +282,9 @@ class Shipper:
         self.spool.remove(name, identity(info))
         self._due.pop(name, None)
         self.shipped.append(shipped)
+        if len(self.shipped) > 1024:  # what tests and the last announcements look at; the count goes on
+            del self.shipped[:512]
+        self.shipped_count += 1
         return True
 
     def close(self, budget_s: float = SHUTDOWN_BUDGET_S) -> None:

@@ -125,6 +125,19 @@ class Spool:
                 found.append((info.st_mtime_ns, name, info.st_size))
         return [(name, size) for _, name, size in sorted(found)]
 
+    def oldest(self) -> tuple[str, int] | None:
+        """The bundle waiting longest and when it was written (ns), or None."""
+        best: tuple[int, str] | None = None
+        for name in os.listdir(self.fd):
+            if BUNDLE_NAME.fullmatch(name):
+                try:
+                    info = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(info.st_mode) and (best is None or (info.st_mtime_ns, name) < best):
+                    best = (info.st_mtime_ns, name)
+        return None if best is None else (best[1], best[0])
+
     def enforce_cap(self, keep: str | None = None) -> list[str]:
         """Drop the oldest bundles until the spool holds at most :attr:`cap_count` bundles and :attr:`cap_bytes`
         bytes (``keep``, the newest, always stays); the names dropped. Each is told to :attr:`on_drop`."""

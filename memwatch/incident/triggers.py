@@ -111,6 +111,8 @@ class IncidentTriggers:
         """(run, trigger) → (when it may be tried again, ns; the wait after that try, s)."""
         self._lock = threading.Lock()  # one round at a time: the thread's, or the shutdown's
         self.built: list[Path] = []
+        self.oldest_owed: int | None = None
+        """When the oldest bundle still owed was decided (ns), as of the last round: what ``/readyz`` reads."""
         self.counts = {"built": 0, "failed": 0, "dropped": 0}
         """Bundles built, builds that failed (each try), and bundles dropped (rate limit, run gone): for metrics."""
         self.log_tail = LogTail()
@@ -198,6 +200,7 @@ class IncidentTriggers:
         with self._lock:
             wait = self._build_due()
             self._hand_on()
+            self.oldest_owed = self.oldest_owed_ns()
         return wait
 
     def _build_due(self) -> float:

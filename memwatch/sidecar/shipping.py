@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from ..incident import objstore, spool
 from ..incident.ratelimit import PER_HOUR, PerUid
 from ..incident.scratch import remove_leftovers
 from ..incident.ship import SHUTDOWN_BUDGET_S, TERMINATION_LOG, Announcer, Shipper, TerminationMessage
+from .health import OVERDUE_S
 
 if TYPE_CHECKING:
     from ..detectors import DetectorConfig
@@ -134,10 +136,42 @@ class Incidents:
                                                  limiter=PerUid(settings.per_hour))
                 if self.shipping is not None:
                     self.shipping.spool.on_drop = self.triggers.bundle_dropped
+            if exporters is not None and self.triggers is not None:
+                exporters.watch_bundles(self.counts)
         except BaseException:
             self.close_triggers(set())
             self.close_shipping()
             raise
+
+    def counts(self) -> dict[str, int]:
+        """Bundles built, shipped, failed and dropped since the start, and the spool's bytes and bundles now."""
+        found = {"built": 0, "shipped": 0, "failed": 0, "dropped": 0, "spool_bytes": 0, "spool_bundles": 0}
+        triggers, shipping = self.triggers, self.shipping
+        if triggers is not None:
+            found.update(triggers.counts)
+        if shipping is not None:
+            found["shipped"] = shipping.shipper.shipped_count
+            found["failed"] += shipping.shipper.failures
+            try:
+                sizes = shipping.spool.sizes()
+            except OSError:
+                sizes = []
+            found["spool_bytes"], found["spool_bundles"] = sum(size for _, size in sizes), len(sizes)
+        return found
+
+    def overdue(self, bound_s: float = OVERDUE_S) -> str | None:
+        """A bundle that has waited more than ``bound_s`` to be built or shipped, in words (None: none has)."""
+        now = time.time_ns()
+        triggers, shipping = self.triggers, self.shipping
+        if triggers is not None and triggers.oldest_owed is not None and now - triggers.oldest_owed > bound_s * 1e9:
+            return f"an incident bundle has waited {(now - triggers.oldest_owed) / 1e9:.0f} s to be built"
+        try:
+            oldest = None if shipping is None or shipping.spool.fd < 0 else shipping.spool.oldest()
+        except OSError:
+            oldest = None
+        if oldest is not None and now - oldest[1] > bound_s * 1e9:
+            return f"bundle {oldest[0]} has waited {(now - oldest[1]) / 1e9:.0f} s to be shipped"
+        return None
 
     def on_flag(self, flag: Flag) -> None:
         if self.triggers is not None:
