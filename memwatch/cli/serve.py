@@ -100,6 +100,11 @@ from .options import Seconds, db_option, thresholds_option
               envvar="MEMWATCH_BUNDLES_PER_HOUR",
               help="Incident bundles an hour per engine uid (a burst of N, then one each 3600/N s; 0: no limit); the "
                    "rest are dropped with a log line (env MEMWATCH_BUNDLES_PER_HOUR).")
+@click.option("--grace-period", type=Seconds(1.0, 86400.0), default=30.0, show_default=True, metavar="SECONDS",
+              envvar="MEMWATCH_GRACE_PERIOD",
+              help="The time a stop (SIGTERM) may take, as the pod's terminationGracePeriodSeconds gives it: the last "
+                   "drain, the bundles of the runs still active and their uploads share it, and what cannot be "
+                   "uploaded in time waits in the spool for the next start (env MEMWATCH_GRACE_PERIOD).")
 def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | None, poll_interval: float,
             exit_when_idle: float | None, give_up_after: float, quiet_if_running: bool, no_detect: bool,
             detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str, keep_rollups: str,
@@ -107,7 +112,7 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
             prometheus: str | None, admission_shapes: tuple[str, ...], signal_stale_after: float | None,
             otlp: str | None, console: bool, trust_uids: tuple[int, ...],
             runtime_group: int | None, health: str | None, bundle_to: str | None, termination_log: Path,
-            spool_max_bytes: str, spool_max_bundles: int, bundles_per_hour: int) -> None:
+            spool_max_bytes: str, spool_max_bundles: int, bundles_per_hour: int, grace_period: float) -> None:
     """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).
 
     With --prometheus, --otlp or --console (or their MEMWATCH_* variables, or OTEL_METRICS_EXPORTER)
@@ -141,7 +146,8 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
                       state_dir=state_dir, no_ring_after=no_ring_warning,
                       bundles=BundleSettings.from_env(bundle_to, termination_log,
                                                       spool_bytes=parse_bytes(spool_max_bytes),
-                                                      spool_count=spool_max_bundles, per_hour=bundles_per_hour))
+                                                      spool_count=spool_max_bundles, per_hour=bundles_per_hour,
+                                                      grace_s=grace_period))
     sidecar.install_signal_handlers()  # before the lock: whoever sees the lock may signal us at once
     try:
         sidecar.start()

@@ -40,6 +40,8 @@ RESCAN_S = 5.0
 SHUTDOWN_BUDGET_S = 10.0
 """What a sidecar's stop gives the last uploads (its drain and commit take up to 20 s of a 30 s grace period at
 worst, and seconds in practice; ``docs/incidents.md`` has the measured numbers)."""
+SLOWEST_LINK_BPS = 128 * 1024
+"""The slowest upload a try waits for: its time bound is :func:`try_budget` of the bundle's size."""
 TERMINATION_LOG = Path("/dev/termination-log")
 TERMINATION_LIMIT = 4096
 """Kubernetes keeps at most 4 KiB of a termination message."""
@@ -64,6 +66,12 @@ class Shipped:
 
 
 Announcer = Callable[[Shipped], None]
+
+
+def try_budget(size: int) -> float:
+    """How long one upload of ``size`` bytes may take: the store's usual request bound, plus the bundle at
+    :data:`SLOWEST_LINK_BPS` (a 64 MiB bundle: 30 s + 512 s), so a slow link ships it eventually."""
+    return objstore.REQUEST_TIMEOUT_S + size / SLOWEST_LINK_BPS
 
 
 def bundle_facts(file: object) -> tuple[str, str, str]:
@@ -218,8 +226,11 @@ class Shipper:
         """Try every spooled bundle whose back-off has run out (all of them, once each, when ``deadline`` is given);
         the seconds until the next one is due (at most :data:`RESCAN_S`)."""
         now = self._clock()
-        names = self.spool.pending()
-        self._due = {name: self._due[name] for name in names if name in self._due}
+        sizes = dict(self.spool.sizes())
+        self._due = {name: self._due[name] for name in sizes if name in self._due}
+        # Bundles never tried go before those that failed (oldest first within each), so a bundle that cannot get
+        # through holds a newer one back by at most the try in flight.
+        names = sorted(sizes, key=lambda name: name in self._due)
         next_due = now + self.rescan
         for name in names:
             if name in self._refused:
@@ -232,9 +243,9 @@ class Shipper:
                 left = deadline - self._clock()
                 if left <= 0:
                     break
-                ok = self._ship_one(name, budget_s=left)
+                ok = self._ship_one(name, budget_s=min(left, try_budget(sizes[name])))
             else:
-                ok = self._ship_one(name)
+                ok = self._ship_one(name, budget_s=try_budget(sizes[name]))
             if not ok and name not in self._refused:
                 retry = self._clock() + backoff
                 self._due[name] = (retry, min(backoff * 2, self.max_backoff))

@@ -110,6 +110,7 @@ class IncidentTriggers:
         self._retry: dict[tuple[str, str], tuple[int, float]] = {}
         """(run, trigger) → (when it may be tried again, ns; the wait after that try, s)."""
         self._lock = threading.Lock()  # one round at a time: the thread's, or the shutdown's
+        self._deadline: float | None = None
         self.built: list[Path] = []
         self.oldest_owed: int | None = None
         """When the oldest bundle still owed was decided (ns), as of the last round: what ``/readyz`` reads."""
@@ -147,9 +148,10 @@ class IncidentTriggers:
     def tick(self) -> None:
         """From the sidecar's loop: nothing to do (the builder polls the database); kept for the loop's sake."""
 
-    def shutdown(self, active: Iterable[str]) -> list[Path]:
+    def shutdown(self, active: Iterable[str], deadline: float | None = None) -> list[Path]:
         """At SIGTERM, after the writer committed everything: finish the bundle being built, record one bundle owed
-        per run still active, then build what is due; the bundles written."""
+        per run still active, then build what is due, none begun after ``deadline`` (monotonic; what is not built
+        stays owed for the next start); the bundles written."""
         self._stop_worker()
         now = self._clock()
         for run_id in sorted(set(active)):
@@ -158,7 +160,11 @@ class IncidentTriggers:
             except Exception as exc:
                 log.error("run %s: the shutdown bundle could not be recorded: %s", run_id, exc)
         before = len(self.built)
-        self._round()
+        self._deadline = deadline
+        try:
+            self._round()
+        finally:
+            self._deadline = None
         return self.built[before:]
 
     def bundle_dropped(self, name: str, size: int, why: str) -> None:
@@ -213,6 +219,9 @@ class IncidentTriggers:
         for row in rows:
             if self._stopping.is_set() and threading.current_thread() is self._thread:
                 break  # stopping: what is left is built by the shutdown's round or the next start
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                log.warning("the grace period is spent: the incident bundles still owed are built at the next start")
+                break
             now = self._clock()
             key = (row.run_id, row.trigger)
             retry_at = self._retry.get(key, (0, 0.0))[0]

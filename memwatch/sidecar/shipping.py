@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from memwatch_engine.dirfd import open_dir, private_subdir
 
@@ -41,6 +41,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("memwatch.serve")
 
 BUILD_DIR = "incidents"
+GRACE_PERIOD_S = 30.0
+"""Kubernetes' default ``terminationGracePeriodSeconds``."""
+EXIT_MARGIN_S = 6.0
+"""What the shutdown keeps after the last uploads: the exporters' last flush (at most 5 s,
+:data:`memwatch.export.pipeline.CLOSE_SECONDS`) and the process's exit."""
+SHIP_RESERVE_S = 3.0
+"""What the shutdown's bundle builds leave for the uploads, at least."""
 
 
 class Shipping:
@@ -93,10 +100,12 @@ class BundleSettings:
     spool_count: int = spool.CAP_COUNT
     per_hour: int = PER_HOUR
     """Bundles an hour per engine uid (0: no limit)."""
+    grace_s: float = GRACE_PERIOD_S
+    """The pod's termination grace period: what the whole shutdown, bundles and uploads included, must fit in."""
 
     @classmethod
     def from_env(cls, to: str | None = None, termination_log: Path | None = TERMINATION_LOG,
-                 **limits: int) -> BundleSettings:
+                 **limits: Any) -> BundleSettings:
         """Settings with the build folder from ``MEMWATCH_BUNDLE_DIR``, if set."""
         build = os.environ.get("MEMWATCH_BUNDLE_DIR") or None
         return cls(to or None, None if build is None else Path(build), termination_log, **limits)
@@ -111,6 +120,8 @@ class Incidents:
         self.shipping: Shipping | None = None
         self.triggers: IncidentTriggers | None = None
         self.build_fd = -1
+        self.grace_s = settings.grace_s
+        self._last_tick: float | None = None
         build_dir, on_bundle = settings.build_dir, settings.on_bundle
         if build_dir is not None:
             self.build_fd = open_build_dir(build_dir)
@@ -178,14 +189,21 @@ class Incidents:
             self.triggers.on_flag(flag)
 
     def tick(self) -> None:
+        self._last_tick = time.monotonic()  # the shutdown's grace period is counted from the last loop before it
         if self.triggers is not None:
             self.triggers.tick()
+
+    def grace_left(self) -> float:
+        """Seconds of the grace period left for bundles and uploads, counted from the loop's last round (at most
+        one round before the SIGTERM), less what the exit itself needs."""
+        began = self._last_tick if self._last_tick is not None else time.monotonic()
+        return began + self.grace_s - EXIT_MARGIN_S - time.monotonic()
 
     def close_triggers(self, still_active: set[str]) -> None:
         """After the writer's last commit: a bundle for each run the sidecar was stopped in (SIGTERM), then stop."""
         if self.triggers is not None:
             if still_active:
-                self.triggers.shutdown(still_active)
+                self.triggers.shutdown(still_active, deadline=time.monotonic() + self.grace_left() - SHIP_RESERVE_S)
             self.triggers.close()
             self.triggers = None
         if self.build_fd >= 0:
@@ -195,7 +213,10 @@ class Incidents:
     def close_shipping(self) -> None:
         """The last uploads, before the exporters' last flush carries their log records."""
         if self.shipping is not None:
-            self.shipping.close()
+            budget = max(0.0, self.grace_left())
+            log.info("shipping what is spooled within %.1f s, what is left of the %.0f s grace period", budget,
+                     self.grace_s)
+            self.shipping.close(budget)
             self.shipping = None
 
 
