@@ -43,9 +43,11 @@ log = logging.getLogger("memwatch.serve")
 BUILD_DIR = "incidents"
 GRACE_PERIOD_S = 30.0
 """Kubernetes' default ``terminationGracePeriodSeconds``."""
-EXIT_MARGIN_S = 6.0
-"""What the shutdown keeps after the last uploads: the exporters' last flush (at most 5 s,
-:data:`memwatch.export.pipeline.CLOSE_SECONDS`) and the process's exit."""
+SPARE_S = 5.0
+"""What the whole shutdown leaves unused of the grace period, whatever the store does."""
+EXIT_S = 1.0
+EXPORTERS_CLOSE_S = 5.0
+"""The exporters' last flush, at most (:data:`memwatch.export.pipeline.CLOSE_SECONDS`)."""
 SHIP_RESERVE_S = 3.0
 """What the shutdown's bundle builds leave for the uploads, at least."""
 
@@ -121,6 +123,8 @@ class Incidents:
         self.triggers: IncidentTriggers | None = None
         self.build_fd = -1
         self.grace_s = settings.grace_s
+        self.exit_margin_s = SPARE_S + EXIT_S + (EXPORTERS_CLOSE_S if exporters is not None else 0.0)
+        """What the shutdown keeps after the last uploads: the spare, the exit and the exporters' last flush."""
         self._last_tick: float | None = None
         build_dir, on_bundle = settings.build_dir, settings.on_bundle
         if build_dir is not None:
@@ -195,9 +199,9 @@ class Incidents:
 
     def grace_left(self) -> float:
         """Seconds of the grace period left for bundles and uploads, counted from the loop's last round (at most
-        one round before the SIGTERM), less what the exit itself needs."""
+        one round before the SIGTERM), less :attr:`exit_margin_s`."""
         began = self._last_tick if self._last_tick is not None else time.monotonic()
-        return began + self.grace_s - EXIT_MARGIN_S - time.monotonic()
+        return began + self.grace_s - self.exit_margin_s - time.monotonic()
 
     def close_triggers(self, still_active: set[str]) -> None:
         """After the writer's last commit: a bundle for each run the sidecar was stopped in (SIGTERM), then stop."""
