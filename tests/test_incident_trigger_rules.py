@@ -176,3 +176,16 @@ def test_the_token_bucket_refills_one_bundle_per_share_of_the_hour() -> None:
     now[0] = 900.0
     assert limit.allow(7) and not limit.allow(7)
     assert all(PerUid(per_hour=0).allow(1) for _ in range(100))  # 0: no limit
+    now[0] = 900.0 + 10 * 3600  # ten idle hours refill at most a burst of 4, never 40
+    assert [limit.allow(7) for _ in range(5)] == [True, True, True, True, False]
+    assert limit.allow(None) and limit.allow(None)  # runs of no known uid share one bucket
+
+
+def test_the_buckets_are_bounded_forgetting_the_fullest() -> None:
+    now = [0.0]
+    limit = PerUid(per_hour=2, clock=lambda: now[0])
+    assert limit.allow(0) and limit.allow(0) and not limit.allow(0)  # uid 0 has spent its two
+    for uid in range(1, 4097):  # 4,097 buckets in all: one too many, the fullest goes (one of the fresh ones)
+        limit.allow(uid)
+    assert len(limit._buckets) == 4096
+    assert not limit.allow(0)  # the spent bucket is the one kept

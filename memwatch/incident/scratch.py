@@ -77,5 +77,5 @@ def remove_leftovers(dir_fd: int) -> list[str]:
             continue
         removed.append(name)
     if removed:
-        log.info("removed %d leftover(s) of bundle builds cut short: %s", len(removed), ", ".join(sorted(removed)))
+        log.warning("removed %d leftover(s) of bundle builds cut short: %s", len(removed), ", ".join(sorted(removed)))
     return removed
