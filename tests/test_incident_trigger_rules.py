@@ -184,8 +184,11 @@ def test_the_token_bucket_refills_one_bundle_per_share_of_the_hour() -> None:
 def test_the_buckets_are_bounded_forgetting_the_fullest() -> None:
     now = [0.0]
     limit = PerUid(per_hour=2, clock=lambda: now[0])
-    assert limit.allow(0) and limit.allow(0) and not limit.allow(0)  # uid 0 has spent its two
-    for uid in range(1, 4097):  # 4,097 buckets in all: one too many, the fullest goes (one of the fresh ones)
+    spent = 100_000  # the highest uid: forgetting by uid rather than by fullness would forget it
+    assert limit.allow(spent) and limit.allow(spent) and not limit.allow(spent)
+    for uid in range(4096):  # 4,097 buckets in all: one too many, the fullest goes (one of the fresh ones)
         limit.allow(uid)
     assert len(limit._buckets) == 4096
-    assert not limit.allow(0)  # the spent bucket is the one kept
+    assert not limit.allow(spent)  # the spent bucket is the one kept
+    one = PerUid(per_hour=1, clock=lambda: now[0])
+    assert one.allow(5) and not one.allow(5)  # one an hour is a limit too
