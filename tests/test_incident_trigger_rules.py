@@ -1,17 +1,21 @@
 """The trigger rules on a stored run, in process with a hand-set clock: which flags, endings and shutdowns bundle.
 
-The run is the simulator's ``long_prefill`` stored by the real collector (status ``oom``); the triggers build real
-bundles from its database. The sidecar processes that drive these same calls are in test_incident_triggers.py.
+The run is the simulator's ``long_prefill`` stored by the real collector (status ``oom``, critical flags
+``oom_risk`` and ``oom``); the decisions are the database's own (its ``incidents`` rows, written by SQLite in the
+transaction that stores the cause) and the triggers build real bundles from them. The sidecar processes that drive
+these same rules are in test_incident_triggers.py and test_incident_write_ahead.py.
 """
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from pathlib import Path
 
 import pytest
 
-from memwatch.flags import CRITICAL, WARNING, Flag
 from memwatch.incident.open import load
+from memwatch.incident.ratelimit import PerUid
 from memwatch.incident.triggers import IncidentTriggers
 from memwatch_engine.ring_reader import RingHeader
 
@@ -27,72 +31,164 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return db_path, store_scenario("long_prefill", runtime, db_path, live=True)
 
 
+@pytest.fixture
+def db(stored: tuple[Path, str], tmp_path: Path) -> tuple[Path, str]:
+    """A copy of the stored run, its bundles still owed, for one test to build from and change."""
+    path = tmp_path / "memwatch.db"
+    source, target = sqlite3.connect(stored[0]), sqlite3.connect(path)
+    source.backup(target)  # with what its WAL holds
+    source.close()
+    target.close()
+    return path, stored[1]
+
+
 class Clock:
+    """Wall-clock nanoseconds, moved forward by hand."""
+
     def __init__(self) -> None:
-        self.now = 100.0
+        self.ahead = 0
 
-    def __call__(self) -> float:
-        return self.now
-
-
-def _flag(run_id: str, kind: str, severity: str = CRITICAL) -> Flag:
-    return Flag(run_id, 0, 10, 1, kind, severity, "words", {})
+    def __call__(self) -> int:
+        return time.time_ns() + self.ahead
 
 
-def _header(run_id: str) -> RingHeader:
-    return RingHeader(run_id, 0, 1, 1, 1, 1, 1, {"gpu_uuid": "GPU-1234", "engine_version": "0.34.0"})
+def _sql(db_path: Path, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(db_path)
+    try:
+        with conn:
+            return list(conn.execute(sql, params))
+    finally:
+        conn.close()
 
 
-def _triggers(db_path: Path, out: Path) -> tuple[IncidentTriggers, Clock]:
-    clock = Clock()
-    return IncidentTriggers(db_path, out, settle_s=5.0, clock=clock), clock
+def _header(run_id: str, uid: int | None = 1000) -> RingHeader:
+    return RingHeader(run_id, 0, 1, 1, 1, 1, 1, {"gpu_uuid": "GPU-1234", "engine_version": "0.34.0"},
+                      owner_uid=uid)
+
+
+def _running_with_flags(db_path: Path, run_id: str, *kinds: str) -> None:
+    """The run as if still serving: no bundle decided yet, then ``kinds`` flagged critical now."""
+    _sql(db_path, "DELETE FROM incidents")
+    _sql(db_path, "UPDATE runs SET status = 'running'")
+    for kind in kinds:
+        _sql(db_path, "INSERT INTO flags (run_id, rank, step, ts_ns, kind, severity, message, data) VALUES"
+                      " (?, 0, 1, 1, ?, 'critical', 'words', '{}')", (run_id, kind))
 
 
 def _made(triggers: IncidentTriggers) -> list[tuple[str, str]]:
-    triggers.close()  # waits for the builder thread: every queued bundle is written
+    triggers.close()
     return sorted((made.trigger, made.run_id) for made in (load(p.read_bytes())[0] for p in triggers.built))
 
 
-def test_a_critical_flag_bundles_once_per_kind_after_settling(stored: tuple[Path, str], tmp_path: Path) -> None:
-    db_path, run_id = stored
-    triggers, clock = _triggers(db_path, tmp_path)
+def _states(db_path: Path) -> dict[str, str]:
+    return dict(_sql(db_path, "SELECT trigger, state FROM incidents"))  # type: ignore[arg-type]
+
+
+def test_the_decision_is_committed_with_its_cause_or_not_at_all(db: tuple[Path, str]) -> None:
+    db_path, run_id = db
+    _sql(db_path, "DELETE FROM incidents")
+    _sql(db_path, "UPDATE runs SET status = 'running'")
+    conn = sqlite3.connect(db_path)
+    conn.execute("BEGIN")
+    conn.execute("UPDATE runs SET status = 'crashed' WHERE run_id = ?", (run_id,))
+    conn.rollback()  # the ending never happened: nothing is owed
+    assert _states(db_path) == {}
+    with conn:
+        conn.execute("UPDATE runs SET status = 'crashed' WHERE run_id = ?", (run_id,))
+    with conn:  # a flag that is not critical owes nothing; a critical one, once per kind
+        for kind, severity in (("fragmentation", "warning"), ("torch_drift", "critical"), ("torch_drift", "critical")):
+            conn.execute("INSERT INTO flags (run_id, rank, ts_ns, kind, severity) VALUES (?, 0, 1, ?, ?)",
+                         (run_id, kind, severity))
+    conn.close()
+    assert _states(db_path) == {"crashed": "owed", "torch_drift": "owed"}
+    _sql(db_path, "DELETE FROM runs")  # the evidence gone (retention, the size cap): so is what it owed
+    assert _states(db_path) == {}
+
+
+def test_a_critical_flag_bundles_once_per_kind_after_settling(db: tuple[Path, str], tmp_path: Path) -> None:
+    db_path, run_id = db
+    _running_with_flags(db_path, run_id, "oom_risk", "torch_drift")
+    clock = Clock()
+    triggers = IncidentTriggers(db_path, tmp_path / "out", settle_s=5.0, clock=clock, poll_s=0.05)
     triggers(_header(run_id), [])  # a drain of the run: its ring's metadata is remembered
-    triggers.on_flag(_flag(run_id, "oom_risk"))
-    triggers.on_flag(_flag(run_id, "oom_risk"))  # the same kind again: still one
-    triggers.on_flag(_flag(run_id, "fragmentation", WARNING))  # not critical: never
-    triggers.on_flag(_flag(run_id, "torch_drift"))
-    triggers.tick()
-    clock.now += 4.9
-    triggers.tick()
-    assert triggers.built == [] and triggers._jobs.empty()  # within the 5 s settling time: nothing yet
-    clock.now += 0.2
-    triggers.tick()
-    triggers.on_flag(_flag(run_id, "oom_risk"))  # after its bundle: never a second one
-    clock.now += 60
-    triggers.tick()
+    time.sleep(0.5)
+    assert triggers.built == []  # within the 5 s settling time: nothing yet
+    clock.ahead = int(5.2e9)
+    deadline = time.monotonic() + 60
+    while len(triggers.built) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _made(triggers) == [("oom_risk", run_id), ("torch_drift", run_id)]
+    assert _states(db_path) == {"oom_risk": "built", "torch_drift": "built"}
     manifest = load(triggers.built[0].read_bytes())[0]
     assert (manifest.identity["gpu_uuid"], manifest.identity["engine_version"]) == ("GPU-1234", "0.34.0")
+    [(decided,)] = _sql(db_path, "SELECT decided_ns FROM incidents WHERE trigger = 'oom_risk'")
+    assert manifest.created_ns == decided  # named and dated by its decision: the same name after a restart
 
 
-def test_a_run_ending_badly_folds_its_pending_flags_into_one_bundle(stored: tuple[Path, str], tmp_path: Path) -> None:
-    db_path, run_id = stored
-    triggers, clock = _triggers(db_path, tmp_path)
-    triggers.on_flag(_flag(run_id, "oom_risk"))
-    triggers.on_flag(_flag(run_id, "oom"))
-    triggers.tick()
-    clock.now += 1
-    triggers.finished(_header(run_id))  # the stored run's status is oom: its ending's bundle, at once
-    triggers.finished(_header(run_id))  # a second rank's end of the same run: nothing more
-    clock.now += 60
-    triggers.tick()
+def test_a_run_ending_badly_folds_its_pending_flags_into_one_bundle(db: tuple[Path, str], tmp_path: Path) -> None:
+    db_path, run_id = db
+    _running_with_flags(db_path, run_id, "oom_risk", "oom")
+    clock = Clock()
+    triggers = IncidentTriggers(db_path, tmp_path / "out", settle_s=5.0, clock=clock, poll_s=0.05)
+    time.sleep(0.3)
+    _sql(db_path, "UPDATE runs SET status = 'oom'")  # the run's end: its own row is the oom flag's, one bundle
+    triggers.finished(_header(run_id))
+    deadline = time.monotonic() + 60
+    while not triggers.built and time.monotonic() < deadline:
+        time.sleep(0.05)
+    clock.ahead = int(60e9)
+    time.sleep(0.3)
     assert _made(triggers) == [("oom", run_id)]
+    assert _states(db_path) == {"oom": "built", "oom_risk": "merged"}
 
 
-def test_shutdown_bundles_each_active_run_once(stored: tuple[Path, str], tmp_path: Path) -> None:
-    db_path, run_id = stored
-    triggers, _ = _triggers(db_path, tmp_path)
+def test_shutdown_bundles_each_active_run_once(db: tuple[Path, str], tmp_path: Path) -> None:
+    db_path, run_id = db
+    _sql(db_path, "DELETE FROM incidents")
+    triggers = IncidentTriggers(db_path, tmp_path / "out")
     written = triggers.shutdown([run_id, run_id, "no-such-run"])  # an unknown run is logged, not fatal
     assert [load(path.read_bytes())[0].trigger for path in written] == ["shutdown"]
     assert triggers.shutdown([run_id]) == []
     assert _made(triggers) == [("shutdown", run_id)]
+    assert dict(_sql(db_path, "SELECT run_id, state FROM incidents")) == {run_id: "built", "no-such-run": "dropped"}
+
+
+def test_a_uid_over_its_hourly_bundles_gets_no_more(db: tuple[Path, str], tmp_path: Path) -> None:
+    db_path, run_id = db
+    _running_with_flags(db_path, run_id)
+    for kind in ("a", "b", "c"):  # three bundles owed by one run of uid 1000, settled long ago
+        _sql(db_path, "INSERT INTO incidents (run_id, trigger, decided_ns) VALUES (?, ?, 1)", (run_id, kind))
+    triggers = IncidentTriggers(db_path, tmp_path / "out", limiter=PerUid(per_hour=2), poll_s=0.05, start=False)
+    triggers(_header(run_id, uid=1000), [])
+    triggers.shutdown([])
+    assert _made(triggers) == [("a", run_id), ("b", run_id)]
+    assert _states(db_path) == {"a": "built", "b": "built", "c": "dropped"}
+    assert triggers.counts == {"built": 2, "failed": 0, "dropped": 1}
+
+
+def test_the_token_bucket_refills_one_bundle_per_share_of_the_hour() -> None:
+    now = [0.0]
+    limit = PerUid(per_hour=4, clock=lambda: now[0])
+    assert [limit.allow(7) for _ in range(5)] == [True, True, True, True, False]
+    assert limit.allow(8)  # another uid has its own bucket
+    now[0] = 899.0  # a token every 3600 / 4 = 900 s
+    assert not limit.allow(7)
+    now[0] = 900.0
+    assert limit.allow(7) and not limit.allow(7)
+    assert all(PerUid(per_hour=0).allow(1) for _ in range(100))  # 0: no limit
+    now[0] = 900.0 + 10 * 3600  # ten idle hours refill at most a burst of 4, never 40
+    assert [limit.allow(7) for _ in range(5)] == [True, True, True, True, False]
+    assert limit.allow(None) and limit.allow(None)  # runs of no known uid share one bucket
+
+
+def test_the_buckets_are_bounded_forgetting_the_fullest() -> None:
+    now = [0.0]
+    limit = PerUid(per_hour=2, clock=lambda: now[0])
+    spent = 100_000  # the highest uid: forgetting by uid rather than by fullness would forget it
+    assert limit.allow(spent) and limit.allow(spent) and not limit.allow(spent)
+    for uid in range(4096):  # 4,097 buckets in all: one too many, the fullest goes (one of the fresh ones)
+        limit.allow(uid)
+    assert len(limit._buckets) == 4096
+    assert not limit.allow(spent)  # the spent bucket is the one kept
+    one = PerUid(per_hour=1, clock=lambda: now[0])
+    assert one.allow(5) and not one.allow(5)  # one an hour is a limit too

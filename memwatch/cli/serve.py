@@ -88,13 +88,31 @@ from .options import Seconds, db_option, thresholds_option
               show_default=True, envvar="MEMWATCH_TERMINATION_LOG",
               help="Write each shipped bundle's verdict and URL here when the file exists (a pod's termination "
                    "message; env MEMWATCH_TERMINATION_LOG).")
+@click.option("--spool-max-bytes", default="256MiB", show_default=True, metavar="SIZE",
+              envvar="MEMWATCH_SPOOL_MAX_BYTES",
+              help="The most the bundles waiting to be shipped may take; over it, the oldest are dropped, each with a "
+                   "bundle_dropped event (env MEMWATCH_SPOOL_MAX_BYTES; docs/incidents.md sizes it).")
+@click.option("--spool-max-bundles", type=click.IntRange(1, 100_000), default=64, show_default=True, metavar="N",
+              envvar="MEMWATCH_SPOOL_MAX_BUNDLES",
+              help="The most bundles waiting to be shipped; over it, the oldest are dropped (env "
+                   "MEMWATCH_SPOOL_MAX_BUNDLES).")
+@click.option("--bundles-per-hour", type=click.IntRange(0, 100_000), default=10, show_default=True, metavar="N",
+              envvar="MEMWATCH_BUNDLES_PER_HOUR",
+              help="Incident bundles an hour per engine uid (a burst of N, then one each 3600/N s; 0: no limit); the "
+                   "rest are dropped with a log line (env MEMWATCH_BUNDLES_PER_HOUR).")
+@click.option("--grace-period", type=Seconds(1.0, 86400.0), default=30.0, show_default=True, metavar="SECONDS",
+              envvar="MEMWATCH_GRACE_PERIOD",
+              help="The time a stop (SIGTERM) may take, as the pod's terminationGracePeriodSeconds gives it: the last "
+                   "drain, the bundles of the runs still active and their uploads share it, and what cannot be "
+                   "uploaded in time waits in the spool for the next start (env MEMWATCH_GRACE_PERIOD).")
 def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | None, poll_interval: float,
             exit_when_idle: float | None, give_up_after: float, quiet_if_running: bool, no_detect: bool,
             detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str, keep_rollups: str,
             max_db_size: str, no_ring_warning: float,
             prometheus: str | None, admission_shapes: tuple[str, ...], signal_stale_after: float | None,
             otlp: str | None, console: bool, trust_uids: tuple[int, ...],
-            runtime_group: int | None, health: str | None, bundle_to: str | None, termination_log: Path) -> None:
+            runtime_group: int | None, health: str | None, bundle_to: str | None, termination_log: Path,
+            spool_max_bytes: str, spool_max_bundles: int, bundles_per_hour: int, grace_period: float) -> None:
     """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).
 
     With --prometheus, --otlp or --console (or their MEMWATCH_* variables, or OTEL_METRICS_EXPORTER)
@@ -126,7 +144,10 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
                       give_up_after=give_up_after, detect=not no_detect, detector_config=detector_config,
                       retention=retention, exporters=exporters, trust_uids=trust_uids, runtime_group=runtime_group,
                       state_dir=state_dir, no_ring_after=no_ring_warning,
-                      bundles=BundleSettings.from_env(bundle_to, termination_log))
+                      bundles=BundleSettings.from_env(bundle_to, termination_log,
+                                                      spool_bytes=parse_bytes(spool_max_bytes),
+                                                      spool_count=spool_max_bundles, per_hour=bundles_per_hour,
+                                                      grace_s=grace_period))
     sidecar.install_signal_handlers()  # before the lock: whoever sees the lock may signal us at once
     try:
         sidecar.start()
@@ -153,9 +174,11 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
         click.echo(f"memwatch serve: exporting to {', '.join(where)}", err=True)
     endpoint = None
     if health_at is not None:
-        from ..sidecar.health import STALE_AFTER_S, HealthEndpoint
+        from ..sidecar.health import STALE_AFTER_S, HealthEndpoint, with_bundles
 
-        endpoint = HealthEndpoint(*health_at, lambda: sidecar.health(STALE_AFTER_S))
+        incidents = sidecar.incidents
+        endpoint = HealthEndpoint(*health_at, with_bundles(lambda: sidecar.health(STALE_AFTER_S),
+                                                           lambda: None if incidents is None else incidents.overdue()))
         try:
             endpoint.start()
         except BaseException:

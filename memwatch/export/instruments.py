@@ -105,6 +105,31 @@ RINGS_REFUSED = MetricSpec("memwatch.rings.refused", "{ring}", "gauge",
 """A sidecar-wide gauge, not per rank (``read`` is unused): one series per ``reason`` of the fixed set."""
 
 
+BUNDLE_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("memwatch.bundles.built", "{bundle}", "counter", "Incident bundles built", lambda c: c["built"]),
+    MetricSpec("memwatch.bundles.shipped", "{bundle}", "counter", "Incident bundles shipped to --bundle-to",
+               lambda c: c["shipped"]),
+    MetricSpec("memwatch.bundles.failed", "{try}", "counter",
+               "Incident bundle builds and uploads that failed (each is tried again)", lambda c: c["failed"]),
+    MetricSpec("memwatch.bundles.dropped", "{bundle}", "counter",
+               "Incident bundles dropped: the spool's cap, the per-uid rate, a run no longer stored",
+               lambda c: c["dropped"]),
+    MetricSpec("memwatch.bundles.spooled.size", "By", "gauge", "Bytes of incident bundles waiting to be shipped",
+               lambda c: c["spool_bytes"]),
+    MetricSpec("memwatch.bundles.spooled", "{bundle}", "gauge", "Incident bundles waiting to be shipped",
+               lambda c: c["spool_bundles"]),
+)
+"""Sidecar-wide series of the incident bundles (``read`` takes :meth:`ExportState.bundle_counts`), present only
+while the sidecar builds bundles."""
+
+
+def _observe_bundles(state: ExportState, spec: MetricSpec) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def callback(options: CallbackOptions) -> Iterable[Observation]:
+        counts = state.bundle_counts()
+        return [] if counts is None else [Observation(spec.read(counts), {})]
+    return callback
+
+
 def _observe(state: ExportState, spec: MetricSpec) -> Callable[[CallbackOptions], Iterable[Observation]]:
     hardware = spec.name.startswith("hw.")
 
@@ -143,3 +168,6 @@ def register_instruments(meter: Meter, state: ExportState) -> None:
                                     description="Flags the live detectors raised, by kind and severity")
     meter.create_observable_gauge(RINGS_REFUSED.name, callbacks=[_observe_refused(state)], unit=RINGS_REFUSED.unit,
                                   description=RINGS_REFUSED.description)
+    for spec in BUNDLE_METRICS:
+        makers[spec.kind](spec.name, callbacks=[_observe_bundles(state, spec)], unit=spec.unit,
+                          description=spec.description)

@@ -112,6 +112,10 @@ class Exporters:
         """Where to read the rings refused now, by reason (``memwatch.rings.refused``)."""
         self.state.set_refused_rings(source)
 
+    def watch_bundles(self, source: Callable[[], dict[str, int]]) -> None:
+        """Where to read the incident bundles' counts (``memwatch.bundles.*``)."""
+        self.state.set_bundle_counts(source)
+
     def close(self) -> None:
         """A last export of everything, bounded by :data:`CLOSE_SECONDS`; then the endpoint goes."""
         millis = CLOSE_SECONDS * 1000

@@ -20,7 +20,7 @@ from typing import Any
 from ..identity import prometheus_labels
 from .headroom import render_headroom
 from .http_serving import HttpListener, Reply
-from .instruments import FLAGS_METRIC, METRICS, RINGS_REFUSED
+from .instruments import BUNDLE_METRICS, FLAGS_METRIC, METRICS, RINGS_REFUSED
 from .state import ExportState, RankSeries
 
 log = logging.getLogger("memwatch.export")
@@ -117,6 +117,11 @@ def render(state: ExportState, resource: dict[str, Any] | None = None, *, headro
         name = prometheus_name(RINGS_REFUSED.name, RINGS_REFUSED.unit)
         out += [f"# HELP {name} {RINGS_REFUSED.description}", f"# TYPE {name} gauge"]
         out += [f'{name}{{reason="{_escape(reason)}"}} {n}' for reason, n in refused.items()]
+    bundles = state.bundle_counts()
+    if bundles is not None:
+        for spec in BUNDLE_METRICS:
+            name = prometheus_name(spec.name, spec.unit) + ("_total" if spec.kind == "counter" else "")
+            out += [f"# HELP {name} {spec.description}", f"# TYPE {name} {spec.kind}", f"{name} {spec.read(bundles)}"]
     return "\n".join(out) + "\n"
 
 

@@ -154,6 +154,7 @@ class ExportState:
         self._flag_listeners: list[Callable[[Flag], None]] = []
         self._terms_source: Callable[[str, int], LedgerTerms | None] | None = None
         self._refused_rings: Callable[[], dict[str, int]] | None = None
+        self._bundle_counts: Callable[[], dict[str, int]] | None = None
 
     def set_terms_source(self, source: Callable[[str, int], LedgerTerms | None]) -> None:
         """Take the ledger terms of a rank's latest sample from ``source`` (the live detectors) instead."""
@@ -174,6 +175,15 @@ class ExportState:
     def refused_rings(self) -> dict[str, int] | None:
         """Rings refused now by reason, every reason listed (None: no source, e.g. a state fed by hand)."""
         return None if self._refused_rings is None else self._refused_rings()
+
+    def set_bundle_counts(self, source: Callable[[], dict[str, int]]) -> None:
+        """Where the incident bundles' counts are read (built, shipped, failed, dropped, spool_bytes,
+        spool_bundles)."""
+        self._bundle_counts = source
+
+    def bundle_counts(self) -> dict[str, int] | None:
+        """The incident bundles' counts (None: the sidecar builds no bundles)."""
+        return None if self._bundle_counts is None else self._bundle_counts()
 
     # -- fed by the collector's thread -----------------------------------------------------------------
 

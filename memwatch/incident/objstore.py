@@ -122,7 +122,7 @@ def _cloud_store(root: str, budget_s: float | None = None) -> Any:
     obs = _obstore()
     budget = max(0.5, budget_s) if budget_s is not None else REQUEST_TIMEOUT_S + RETRY_TIMEOUT_S
     client = {"connect_timeout": timedelta(seconds=min(CONNECT_TIMEOUT_S, budget)),
-              "timeout": timedelta(seconds=min(REQUEST_TIMEOUT_S, budget))}
+              "timeout": timedelta(seconds=budget if budget_s is not None else REQUEST_TIMEOUT_S)}
     if os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes"):
         client["allow_http"] = True
     retry = {"max_retries": MAX_RETRIES, "retry_timeout": timedelta(seconds=min(RETRY_TIMEOUT_S, budget)),

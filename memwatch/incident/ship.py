@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import tarfile
 import threading
 import time
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import MemwatchError, UsageError
+from ..errors import MemwatchError, PermissionDeniedError, UsageError
 from . import objstore
 from .spool import Spool, identity
 
@@ -39,6 +40,8 @@ RESCAN_S = 5.0
 SHUTDOWN_BUDGET_S = 10.0
 """What a sidecar's stop gives the last uploads (its drain and commit take up to 20 s of a 30 s grace period at
 worst, and seconds in practice; ``docs/incidents.md`` has the measured numbers)."""
+SLOWEST_LINK_BPS = 128 * 1024
+"""The slowest upload a try waits for: its time bound is :func:`try_budget` of the bundle's size."""
 TERMINATION_LOG = Path("/dev/termination-log")
 TERMINATION_LIMIT = 4096
 """Kubernetes keeps at most 4 KiB of a termination message."""
@@ -63,6 +66,12 @@ class Shipped:
 
 
 Announcer = Callable[[Shipped], None]
+
+
+def try_budget(size: int) -> float:
+    """How long one upload of ``size`` bytes may take: the store's usual request bound, plus the bundle at
+    :data:`SLOWEST_LINK_BPS` (a 64 MiB bundle: 30 s + 512 s), so a slow link ships it eventually."""
+    return objstore.REQUEST_TIMEOUT_S + size / SLOWEST_LINK_BPS
 
 
 def bundle_facts(file: object) -> tuple[str, str, str]:
@@ -94,16 +103,20 @@ def _text(value: object) -> str:
 class TerminationMessage:
     """The container's termination message: the latest shipped bundles, one ``verdict URI`` line each, ≤ 4 KiB.
 
-    Written only where the file already exists and can be written (Kubernetes mounts it into every container);
-    a failure is one debug line, never the sidecar's.
+    Written only where the file already exists as a regular file and can be written (Kubernetes mounts it into
+    every container); a failure is one debug line, never the sidecar's. Its folder is opened once, at start, and
+    refused (:func:`check_termination_folder`) when another uid may write it: root would otherwise truncate
+    whatever that uid links there. The file is opened through that descriptor with ``O_NOFOLLOW|O_NONBLOCK``, judged
+    regular by ``fstat``, and only then truncated and written.
     """
 
     def __init__(self, path: Path | None = TERMINATION_LOG) -> None:
         self.path = path
         self._lines: deque[str] = deque(maxlen=64)
+        self._dir_fd = -1 if path is None else check_termination_folder(path)
 
     def __call__(self, shipped: Shipped) -> None:
-        if self.path is None:
+        if self.path is None or self._dir_fd < 0:
             return
         self._lines.append(f"memwatch incident: {shipped.line()}")
         text = ""
@@ -115,16 +128,44 @@ class TerminationMessage:
         if not text:
             text = self._lines[-1].encode()[: TERMINATION_LIMIT - 1].decode(errors="ignore") + "\n"
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+            fd = os.open(self.path.name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY,
+                         dir_fd=self._dir_fd)
         except OSError as exc:
             log.debug("no termination message at %s: %s", self.path, exc.strerror or exc)
             return
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                log.debug("no termination message at %s: not a regular file", self.path)
+                return
+            os.ftruncate(fd, 0)
             os.write(fd, text.encode())
         except OSError as exc:
             log.debug("cannot write the termination message %s: %s", self.path, exc.strerror or exc)
         finally:
             os.close(fd)
+
+    def close(self) -> None:
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
+
+def check_termination_folder(path: Path) -> int:
+    """A descriptor of ``path``'s folder (-1 when it does not exist); refused (:class:`PermissionDeniedError`, one
+    line) when a uid other than root and this one owns it or it is writable by group or others."""
+    try:
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        log.debug("no termination message at %s: %s", path, exc.strerror or exc)
+        return -1
+    info = os.fstat(fd)
+    if info.st_uid not in (0, os.geteuid()) or info.st_mode & 0o022:
+        os.close(fd)
+        who = f"belongs to uid {info.st_uid}" if info.st_uid not in (0, os.geteuid()) else \
+            f"can be written by other users (mode {info.st_mode & 0o7777:o})"
+        raise PermissionDeniedError(f"--termination-log {path}: its folder {path.parent} {who}; give a file in a "
+                                    "folder only root or this user can write (Kubernetes: /dev/termination-log)")
+    return fd
 
 
 class Shipper:
@@ -148,6 +189,9 @@ class Shipper:
         self._thread: threading.Thread | None = None
         self.attempts = 0
         self.shipped: list[Shipped] = []
+        self.shipped_count = 0
+        self.failures = 0
+        """Uploads that failed (each try), for the metrics."""
         self._failing = False
 
     def url_of(self, name: str) -> str:
@@ -182,8 +226,11 @@ class Shipper:
         """Try every spooled bundle whose back-off has run out (all of them, once each, when ``deadline`` is given);
         the seconds until the next one is due (at most :data:`RESCAN_S`)."""
         now = self._clock()
-        names = self.spool.pending()
-        self._due = {name: self._due[name] for name in names if name in self._due}
+        sizes = dict(self.spool.sizes())
+        self._due = {name: self._due[name] for name in sizes if name in self._due}
+        # Bundles never tried go before those that failed (oldest first within each), so a bundle that cannot get
+        # through holds a newer one back by at most the try in flight.
+        names = sorted(sizes, key=lambda name: name in self._due)
         next_due = now + self.rescan
         for name in names:
             if name in self._refused:
@@ -196,9 +243,9 @@ class Shipper:
                 left = deadline - self._clock()
                 if left <= 0:
                     break
-                ok = self._ship_one(name, budget_s=left)
+                ok = self._ship_one(name, budget_s=min(left, try_budget(sizes[name])))
             else:
-                ok = self._ship_one(name)
+                ok = self._ship_one(name, budget_s=try_budget(sizes[name]))
             if not ok and name not in self._refused:
                 retry = self._clock() + backoff
                 self._due[name] = (retry, min(backoff * 2, self.max_backoff))
@@ -225,6 +272,7 @@ class Shipper:
                 self._refused.add(name)
                 return False
             except MemwatchError as exc:
+                self.failures += 1
                 if not self._failing:
                     log.warning("cannot ship bundles to %s yet (%s); retrying with back-off, nothing is lost",
                                 self.dest, exc)
@@ -245,6 +293,9 @@ class Shipper:
         self.spool.remove(name, identity(info))
         self._due.pop(name, None)
         self.shipped.append(shipped)
+        if len(self.shipped) > 1024:  # what tests and the last announcements look at; the count goes on
+            del self.shipped[:512]
+        self.shipped_count += 1
         return True
 
     def close(self, budget_s: float = SHUTDOWN_BUDGET_S) -> None:

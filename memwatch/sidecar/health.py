@@ -10,7 +10,9 @@ metrics are exported, and a slow or hostile client of ``/metrics`` cannot fail t
   before that, while the database is locked or full (the rings are holding the records), and while
   it stops. Having no ring is no reason to be unready (engines come and go), but the body says what
   is stored and what is not: ``ready; 0 rings being stored; 1 refused: owned by an untrusted uid; no ring
-  has arrived in 60 s``.
+  has arrived in 60 s``. An incident bundle waiting longer than :data:`OVERDUE_S` to be built or shipped is
+  named there too (``…; bundle memwatch-incident-….tar.gz has waited 912 s to be shipped``) without making the
+  sidecar unready: a store that is down must not take it out of its pod's startup.
 
 The listener is :class:`~memwatch.export.http_serving.HttpListener`: an event loop reads every request
 under a total deadline and answers it on the loop (a check is a few attribute reads), so idle,
@@ -24,10 +26,25 @@ from collections.abc import Callable
 from ..export.http_serving import HttpListener, Reply
 
 STALE_AFTER_S = 30.0
+OVERDUE_S = 300.0
+"""How long a bundle may wait to be built or shipped before ``/readyz`` names it."""
 
 Check = Callable[[], tuple[bool, bool, str]]
 """Returns (alive, ready, why-not) for the two endpoints, the third what ``/readyz`` says when ready (empty: "ok");
 called on the listener's loop, so it must not block."""
+
+
+def with_bundles(check: Check, overdue: Callable[[], str | None]) -> Check:
+    """``check``, whose ready answer also names a bundle ``overdue`` says has waited too long (it must not block)."""
+
+    def checked() -> tuple[bool, bool, str]:
+        alive, ready, why = check()
+        if alive and ready:
+            late = overdue()
+            if late:
+                why = f"{why}; {late}" if why else late
+        return alive, ready, why
+    return checked
 
 
 class HealthEndpoint:

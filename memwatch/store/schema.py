@@ -25,7 +25,7 @@ from ..errors import StoreError
 if TYPE_CHECKING:
     from memwatch.store.db import Database
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 ROLLUP_COLUMNS: tuple[str, ...] = (
     "allocated_bytes", "peak_bytes", "reserved_bytes", "driver_used_bytes", "driver_free_bytes",
@@ -210,7 +210,31 @@ def _v8(db: Database) -> None:
         db.execute(f"ALTER TABLE runs ADD COLUMN {column} TEXT")
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8]
+NOW_NS = "(CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) * 1000000)"
+"""SQLite's clock as Unix epoch nanoseconds (to the millisecond)."""
+ENDED_BADLY = ("crashed", "oom", "error")
+"""A run's statuses that owe an incident bundle."""
+
+
+def _v9(db: Database) -> None:
+    """``incidents``: each incident bundle owed, decided in the transaction that stores its cause (the run's bad
+    ending, a critical flag), so a sidecar killed before the bundle is built builds it at its next start. At most
+    one per run and trigger; forgotten with the run."""
+    db.execute("CREATE TABLE incidents (run_id TEXT NOT NULL, trigger TEXT NOT NULL, decided_ns INTEGER NOT NULL,"
+               " state TEXT NOT NULL DEFAULT 'owed', bundle TEXT, note TEXT, PRIMARY KEY (run_id, trigger))")
+    db.execute("CREATE INDEX incidents_state ON incidents (state, decided_ns)")
+    bad = ", ".join(f"'{status}'" for status in ENDED_BADLY)
+    db.execute(f"CREATE TRIGGER incidents_ended AFTER UPDATE OF status ON runs WHEN NEW.status IN ({bad})"
+               " AND OLD.status IS NOT NEW.status BEGIN INSERT OR IGNORE INTO incidents (run_id, trigger, decided_ns)"
+               f" VALUES (NEW.run_id, NEW.status, {NOW_NS}); END")
+    db.execute("CREATE TRIGGER incidents_flagged AFTER INSERT ON flags WHEN NEW.severity = 'critical' BEGIN"
+               " INSERT OR IGNORE INTO incidents (run_id, trigger, decided_ns)"
+               f" VALUES (NEW.run_id, NEW.kind, {NOW_NS}); END")
+    db.execute("CREATE TRIGGER incidents_forgotten AFTER DELETE ON runs BEGIN"
+               " DELETE FROM incidents WHERE run_id = OLD.run_id; END")
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9]
 """MIGRATIONS[i] takes a database from version i to i + 1."""
 
 
