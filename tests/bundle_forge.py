@@ -1,0 +1,128 @@
+"""Forged incident bundles for the reading tests: a real bundle's members, changed, with a manifest that matches.
+
+A forger who can write the bucket can rewrite the manifest too, so every bundle made here passes the checksum
+check: what refuses it must be the check of what the members are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import sqlite3
+import tarfile
+import zlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from memwatch.incident import manifest as m
+from memwatch.incident.bundle import build_bundle
+from memwatch.store import open_store
+
+from stored_runs import store_scenario
+
+
+def real_members(root: Path, scenario: str = "clean_chat") -> tuple[str, dict[str, bytes]]:
+    """A real bundle of a stored scenario: its run id and its members by name (the manifest included)."""
+    runtime = root / "run"
+    runtime.mkdir(mode=0o700)
+    run_id = store_scenario(scenario, runtime, root / "memwatch.db")
+    db = open_store(root / "memwatch.db", readonly=True)
+    path = build_bundle(db, run_id, "manual", root / "out")
+    db.conn.close()
+    with tarfile.open(path) as tar:
+        members = {info.name: tar.extractfile(info).read() for info in tar}  # type: ignore[union-attr]
+    return run_id, members
+
+
+def reseal(members: Mapping[str, bytes]) -> dict[str, bytes]:
+    """The members with a manifest whose checksums and sizes are those of the members as they now are."""
+    raw = json.loads(members[m.MANIFEST])
+    raw["files"] = {name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+                    for name, data in members.items() if name != m.MANIFEST}
+    return {**members, m.MANIFEST: json.dumps(raw, indent=1, sort_keys=True).encode()}
+
+
+def pack(members: Mapping[str, bytes]) -> bytes:
+    """The members as a tar.gz, in the order memwatch writes them."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for name in m.MEMBERS:
+            if name in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(members[name])
+                tar.addfile(info, io.BytesIO(members[name]))
+    return out.getvalue()
+
+
+def changed_database(database: bytes, statements: Iterable[str], tmp_path: Path) -> bytes:
+    """``run.db`` after ``statements`` (a forger's own SQL, run on a copy)."""
+    path = tmp_path / f"forged-{hashlib.sha256(database).hexdigest()[:8]}-{id(statements)}.db"
+    path.write_bytes(database)
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        for statement in statements:
+            conn.execute(statement)
+        conn.execute("PRAGMA journal_mode=DELETE")
+    finally:
+        conn.close()
+    data = path.read_bytes()
+    path.unlink()
+    return data
+
+
+def forged(members: Mapping[str, bytes], statements: Iterable[str], tmp_path: Path) -> bytes:
+    """A whole bundle whose ``run.db`` had ``statements`` run on it, resealed."""
+    database = changed_database(members[m.DATABASE], statements, tmp_path)
+    return pack(reseal({**members, m.DATABASE: database}))
+
+
+def bomb(members: Mapping[str, bytes], events_bytes: int) -> bytes:
+    """A bundle whose ``events.jsonl`` is ``events_bytes`` of newlines (blank lines: JSON Lines' nothing), compressed
+    as tightly as gzip can (about 1,000 to 1): its checksum is right, so only a size bound stops it."""
+    chunk = b"\n" * (1 << 20)
+    digest = hashlib.sha256()
+    left = events_bytes
+    while left:
+        digest.update(chunk[:min(left, len(chunk))])
+        left -= min(left, len(chunk))
+    raw = json.loads(members[m.MANIFEST])
+    files = {name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+             for name, data in members.items() if name != m.MANIFEST}
+    files[m.EVENTS] = {"sha256": digest.hexdigest(), "bytes": events_bytes}
+    raw["files"] = files
+    head = {**members, m.MANIFEST: json.dumps(raw, indent=1, sort_keys=True).encode()}
+    squeeze = zlib.compressobj(9, zlib.DEFLATED, 31)  # a gzip stream, written member by member
+    out = [squeeze.compress(_tar_prefix(head, m.EVENTS, events_bytes))]
+    left = events_bytes
+    while left:
+        out.append(squeeze.compress(chunk[:min(left, len(chunk))]))
+        left -= min(left, len(chunk))
+    tail = io.BytesIO()
+    with tarfile.open(fileobj=tail, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in m.MEMBERS[m.MEMBERS.index(m.EVENTS) + 1:]:
+            if name in head:
+                info = tarfile.TarInfo(name)
+                info.size = len(head[name])
+                tar.addfile(info, io.BytesIO(head[name]))
+    padding = -events_bytes % tarfile.BLOCKSIZE
+    out.append(squeeze.compress(bytes(padding) + tail.getvalue()))
+    out.append(squeeze.flush())
+    return b"".join(out)
+
+
+def _tar_prefix(members: Mapping[str, bytes], upto: str, size: int) -> bytes:
+    """The uncompressed tar of the members before ``upto``, then ``upto``'s header for ``size`` bytes."""
+    out = []
+    for name in m.MEMBERS[:m.MEMBERS.index(upto)]:
+        if name in members:
+            data = members[name]
+            out += [_header(name, len(data)), data, bytes(-len(data) % tarfile.BLOCKSIZE)]
+    out.append(_header(upto, size))
+    return b"".join(out)
+
+
+def _header(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    return info.tobuf(tarfile.PAX_FORMAT)
