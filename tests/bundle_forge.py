@@ -9,8 +9,14 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import resource
+import signal
 import sqlite3
+import subprocess
+import sys
 import tarfile
+import time
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -126,3 +132,33 @@ def _header(name: str, size: int) -> bytes:
     info = tarfile.TarInfo(name)
     info.size = size
     return info.tobuf(tarfile.PAX_FORMAT)
+
+
+_MEASURE = ("import os, subprocess, sys\n"
+            "child = subprocess.Popen(sys.argv[1:])\n"
+            "_, status, usage = os.wait4(child.pid, 0)\n"
+            "print(f'maxrss-kib={usage.ru_maxrss}')\n"
+            "sys.exit(os.waitstatus_to_exitcode(status))\n")
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+
+def run_memwatch(*args: str, timeout: float = 30.0, env: dict[str, str] | None = None, cwd: str | None = None,
+                 prefix: tuple[str, ...] = (), pass_fds: tuple[int, ...] = ()) -> tuple[int, str, float, float]:
+    """``memwatch ARGS`` in a child with at most 1 GiB of address space, killed (with what it started) at
+    ``timeout``: its exit code (-9 when killed), output, seconds and peak resident MiB (from ``wait4``)."""
+    started = time.monotonic()
+    child = subprocess.Popen([*prefix, sys.executable, "-c", _MEASURE, sys.executable, "-m", "memwatch", *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_limit_memory, env=env,
+                             cwd=cwd, start_new_session=True, pass_fds=pass_fds)
+    try:
+        out, _ = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        out, _ = child.communicate(timeout=10)
+        return -9, out.decode(errors="replace"), time.monotonic() - started, 0.0
+    text = out.decode(errors="replace")
+    body, _, rss = text.rstrip("\n").rpartition("maxrss-kib=")
+    return child.returncode, body, time.monotonic() - started, int(rss or 0) / 1024

@@ -96,7 +96,8 @@ def check_schema(conn: sqlite3.Connection) -> int:
     found = frozenset(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
     expected = reference_schema(version)
     ours = {(kind, name) for kind, name, _, _ in expected}
-    for kind, name, _, _ in sorted(found - expected, key=lambda entry: (entry[0], entry[1])):
+    programs_first = {"view": 0, "trigger": 1}  # what would run is named before what merely is there
+    for kind, name, _, _ in sorted(found - expected, key=lambda entry: (programs_first.get(entry[0], 2), entry[:2])):
         if (kind, name) in ours:
             raise BundleError(f"its run.db's {kind} {name!r} is not as memwatch creates it (a column, constraint or "
                               "definition of its own); a bundle is data, never a program: refusing it")

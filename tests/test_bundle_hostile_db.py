@@ -1,0 +1,138 @@
+"""A bundle whose ``run.db`` is a program, not data: refused at once, in one line, exit 6, whatever it would run.
+
+Each bundle is forged from a real one with its checksums rewritten (so the manifest check passes) and read by a
+real ``memwatch runs`` process, bounded in time (30 s) and address space (1 GiB): on a reader that trusts the
+schema the view over an endless recursive CTE runs until killed, the 900 MB ``printf()`` view and the generated
+column exhaust memory, and the trigger and the extra table are read as if they were memwatch's.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from bundle_forge import changed_database, forged, pack, real_members, run_memwatch
+
+from memwatch.incident import manifest as m
+from memwatch.store.schema import SCHEMA_VERSION
+
+KEEP = ("CREATE TABLE runs_kept AS SELECT * FROM runs", "DROP TABLE runs")
+RUN_COLUMNS = ("run_id, pid, hostname, engine, model, rank_count, started_ns, ended_ns, status, gpu_name, "
+               "gpu_total_bytes, {config} AS config, source, run_key, k8s_namespace, k8s_pod, k8s_container, k8s_node, "
+               "container_id")
+
+HOSTILE = {
+    "endless view": ([*KEEP, "CREATE VIEW runs AS WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) "
+                      f"SELECT {RUN_COLUMNS.format(config='config')} FROM runs_kept, n"],
+                     "holds a view 'runs' that memwatch does not create"),
+    "900 MB view": ([*KEEP, f"CREATE VIEW runs AS SELECT {RUN_COLUMNS.format(config=chr(39).join(['printf(', '%.*c', ', 900000000, ', 'x', ')']))} FROM runs_kept"],  # noqa: E501
+                    "holds a view 'runs' that memwatch does not create"),
+    "generated column": (["ALTER TABLE runs ADD COLUMN padding TEXT GENERATED ALWAYS AS "
+                          "(printf('%.*c', 500000000, 'x')) VIRTUAL"],
+                         "its run.db's table 'runs' is not as memwatch creates it"),
+    "trigger": (["CREATE TRIGGER forged AFTER DELETE ON flags BEGIN SELECT 1; END"],
+                "holds a trigger 'forged' that memwatch does not create"),
+    "extra table": (["CREATE TABLE notes (text TEXT)", "INSERT INTO notes VALUES ('hello')"],
+                    "holds a table 'notes' that memwatch does not create"),
+    "extra index": (["CREATE INDEX runs_by_model ON runs (model)"],
+                    "holds a index 'runs_by_model' that memwatch does not create"),
+    "missing index": (["DROP INDEX events_run_rank_ts"], "lacks memwatch's index 'events_run_rank_ts'"),
+    "statistics": (["ANALYZE"], "holds a table 'sqlite_stat1' that memwatch does not create"),
+}
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, bytes]]:
+    return real_members(tmp_path_factory.mktemp("hostile-db"))
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_run_db_of_its_own_schema_is_refused_at_once(case: str, real: tuple[str, dict[str, bytes]],
+                                                       tmp_path: Path) -> None:
+    statements, said = HOSTILE[case]
+    _, members = real
+    path = tmp_path / "memwatch-incident-forged.tar.gz"
+    path.write_bytes(forged(members, statements, tmp_path))
+    code, out, seconds, _ = run_memwatch("runs", "--json", "--db", str(path))
+    lines = out.strip().splitlines()
+    assert code == 6 and len(lines) == 1, (code, out[-500:])
+    assert lines[0].startswith(f"error: the bundle {path} is not readable: ") and said in lines[0], lines[0]
+    assert "a bundle is data, never a program" in lines[0] or "lacks" in lines[0]
+    assert seconds < 20  # refused before anything runs: a second or two, under load
+
+
+def test_the_real_bundle_reads_and_its_connections_are_guarded(real: tuple[str, dict[str, bytes]],
+                                                               tmp_path: Path) -> None:
+    run_id, members = real
+    path = tmp_path / "memwatch-incident-real.tar.gz"
+    path.write_bytes(pack(members))
+    code, out, _, _ = run_memwatch("runs", "--json", "--db", str(path))
+    assert code == 0 and run_id in out
+    from memwatch.incident.open import open_bundle
+    from memwatch.store.db import connect_readonly
+
+    opened = open_bundle(str(path))
+    try:
+        conn = connect_readonly(opened.db_path)
+        pragmas = [conn.execute(f"PRAGMA {name}").fetchone()[0] for name in ("trusted_schema", "query_only",
+                                                                              "temp_store")]
+        assert pragmas == [0, 1, 2]  # 2: temporary tables in memory
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            conn.execute("DELETE FROM events")
+        conn.close()
+    finally:
+        opened.close()
+
+
+def test_a_statement_past_the_deadline_is_interrupted() -> None:
+    from memwatch.incident import bundle_db
+
+    # The progress handler every bundle connection gets: an endless query on it ends at the deadline.
+    conn = bundle_db.guard(sqlite3.connect(":memory:"), time.monotonic() + 0.5)
+    started = time.monotonic()
+    with pytest.raises(sqlite3.OperationalError, match="interrupted"):
+        conn.execute("WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) SELECT count(*) FROM n")
+    assert 0.4 < time.monotonic() - started < 5
+
+
+def test_the_reference_schema_is_what_memwatch_creates(tmp_path: Path) -> None:
+    from memwatch.incident import bundle_db
+
+    # Compared with a database the store itself creates on disk: the same entries, SQL text included.
+    from memwatch.store import open_store
+
+    db = open_store(tmp_path / "fresh.db")
+    made = frozenset(db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
+    db.conn.close()
+    assert bundle_db.reference_schema(SCHEMA_VERSION) == made
+    kinds = sorted(kind for kind, *_ in made)
+    assert kinds.count("view") == 1 and kinds.count("trigger") == 2  # samples, and runs_key / samples_insert
+    assert len(bundle_db.reference_schema(1)) < len(made)
+
+
+@pytest.mark.parametrize(("patch", "said"), [
+    ({18: 2, 19: 2}, "in WAL mode"),
+    ({59: 2}, "not UTF-8"),
+])
+def test_a_header_memwatch_never_writes_is_refused(patch: dict[int, int], said: str,
+                                                    real: tuple[str, dict[str, bytes]]) -> None:
+    from memwatch.incident import bundle_db
+
+    database = bytearray(real[1][m.DATABASE])
+    for offset, value in patch.items():
+        database[offset] = value
+    with pytest.raises(m.BundleError, match=said):
+        bundle_db.inspect(database, time.monotonic() + 10)
+
+
+def test_a_schema_version_memwatch_does_not_know_is_refused(real: tuple[str, dict[str, bytes]],
+                                                            tmp_path: Path) -> None:
+    from memwatch.incident import bundle_db
+
+    _, members = real
+    for version in (0, SCHEMA_VERSION + 1):
+        database = bytearray(changed_database(members[m.DATABASE], [f"PRAGMA user_version = {version}"], tmp_path))
+        with pytest.raises(m.BundleError, match=f"schema version {version}; memwatch's are 1 to {SCHEMA_VERSION}"):
+            bundle_db.inspect(database, time.monotonic() + 10)
