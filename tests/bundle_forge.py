@@ -29,7 +29,8 @@ from stored_runs import store_scenario
 
 
 def real_members(root: Path, scenario: str = "clean_chat") -> tuple[str, dict[str, bytes]]:
-    """A real bundle of a stored scenario: its run id and its members by name (the manifest included)."""
+    """A real bundle of a stored scenario: its run id and its members by name (the manifest included). The database
+    it was built from stays at ``root / "memwatch.db"``."""
     runtime = root / "run"
     runtime.mkdir(mode=0o700)
     run_id = store_scenario(scenario, runtime, root / "memwatch.db")
@@ -85,36 +86,36 @@ def forged(members: Mapping[str, bytes], statements: Iterable[str], tmp_path: Pa
 
 def bomb(members: Mapping[str, bytes], events_bytes: int) -> bytes:
     """A bundle whose ``events.jsonl`` is ``events_bytes`` of newlines (blank lines: JSON Lines' nothing), compressed
-    as tightly as gzip can (about 1,000 to 1): its checksum is right, so only a size bound stops it."""
+    about 1,000 to 1: its checksum is right, so only a size bound stops it. Each MiB of newlines compresses alone
+    (a full flush between them) to the same bytes, so the bundle is made by repeating them, not by compressing."""
     chunk = b"\n" * (1 << 20)
+    whole, rest = divmod(events_bytes, len(chunk))
     digest = hashlib.sha256()
-    left = events_bytes
-    while left:
-        digest.update(chunk[:min(left, len(chunk))])
-        left -= min(left, len(chunk))
+    for _ in range(whole):
+        digest.update(chunk)
+    digest.update(chunk[:rest])
     raw = json.loads(members[m.MANIFEST])
     files = {name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
              for name, data in members.items() if name != m.MANIFEST}
     files[m.EVENTS] = {"sha256": digest.hexdigest(), "bytes": events_bytes}
     raw["files"] = files
     head = {**members, m.MANIFEST: json.dumps(raw, indent=1, sort_keys=True).encode()}
-    squeeze = zlib.compressobj(9, zlib.DEFLATED, 31)  # a gzip stream, written member by member
-    out = [squeeze.compress(_tar_prefix(head, m.EVENTS, events_bytes))]
-    left = events_bytes
-    while left:
-        out.append(squeeze.compress(chunk[:min(left, len(chunk))]))
-        left -= min(left, len(chunk))
-    tail = io.BytesIO()
-    with tarfile.open(fileobj=tail, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name in m.MEMBERS[m.MEMBERS.index(m.EVENTS) + 1:]:
-            if name in head:
-                info = tarfile.TarInfo(name)
-                info.size = len(head[name])
-                tar.addfile(info, io.BytesIO(head[name]))
-    padding = -events_bytes % tarfile.BLOCKSIZE
-    out.append(squeeze.compress(bytes(padding) + tail.getvalue()))
-    out.append(squeeze.flush())
-    return b"".join(out)
+    after = [name for name in m.MEMBERS[m.MEMBERS.index(m.EVENTS) + 1:] if name in head]
+    tail = bytes(-events_bytes % tarfile.BLOCKSIZE) + b"".join(
+        _header(name, len(head[name])) + head[name] + bytes(-len(head[name]) % tarfile.BLOCKSIZE) for name in after)
+    tail += bytes(2 * tarfile.BLOCKSIZE)  # the end of the archive
+    prefix = _tar_prefix(head, m.EVENTS, events_bytes)
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -15)
+    start = deflate.compress(prefix) + deflate.flush(zlib.Z_FULL_FLUSH)
+    repeated = deflate.compress(chunk) + deflate.flush(zlib.Z_FULL_FLUSH)
+    end = deflate.compress(chunk[:rest]) + deflate.compress(tail) + deflate.flush()
+    crc = zlib.crc32(prefix)
+    for _ in range(whole):
+        crc = zlib.crc32(chunk, crc)
+    crc = zlib.crc32(tail, zlib.crc32(chunk[:rest], crc))
+    size = len(prefix) + events_bytes + len(tail)
+    trailer = crc.to_bytes(4, "little") + (size % 2**32).to_bytes(4, "little")
+    return b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + start + repeated * whole + end + trailer
 
 
 def _tar_prefix(members: Mapping[str, bytes], upto: str, size: int) -> bytes:
@@ -135,7 +136,7 @@ def _header(name: str, size: int) -> bytes:
 
 
 _MEASURE = ("import os, subprocess, sys\n"
-            "child = subprocess.Popen(sys.argv[1:])\n"
+            "child = subprocess.Popen(sys.argv[1:], close_fds=False)\n"
             "_, status, usage = os.wait4(child.pid, 0)\n"
             "print(f'maxrss-kib={usage.ru_maxrss}')\n"
             "sys.exit(os.waitstatus_to_exitcode(status))\n")
