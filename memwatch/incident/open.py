@@ -158,7 +158,7 @@ def scan(source: bytes | BinaryIO | io.RawIOBase, *, keep: bool = True, inspect:
     limit = m.MAX_UNPACKED_BYTES + HEADERS_BYTES if limit is None else limit
     kept: dict[str, bytes] = {}
     try:
-        with tarfile.open(fileobj=_Bounded(source, limit), mode="r|") as tar:
+        with tarfile.open(fileobj=_Bounded(source, limit), mode="r|", bufsize=CHUNK) as tar:
             manifest = _read_all(tar, keep, kept, inspect, deadline, ref)
     except BundleError:
         raise
