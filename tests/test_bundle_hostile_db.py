@@ -8,6 +8,8 @@ column exhaust memory, and the trigger and the extra table are read as if they w
 
 from __future__ import annotations
 
+import json
+import re
 import sqlite3
 import time
 from pathlib import Path
@@ -136,3 +138,46 @@ def test_a_schema_version_memwatch_does_not_know_is_refused(real: tuple[str, dic
         database = bytearray(changed_database(members[m.DATABASE], [f"PRAGMA user_version = {version}"], tmp_path))
         with pytest.raises(m.BundleError, match=f"schema version {version}; memwatch's are 1 to {SCHEMA_VERSION}"):
             bundle_db.inspect(database, time.monotonic() + 10)
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_each_foreign_schema_is_named_in_process(case: str, real: tuple[str, dict[str, bytes]],
+                                                 tmp_path: Path) -> None:
+    from memwatch.incident import bundle_db
+
+    statements, said = HOSTILE[case]
+    database = bytearray(changed_database(real[1][m.DATABASE], statements, tmp_path))
+    with pytest.raises(m.BundleError, match=re.escape(said)):
+        bundle_db.inspect(database, time.monotonic() + 10)
+    assert len(database) == 0  # handed to SQLite, then let go
+
+
+def test_the_events_bound_covers_what_the_build_writes() -> None:
+    from memwatch.incident import bundle_db
+
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE events (run_id TEXT, rank INTEGER, step INTEGER, ts_ns INTEGER, kind TEXT, data TEXT)")
+    rows = [("r", 0, None, 5, "ab", '{"x": 1}'),
+            ("r", 1, 2, 10, "é", None),
+            ("r", -1, -(2**63), 2**63 - 1, "\x01" * 100, "[1E15, 1e400]")]
+    conn.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?)", rows)
+    # The text of each row, in bytes: "0" "" "5" "ab" '{"x": 1}' = 1 + 0 + 1 + 2 + 8; "1" "2" "10" "é" = 1 + 1 + 2 +
+    # 2; "-1", 20 and 19 digits, 100 control characters and 13 bytes of data = 2 + 20 + 19 + 100 + 13.
+    assert bundle_db.events_bound(conn) == 172 * 3 + 6 * ((1 + 1 + 2 + 8) + (1 + 1 + 2 + 2) + (2 + 20 + 19 + 100 + 13))
+    # What the build writes of them (one json.dumps line a row, as bundle.py does) is within it, though the control
+    # characters are 6 bytes each and 1E15 and 1e400 come back as 1000000000000000.0 and Infinity.
+    written = "".join(json.dumps({"rank": rank, "step": step, "ts_ns": ts, "kind": kind,
+                                  "data": json.loads(data or "{}")}, sort_keys=True) + "\n"
+                      for _, rank, step, ts, kind, data in rows)
+    assert "\\u0001" * 100 in written and "1000000000000000.0" in written and "Infinity" in written
+    assert len(written.encode()) <= bundle_db.events_bound(conn)
+    conn.execute("DELETE FROM events")
+    assert bundle_db.events_bound(conn) == 0
+
+
+def test_a_database_that_is_not_sqlite_is_refused() -> None:
+    from memwatch.incident import bundle_db
+
+    for data in (b"", b"SQLite format 3\x00" + bytes(50), b"not a database" * 100):
+        with pytest.raises(m.BundleError, match="is not a SQLite database"):
+            bundle_db.check_header(bytearray(data))
