@@ -31,8 +31,8 @@ BUNDLE_PREFIX = "memwatch-incident-"
 MAX_LISTED = 100
 """The most bundles one listing reads by default, the newest by name."""
 FIRST_READ_BYTES = 64 * 1024
-"""The first ranged read of a bundle: its gzip header, the manifest's tar header and a manifest of up to ~200 KiB
-of JSON compressed."""
+"""The first ranged read of a bundle: its gzip header, the manifest's tar header and the manifest compressed (a few
+KiB; JSON compresses to a third or less, so this holds manifests far larger than memwatch writes)."""
 MAX_READ_BYTES = m.MAX_MANIFEST_BYTES + 64 * 1024
 """The most read of one bundle: an incompressible manifest at its bound, its headers and gzip's framing."""
 HEADER_ROOM = 16 * 1024

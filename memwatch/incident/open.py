@@ -150,8 +150,8 @@ class _Bounded(io.RawIOBase):
 
 def scan(source: bytes | BinaryIO | io.RawIOBase, *, keep: bool = True, inspect: Inspect | None = None,
          limit: int | None = None, deadline: float | None = None, ref: str = "") -> tuple[m.Manifest, dict[str, bytes]]:
-    """The checked manifest of a bundle, every rule of the module's docstring applied, and (with ``keep``) its
-    JSON members by name. ``inspect`` checks ``run.db`` (default: :func:`memwatch.incident.bundle_db.inspect`, which
+    """The checked manifest of a bundle, every rule of the module's docstring applied, and (with ``keep``) its other
+    members by name. ``inspect`` checks ``run.db`` (default: :func:`memwatch.incident.bundle_db.inspect`, which
     keeps nothing); at most ``limit`` bytes decompressed (default: ``manifest.MAX_UNPACKED_BYTES`` and the headers)."""
     deadline = time.monotonic() + bundle_db.READ_SECONDS if deadline is None else deadline
     inspect = inspect or bundle_db.inspect
@@ -201,19 +201,19 @@ def _read_all(tar: tarfile.TarFile, keep: bool, kept: dict[str, bytes], inspect:
         if (digest, info.size) != manifest.files[name]:
             raise BundleError(f"the bundle's {name} does not match its manifest's SHA-256: it was changed after it "
                               "was built (damaged or tampered with); refusing to read it")
+        if keep:
+            kept[name] = bytes(data)
         if name == m.DATABASE:
-            if keep:
-                kept[name] = bytes(data)
             try:
                 bounds = inspect(data, deadline)
             except BundleError as exc:
                 raise BundleError(f"the bundle {ref + ' ' if ref else ''}is not readable: {exc}") from None
-        elif keep:
-            kept[name] = bytes(data)
     if manifest is None:
         raise BundleError("the bundle has no manifest.json; not a memwatch bundle")
-    for name in sorted(set(manifest.files) - seen):
-        raise BundleError(f"the bundle lacks {name}, which its manifest lists; it is damaged or was tampered with")
+    missing = sorted(set(manifest.files) - seen)
+    if missing:
+        raise BundleError(f"the bundle lacks {missing[0]}, which its manifest lists; it is damaged or was tampered "
+                          "with")
     return manifest
 
 
@@ -254,10 +254,10 @@ def _read(tar: tarfile.TarFile, info: tarfile.TarInfo, sink: bytearray | None,
     return digest.hexdigest(), buffer if buffer is not None else bytearray()
 
 
-def load(data: bytes, **options: object) -> tuple[m.Manifest, dict[str, bytes]]:
+def load(data: bytes) -> tuple[m.Manifest, dict[str, bytes]]:
     """The checked manifest and the members (``run.db`` included) of a bundle's bytes: :class:`BundleError` unless
     every check passes."""
-    return scan(data, keep=True, **options)  # type: ignore[arg-type]
+    return scan(data, keep=True)
 
 
 @dataclass
