@@ -9,8 +9,10 @@ column exhaust memory, and the trigger and the extra table are read as if they w
 from __future__ import annotations
 
 import json
+import os
 import re
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -181,3 +183,129 @@ def test_a_database_that_is_not_sqlite_is_refused() -> None:
     for data in (b"", b"SQLite format 3\x00" + bytes(50), b"not a database" * 100):
         with pytest.raises(m.BundleError, match="is not a SQLite database"):
             bundle_db.check_header(bytearray(data))
+
+
+def _memdb(name: str) -> sqlite3.Connection:
+    from urllib.parse import quote
+
+    return sqlite3.connect(f"file:{quote(name)}?vfs=memdb&mode=ro", uri=True)
+
+
+def test_a_held_bundle_is_read_under_one_deadline_and_let_go(real: tuple[str, dict[str, bytes]], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from memwatch.incident import bundle_db
+    from memwatch.incident.open import open_bundle
+    from memwatch.store.db import connect_readonly, held_in_memory
+
+    path = tmp_path / "memwatch-incident-real.tar.gz"
+    path.write_bytes(pack(real[1]))
+    monkeypatch.setattr(bundle_db, "READ_SECONDS", 3.0)
+    monkeypatch.chdir(tmp_path)  # nothing may be written here (nor anywhere)
+    started = time.monotonic()
+    opened = open_bundle(str(path))
+    conn = connect_readonly(opened.db_path)
+    counted = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n LIMIT 100000) SELECT count(*) FROM n"
+    assert conn.execute(counted).fetchone() == (100000,)  # long enough for the progress handler, within the bound
+    endless = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) SELECT count(*) FROM n"
+    rescue = threading.Timer(20, conn.interrupt)  # only if the bound failed: the test ends either way
+    rescue.start()
+    with pytest.raises(sqlite3.OperationalError, match="interrupted"):
+        conn.execute(endless)
+    rescue.cancel()
+    assert time.monotonic() - started < 12  # the 3 s bound, not the 20 s rescue
+    conn.close()
+    assert sorted(os.listdir(tmp_path)) == [path.name]
+    opened.close()
+    opened.close()  # twice is harmless (the command's close and a finalizer)
+    assert not held_in_memory(opened.db_path)
+    with pytest.raises(sqlite3.OperationalError, match="no such table"):
+        _memdb(str(opened.db_path)).execute("SELECT count(*) FROM runs")  # SQLite let its memory go
+
+
+@pytest.mark.parametrize(("patch", "said"), [
+    ({18: 2}, "its run.db is in WAL mode, which memwatch never writes into a bundle; not a memwatch database"),
+    ({19: 2}, "its run.db is in WAL mode, which memwatch never writes into a bundle; not a memwatch database"),
+    ({56: 1}, "its run.db is not UTF-8, as memwatch writes it; not a memwatch database"),
+    ({59: 3}, "its run.db is not UTF-8, as memwatch writes it; not a memwatch database"),
+])
+def test_each_header_field_is_checked_alone(patch: dict[int, int], said: str,
+                                            real: tuple[str, dict[str, bytes]]) -> None:
+    from memwatch.incident import bundle_db
+
+    database = bytearray(real[1][m.DATABASE])
+    for offset, value in patch.items():
+        database[offset] = value
+    with pytest.raises(m.BundleError) as caught:
+        bundle_db.inspect(database, time.monotonic() + 10)
+    assert str(caught.value) == said
+
+
+def test_an_older_schema_version_is_compared_with_that_version(tmp_path: Path) -> None:
+    from memwatch.incident import bundle_db
+    from memwatch.store.db import Database
+    from memwatch.store.schema import MIGRATIONS
+
+    path = tmp_path / "v1.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    MIGRATIONS[0](Database(conn))
+    conn.execute("INSERT INTO events VALUES ('r', 0, 1, 5, 'k', NULL)")  # 1 + 1 + 1 + 1 bytes of text
+    conn.execute("PRAGMA user_version = 1")
+    conn.close()
+    assert bundle_db.inspect(bytearray(path.read_bytes()), time.monotonic() + 10) == {"events.jsonl": 172 + 6 * 4}
+
+
+@pytest.mark.parametrize(("statements", "said"), [
+    (["CREATE VIEW zzz AS SELECT 1", "CREATE TRIGGER aaa AFTER DELETE ON flags BEGIN SELECT 1; END"],
+     "its run.db holds a view 'zzz' that memwatch does not create; a bundle is data, never a program: refusing it"),
+    (["CREATE TABLE aaa (x)", "CREATE TRIGGER zzz AFTER DELETE ON flags BEGIN SELECT 1; END"],
+     "its run.db holds a trigger 'zzz' that memwatch does not create; a bundle is data, never a program: refusing it"),
+    ([f"CREATE TABLE {'t' * 200} (x)"],
+     f"its run.db holds a table '{'t' * 80}' that memwatch does not create; a bundle is data, never a program: "
+     "refusing it"),
+    (["ALTER TABLE flags ADD COLUMN extra TEXT"],
+     "its run.db's table 'flags' is not as memwatch creates it (a column, constraint or definition of its own); a "
+     "bundle is data, never a program: refusing it"),
+    (["DROP TRIGGER runs_key"], "its run.db lacks memwatch's trigger 'runs_key'; not a memwatch database"),
+])
+def test_the_first_difference_is_named_exactly(statements: list[str], said: str, real: tuple[str, dict[str, bytes]],
+                                               tmp_path: Path) -> None:
+    from memwatch.incident import bundle_db
+
+    database = bytearray(changed_database(real[1][m.DATABASE], statements, tmp_path))
+    with pytest.raises(m.BundleError) as caught:
+        bundle_db.inspect(database, time.monotonic() + 10)
+    assert str(caught.value) == said
+
+
+def test_a_schema_sqlite_cannot_parse_is_refused(real: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    from memwatch.incident import bundle_db
+
+    database = bytearray(changed_database(real[1][m.DATABASE], [
+        "PRAGMA writable_schema=ON", "UPDATE sqlite_master SET sql = 'CREATE TABLE notes (' WHERE name = 'flags'"],
+        tmp_path))
+    with pytest.raises(m.BundleError) as caught:
+        bundle_db.inspect(database, time.monotonic() + 10)
+    assert str(caught.value).startswith("its run.db cannot be read as a memwatch database (malformed database schema")
+
+
+def test_a_check_past_its_deadline_is_refused(real: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    from memwatch.incident import bundle_db
+
+    # 30,000 events: summing their text is far more than the progress handler's 10,000 steps, so it looks at the
+    # clock, finds the deadline gone and interrupts.
+    database = bytearray(changed_database(real[1][m.DATABASE], [
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n LIMIT 30000) "
+        "INSERT INTO events SELECT 'r', 0, i, i, 'k', NULL FROM n"], tmp_path))
+    with pytest.raises(m.BundleError) as caught:
+        bundle_db.inspect(database, time.monotonic() - 1)
+    assert str(caught.value) == "its run.db took over 25 s to check; refusing it"
+
+
+def test_events_past_their_bound_are_refused_in_process(real: tuple[str, dict[str, bytes]]) -> None:
+    from bundle_forge import bomb
+
+    from memwatch.incident.open import load
+
+    with pytest.raises(m.BundleError, match=r"the bundle's events\.jsonl is 1,048,576 bytes, more than memwatch "
+                                            r"writes for its run\.db \(at most [0-9,]+\); refusing it"):
+        load(bomb(real[1], 1 << 20))
