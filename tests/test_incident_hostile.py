@@ -1,7 +1,7 @@
 """Bundles from elsewhere: tampered, linked, escaping, oversized, malformed or crowded ones are refused, one line each.
 
-Every refusal is exit 6 (:class:`memwatch.incident.manifest.BundleError`) and nothing is written outside the
-command's own temporary folder, which is gone afterwards. Hostile bundles are made here with :mod:`tarfile`, from a
+Every refusal is exit 6 (:class:`memwatch.incident.manifest.BundleError`) and nothing is written anywhere: a bundle
+is read in memory. Hostile bundles are made here with :mod:`tarfile`, from a
 real bundle's members where the attack needs them to look right.
 """
 
@@ -16,12 +16,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from bundle_forge import reseal
 from click.testing import CliRunner
 
 from memwatch.cli import main
 from memwatch.incident import manifest as m
 from memwatch.incident.bundle import build_bundle
-from memwatch.incident.open import _Bounded, load, read_members
+from memwatch.incident.open import _Bounded, load, scan
 from memwatch.store import open_store
 
 from stored_runs import store_scenario
@@ -60,7 +61,7 @@ def _refused(tmp_path: Path, data: bytes) -> str:
     """Write ``data`` as a bundle, read it with ``memwatch runs``: its one-line error (exit 6)."""
     path = tmp_path / "memwatch-incident-hostile.tar.gz"
     path.write_bytes(data)
-    private = tmp_path / "tmp"  # where the command unpacks: its own, so that others' files do not count
+    private = tmp_path / "tmp"  # where a command would unpack: its own, so that others' files do not count
     private.mkdir(exist_ok=True)
     saved, tempfile.tempdir = tempfile.tempdir, str(private)
     try:
@@ -68,7 +69,7 @@ def _refused(tmp_path: Path, data: bytes) -> str:
     finally:
         tempfile.tempdir = saved
     assert result.exit_code == 6, result.output
-    assert os.listdir(private) == []  # nothing unpacked, or nothing left
+    assert os.listdir(private) == []  # nothing unpacked
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
     return lines[0]
@@ -132,15 +133,14 @@ def test_a_huge_member_is_refused_before_it_is_read(tmp_path: Path) -> None:
     assert len(bomb) < 4096
     with pytest.raises(m.BundleError, match="unpacks to over 1,048,576 bytes"):
         _Bounded(bomb, 1024 * 1024).read()
-    with pytest.raises(m.BundleError, match="over its limit"):
-        read_members(_pack([_file(m.DATABASE, bytes(2 * 1024 * 1024))]), limit=1024 * 1024)
+    with pytest.raises(m.BundleError, match="unpacks to over 102,400 bytes"):  # a manifest within its own bound
+        scan(_pack([_file(m.MANIFEST, b" " * 200 * 1024)]), limit=100 * 1024)
 
 
 def test_a_bundle_file_over_the_read_limit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import memwatch.incident.open as opening
 
     monkeypatch.setattr(opening, "MAX_BUNDLE_BYTES", 1000)
-    monkeypatch.setattr(opening.fetch, "__defaults__", (1000,))
     assert "is over 1,000 bytes" in _refused(tmp_path, os.urandom(2000))
 
 
@@ -170,9 +170,21 @@ def test_wrong_types_in_a_checksummed_manifest_are_refused(real: tuple[str, dict
 
 def test_too_many_members_are_refused(real: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
     _, members = real
-    entries = [_file(name, members.get(name, b"")) for name in m.MEMBERS]
+    every = reseal({name: members.get(name, b"") for name in m.MEMBERS})
+    entries = [_file(name, every[name]) for name in m.MEMBERS]
     entries.append(_file(m.LOG, b"one more"))
     assert f"over {len(m.MEMBERS)} members" in _refused(tmp_path, _pack(entries))
+
+
+def test_members_out_of_order_are_refused(real: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    # The manifest comes first, so every size is bounded before anything else is read; run.db before the JSON
+    # members, so that events.jsonl is bounded by it.
+    _, members = real
+    names = [name for name in m.MEMBERS if name in members]
+    line = _refused(tmp_path, _pack([_file(name, members[name]) for name in [names[1], names[0], *names[2:]]]))
+    assert "starts with run.db, not manifest.json" in line
+    line = _refused(tmp_path, _pack([_file(name, members[name]) for name in [names[0], names[2], names[1]]]))
+    assert "holds run.db out of memwatch's order" in line
 
 
 def test_not_a_tar_gz_is_refused(tmp_path: Path) -> None:

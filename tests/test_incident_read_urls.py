@@ -1,8 +1,8 @@
 """Bundles read where they were shipped: obstore's in-memory store and a real S3 API on loopback (moto).
 
 Every reading command takes the bundle's URL as ``--db`` and answers as it does on the database it came from;
-``memwatch incidents PREFIX`` lists the bundles there newest first, verifying each, and a tampered one among them
-is listed as refused with exit 6.
+``memwatch incidents PREFIX`` lists the bundles there newest first, each by its manifest; one whose manifest is
+damaged is listed as refused with exit 6, and one whose members were changed is refused when it is opened.
 """
 
 from __future__ import annotations
@@ -47,14 +47,16 @@ def _cli(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-def _tampered(path: Path) -> bytes:
-    """The bundle with one byte of its events changed, its manifest kept."""
+def _tampered(path: Path, member: str = "events.jsonl") -> bytes:
+    """The bundle with one byte of ``member`` changed (of its events, by default), the rest kept."""
     out = io.BytesIO()
     with tarfile.open(path) as source, tarfile.open(fileobj=out, mode="w:gz") as target:
         for info in source:
             data = source.extractfile(info).read()  # type: ignore[union-attr]
-            if info.name == "events.jsonl":
+            if info.name == member == "events.jsonl":
                 data = data.replace(b"oom", b"ook", 1)
+            elif info.name == member:
+                data = b"[" + data[1:]
             target.addfile(info, io.BytesIO(data))
     return out.getvalue()
 
@@ -74,17 +76,24 @@ def _check_prefix(prefix: str, stored: tuple[Path, str, list[Path]], tmp_path: P
     assert code == 0, out
     listed = [json.loads(line) for line in out.splitlines()]
     # Newest first: the clean run's bundle was made a minute after the OOM's.
-    assert [(item["verdict"], item["model"], item["verified"]) for item in listed] == [
-        ("ok", "Qwen3-0.6B", True), ("oom", "Qwen3-0.6B", True)]
+    assert [(item["verdict"], item["model"], item["refused"]) for item in listed] == [
+        ("ok", "Qwen3-0.6B", False), ("oom", "Qwen3-0.6B", False)]
     assert [item["uri"] for item in listed] == [f"{prefix}/{bundles[1].name}", url]
     forged = tmp_path / "memwatch-incident-20300101T000000Z-forged-x.tar.gz"
     forged.write_bytes(_tampered(bundles[0]))
     objstore.put(f"{prefix}/{forged.name}", forged)
+    damaged = tmp_path / "memwatch-incident-20300101T000001Z-damaged-x.tar.gz"
+    damaged.write_bytes(_tampered(bundles[0], "manifest.json"))
+    objstore.put(f"{prefix}/{damaged.name}", damaged)
     code, out = _cli("incidents", prefix + "/")
     assert code == 6
     lines = out.strip().splitlines()
-    assert "REFUSED: the bundle's events.jsonl does not match its manifest's SHA-256" in lines[-2]
-    assert lines[-1] == f"error: 1 of 3 bundles under {prefix}/ failed their checksums or checks"
+    assert len(lines) == 6  # the header, four entries, the error
+    # The forged bundle's manifest is whole, so it is listed; its members are not read until it is opened.
+    assert [line for line in lines if forged.name in line and " oom " in line and "REFUSED" not in line]
+    assert "REFUSED: the bundle's manifest.json is not JSON" in lines[-2] and damaged.name in lines[-2]
+    assert lines[-1] == (f"error: 1 of 4 entries under {prefix}/ were refused (not a bundle, or its manifest failed "
+                         "its checks)")
     code, out = _cli("explain", oom_run, "--db", f"{prefix}/{forged.name}")
     assert code == 6 and "does not match its manifest's SHA-256" in out
 

@@ -1,4 +1,4 @@
-"""``memwatch incidents URL``: the bundles under a folder or object-store prefix, newest first, each verified."""
+"""``memwatch incidents URL``: the bundles under a folder or object-store prefix, newest first, each by its manifest."""
 
 from __future__ import annotations
 
@@ -14,16 +14,17 @@ from .options import Text, int_range, json_option
 @click.command("incidents")
 @click.argument("url", type=Text(max_length=4096))
 @click.option("--limit", type=int_range(1, 10_000), default=100, show_default=True,
-              help="Verify and list only the newest this many (each bundle is fetched whole to check it).")
+              help="List only the newest this many (by name; each costs one small read of its manifest).")
 @json_option
 def command(url: str, limit: int, as_json: bool) -> None:
-    """List the incident bundles under a folder or URL, newest first, each verified.
+    """List the incident bundles under a folder or URL, newest first, each by its manifest.
 
-    URL is a folder or a file://, s3://, gs:// or az:// prefix. Each bundle is fetched and its manifest's
-    checksums verified; one that fails is listed as refused and the command exits 6. Open one with any
-    reading command: memwatch explain latest --db URL/NAME.
+    URL is a folder or a file://, s3://, gs:// or az:// prefix. Only each bundle's manifest is read (the start of
+    the file) and checked; an entry that is no bundle, or whose manifest fails, is listed as REFUSED and the
+    command exits 6. A bundle's members are checked when it is opened, with any reading command:
+    memwatch explain latest --db URL/NAME.
     """
-    from ..incident.open import list_bundles
+    from ..incident.listing import list_bundles
 
     listed = list_bundles(url, limit)
     if as_json:
@@ -46,4 +47,5 @@ def command(url: str, limit: int, as_json: bool) -> None:
                 click.echo("  ".join([*(cell.ljust(width) for cell, width in zip(row, widths, strict=False)), row[5]]))
     refused = sum(item.manifest is None for item in listed)
     if refused:
-        raise StoreError(f"{refused} of {len(listed)} bundles under {url} failed their checksums or checks")
+        raise StoreError(f"{refused} of {len(listed)} entries under {url} were refused (not a bundle, or its "
+                         "manifest failed its checks)")

@@ -80,13 +80,13 @@ def command(run: str, utilization: float | None, gpu_memory: int | None, tp: int
     (or there is no database), 2 for settings the engine cannot start with.
     """
     from ..replay import Settings, frontier, parse_sweep, replay_run, sweep
-    from ..store.db import can_write, check_regular, default_db_path, missing_database
+    from ..store.db import can_write, check_regular, default_db_path, held_in_memory, missing_database
 
     change = Settings(utilization=utilization, gpu_memory_bytes=gpu_memory, tp=tp, block_size=block_size,
                       max_num_seqs=max_num_seqs, load=load)
     db_path = db_path or default_db_path()
     check_regular(db_path)
-    if not db_path.exists():
+    if not db_path.exists() and not held_in_memory(db_path):  # a bundle's database is held in memory
         raise missing_database(db_path)
     if sweep_spec is not None:
         name, values = parse_sweep(sweep_spec)

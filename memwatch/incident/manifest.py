@@ -4,6 +4,18 @@ A bundle comes from elsewhere (another node, a bucket anyone with the key can wr
 it is parsed only after its size is bounded, every field is type-checked before use, and every other member must
 match the SHA-256 and size the manifest names, no more and no fewer files. Any mismatch is :class:`BundleError`
 (exit 6), one line.
+
+The sizes the manifest declares are bounded before any other member is read (:func:`check_sizes`), by what
+memwatch itself writes (:mod:`memwatch.incident.bundle`):
+
+* ``manifest.json``: :data:`MAX_MANIFEST_BYTES`; a manifest names a handful of files and a few identity strings;
+* ``sidecar.log``: :data:`MAX_LOG_BYTES`, the tail the build keeps (``bundle.LOG_TAIL_BYTES``, 2,000 lines at most);
+* ``run.db``: :data:`MAX_DATABASE_BYTES`, the most a reader holds in memory (it is loaded into SQLite's memory,
+  twice while it is loaded): a default-capped bundle (64 MiB, compressed about 3.2 to 1 by the build's gzip) holds
+  about 200 MiB; a bigger one is refused (unpack it with ``tar`` and pass its ``run.db`` as ``--db``);
+* all members together: :data:`MAX_UNPACKED_BYTES`, which bounds the time spent decompressing and hashing.
+
+``events.jsonl`` is bounded further by the ``run.db`` it comes with (see :mod:`memwatch.incident.bundle_db`).
 """
 
 from __future__ import annotations
@@ -32,6 +44,15 @@ REQUIRED = frozenset({MANIFEST, DATABASE, LEDGER, FLAGS, EXPLAIN, EVENTS})
 
 MAX_MANIFEST_BYTES = 256 * 1024
 """A manifest names a handful of files and a few identity strings: a few KiB."""
+MAX_LOG_BYTES = 256 * 1024
+"""The log tail a bundle may hold: ``bundle.LOG_TAIL_BYTES``, the most the build keeps."""
+MAX_DATABASE_BYTES = 192 * 1024 * 1024
+"""The largest ``run.db`` read: held in memory, twice while it is loaded, under a reader's 512 MiB."""
+MAX_UNPACKED_BYTES = 1024 * 1024 * 1024
+"""Every member together, decompressed: hashing them takes a few seconds, not minutes."""
+LIMITS = {MANIFEST: MAX_MANIFEST_BYTES, DATABASE: MAX_DATABASE_BYTES, LOG: MAX_LOG_BYTES}
+"""Each member's own bound; the JSON members share :data:`MAX_UNPACKED_BYTES` (``events.jsonl`` is bounded by its
+``run.db`` too)."""
 MAX_TEXT = 1024
 """The longest identity string kept (a pod name is at most 253 characters)."""
 
@@ -140,6 +161,21 @@ def parse_manifest(data: bytes) -> Manifest:
         dropped=tuple(_text(item, "dropped", optional=False) or "" for item in dropped),
         schema_version=version,
     )
+
+
+def check_sizes(manifest: Manifest) -> None:
+    """Every size the manifest declares is within its member's bound and all together within
+    :data:`MAX_UNPACKED_BYTES`: else :class:`BundleError`, before anything else of the bundle is read."""
+    for name, (_, size) in manifest.files.items():
+        limit = LIMITS.get(name, MAX_UNPACKED_BYTES)
+        if size > limit:
+            bound = f"the {limit:,} memwatch writes as {name}" if name in LIMITS else \
+                f"the {limit:,} a bundle is read to in all"
+            raise BundleError(f"the bundle's manifest declares {name} at {size:,} bytes, over {bound}; refusing it")
+    total = sum(size for _, size in manifest.files.values())
+    if total > MAX_UNPACKED_BYTES:
+        raise BundleError(f"the bundle's manifest declares {total:,} bytes in all, over the {MAX_UNPACKED_BYTES:,} "
+                          "a bundle is read to; refusing it")
 
 
 def verify(manifest: Manifest, members: Mapping[str, tuple[str, int]]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -188,6 +189,12 @@ def _translate(exc: BaseException, url: str) -> MemwatchError:
 
 def fetch(url: str, limit_bytes: int) -> bytes:
     """The whole object at ``url``; refused (exit 2) before reading when it is over ``limit_bytes``."""
+    return b"".join(stream(url, limit_bytes))
+
+
+def stream(url: str, limit_bytes: int) -> Iterator[bytes]:
+    """The object at ``url`` in chunks of about 1 MiB, never more than ``limit_bytes`` in all (exit 2 beyond, before
+    reading when the store says so up front): a reader holds one chunk at a time, not the object."""
     if limit_bytes < 0:
         raise UsageError(f"limit_bytes must be at least 0, not {limit_bytes}")
     loc = parse(url)
@@ -200,16 +207,34 @@ def fetch(url: str, limit_bytes: int) -> bytes:
         size = int(result.meta["size"])
         if size > limit_bytes:
             raise UsageError(f"{url} is {size} bytes, over the {limit_bytes}-byte limit; not read")
-        chunks: list[bytes] = []
-        got = 0
-        for chunk in result.stream(min_chunk_size=1 << 20):
-            got += len(chunk)
-            if got > limit_bytes:  # the object grew after its size was read
-                raise UsageError(f"{url} is over the {limit_bytes}-byte limit; not read")
-            chunks.append(bytes(chunk))
+        chunks = iter(result.stream(min_chunk_size=1 << 20))
     except Exception as exc:
         raise _translate(exc, url) from None
-    return b"".join(chunks)
+    got = 0
+    while True:
+        try:
+            chunk = next(chunks, None)
+        except Exception as exc:
+            raise _translate(exc, url) from None
+        if chunk is None:
+            return
+        got += len(chunk)
+        if got > limit_bytes:  # the object grew after its size was read
+            raise UsageError(f"{url} is over the {limit_bytes}-byte limit; not read")
+        yield bytes(chunk)
+
+
+def read_range(url: str, start: int, length: int) -> bytes:
+    """At most ``length`` bytes of the object at ``url`` from ``start`` (fewer at its end): one ranged request,
+    whatever the object's size."""
+    loc = parse(url)
+    store, key = _store_for(loc, write=False)
+    if not key:
+        raise UsageError(f"{url!r} names a folder, not a bundle")
+    try:
+        return bytes(_obstore().get_range(store, key, start=start, length=length))
+    except Exception as exc:
+        raise _translate(exc, url) from None
 
 
 MAX_LISTED = 100_000

@@ -1,16 +1,23 @@
 """Opening a bundle (a file or a URL) as a read-only database, for every command that reads one.
 
-A bundle is input from elsewhere, so nothing in it is trusted before it is checked:
+A bundle is input from elsewhere, so nothing in it is trusted before it is checked, and it is read as a stream
+(one chunk at a time, never the whole file in memory):
 
-* size: at most :data:`MAX_BUNDLE_BYTES` read (compressed), at most :data:`MAX_UNPACKED_BYTES` decompressed in all,
-  at most :data:`MAX_MEMBERS` members, each under its own limit;
-* type: only regular-file members whose names are exactly the fixed names of
-  :data:`~memwatch.incident.manifest.MEMBERS` (no links, devices, folders, paths or repeats), read into memory;
-  the manifest type-checked (:func:`~memwatch.incident.manifest.parse_manifest`);
-* integrity: each member's SHA-256 and size equal to the manifest's, every listed member present.
+* size: at most :data:`MAX_BUNDLE_BYTES` read (compressed), at most ``manifest.MAX_UNPACKED_BYTES`` decompressed in
+  all, at most :data:`MAX_MEMBERS` members;
+* order and type: ``manifest.json`` first, then the others in the order memwatch writes them
+  (:data:`~memwatch.incident.manifest.MEMBERS`): only regular files whose names are exactly those (no links,
+  devices, folders, paths or repeats);
+* declared sizes: the manifest is type-checked (:func:`~memwatch.incident.manifest.parse_manifest`) and its sizes
+  bounded (:func:`~memwatch.incident.manifest.check_sizes`) before any other member is read; each member's tar
+  header must say the size the manifest declares, and exactly that many bytes are read, so none is decompressed
+  past its declared size; ``events.jsonl`` must also be within what its ``run.db`` could have produced
+  (:func:`~memwatch.incident.bundle_db.events_bound`);
+* integrity: each member's SHA-256 equal to the manifest's as soon as it is read, every listed member present;
+* ``run.db``: memwatch's own schema, nothing else (:mod:`memwatch.incident.bundle_db`).
 
-Only then is ``run.db`` written, under its fixed name, into a private temporary folder (mode 0700, then made
-read-only) that is removed when the command ends; no member name is ever used as a path.
+The JSON members are hashed as they stream by and never kept; ``run.db`` is held in SQLite's memory, never written
+to a file, so reading a bundle needs no writable folder. Reading stops after ``bundle_db.READ_SECONDS``.
 """
 
 from __future__ import annotations
@@ -19,48 +26,47 @@ import gzip
 import hashlib
 import io
 import os
-import shutil
 import stat
 import tarfile
-import tempfile
-import weakref
+import time
 import zlib
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from ..errors import NotFoundError, PermissionDeniedError, UsageError
+from . import bundle_db
 from . import manifest as m
 from .manifest import BundleError
 from .refs import is_bundle_ref
 
-__all__ = ["OpenedBundle", "fetch", "is_bundle_ref", "load", "open_bundle", "read_members"]
+__all__ = ["OpenedBundle", "is_bundle_ref", "load", "open_bundle", "open_source", "scan"]
 
 MAX_BUNDLE_BYTES = 256 * 1024 * 1024
 """The largest bundle read: four times the default cap, for bundles built with a larger one."""
-MAX_UNPACKED_BYTES = 2 * 1024 * 1024 * 1024
-"""Decompressed bytes in all (tar headers included): a 64 MiB bundle of SQLite pages unpacks to a few hundred MiB."""
 MAX_MEMBERS = len(m.MEMBERS)
 CHUNK = 1 << 20
-MEMBER_LIMITS = {m.MANIFEST: m.MAX_MANIFEST_BYTES, m.LOG: 16 * 1024 * 1024}
-"""Per member; the others share :data:`MAX_UNPACKED_BYTES`."""
-def fetch(ref: str, limit: int = MAX_BUNDLE_BYTES) -> bytes:
-    """The bytes of a bundle file or URL, at most ``limit`` (a longer one is refused, not cut)."""
+HEADERS_BYTES = 64 * 1024
+"""Room for the tar headers of the members besides their declared bytes."""
+Inspect = Callable[[bytearray, float], dict[str, int]]
+"""Checks ``run.db`` (its bytes, the deadline): the bounds it sets on the members after it."""
+
+
+def open_source(ref: str) -> BinaryIO:
+    """The compressed bytes of a bundle file or URL as a stream that refuses to give more than
+    :data:`MAX_BUNDLE_BYTES` (a longer bundle is refused, not cut)."""
     scheme = ref.split("://", 1)[0].lower() if "://" in ref else ""
     if scheme in ("", "file"):
         path = unquote(urlsplit(ref).path) if scheme else ref
-        data = _read_local(path, limit)
-    else:
-        from .objstore import fetch as fetch_object  # obstore, the optional extra: exit 4 with how to install it
+        return _Capped(_open_local(path), ref)
+    from .objstore import stream  # obstore, the optional extra: exit 4 with how to install it
 
-        data = fetch_object(ref, limit)
-    if len(data) > limit:
-        raise BundleError(f"the bundle {ref} is over {limit:,} bytes; not a memwatch bundle")
-    return data
+    return _Capped(_Chunks(stream(ref, MAX_BUNDLE_BYTES)), ref)
 
 
-def _read_local(path: str, limit: int) -> bytes:
+def _open_local(path: str) -> BinaryIO:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -70,17 +76,63 @@ def _read_local(path: str, limit: int) -> bytes:
         raise PermissionDeniedError(f"cannot read the bundle {path}: no read permission") from None
     except OSError as exc:
         raise UsageError(f"cannot read the bundle {path}: {exc.strerror or exc}") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UsageError(f"the bundle {path} is not a regular file; pass a memwatch-incident-*.tar.gz file")
-        return f.read(limit + 1)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise UsageError(f"the bundle {path} is not a regular file; pass a memwatch-incident-*.tar.gz file")
+    if info.st_size > MAX_BUNDLE_BYTES:  # said before reading; a file that grows is stopped by _Capped
+        os.close(fd)
+        raise BundleError(f"the bundle {path} is over {MAX_BUNDLE_BYTES:,} bytes; not a memwatch bundle")
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+class _Chunks(io.RawIOBase):
+    """An iterator of byte chunks (an object store's stream) as a readable file."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks, self._pending = chunks, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        while not self._pending:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._pending = chunk
+        count = min(len(buffer), len(self._pending))
+        buffer[:count], self._pending = self._pending[:count], self._pending[count:]
+        return count
+
+
+class _Capped(io.RawIOBase):
+    """A compressed stream of at most :data:`MAX_BUNDLE_BYTES` (read when it is used, so a test may lower it)."""
+
+    def __init__(self, source: BinaryIO | io.RawIOBase, ref: str) -> None:
+        self._source, self._ref, self._left = source, ref, MAX_BUNDLE_BYTES
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        count = self._source.readinto(buffer)  # type: ignore[attr-defined]
+        self._left -= count or 0
+        if self._left < 0:
+            raise BundleError(f"the bundle {self._ref} is over {MAX_BUNDLE_BYTES:,} bytes; not a memwatch bundle")
+        return count or 0
+
+    def close(self) -> None:
+        self._source.close()
+        super().close()
 
 
 class _Bounded(io.RawIOBase):
     """A gzip stream that refuses to decompress more than ``limit`` bytes in all (a gzip bomb stops here)."""
 
-    def __init__(self, data: bytes, limit: int) -> None:
-        self._gzip = gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb")
+    def __init__(self, source: bytes | BinaryIO | io.RawIOBase, limit: int) -> None:
+        raw = io.BytesIO(source) if isinstance(source, bytes | bytearray) else source
+        self._gzip = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[arg-type]
         self._left = self._limit = limit
 
     def readable(self) -> bool:
@@ -96,179 +148,152 @@ class _Bounded(io.RawIOBase):
         return len(chunk)
 
 
-def read_members(data: bytes, limit: int | None = None, *,
-                 database: BinaryIO | None = None) -> tuple[dict[str, bytes], dict[str, tuple[str, int]]]:
-    """The members of a bundle's bytes by name and each one's SHA-256 and size, every rule of the module's docstring
-    applied; at most ``limit`` bytes decompressed (default :data:`MAX_UNPACKED_BYTES`). With ``database``, ``run.db``
-    is copied there as it is read (hashed on the way) instead of being kept in memory."""
-    limit = MAX_UNPACKED_BYTES if limit is None else limit
-    members: dict[str, bytes] = {}
-    digests: dict[str, tuple[str, int]] = {}
+def scan(source: bytes | BinaryIO | io.RawIOBase, *, keep: bool = True, inspect: Inspect | None = None,
+         limit: int | None = None, deadline: float | None = None, ref: str = "") -> tuple[m.Manifest, dict[str, bytes]]:
+    """The checked manifest of a bundle, every rule of the module's docstring applied, and (with ``keep``) its other
+    members by name. ``inspect`` checks ``run.db`` (default: :func:`memwatch.incident.bundle_db.inspect`, which
+    keeps nothing); at most ``limit`` bytes decompressed (default: ``manifest.MAX_UNPACKED_BYTES`` and the headers)."""
+    deadline = time.monotonic() + bundle_db.READ_SECONDS if deadline is None else deadline
+    inspect = inspect or bundle_db.inspect
+    limit = m.MAX_UNPACKED_BYTES + HEADERS_BYTES if limit is None else limit
+    kept: dict[str, bytes] = {}
     try:
-        with tarfile.open(fileobj=_Bounded(data, limit), mode="r|") as tar:
-            for count, info in enumerate(tar, start=1):
-                if count > MAX_MEMBERS:
-                    raise BundleError(f"the bundle has over {MAX_MEMBERS} members; not a memwatch bundle")
-                name = info.name
-                if name not in m.MEMBERS or name in digests:
-                    raise BundleError(f"the bundle holds an unexpected member {name[:80]!r}; not a memwatch bundle "
-                                      "(nothing was extracted)")
-                if not info.isreg():
-                    raise BundleError(f"the bundle's {name} is not a regular file (a link or device); refusing it")
-                if info.size > MEMBER_LIMITS.get(name, limit):
-                    raise BundleError(f"the bundle's {name} is {info.size:,} bytes, over its limit; refusing it")
-                source = tar.extractfile(info)
-                sink = database if name == m.DATABASE and database is not None else io.BytesIO()
-                digests[name] = _copy(source, sink, info.size, name)
-                if isinstance(sink, io.BytesIO):
-                    members[name] = sink.getvalue()
+        with tarfile.open(fileobj=_Bounded(source, limit), mode="r|", bufsize=CHUNK) as tar:
+            manifest = _read_all(tar, keep, kept, inspect, deadline, ref)
     except BundleError:
         raise
     except (tarfile.TarError, OSError, EOFError, zlib.error, ValueError) as exc:
         raise BundleError(f"the bundle is not a readable tar.gz ({' '.join(str(exc).split())[:120]}); it is damaged "
                           "or not a memwatch bundle") from None
-    if m.MANIFEST not in members:
+    return manifest, kept
+
+
+def _read_all(tar: tarfile.TarFile, keep: bool, kept: dict[str, bytes], inspect: Inspect, deadline: float,
+              ref: str) -> m.Manifest:
+    manifest: m.Manifest | None = None
+    bounds: dict[str, int] = {}
+    seen: set[str] = set()
+    last = -1
+    for count, info in enumerate(tar, start=1):
+        if count > MAX_MEMBERS:
+            raise BundleError(f"the bundle has over {MAX_MEMBERS} members; not a memwatch bundle")
+        name = info.name
+        if name not in m.MEMBERS:
+            raise BundleError(f"the bundle holds an unexpected member {name[:80]!r}; not a memwatch bundle "
+                              "(nothing was extracted)")
+        if not info.isreg():
+            raise BundleError(f"the bundle's {name} is not a regular file (a link or device); refusing it")
+        if m.MEMBERS.index(name) <= last:
+            raise BundleError(f"the bundle holds {name} out of memwatch's order (or twice); not a memwatch bundle")
+        last = m.MEMBERS.index(name)
+        seen.add(name)
+        if manifest is None:
+            if name != m.MANIFEST:
+                raise BundleError(f"the bundle starts with {name}, not manifest.json; not a memwatch bundle")
+            if info.size > m.MAX_MANIFEST_BYTES:
+                raise BundleError(f"the bundle's manifest.json is {info.size:,} bytes, over its limit; refusing it")
+            manifest = m.parse_manifest(_read(tar, info, None, deadline)[1])
+            m.check_sizes(manifest)
+            continue
+        _check_declared(manifest, info, bounds)
+        sink = bytearray(info.size) if name == m.DATABASE or keep else None
+        digest, data = _read(tar, info, sink, deadline)
+        if (digest, info.size) != manifest.files[name]:
+            raise BundleError(f"the bundle's {name} does not match its manifest's SHA-256: it was changed after it "
+                              "was built (damaged or tampered with); refusing to read it")
+        if keep:
+            kept[name] = bytes(data)
+        if name == m.DATABASE:
+            try:
+                bounds = inspect(data, deadline)
+            except BundleError as exc:
+                raise BundleError(f"the bundle {ref + ' ' if ref else ''}is not readable: {exc}") from None
+    if manifest is None:
         raise BundleError("the bundle has no manifest.json; not a memwatch bundle")
-    return members, digests
+    missing = sorted(set(manifest.files) - seen)
+    if missing:
+        raise BundleError(f"the bundle lacks {missing[0]}, which its manifest lists; it is damaged or was tampered "
+                          "with")
+    return manifest
 
 
-def _copy(source: BinaryIO | None, sink: BinaryIO, size: int, name: str) -> tuple[str, int]:
-    """Copy a member's ``size`` bytes to ``sink`` in chunks; its SHA-256 and size."""
+def _check_declared(manifest: m.Manifest, info: tarfile.TarInfo, bounds: dict[str, int]) -> None:
+    """The member is listed, its header says the size the manifest declares, and it is within its bound."""
+    name = info.name
+    if name not in manifest.files:
+        raise BundleError(f"the bundle holds {name}, which its manifest does not list; it was tampered with")
+    declared = manifest.files[name][1]
+    if info.size != declared:
+        raise BundleError(f"the bundle's {name} is {info.size:,} bytes where its manifest says {declared:,}; it is "
+                          "damaged or was tampered with")
+    if info.size > bounds.get(name, info.size):
+        raise BundleError(f"the bundle's {name} is {info.size:,} bytes, more than memwatch writes for its run.db "
+                          f"(at most {bounds[name]:,}); refusing it")
+
+
+def _read(tar: tarfile.TarFile, info: tarfile.TarInfo, sink: bytearray | None,
+          deadline: float) -> tuple[str, bytearray]:
+    """A member's ``info.size`` bytes, hashed as they stream by, into ``sink`` (``None``: a new buffer only for the
+    manifest, else nothing kept); its SHA-256 and the buffer."""
+    source = tar.extractfile(info)
     digest = hashlib.sha256()
-    left = size
-    while left > 0 and source is not None:
-        chunk = source.read(min(left, CHUNK))
+    buffer = sink if sink is not None else bytearray(info.size) if info.name == m.MANIFEST else None
+    done = 0
+    while done < info.size and source is not None:
+        chunk = source.read(min(info.size - done, CHUNK))
         if not chunk:
             break
         digest.update(chunk)
-        sink.write(chunk)
-        left -= len(chunk)
-    if left:
-        raise BundleError(f"the bundle's {name} is cut short; the bundle is damaged")
-    return digest.hexdigest(), size
+        if buffer is not None:
+            buffer[done:done + len(chunk)] = chunk
+        done += len(chunk)
+        if time.monotonic() > deadline:
+            raise BundleError(f"the bundle took over {bundle_db.READ_SECONDS:.0f} s to read; refusing it")
+    if done < info.size:
+        raise BundleError(f"the bundle's {info.name} is cut short; the bundle is damaged")
+    return digest.hexdigest(), buffer if buffer is not None else bytearray()
 
 
-def load(data: bytes, *, database: BinaryIO | None = None) -> tuple[m.Manifest, dict[str, bytes]]:
-    """The checked manifest and the members of a bundle (:class:`BundleError` unless every check passes); with
-    ``database``, ``run.db`` is written there rather than returned."""
-    members, digests = read_members(data, database=database)
-    manifest = m.parse_manifest(members.pop(m.MANIFEST))
-    digests.pop(m.MANIFEST)
-    m.verify(manifest, digests)
-    return manifest, members
+def load(data: bytes) -> tuple[m.Manifest, dict[str, bytes]]:
+    """The checked manifest and the members (``run.db`` included) of a bundle's bytes: :class:`BundleError` unless
+    every check passes."""
+    return scan(data, keep=True)
 
 
 @dataclass
 class OpenedBundle:
-    """A checked bundle whose database lies, read-only, at :attr:`db_path` until :meth:`close`."""
+    """A checked bundle whose database every reading command opens at :attr:`db_path` until :meth:`close`."""
 
     ref: str
     manifest: m.Manifest
-    db_path: Path
-    _folder: Path
-    _finalizer: weakref.finalize = field(init=False, repr=False)
+    held: bundle_db.HeldDatabase
 
-    def __post_init__(self) -> None:
-        self._finalizer = weakref.finalize(self, _remove, self._folder)
+    @property
+    def db_path(self) -> Path:
+        """No file: the name the store opens the bundle's database, in memory, by."""
+        return Path(self.held.name)
 
     def close(self) -> None:
-        self._finalizer()
-
-
-def _remove(folder: Path) -> None:
-    try:
-        os.chmod(folder, 0o700)
-    except OSError:
-        pass
-    shutil.rmtree(folder, ignore_errors=True)
+        self.held.close()
 
 
 def open_bundle(ref: str) -> OpenedBundle:
-    """Fetch, check and unpack the bundle ``ref``; its database, read-only, in a private temporary folder."""
-    data = fetch(ref)
-    folder = Path(tempfile.mkdtemp(prefix="memwatch-bundle-"))
+    """Fetch, check and load the bundle ``ref``: its database, read-only, in memory."""
+    deadline = time.monotonic() + bundle_db.READ_SECONDS
+    held: list[bundle_db.HeldDatabase] = []
+
+    def inspect(data: bytearray, until: float) -> dict[str, int]:
+        database, bounds = bundle_db.load(data, until)
+        held.append(database)
+        return bounds
+
+    source = open_source(ref)
     try:
-        path = folder / m.DATABASE
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o400)
-        with os.fdopen(fd, "wb") as f:
-            manifest, _ = load(data, database=f)
-        os.chmod(folder, 0o500)  # read-only: SQLite opens the file immutable, with no -shm or journal beside it
-        _check_database(ref, path)
+        manifest, _ = scan(source, keep=False, inspect=inspect, deadline=deadline, ref=ref)
     except BaseException:
-        _remove(folder)
+        for database in held:
+            database.close()
         raise
-    return OpenedBundle(ref, manifest, path, folder)
-
-
-def _check_database(ref: str, path: Path) -> None:
-    """``run.db`` is a memwatch database this memwatch reads (a forger can rewrite the checksums too): said of the
-    bundle, not of the temporary file a command would otherwise name."""
-    import sqlite3
-
-    from ..errors import StoreError
-    from ..store.db import open_store
-
-    try:
-        open_store(path, readonly=True).conn.close()
-    except StoreError as exc:
-        why = str(exc).replace(str(path), "its run.db").split("; pass another --db")[0]
-        raise BundleError(f"the bundle {ref} is not readable: {why}") from None
-    except sqlite3.DatabaseError as exc:
-        raise BundleError(f"the bundle {ref} holds no readable database ({exc})") from None
-
-
-@dataclass(frozen=True)
-class Listed:
-    """One bundle under a prefix: its manifest when it verified, else why it was refused."""
-
-    uri: str
-    manifest: m.Manifest | None
-    error: str | None = None
-
-    def to_dict(self) -> dict[str, object]:
-        made = self.manifest
-        return {"uri": self.uri, "verified": made is not None, "error": self.error,
-                "created_ns": None if made is None else made.created_ns,
-                "run_id": None if made is None else made.run_id,
-                "pod": None if made is None else made.identity.get("k8s_pod") or made.identity.get("hostname"),
-                "model": None if made is None else made.identity.get("model"),
-                "verdict": None if made is None else made.verdict,
-                "trigger": None if made is None else made.trigger}
-
-
-BUNDLE_PREFIX = "memwatch-incident-"
-MAX_LISTED = 100
-"""The most bundles one listing verifies by default, the newest by name (each is fetched whole to check it)."""
-
-
-def list_names(prefix: str) -> list[str]:
-    """The bundle URLs (or paths) directly under ``prefix``: a folder, a ``file://`` URL or an object-store prefix."""
-    scheme = prefix.split("://", 1)[0].lower() if "://" in prefix else ""
-    if scheme in ("", "file"):
-        folder = unquote(urlsplit(prefix).path) if scheme else prefix
-        try:
-            names = sorted(os.listdir(folder))
-        except FileNotFoundError:
-            raise NotFoundError(f"no folder {folder}; pass the folder or URL bundles are written to") from None
-        except NotADirectoryError:
-            raise UsageError(f"{folder} is not a folder; pass the folder bundles are written to") from None
-        except PermissionError:
-            raise PermissionDeniedError(f"cannot list {folder}: no permission") from None
-        base = prefix.rstrip("/") + "/"
-        return [base + name for name in names if name.startswith(BUNDLE_PREFIX) and name.endswith(".tar.gz")]
-    from .objstore import list_names as list_objects
-
-    return [name for name in list_objects(prefix) if name.rsplit("/", 1)[-1].startswith(BUNDLE_PREFIX)
-            and name.endswith(".tar.gz")]
-
-
-def list_bundles(prefix: str, limit: int = MAX_LISTED) -> list[Listed]:
-    """Every bundle under ``prefix``, each fetched and verified, newest first (refused ones last, by name)."""
-    listed = []
-    for uri in list_names(prefix)[-limit:]:
-        try:
-            listed.append(Listed(uri, load(fetch(uri))[0]))
-        except BundleError as exc:
-            listed.append(Listed(uri, None, str(exc)))
-    return sorted(listed, key=lambda item: (item.manifest is None, -(item.manifest.created_ns if item.manifest
-                                                                      else 0), item.uri))
+    finally:
+        source.close()
+    return OpenedBundle(ref, manifest, held[0])

@@ -13,7 +13,7 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,11 +124,32 @@ def missing_database(db_path: str | os.PathLike[str]) -> NotFoundError:
                          "to make one, or pass --db / set MEMWATCH_DB")
 
 
+_IN_MEMORY: dict[str, Callable[[], sqlite3.Connection]] = {}
+"""Databases held in memory under a name that is no file (an incident bundle's ``run.db``), each with what opens
+one more read-only connection to it."""
+
+
+def hold_in_memory(name: str, connect: Callable[[], sqlite3.Connection] | None) -> None:
+    """Make ``name`` open through ``connect`` wherever a command opens its ``--db`` to read (``None``: no longer)."""
+    if connect is None:
+        _IN_MEMORY.pop(name, None)
+    else:
+        _IN_MEMORY[name] = connect
+
+
+def held_in_memory(db_path: str | os.PathLike[str]) -> bool:
+    """Whether ``db_path`` names a database held in memory (it exists, though no file does)."""
+    return os.fspath(db_path) in _IN_MEMORY
+
+
 def connect_readonly(db_path: Path) -> sqlite3.Connection:
     """A read-only connection to an existing file; a missing or unreadable one is said in one line.
 
     Nothing is read yet: SQLite opens the file at the first statement, whose error :func:`store_error` words.
     """
+    held = _IN_MEMORY.get(os.fspath(db_path))
+    if held is not None:
+        return held()
     check_regular(db_path)
     if not db_path.exists():
         raise missing_database(db_path)

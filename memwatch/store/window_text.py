@@ -22,16 +22,16 @@ import contextlib
 import os
 import select
 import signal
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import UnavailableError
 from ..records import Sample
 from .cpus import cpu_to_spare
-from .db import readonly_uri
+from .db import connect_readonly
 from .window import RAW_SELECT, key_range_where, run_key, stored_ranks
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def _query(line_sql: str, where: str, params: list[Any], notes: Notes) -> tuple[
 
 def _text(path: str, sql: str, params: list[Any]) -> str:
     """One part's lines, on a read-only connection of its own."""
-    conn = sqlite3.connect(readonly_uri(path), uri=True)
+    conn = connect_readonly(Path(path))  # a bundle's database, held in memory, opens there too
     try:
         conn.execute("PRAGMA busy_timeout=5000")
         lines = [line for (line,) in conn.execute(sql, params)]

@@ -1,0 +1,186 @@
+"""``memwatch incidents``: each bundle known by its manifest alone, one ranged read apiece, and a bad entry one line.
+
+Over the real S3 API the suite uses (moto on loopback), behind a proxy that counts every byte the store sends and
+every request it gets: listing 10 bundles of ~250 KB each is one listing request and 10 reads of their first
+64 KiB. In a local folder, a folder, a FIFO, a link, a damaged file and hostile manifests named like bundles are
+each one ``REFUSED`` line, and the listing goes on (it used to end at the first: "unexpected IsADirectoryError").
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import socket
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+from bundle_forge import pack, real_members, reseal, run_memwatch
+from click.testing import CliRunner
+
+from memwatch.cli import main
+from memwatch.incident import manifest as m
+
+from ship_s3 import S3Server, free_port
+
+
+@pytest.fixture(scope="module")
+def members(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """A real bundle's members with 256 KiB of log that does not compress: a bundle of about 250 KB."""
+    _, found = real_members(tmp_path_factory.mktemp("listing"))
+    log = base64.b64encode(os.urandom(192 * 1024))  # 256 KiB, the most a bundle holds
+    return reseal({**found, m.LOG: log})
+
+
+def _manifest_only(manifest: bytes) -> bytes:
+    """A tar.gz holding only a manifest (all a listing reads)."""
+    return pack({m.MANIFEST: manifest})
+
+
+class CountingProxy:
+    """A TCP proxy on loopback that keeps what the client sent and counts the bytes the server sent back."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.sent = bytearray()
+        self.received = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True, name="counting-proxy").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream), timeout=10)
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, target: socket.socket, upward: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                with self._lock:
+                    if upward:
+                        self.sent += data
+                    else:
+                        self.received += len(data)
+                target.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, target):
+                try:
+                    end.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            source.close()  # each pump closes the end it reads; the other pump closes the other
+
+    def requests(self) -> list[tuple[str, str, str | None]]:
+        """Method, path and ``Range`` header of every request the client sent."""
+        text = bytes(self.sent).decode("latin-1")
+        found = []
+        for head in re.split(r"\r\n\r\n", text):
+            first = re.search(r"^(GET|HEAD|PUT|POST|DELETE) (\S+) HTTP/1\.1", head, re.M)
+            if first:
+                ranged = re.search(r"^range: (.+)$", head, re.M | re.I)
+                found.append((first[1], first[2], ranged[1].strip() if ranged else None))
+        return found
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_listing_over_s3_reads_only_each_manifest(members: dict[str, bytes], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    server = S3Server(free_port()).start()
+    proxy = CountingProxy(server.port)
+    try:
+        bucket = f"incidents-{uuid.uuid4().hex[:12]}"
+        client = server.client()
+        client.create_bucket(Bucket=bucket)
+        data = pack(members)
+        assert len(data) > 200_000
+        for i in range(10):
+            client.put_object(Bucket=bucket, Key=f"prod/memwatch-incident-2030010{i}T000000.000Z-pod-x.tar.gz",
+                              Body=data)
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+        result = CliRunner().invoke(main, ["incidents", f"s3://{bucket}/prod/", "--json"])
+        assert result.exit_code == 0, result.output
+        requests = proxy.requests()
+        reads = [(path, ranged) for method, path, ranged in requests if method == "GET" and "list-type" not in path]
+        assert len(requests) == 11 and len(reads) == 10  # one listing, one read a bundle
+        assert {ranged for _, ranged in reads} == {"bytes=0-65535"}
+        # What came back: 10 times 64 KiB and the headers, and the listing's XML; not 10 times 250 KB.
+        assert proxy.received < 10 * (64 * 1024 + 2048) + 16 * 1024, proxy.received
+        assert proxy.received < 10 * len(data) // 3
+        listed = [json.loads(line) for line in result.stdout.splitlines()]
+        assert len(listed) == 10 and not any(item["refused"] for item in listed)
+        assert {item["run_id"] for item in listed} == {json.loads(members[m.MANIFEST])["run_id"]}
+    finally:
+        proxy.close()
+        server.stop()
+
+
+def test_every_bad_entry_in_a_folder_is_one_refused_line(members: dict[str, bytes], tmp_path: Path) -> None:
+    folder = tmp_path / "incidents"
+    folder.mkdir()
+    name = "memwatch-incident-2030010{}T000000.000Z-{}-x.tar.gz"
+    (folder / name.format(1, "good")).write_bytes(pack(members))
+    raw = json.loads(members[m.MANIFEST])
+    raw["padding"] = os.urandom(100_000).hex()  # 200 KB that compresses to ~100 KB: a second read
+    big = reseal({**members, m.MANIFEST: json.dumps(raw).encode()})
+    (folder / name.format(2, "big")).write_bytes(pack(big))
+    (folder / name.format(3, "folder")).mkdir()
+    os.mkfifo(folder / name.format(4, "fifo"))
+    (folder / name.format(5, "link")).symlink_to(folder / name.format(1, "good"))
+    (folder / name.format(6, "damaged")).write_bytes(b"\x1f\x8b" + os.urandom(4000))
+    (folder / name.format(7, "notjson")).write_bytes(_manifest_only(b"{not json"))
+    declared = {**raw, "files": {**raw["files"], m.EVENTS: {"sha256": "0" * 64, "bytes": 1_900_000_000}}}
+    (folder / name.format(8, "bomb")).write_bytes(_manifest_only(json.dumps(declared).encode()))
+    (folder / name.format(9, "first")).write_bytes(pack({m.DATABASE: members[m.DATABASE]}))
+    code, out, seconds, rss_mib = run_memwatch("incidents", str(folder), timeout=30)
+    lines = out.strip().splitlines()
+    assert code == 6 and len(lines) == 11, out  # the header, nine entries, the error
+    rows = {line.split()[-1].split("-")[3]: line for line in lines[1:-1]}
+    assert "REFUSED" not in rows["good"] + rows["big"]
+    expected = {"folder": "REFUSED: a folder, not a bundle file; not read",
+                "fifo": "REFUSED: a FIFO, not a bundle file; not read",
+                "link": "REFUSED: a symbolic link, not a bundle; not followed",
+                "damaged": "REFUSED: not a readable tar.gz",
+                "notjson": "REFUSED: the bundle's manifest.json is not JSON",
+                "bomb": "REFUSED: the bundle's manifest declares events.jsonl at 1,900,000,000 bytes",
+                "first": "REFUSED: starts with 'run.db', not manifest.json"}
+    for key, said in expected.items():
+        assert said in rows[key], (key, rows[key])
+    assert lines[-1] == (f"error: 7 of 9 entries under {folder} were refused (not a bundle, or its manifest failed "
+                         "its checks)")
+    assert seconds < 20 and rss_mib < 128, (seconds, rss_mib)
+
+
+def test_the_manifest_read_is_bounded_whatever_the_file(members: dict[str, bytes]) -> None:
+    from memwatch.incident.listing import MAX_READ_BYTES, read_manifest
+
+    asked: list[tuple[int, int]] = []
+    data = pack(members)
+
+    def read(start: int, length: int) -> bytes:
+        asked.append((start, length))
+        return data[start:start + length]
+
+    assert read_manifest(read).run_id == json.loads(members[m.MANIFEST])["run_id"]
+    assert asked == [(0, 64 * 1024)]
+    # A manifest at its bound that does not compress: two reads, never more than MAX_READ_BYTES in all.
+    raw = json.loads(members[m.MANIFEST])
+    raw["padding"] = base64.b64encode(os.urandom(180_000)).decode()
+    data = pack(reseal({**members, m.MANIFEST: json.dumps(raw).encode()}))
+    asked.clear()
+    assert read_manifest(read).run_id == raw["run_id"]
+    assert len(asked) == 2 and sum(length for _, length in asked) == MAX_READ_BYTES
