@@ -112,7 +112,9 @@ def test_the_reference_schema_is_what_memwatch_creates(tmp_path: Path) -> None:
     db.conn.close()
     assert bundle_db.reference_schema(SCHEMA_VERSION) == made
     kinds = sorted(kind for kind, *_ in made)
-    assert kinds.count("view") == 1 and kinds.count("trigger") == 2  # samples, and runs_key / samples_insert
+    # The view samples; the triggers runs_key and samples_insert, and the incidents written ahead with their cause
+    # (incidents_ended, incidents_flagged, incidents_forgotten).
+    assert kinds.count("view") == 1 and kinds.count("trigger") == 5
     assert len(bundle_db.reference_schema(1)) < len(made)
 
 
