@@ -20,7 +20,9 @@ print some of these; they read them from here so that a run has one number per q
 ===============================  ====================================================================
 
 A run with several ranks sums the byte terms over its ranks (the whole model's weights and KV), takes
-the tightest rank's margin, and the earliest out-of-memory's step.
+the tightest rank's margin, and the earliest out-of-memory's step. Its *worst rank* (:func:`worst_rank`) is the
+one whose figures stand for the run where one rank's figures are given (``replay --json``'s top level): the
+rank that ran out of memory first, else the rank with the lowest margin at its end.
 """
 
 from __future__ import annotations
@@ -66,6 +68,21 @@ def end_margin(margin: int | None, ran_out: bool) -> int | None:
     return 0 if margin is None else min(margin, 0)
 
 
+def worst_rank(ranks: Iterable[tuple[int, int | None, int | None]]) -> int | None:
+    """The rank that stands for a run, from ``(rank, when it ran out of memory or None, end margin)`` rows.
+
+    The first to run out of memory (ties: the lower rank); when none did, the lowest margin at the end (ties
+    and unknown margins: the lower rank). ``None`` for a run without ranks."""
+    rows = list(ranks)
+    if not rows:
+        return None
+    ran_out = [(when, rank) for rank, when, _ in rows if when is not None]
+    if ran_out:
+        return min(ran_out)[1]
+    known = [(margin, rank) for rank, _, margin in rows if margin is not None]
+    return min(known)[1] if known else min(rank for rank, _, _ in rows)
+
+
 @dataclass(frozen=True)
 class RankTruth:
     rank: int
@@ -93,6 +110,12 @@ class RunTruth:
 
     def rank(self, rank: int) -> RankTruth | None:
         return next((r for r in self.ranks if r.rank == rank), None)
+
+    @property
+    def worst_rank(self) -> int | None:
+        """:func:`worst_rank` of this run."""
+        return worst_rank((r.rank, r.oom_ts_ns if r.oom_step is not None else None, r.oom_margin_bytes)
+                          for r in self.ranks)
 
     @property
     def oom_step(self) -> int | None:
