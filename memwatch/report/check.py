@@ -189,7 +189,7 @@ def check_records(records: Iterable[Sample | Event], config: DetectorConfig | No
             readings.setdefault(record.rank, RankReadings(record.rank)).add(record, record.phase in STARTUP_PHASES)
     last_free = {rank: None if r.last is None else r.last.driver_free_bytes for rank, r in readings.items()}
     truth = truth_from(run_id or "", status, (r for r in records if isinstance(r, Event)), replayed.ranks,
-                       replayed.flags, last_free)
+                       replayed.flags, last_free, {rank: r.total_bytes for rank, r in readings.items()})
     capture = capture_ns(r for r in records if isinstance(r, Event))
     ranks = tuple(RankCheck.from_summary(summary, truth, engine,
                                          graphs_captured_after_sizing(summary, capture.get(rank)))

@@ -12,8 +12,9 @@ print some of these; they read them from here so that a run has one number per q
                                  sizing did not record ``reserved``); the allocator's cache slack is
                                  not part of it
 ``oom_margin_bytes``             the ledger's OOM margin at the rank's last sample; a rank that ran
-                                 out of memory (an ``oom`` event, or a crash with the driver's free at
-                                 0 B) had no margin left, so its margin at the end is at most 0
+                                 out of memory (an ``oom`` event, or a crash with its device nearly
+                                 full: :func:`ran_dry`) had no margin left, so its margin at the end is
+                                 at most 0
 ``weights_bytes``                the weights (``weights_loaded``, else ``current`` at sizing)
 ``kv_cache_bytes``               ``num_blocks × block_bytes`` at sizing
 ``flag_counts``                  flags per kind
@@ -59,6 +60,21 @@ def non_torch_from(used: int | None, reserved: int | None, current: int | None) 
 def non_torch_at_sizing(sizing: Sizing | None) -> int | None:
     """:func:`non_torch_from` of a ledger's sizing."""
     return None if sizing is None else non_torch_from(sizing.used_bytes, sizing.reserved_bytes, sizing.current_bytes)
+
+
+def ran_dry(free_bytes: int | None, total_bytes: int | None) -> bool:
+    """Whether a rank that crashed without an ``oom`` event most likely died of a failed GPU allocation.
+
+    An allocation fails when it asks for more than is free, not only when nothing is free: the caching
+    allocator asks the driver for whole segments (2 MiB, 20 MiB or the request rounded up to 2 MiB) and a
+    library's ``cudaMalloc`` for its whole workspace, so a process dies of memory with a few MiB still free.
+    A crash that left under 2 % of the device free (:func:`memwatch.report.readings.nearly_full`, the test
+    ``explain`` names the failed allocation by) ran out; 0 B free always did."""
+    from memwatch.report.readings import nearly_full
+
+    if free_bytes is None:
+        return False
+    return free_bytes == 0 or (bool(total_bytes) and nearly_full(free_bytes, total_bytes or 0))
 
 
 def end_margin(margin: int | None, ran_out: bool) -> int | None:
@@ -140,8 +156,10 @@ class RunTruth:
 
 
 def truth_from(run_id: str, status: str | None, events: Iterable[Event], summaries: Mapping[int, RankSummary],
-               flags: Iterable[Flag], last_free: Mapping[int, int | None]) -> RunTruth:
-    """The shared quantities from a run's events, per-rank summaries, flags and each rank's last driver free.
+               flags: Iterable[Flag], last_free: Mapping[int, int | None],
+               totals: Mapping[int, int | None] | None = None) -> RunTruth:
+    """The shared quantities from a run's events, per-rank summaries, flags, each rank's last driver free and
+    its device's size (``totals``: whether a crash left the device nearly full, :func:`ran_dry`).
 
     Pure: the one place these are derived, whatever read the inputs."""
     ledgers: dict[int, Ledger] = {}
@@ -162,7 +180,7 @@ def truth_from(run_id: str, status: str | None, events: Iterable[Event], summari
         summary = summaries.get(rank)
         terms = None if summary is None else summary.last_terms
         oom = ooms.get(rank)
-        ran_out = oom is not None or (status == "crashed" and last_free.get(rank) == 0)
+        ran_out = oom is not None or (status == "crashed" and ran_dry(last_free.get(rank), (totals or {}).get(rank)))
         weights = loaded.get(rank)
         if weights is None and sizing is not None:
             weights = sizing.current_bytes
@@ -190,4 +208,6 @@ def run_truth(db: Database, ref: str, config: DetectorConfig | None = None, *, s
     if readings is None:
         readings = stored_readings(db, run.run_id, state.summaries)
     last_free = {rank: None if r.last is None else r.last.driver_free_bytes for rank, r in readings.items()}
-    return truth_from(run.run_id, run.status, events(db, run.run_id), state.summaries, state.flags, last_free)
+    totals = {rank: r.total_bytes for rank, r in readings.items()}
+    return truth_from(run.run_id, run.status, events(db, run.run_id), state.summaries, state.flags, last_free,
+                      totals)
