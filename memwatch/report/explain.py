@@ -18,12 +18,20 @@ from typing import TYPE_CHECKING, Any
 from memwatch.detectors import STARTUP_PHASES, DetectorConfig, DetectorSet
 from memwatch.detectors.summary import RankSummary, ServingPoint, serving_point
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
-from memwatch.flags import OOM, Flag
+from memwatch.flags import EXTERNAL_PROCESS, OOM, Flag
 from memwatch.records import Event, Sample
 from memwatch.report.causes import OomFacts, mechanism_sentence, rank_causes
 from memwatch.report.check import graphs_sentence
 from memwatch.report.graphs import replayed_graphs_outside_budget, stored_graphs_outside_budget
-from memwatch.report.growth import TermGrowth, WindowChange, last_window, term_growths, window_sentence
+from memwatch.report.growth import (
+    OutsideSplit,
+    TermGrowth,
+    WindowChange,
+    last_window,
+    split_outside,
+    term_growths,
+    window_sentence,
+)
 from memwatch.report.points import ListPoints, Points
 from memwatch.report.readings import (
     CRASH,
@@ -271,6 +279,18 @@ def render_explanation(explanation: Explanation) -> str:
 # -- out of memory --------------------------------------------------------------------------------
 
 
+def _split(growths: list[TermGrowth], points: Points, oom: Event, flags: list[Flag]) -> OutsideSplit | None:
+    """Non-PyTorch growth told apart into an ``external_process`` flag's jump and a leak beside it."""
+    growth = next((g for g in growths if g.term == "non_torch_bytes"), None)
+    external = next((flag for flag in flags if flag.kind == EXTERNAL_PROCESS), None)
+    if growth is None or external is None:
+        return None
+    jump, since = _int(external.data.get("jump_bytes")), _int(external.data.get("from_step"))
+    if jump is None or since is None:
+        return None
+    return split_outside(growth, points, oom, jump, since, external.step)
+
+
 def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int, flags: list[Flag],
                  tolerance: int) -> OomReport:
     data = oom.data if isinstance(oom.data, dict) else {}
@@ -294,7 +314,7 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     end = f"rank {rank}'s crash" if oom.kind == CRASH else "the out-of-memory"
     facts = None if oom.kind == CRASH else OomFacts.of(oom.step, data)
     rank_flags = [flag for flag in flags if flag.rank == rank and flag.kind != OOM and flag.ts_ns <= oom.ts_ns]
-    causes = rank_causes(facts, growths, over, reserve, rank_flags)
+    causes = rank_causes(facts, growths, over, reserve, rank_flags, _split(growths, points, oom, rank_flags))
     if oom.kind == CRASH:
         total = _int(data.get("total_bytes"))
         if free is None or not total:
