@@ -46,6 +46,7 @@ from memwatch.report.readings import (
 )
 from memwatch.report.stored import first_ooms, ledger_events, stored_readings, stored_run
 from memwatch.report.stored_points import StoredPoints
+from memwatch.report.tightest import Tightest, tightest_report
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database
@@ -85,22 +86,6 @@ class OomReport:
     """The rank died outside PyTorch's allocator: no OOM event, ``step`` is its last sample."""
     causes: tuple[str, ...] = ()
     """The causes said, most bytes behind them first (:class:`memwatch.report.causes.Cause` kinds)."""
-
-
-@dataclass(frozen=True)
-class Tightest:
-    rank: int
-    step: int
-    oom_margin_bytes: int
-    driver_free_bytes: int | None
-    cache_slack_bytes: int | None
-    activation_reserve_bytes: int | None
-    headroom_bytes: int | None
-    sentence: str
-    reclaimable_cache_bytes: int | None = None
-    """Whole free cached segments (counted as free by the margin); ``None`` without allocator signals."""
-    at_serving_start: bool = False
-    """The smallest margin was already the first serving sample's: it never fell while serving."""
 
 
 @dataclass(frozen=True)
@@ -228,7 +213,7 @@ def explain_from(
                      flags, tolerance)
         for rank, oom in sorted(ooms.items())
     )
-    tightest = tuple(filter(None, (_tightest(rank, summary.tightest_serving, summary.first_serving)
+    tightest = tuple(filter(None, (tightest_report(rank, summary.tightest_serving, summary.first_serving)
                                    for rank, summary in sorted(summaries.items()))))
     unsized = tuple(rank for rank in sorted(readings) if rank in summaries and summaries[rank].sizing is None)
     if reports and not reports[0].crashed:
@@ -362,25 +347,6 @@ def _flag_before(flag: FlagBefore) -> str:
 
 
 # -- healthy runs ---------------------------------------------------------------------------------
-
-
-def _tightest(rank: int, tight: ServingPoint | None, first: ServingPoint | None) -> Tightest | None:
-    if tight is None or tight.oom_margin_bytes is None:
-        return None
-    margin = tight.oom_margin_bytes
-    assert margin is not None
-    reclaimable = tight.reclaimable_cache_bytes
-    of_it = "" if reclaimable is None else f" of which {format_bytes(reclaimable)} reclaimable"
-    # The first serving sample is taken before any request ran: when it holds the smallest margin, the
-    # margin never fell while serving, which is what is true to say.
-    at_start = first is not None and (first.step, first.ts_ns) == (tight.step, tight.ts_ns)
-    when = ("'s OOM margin never fell below where it stood when serving began" if at_start
-            else f"'s tightest serving moment was step {format_count(tight.step)}")
-    sentence = (f"rank {rank}{when}: {format_bytes(margin)} would have been left after a worst-case forward "
-                f"({format_bytes(tight.driver_free_bytes)} free, cache slack {format_bytes(tight.cache_slack_bytes)}"
-                f"{of_it}, activation reserve {format_bytes(tight.activation_reserve_bytes)}).")
-    return Tightest(rank, tight.step, margin, tight.driver_free_bytes, tight.cache_slack_bytes,
-                    tight.activation_reserve_bytes, tight.headroom_bytes, sentence, reclaimable, at_start)
 
 
 def _flags_said(count: int, kinds: tuple[tuple[str, int], ...]) -> str:
