@@ -1,0 +1,31 @@
+"""One number, one name: a quantity a command prints twice is printed the same both times."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from click.testing import CliRunner
+
+from memwatch.cli import main
+
+
+def test_plan_that_does_not_fit_names_the_budget_its_table_ends_with() -> None:
+    """On 12 GiB a 7B model leaves a negative KV budget; the verdict once said "the KV budget is 0 B" beside the
+    table's negative one, so its "short by" (required − budget) did not add up from what it said."""
+    args = ["plan", "--gpu-memory", "12GiB", "--seqs", "4", "--seq-len", "4096"]
+    text = CliRunner().invoke(main, args).output
+    table = re.search(r"^= KV budget\s+(-?[\d,]+) B\s+(\S+ \S+)$", text, re.M)
+    assert table is not None, text
+    budget_bytes, budget_text = int(table.group(1).replace(",", "")), table.group(2)
+    assert budget_bytes < 0
+    short = re.search(r"short by \S+ \S+ \(([\d,]+) B\)", text)
+    need = re.search(r"need (\S+ \S+) of KV; the KV budget is (\S+ \S+)$", text, re.M)
+    assert short is not None and need is not None, text
+    assert need.group(2) == budget_text
+    # 4 sequences × 16 blocks of 256 tokens × 14 MiB (Qwen2.5-7B: 28 layers × 4 KV heads × 128 × 2 (K, V) × 2 B)
+    required = 4 * 16 * 256 * 28 * 4 * 128 * 2 * 2
+    assert need.group(1) == "896.00 MiB" and required == 939_524_096
+    assert int(short.group(1).replace(",", "")) == required - budget_bytes
+    data = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
+    assert data["kv_budget_bytes"] == budget_bytes and data["shortfall_bytes"] == required - budget_bytes
