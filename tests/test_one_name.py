@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 from click.testing import CliRunner
 
 from memwatch.cli import main
+from tests.stored_runs import store_scenario
 
 
 def test_plan_that_does_not_fit_names_the_budget_its_table_ends_with() -> None:
@@ -29,3 +31,36 @@ def test_plan_that_does_not_fit_names_the_budget_its_table_ends_with() -> None:
     assert int(short.group(1).replace(",", "")) == required - budget_bytes
     data = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
     assert data["kv_budget_bytes"] == budget_bytes and data["shortfall_bytes"] == required - budget_bytes
+
+
+def test_runs_names_virtual_gpus_one_way(tmp_path: Path) -> None:
+    """The demo's GPU is named "Virtual GPU 24GiB"; a scenario that names none gets its size added the same way
+    ("Virtual GPU 16GiB", 16 × 2^30 B), not "Virtual GPU 16.00 GiB"."""
+    runtime = tmp_path / "rt"
+    runtime.mkdir(mode=0o700)
+    db = tmp_path / "m.db"
+    store_scenario("demo", runtime, db)
+    scenario = tmp_path / "plain.toml"
+    scenario.write_text(PLAIN_GPU.format(total=16 << 30))
+    store_scenario(scenario, runtime, db)
+    text = CliRunner().invoke(main, ["--db", str(db), "runs"]).output
+    assert "/ Virtual GPU 24GiB" in text and "/ Virtual GPU 16GiB" in text, text
+    assert "16.00 GiB" not in text
+
+
+PLAIN_GPU = """
+name = "plain_gpu"
+model = "Qwen3-0.6B"
+
+[gpu]
+total_bytes = {total}
+
+[engine]
+gpu_memory_utilization = 0.6
+max_model_len = 4096
+
+[[workload.requests]]
+count = 1
+prompt_tokens = 256
+output_tokens = 8
+"""
