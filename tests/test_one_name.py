@@ -64,3 +64,19 @@ count = 1
 prompt_tokens = 256
 output_tokens = 8
 """
+
+
+def test_one_flag_is_said_in_the_singular(tmp_path: Path) -> None:
+    """rank_imbalance raises exactly one flag (its ranks sized 431 and 358 blocks): "1 flag", not "1 flags"."""
+    runtime = tmp_path / "rt"
+    runtime.mkdir(mode=0o700)
+    db = tmp_path / "m.db"
+    run_id = store_scenario("rank_imbalance", runtime, db, live=True)
+    lines = CliRunner().invoke(main, ["--db", str(db), "check", run_id]).output.splitlines()
+    assert lines[-1] == "check failed: 1 flag of warning or worse"
+
+
+def test_counted() -> None:
+    from memwatch.detectors.wording import counted
+
+    assert [counted(n, "step") for n in (0, 1, 2, 1200)] == ["0 steps", "1 step", "2 steps", "1,200 steps"]

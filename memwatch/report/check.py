@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors import STARTUP_PHASES, DetectorConfig, RankSummary, replay
-from memwatch.detectors.wording import format_count
+from memwatch.detectors.wording import counted, format_count
 from memwatch.flags import WARNING, Flag, severity_at_least
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
@@ -265,6 +265,6 @@ def render_check(report: CheckReport) -> str:
         lines.append(f"{flag.severity:<8} {flag.kind:<24} {where}: {flag.message}")
     worst = sum(severity_at_least(flag.severity, WARNING) for flag in report.flags)
     crashed = f"the run {ENDED_BADLY[report.status]}; " if report.ended_badly and report.status else ""
-    lines.append(f"check {'failed' if report.failed else 'passed'}: {crashed}{format_count(worst)} flags of warning "
+    lines.append(f"check {'failed' if report.failed else 'passed'}: {crashed}{counted(worst, 'flag')} of warning "
                  "or worse")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors import STARTUP_PHASES, DetectorConfig, DetectorSet
 from memwatch.detectors.summary import RankSummary, ServingPoint, serving_point
-from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
+from memwatch.detectors.wording import counted, format_bytes, format_count, format_duration_ns
 from memwatch.flags import EXTERNAL_PROCESS, OOM, Flag
 from memwatch.records import Event, Sample
 from memwatch.report.causes import OomFacts, mechanism_sentence, rank_causes
@@ -342,8 +342,8 @@ def _free(free: int) -> str:
 def _flag_before(flag: FlagBefore) -> str:
     if flag.steps_before == 0:
         return f"{flag.kind} ({flag.severity}) at step {format_count(flag.step)}, the last step"
-    return (f"{flag.kind} ({flag.severity}) at step {format_count(flag.step)}, {format_count(flag.steps_before)} "
-            f"steps ({format_duration_ns(round(flag.seconds_before * 1e9))}) before")
+    return (f"{flag.kind} ({flag.severity}) at step {format_count(flag.step)}, {counted(flag.steps_before, 'step')} "
+            f"({format_duration_ns(round(flag.seconds_before * 1e9))}) before")
 
 
 # -- healthy runs ---------------------------------------------------------------------------------
