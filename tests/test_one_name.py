@@ -80,3 +80,14 @@ def test_counted() -> None:
     from memwatch.detectors.wording import counted
 
     assert [counted(n, "step") for n in (0, 1, 2, 1200)] == ["0 steps", "1 step", "2 steps", "1,200 steps"]
+
+
+def test_reading_runs_gives_the_buckets_default_the_cli_has() -> None:
+    from memwatch.report.series import DEFAULT_BUCKETS
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "reading-runs.md").read_text()
+    stated = re.search(r"`--buckets` \(default ([\d,]+)\)", doc)
+    assert stated is not None
+    assert int(stated.group(1).replace(",", "")) == DEFAULT_BUCKETS
+    help_text = CliRunner().invoke(main, ["report", "--help"]).output
+    assert re.search(rf"\[default:\s+{DEFAULT_BUCKETS}\]", help_text), help_text
