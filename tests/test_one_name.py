@@ -90,4 +90,4 @@ def test_reading_runs_gives_the_buckets_default_the_cli_has() -> None:
     assert stated is not None
     assert int(stated.group(1).replace(",", "")) == DEFAULT_BUCKETS
     help_text = CliRunner().invoke(main, ["report", "--help"]).output
-    assert re.search(rf"\[default:\s+{DEFAULT_BUCKETS}\]", help_text), help_text
+    assert re.search(rf"\[default:\s+{DEFAULT_BUCKETS}[;\]]", help_text), help_text
