@@ -103,3 +103,25 @@ def test_every_command_says_no_margin_was_left(crashed: tuple[Path, str]) -> Non
     flags = [json.loads(line) for line in _run(db, "flags", run_id, "--json").stdout.splitlines()]
     assert any(f["kind"] == "oom_risk" and f["severity"] == "critical" for f in flags)
     assert {kind: sum(f["kind"] == kind for f in flags) for kind in {f["kind"] for f in flags}} == check["flag_counts"]
+
+
+def test_a_crash_with_the_device_far_from_full_keeps_its_margin(tmp_path: Path) -> None:
+    """The other side of the rule: a process killed with 1.9 GiB free (the demo's run, its writer then gone, as the
+    sidecar marks it) did not run out of memory; its margin at the end is the ledger's, in explain's last window
+    as in check, not 0."""
+    import sqlite3
+
+    runtime = tmp_path / "rt"
+    runtime.mkdir(mode=0o700)
+    db = tmp_path / "m.db"
+    run_id = store_scenario("demo", runtime, db, live=True)
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE runs SET status = 'crashed' WHERE run_id = ?", (run_id,))
+        conn.execute("UPDATE ranks SET status = 'crashed' WHERE run_id = ?", (run_id,))
+    check = json.loads(_run(db, "check", run_id, "--json").stdout)
+    explain = json.loads(_run(db, "explain", run_id, "--json").stdout)
+    free, total = check["readings"][0]["last"]["driver_free_bytes"], check["readings"][0]["total_bytes"]
+    assert free >= total // 50
+    (crash,) = explain["ooms"]
+    assert crash["window"]["end"]["oom_margin_bytes"] == check["oom_margin_bytes"] == explain["oom_margin_bytes"] > 0
+    assert "do not point to GPU memory" in _run(db, "explain", run_id).stdout

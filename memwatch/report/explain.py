@@ -44,6 +44,7 @@ from memwatch.report.readings import (
     nearly_full,
     unseen_end_sentence,
 )
+from memwatch.report.run_facts import ran_dry
 from memwatch.report.stored import first_ooms, ledger_events, stored_readings, stored_run
 from memwatch.report.stored_points import StoredPoints
 from memwatch.report.tightest import Tightest, tightest_report
@@ -287,7 +288,7 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     over = over if over is not None and over > tolerance else None
     growths = term_growths(points, largest_activation, oom) if last is not None else []
     growth = growths[0] if growths else None
-    window = last_window(points, oom)
+    window = last_window(points, oom, oom.kind != CRASH or ran_dry(free, _int(data.get("total_bytes"))))
     before = tuple(FlagBefore(flag.kind, flag.severity, flag.step, oom.step - flag.step,
                               (oom.ts_ns - flag.ts_ns) / 1e9, flag.message)
                    for flag in flags if flag.rank == rank and flag.kind != OOM and flag.ts_ns <= oom.ts_ns)

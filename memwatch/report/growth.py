@@ -132,14 +132,16 @@ def split_outside(growth: TermGrowth, points: Points, oom: Event, jump_bytes: in
     return OutsideSplit(jump, jump_step, leak)
 
 
-def last_window(points: Points, oom: Event) -> WindowChange | None:
+def last_window(points: Points, oom: Event, ran_out: bool = True) -> WindowChange | None:
+    """The last :data:`WINDOW_STEPS` steps before ``oom``; ``ran_out``: whether the rank ran out of memory there (an
+    out-of-memory, or a crash that left its device nearly full), so that its margin at the end is at most 0."""
     start, end = points.first_from_step(oom.step - WINDOW_STEPS), points.last()
     if start is None or end is None or start.step == end.step:
         return None  # a window of one step has no change to tell
     keys = ("driver_free_bytes", "non_torch_bytes", "cache_slack_bytes", "allocated_bytes", "oom_margin_bytes")
     last = {key: getattr(end, key) for key in keys}
     # The window ends where memory ran out: its margin is the run's end margin (at most 0), one number with check's.
-    last["oom_margin_bytes"] = end_margin(last["oom_margin_bytes"], ran_out=True)
+    last["oom_margin_bytes"] = end_margin(last["oom_margin_bytes"], ran_out=ran_out)
     return WindowChange(start.step, end.step, (end.ts_ns - start.ts_ns) / 1e9,
                         {key: getattr(start, key) for key in keys}, last)
 
