@@ -30,6 +30,9 @@ def test_report_json_gives_the_shared_quantities_of_check(tmp_path: Path) -> Non
     check = json.loads(CliRunner().invoke(main, ["--db", str(db), "check", run_id, "--json"]).stdout)
     assert {key: numbers[key] for key in SHARED_KEYS} == {key: check[key] for key in SHARED_KEYS}
     assert numbers["run_id"] == run_id and numbers["outcome"] == "oom"
+    # the scenario's model and engine; its [gpu] names no device, so the simulator's default name
+    assert (numbers["status"], numbers["engine"], numbers["model"], numbers["gpu"]) == (
+        "oom", "nano-vllm", "Qwen3-0.6B", "Virtual GPU")
     ranks = numbers["ranks"]
     assert [rank["rank"] for rank in ranks] == [0, 1, 2, 3]
     # four equal shards of one model (norms replicated on each, so a bit more than the model's 1,192,099,840 B)
@@ -56,3 +59,20 @@ def test_report_needs_a_file_or_json(tmp_path: Path) -> None:
     db, run_id = _stored(tmp_path, "demo")
     result = CliRunner().invoke(main, ["--db", str(db), "report", run_id])
     assert result.exit_code == 2 and "-o FILE.html" in result.output
+
+
+def test_a_rank_without_shared_quantities_has_no_margin() -> None:
+    """A rank the report draws but the ledger never saw (no sizing, no summary): its margin is unknown, not another
+    rank's."""
+    from memwatch.report.facts import RankFacts
+    from memwatch.report.numbers import rank_numbers
+    from memwatch.report.run_facts import RankTruth, RunTruth
+
+    facts = RankFacts(rank=1, status="ok", samples=3, last_step=2, weights_bytes=None, torch_other_bytes=None,
+                      activation_reserve_bytes=None, non_pytorch_bytes=None, num_blocks=None, block_bytes=None,
+                      kv_bytes=None, budget_bytes=None, peak_used_bytes=None, min_free_bytes=None,
+                      serving_peak_bytes=None, preemptions=0, flags={}, oom_requested_bytes=None, oom_step=None)
+    truth = RunTruth("run", (RankTruth(0, None, None, 1, 5, 2, 3),))
+    row = rank_numbers(facts, truth)
+    assert row["oom_margin_bytes"] is None and row["flag_counts"] == {} and "flags" not in row
+    assert rank_numbers(RankFacts(**{**facts.to_dict(), "rank": 0}), truth)["oom_margin_bytes"] == 5
