@@ -2,9 +2,10 @@
 same keys and with the same values, on every shipped scenario (several ranks included) and on a crash that left
 memory free; a few of them match what the scenario files imply by hand.
 
-A run's shared quantities are at the top of ``check``, ``explain``, ``diff`` and ``report --json``; each rank's are
-in ``report --json``'s ``ranks``, ``plan --run``'s rows and ``replay``'s ``original.ranks``, and ``replay``'s top
-level holds its worst rank's (the first to run out, else the lowest margin). Each scenario is simulated once per
+A run's shared quantities are at the top of ``check``, ``explain``, ``diff`` and ``report --json``, with its worst
+rank (the first to run out, else the lowest margin) named there as ``worst_rank``; each rank's are in the ``ranks``
+of ``check`` and ``report --json``, ``plan --run``'s rows and ``replay``'s ``original.ranks``, and ``replay``'s top
+level holds its worst rank's. Each scenario is simulated once per
 session (``shipped_runs``)."""
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def _per_rank(db: Path, run_id: str, replayed: dict[str, Any]) -> dict[str, dict
     """Each command's shared quantities of every rank."""
     outputs: dict[str, dict[int, dict[str, Any]]] = {
         "report --json": {row["rank"]: _shared(row, RANK_KEYS) for row in _json(db, "report", run_id)["ranks"]},
+        "check": {row["rank"]: _shared(row, RANK_KEYS) for row in _json(db, "check", run_id)["ranks"]},
         "plan --run": {row["rank"]: _shared(row, RANK_KEYS) for row in _json(db, "plan", "--run", run_id)},
         "replay (original)": {row["rank"]: _shared(row, RANK_KEYS) for row in replayed["ranks"]},
     }
@@ -126,6 +128,8 @@ def test_every_command_gives_one_number_per_quantity(stored: Any, name: str) -> 
     worst = worst_rank((rank, None if row["oom_step"] is None else row["oom_step"], row["oom_margin_bytes"])
                        for rank, row in report.items())
     assert replayed["rank"] == worst
+    for command in ("check", "explain", "report"):
+        assert _json(db, command, run_id)["worst_rank"] == worst, command
     assert replayed["oom_step"] == check["oom_step"] == report[worst]["oom_step"]
     assert replayed["oom_margin_bytes"] == check["oom_margin_bytes"] == min(
         row["oom_margin_bytes"] for row in report.values() if row["oom_margin_bytes"] is not None)

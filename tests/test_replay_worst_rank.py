@@ -38,6 +38,9 @@ def test_the_top_level_is_the_rank_that_ran_out(tmp_path: Path, name: str, oom_r
     assert [tuple(row) for row in stored] == [(oom_rank, oom_step)]
     check = _json(db, "check", run_id)
     assert check["oom_step"] == oom_step and check["oom_margin_bytes"] <= 0
+    assert check["worst_rank"] == oom_rank
+    assert [(r["rank"], r["oom_step"]) for r in check["ranks"]] == [(r, oom_step if r == oom_rank else None)
+                                                                    for r in range(ranks)]
 
     original = _json(db, "replay", run_id)["original"]
     assert original["rank"] == oom_rank

@@ -19,7 +19,7 @@ from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
 from memwatch.report.ledger_text import render_lines, terms_lines
 from memwatch.report.readings import ENDED_BADLY, UNSIZED_SENTENCE, RankReadings, crash_sentences
-from memwatch.report.run_facts import RunTruth, run_truth, truth_from
+from memwatch.report.run_facts import RANK_KEYS, RankTruth, RunTruth, run_truth, truth_from
 from memwatch.report.stored import stored_readings, stored_run
 from memwatch.units import format_bytes
 
@@ -98,6 +98,8 @@ class RankCheck:
     engine: str | None = None
     budget_basis: str = "total × utilization"
     """What the budget is under the rank's sizing rule, in words (:attr:`memwatch.ledger.Sizing.budget_basis`)."""
+    shared: RankTruth | None = None
+    """The rank's shared quantities (:mod:`memwatch.report.run_facts`), under their keys in ``--json``."""
 
     @classmethod
     def from_summary(cls, summary: RankSummary, truth: RunTruth | None = None, engine: str | None = None,
@@ -123,6 +125,7 @@ class RankCheck:
             min_oom_margin_step=margin_step, min_oom_margin_bytes=margin_bytes,
             cuda_graphs_outside_budget_bytes=graphs_outside_budget(engine, graphs_bytes, summary.last_terms),
             engine=engine, budget_basis="total × utilization" if sizing is None else sizing.budget_basis,
+            shared=end,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,6 +137,7 @@ class RankCheck:
             "min_headroom": {"step": self.min_headroom_step, "bytes": self.min_headroom_bytes},
             "min_oom_margin": {"step": self.min_oom_margin_step, "bytes": self.min_oom_margin_bytes},
             "cuda_graphs_outside_budget_bytes": self.cuda_graphs_outside_budget_bytes,
+            **({} if self.shared is None else {key: getattr(self.shared, key) for key in RANK_KEYS}),
         }
 
 

@@ -144,7 +144,8 @@ class RunTruth:
         return min(margins) if margins else None
 
     def to_dict(self) -> dict[str, Any]:
-        """The shared keys with the run's values (``None`` where the run has no such quantity)."""
+        """The shared keys with the run's values (``None`` where the run has no such quantity), and the run's worst
+        rank (:func:`worst_rank`): whose margin and out-of-memory the run's are."""
         return {
             "oom_step": self.oom_step,
             "non_torch_at_sizing_bytes": _sum(r.non_torch_at_sizing_bytes for r in self.ranks),
@@ -152,6 +153,7 @@ class RunTruth:
             "weights_bytes": _sum(r.weights_bytes for r in self.ranks),
             "kv_cache_bytes": _sum(r.kv_cache_bytes for r in self.ranks),
             "flag_counts": dict(sorted(self.flag_counts.items())),
+            "worst_rank": self.worst_rank,
         }
 
 
