@@ -86,3 +86,19 @@ def test_truth_from_an_out_of_memory_on_one_rank() -> None:
     assert truth.ranks[1].to_dict() == {"rank": 1, "oom_step": 311, "non_torch_at_sizing_bytes": 512 * MIB,
                                         "oom_margin_bytes": 0, "weights_bytes": 1 * GIB,
                                         "kv_cache_bytes": 200 * MIB}
+
+
+def test_what_a_rank_did_not_record() -> None:
+    """A rank with samples but no sizing, one with only an out-of-memory, a weights event without a number."""
+    from memwatch.report.run_facts import non_torch_from
+
+    assert non_torch_from(2 * GIB, None, 1 * GIB) == 1 * GIB  # no reserved at sizing: used − current
+    assert non_torch_from(2 * GIB, 1536 * MIB, 1 * GIB) == 512 * MIB
+    assert non_torch_from(None, 1536 * MIB, 1 * GIB) is None and non_torch_from(2 * GIB, None, None) is None
+    events = [Event("run", 0, 0, 5, "weights_loaded", {"weights_bytes": "900"}),
+              Event("run", 2, 7, 9, "oom", {})]
+    truth = truth_from("run-7", "oom", events, {0: RankSummary(0)}, [], {})
+    assert truth.run_id == "run-7"
+    assert [(r.rank, r.oom_step, r.non_torch_at_sizing_bytes, r.oom_margin_bytes, r.weights_bytes, r.kv_cache_bytes)
+            for r in truth.ranks] == [(0, None, None, None, None, None), (2, 7, None, 0, None, None)]
+    assert truth.to_dict()["weights_bytes"] is None and truth.to_dict()["kv_cache_bytes"] is None
