@@ -102,3 +102,14 @@ def test_what_a_rank_did_not_record() -> None:
     assert [(r.rank, r.oom_step, r.non_torch_at_sizing_bytes, r.oom_margin_bytes, r.weights_bytes, r.kv_cache_bytes)
             for r in truth.ranks] == [(0, None, None, None, None, None), (2, 7, None, 0, None, None)]
     assert truth.to_dict()["weights_bytes"] is None and truth.to_dict()["kv_cache_bytes"] is None
+
+
+def test_a_rank_that_sized_but_left_no_summary() -> None:
+    """Rank 3 sized its KV cache (an engine that recorded no ``reserved_bytes``) and has no per-rank summary."""
+    sizing = _sizing(3)
+    del sizing.data["reserved_bytes"]
+    truth = truth_from("run", "ok", [sizing], {}, [], {})
+    (rank,) = truth.ranks
+    # used − current at sizing: 2 GiB − 1 GiB, the cache slack included since reserved was not recorded
+    assert (rank.rank, rank.non_torch_at_sizing_bytes, rank.oom_margin_bytes, rank.kv_cache_bytes) == (
+        3, 1 * GIB, None, 200 * MIB)
