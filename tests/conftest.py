@@ -60,3 +60,29 @@ def gdb_calls() -> None:
     if not gdb_calls_work():
         pytest.skip("this machine's gdb cannot call into a process (gdb 13 on a CPU with AMX: the kernel refuses its "
                     "XSAVE write-back, \"Couldn't write extended state status\")")
+
+
+class ShippedRuns:
+    """Each shipped scenario simulated and stored once per test session, on first use (``runs[name]``: its
+    database and run id); each in a database of its own, so that ``latest`` and ``runs`` see only it."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._stored: dict[str, tuple[Path, str]] = {}
+
+    def __getitem__(self, name: str) -> tuple[Path, str]:
+        if name not in self._stored:
+            from stored_runs import store_scenario
+
+            folder = self._root / name
+            runtime = folder / "rt"
+            runtime.mkdir(mode=0o700, parents=True)
+            db = folder / "memwatch.db"
+            self._stored[name] = (db, store_scenario(name, runtime, db, live=True))
+        return self._stored[name]
+
+
+@pytest.fixture(scope="session")
+def shipped_runs(tmp_path_factory: pytest.TempPathFactory) -> ShippedRuns:
+    """Every shipped scenario's stored run, simulated once for the whole session."""
+    return ShippedRuns(tmp_path_factory.mktemp("shipped"))

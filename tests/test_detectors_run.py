@@ -43,6 +43,23 @@ def test_same_disagreement_is_reported_once() -> None:
     assert across[0].data["num_blocks_by_rank"] == {"0": 3_610, "1": 3_610, "2": 3_600}
 
 
+def test_one_flag_per_mismatch_whichever_rank_sizes_after_it() -> None:
+    """Rank 1 of four sized fewer blocks: one disagreement, one flag, not one more each time a rank that agrees
+    with rank 0 sizes after it (three flags, each naming a different set of ranks)."""
+    runs = [SyntheticRun(rank=rank, jitter=False, num_blocks_override=blocks, serve_steps=1)
+            for rank, blocks in ((0, 3_610), (1, 3_600), (2, 3_610), (3, 3_610))]
+    across = [flag for flag in run_flags(*runs) if "num_blocks_by_rank" in flag.data]
+    assert len(across) == 1
+    assert across[0].data["fewest_blocks"] == 3_600 and across[0].data["most_blocks"] == 3_610
+
+
+def test_a_count_not_seen_before_is_a_new_mismatch() -> None:
+    runs = [SyntheticRun(rank=rank, jitter=False, num_blocks_override=blocks, serve_steps=1)
+            for rank, blocks in ((0, 3_610), (1, 3_600), (2, 3_610), (3, 3_590))]
+    across = [flag for flag in run_flags(*runs) if "num_blocks_by_rank" in flag.data]
+    assert [flag.data["fewest_blocks"] for flag in across] == [3_600, 3_590]
+
+
 def test_engine_count_off_its_own_rule() -> None:
     flags = run_flags(SyntheticRun(jitter=False, num_blocks_override=FORMULA_BLOCKS + 3, serve_steps=1))
     assert [(flag.kind, flag.data["difference_blocks"]) for flag in flags] == [(BLOCK_COUNT_MISMATCH, 3)]

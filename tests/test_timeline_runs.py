@@ -105,9 +105,9 @@ def test_runs_gpu_column_says_the_size_once_and_no_empty_gpu(stored: str, db_pat
         conn.execute("UPDATE runs SET gpu_name = 'Virtual GPU 24GiB', gpu_total_bytes = ?", (24 << 30,))
     code, out = _invoke(db_path, "runs")
     assert code == 0 and out.splitlines()[1].endswith("Qwen3-0.6B / Virtual GPU 24GiB")
-    with sqlite3.connect(db_path) as conn:
+    with sqlite3.connect(db_path) as conn:  # its size added as names say it
         conn.execute("UPDATE runs SET gpu_name = 'NVIDIA A10G', gpu_total_bytes = ?", (24 << 30,))
-    assert _invoke(db_path, "runs")[1].splitlines()[1].endswith("Qwen3-0.6B / NVIDIA A10G 24.00 GiB")
+    assert _invoke(db_path, "runs")[1].splitlines()[1].endswith("Qwen3-0.6B / NVIDIA A10G 24GiB")
     with sqlite3.connect(db_path) as conn:  # a plain PyTorch loop seen without a device name
         conn.execute("UPDATE runs SET gpu_name = NULL, gpu_total_bytes = NULL")
     assert _invoke(db_path, "runs")[1].splitlines()[1].endswith("Qwen3-0.6B")

@@ -9,10 +9,23 @@ from pathlib import Path
 import click
 
 from ..store import default_db_path, open_store
+from ..store.db import store_error
 from ..store.moments import parse_duration_ns
 from ..store.queries import get_run
 from ..store.retention import DEFAULT_EVIDENCE_NS, DEFAULT_FULL_NS, Retention, apply_retention
 from .options import RUN_REF, Text, db_option, json_option
+
+_READ_ONLY_CODES = frozenset({sqlite3.SQLITE_READONLY, sqlite3.SQLITE_PERM, sqlite3.SQLITE_CANTOPEN,
+                              sqlite3.SQLITE_AUTH})
+
+
+def _cannot_write(exc: sqlite3.DatabaseError) -> bool:
+    """SQLite refused a write because the file (or its folder, or its mount) is read-only: the database is fine.
+
+    SQLite opens a database for writing even where it can only read when its ``-wal`` and ``-shm`` are there;
+    the refusal comes with the first write, extended codes included (``SQLITE_READONLY_*``)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in _READ_ONLY_CODES
 
 
 def _size(path: Path) -> int:
@@ -42,16 +55,25 @@ def command(db_path: Path | None, as_json: bool, keep_full: str, keep_evidence: 
     db.conn.close()
     before = _size(path)
     db = open_store(path)
-    result = apply_retention(db, retention, run_ids)
-    vacuumed = False
-    if not no_vacuum:
-        try:
-            db.conn.execute("VACUUM")
-            db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            vacuumed = True
-        except sqlite3.OperationalError as exc:  # a sidecar writing: the freed pages are reused instead
-            click.echo(f"memwatch prune: space not given back now ({exc}); the freed pages will be reused", err=True)
-    db.conn.close()
+    try:
+        result = apply_retention(db, retention, run_ids)
+        vacuumed = False
+        if not no_vacuum:
+            try:
+                db.conn.execute("VACUUM")
+                db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                vacuumed = True
+            except sqlite3.OperationalError as exc:  # a sidecar writing: the freed pages are reused instead
+                if _cannot_write(exc):
+                    raise
+                click.echo(f"memwatch prune: space not given back now ({exc}); the freed pages will be reused",
+                           err=True)
+    except sqlite3.DatabaseError as exc:
+        if _cannot_write(exc):
+            raise store_error(path, exc) from None  # read-only, not damaged: exit 5, never "move it aside"
+        raise
+    finally:
+        db.conn.close()
     after = _size(path)
     report = {"runs": result.runs, "rolled_samples": result.rolled_samples, "bytes_before": before,
               "bytes_after": after, "vacuumed": vacuumed}

@@ -15,7 +15,6 @@ from ..sidecar.rejected_rings import set_aside_notes
 from ..store import open_store
 from ..store.queries import list_runs
 from ..terminal import printable
-from ..units import format_bytes
 from .options import db_option, int_range, json_option
 
 
@@ -59,7 +58,15 @@ _SIZE_IN_NAME = re.compile(r"\d+(\.\d+)?\s*(GiB|GB|TiB|TB)\b", re.IGNORECASE)
 
 
 def _gpu(name: str | None, total_bytes: int | None) -> str:
-    """The GPU's name with its memory, unless the name already says it (``NVIDIA H100 80GB HBM3``)."""
+    """The GPU's name with its memory, unless the name already says it (``NVIDIA H100 80GB HBM3``).
+
+    The memory is added the way such names say it, ``24GiB``, so that one kind of GPU reads one way in the list
+    whether its name carried its size or not."""
     if not total_bytes or (name and _SIZE_IN_NAME.search(name)):
         return name or ""
-    return f"{name or '?'} {format_bytes(total_bytes)}"
+    return f"{name or '?'} {size_label(total_bytes)}"
+
+
+def size_label(total_bytes: int) -> str:
+    """Device memory as a GPU's name gives it: ``16GiB``, ``22.49GiB`` (GiB, at most two decimals, no space)."""
+    return f"{total_bytes / 2**30:.2f}".rstrip("0").rstrip(".") + "GiB"

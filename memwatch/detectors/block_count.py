@@ -5,10 +5,12 @@ hands out block ids once for all of them); data-parallel engines have a schedule
 compared within their engine (a ``rank_identity`` event's ``dp_rank``; engine 0 without one). And
 the count a rank reports must be what the engine's sizing rule gives on the readings it reports, or
 the ledger's accounting of that rank does not hold (checked for the rules memwatch knows).
-``block_count_mismatch`` is raised once per distinct disagreement: again only when a rank re-sizes
-and the counts differ in a new way. Ranks are compared at the same sizing moment (``sizing_event`` of
-the ``kv_allocated`` data: SGLang sizes again after CUDA-graph capture), so a rank that resized is not
-set against one whose resize has not been read yet.
+``block_count_mismatch`` is raised once per distinct disagreement: the set of different counts an
+engine's ranks sized at one moment. A rank that sizes later with a count already seen joins that
+disagreement (no second flag naming another set of ranks); a flag is raised again only when a count
+no rank had sized there appears (a rank re-sizes, or sizes a third count). Ranks are compared at the
+same sizing moment (``sizing_event`` of the ``kv_allocated`` data: SGLang sizes again after
+CUDA-graph capture), so a rank that resized is not set against one whose resize has not been read yet.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class BlockCountCheck:
         self._blocks_by_rank: dict[int, int] = {}
         self._moment_by_rank: dict[int, object] = {}
         self._engine_by_rank: dict[int, int] = {}
-        self._reported: set[tuple[tuple[int, int], ...]] = set()
+        self._reported: set[tuple[int, object, frozenset[int]]] = set()
 
     def on_identity(self, event: Event) -> None:
         """A ``rank_identity`` event: which data-parallel engine the rank belongs to."""
@@ -77,10 +79,11 @@ class BlockCountCheck:
                   if self._engine_by_rank.get(rank, 0) == engine and self._moment_by_rank.get(rank) == moment}
         if len(set(counts.values())) < 2:
             return None
-        signature = tuple(sorted(counts.items()))
-        if signature in self._reported:
+        disagreement = (engine, moment, frozenset(counts.values()))
+        if disagreement in self._reported:
             return None
-        self._reported.add(signature)
+        self._reported.add(disagreement)
+        signature = tuple(sorted(counts.items()))
         fewest, most = min(counts.values()), max(counts.values())
         spread = most - fewest
         block_bytes = sizing.block_bytes

@@ -19,6 +19,11 @@ def format_count(count: int) -> str:
     return f"{count:,}"
 
 
+def counted(count: int, noun: str) -> str:
+    """``counted(1, "flag")`` -> ``"1 flag"``, ``counted(1200, "step")`` -> ``"1,200 steps"``."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
 def format_duration_ns(duration_ns: int) -> str:
     """``41_000_000_000`` -> ``"41 s"``; ``"3.5 min"`` from two minutes on, ``"2.0 h"`` from two hours."""
     seconds = duration_ns / 1e9

@@ -78,9 +78,9 @@ def render_plan(plan: CapacityPlan) -> str:
         short = plan.shortfall_bytes or 0
         verdict = ("verdict: fits" if plan.fits
                    else f"verdict: does not fit, short by {format_bytes(short)} ({short:,} B)")
-        lines += ["", verdict,
-                  f"  {target} need {format_bytes(plan.required_kv_bytes)} of KV; "
-                  f"the KV budget is {format_bytes(max(0, plan.kv_budget_bytes))}"]
+        # the budget the ledger above ends with, negative included: the shortfall is required − budget
+        lines += ["", verdict, f"  {target} need {format_bytes(plan.required_kv_bytes)} of KV; "
+                  f"the KV budget is {format_bytes(plan.kv_budget_bytes)}"]
     return "\n".join(lines)
 
 

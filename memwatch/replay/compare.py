@@ -21,6 +21,7 @@ from memwatch.replay.calibrate import Calibration, calibrate
 from memwatch.replay.outcome import RankOutcome, run_outcome, store_rings
 from memwatch.replay.run import ReplayResult, Settings, engine_config, replay
 from memwatch.replay.workload import RecordedWorkload, recorded_workload
+from memwatch.report.run_facts import worst_rank
 from memwatch.store import open_store
 from memwatch.store.db import Database
 from memwatch.store.queries import events, get_run, samples
@@ -50,11 +51,18 @@ class Comparison:
         }
 
 
+def worst(outcome: list[RankOutcome]) -> RankOutcome | None:
+    """The rank whose figures stand for the run (:func:`memwatch.report.run_facts.worst_rank`): the first to run
+    out of memory, else the one with the lowest margin at its end."""
+    chosen = worst_rank((rank.rank, rank.oom_step if rank.oom else None, rank.oom_margin_bytes) for rank in outcome)
+    return next((rank for rank in outcome if rank.rank == chosen), None)
+
+
 def _side(run_id: str, outcome: list[RankOutcome]) -> dict[str, Any]:
-    """Rank 0's figures at the top, every rank's under ``ranks``."""
-    first = outcome[0].to_dict() if outcome else {}
-    first.pop("rank", None)
-    return {"run_id": run_id, **first, "ranks": [rank.to_dict() for rank in outcome]}
+    """The worst rank's figures at the top, that rank named (``rank``), every rank's under ``ranks``."""
+    chosen = worst(outcome)
+    top = {} if chosen is None else chosen.to_dict()
+    return {"run_id": run_id, **top, "ranks": [rank.to_dict() for rank in outcome]}
 
 
 def load_recording(db: Database, ref: str) -> Recording:

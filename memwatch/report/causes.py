@@ -18,7 +18,7 @@ from typing import Any
 
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
 from memwatch.flags import EXTERNAL_PROCESS, FRAGMENTATION, Flag
-from memwatch.report.growth import TermGrowth
+from memwatch.report.growth import OutsideSplit, TermGrowth
 
 MiB = 1 << 20
 _SMALL_REQUEST = 1 * MiB
@@ -93,13 +93,20 @@ def mechanism_sentence(oom: OomFacts) -> str | None:
 
 
 def rank_causes(oom: OomFacts | None, growths: list[TermGrowth], over_reserve: int | None, reserve: int | None,
-                flags: list[Flag]) -> list[Cause]:
+                flags: list[Flag], split: OutsideSplit | None = None) -> list[Cause]:
     """The causes the facts support, most bytes first (``growths``: the terms that grew, ``flags``: the
-    rank's flags up to its end; ``oom`` is ``None`` for a crash, which has no failing request)."""
+    rank's flags up to its end; ``oom`` is ``None`` for a crash, which has no failing request; ``split``:
+    the non-PyTorch growth told apart into another process's jump and a leak beside it, each its own cause)."""
     causes: list[Cause] = []
     external = next((flag for flag in flags if flag.kind == EXTERNAL_PROCESS), None)
     fragmented = next((flag for flag in flags if flag.kind == FRAGMENTATION), None)
-    if external is not None:
+    if external is not None and split is not None:
+        causes.append(_other_process_at(external, split))
+        if split.leak is not None:
+            leak = _grown(split.leak, oom, fragmented)
+            if leak is not None:
+                causes.append(leak)
+    elif external is not None:
         causes.append(_other_process(external, next((g for g in growths if g.term == "non_torch_bytes"), None)))
     for growth in growths:
         if not (external is not None and growth.term == "non_torch_bytes"):
@@ -130,6 +137,13 @@ def _other_process(flag: Flag, growth: TermGrowth | None) -> Cause:
         f"Another process took {format_bytes(size)} of this GPU{after}: memory outside PyTorch's allocator jumped "
         f"and stayed up (the external_process flag at step {format_count(flag.step)}), so that "
         "memory was gone from the budget the KV cache was sized against."))
+
+
+def _other_process_at(flag: Flag, split: OutsideSplit) -> Cause:
+    return Cause("other_process", split.jump_bytes, (
+        f"Another process took {format_bytes(split.jump_bytes)} of this GPU at step {format_count(split.jump_step)}: "
+        f"memory outside PyTorch's allocator jumped and stayed up (the external_process flag at step "
+        f"{format_count(flag.step)}), so that memory was gone from the budget the KV cache was sized against."))
 
 
 def _grown(growth: TermGrowth, oom: OomFacts | None, fragmented: Flag | None) -> Cause | None:

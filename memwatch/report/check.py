@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors import STARTUP_PHASES, DetectorConfig, RankSummary, replay
-from memwatch.detectors.wording import format_count
+from memwatch.detectors.wording import counted, format_count
 from memwatch.flags import WARNING, Flag, severity_at_least
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
 from memwatch.report.ledger_text import render_lines, terms_lines
 from memwatch.report.readings import ENDED_BADLY, UNSIZED_SENTENCE, RankReadings, crash_sentences
-from memwatch.report.run_facts import RunTruth, run_truth, truth_from
+from memwatch.report.run_facts import RANK_KEYS, RankTruth, RunTruth, run_truth, truth_from
 from memwatch.report.stored import stored_readings, stored_run
 from memwatch.units import format_bytes
 
@@ -98,6 +98,8 @@ class RankCheck:
     engine: str | None = None
     budget_basis: str = "total × utilization"
     """What the budget is under the rank's sizing rule, in words (:attr:`memwatch.ledger.Sizing.budget_basis`)."""
+    shared: RankTruth | None = None
+    """The rank's shared quantities (:mod:`memwatch.report.run_facts`), under their keys in ``--json``."""
 
     @classmethod
     def from_summary(cls, summary: RankSummary, truth: RunTruth | None = None, engine: str | None = None,
@@ -123,6 +125,7 @@ class RankCheck:
             min_oom_margin_step=margin_step, min_oom_margin_bytes=margin_bytes,
             cuda_graphs_outside_budget_bytes=graphs_outside_budget(engine, graphs_bytes, summary.last_terms),
             engine=engine, budget_basis="total × utilization" if sizing is None else sizing.budget_basis,
+            shared=end,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,6 +137,7 @@ class RankCheck:
             "min_headroom": {"step": self.min_headroom_step, "bytes": self.min_headroom_bytes},
             "min_oom_margin": {"step": self.min_oom_margin_step, "bytes": self.min_oom_margin_bytes},
             "cuda_graphs_outside_budget_bytes": self.cuda_graphs_outside_budget_bytes,
+            **({} if self.shared is None else {key: getattr(self.shared, key) for key in RANK_KEYS}),
         }
 
 
@@ -189,7 +193,7 @@ def check_records(records: Iterable[Sample | Event], config: DetectorConfig | No
             readings.setdefault(record.rank, RankReadings(record.rank)).add(record, record.phase in STARTUP_PHASES)
     last_free = {rank: None if r.last is None else r.last.driver_free_bytes for rank, r in readings.items()}
     truth = truth_from(run_id or "", status, (r for r in records if isinstance(r, Event)), replayed.ranks,
-                       replayed.flags, last_free)
+                       replayed.flags, last_free, {rank: r.total_bytes for rank, r in readings.items()})
     capture = capture_ns(r for r in records if isinstance(r, Event))
     ranks = tuple(RankCheck.from_summary(summary, truth, engine,
                                          graphs_captured_after_sizing(summary, capture.get(rank)))
@@ -265,6 +269,6 @@ def render_check(report: CheckReport) -> str:
         lines.append(f"{flag.severity:<8} {flag.kind:<24} {where}: {flag.message}")
     worst = sum(severity_at_least(flag.severity, WARNING) for flag in report.flags)
     crashed = f"the run {ENDED_BADLY[report.status]}; " if report.ended_badly and report.status else ""
-    lines.append(f"check {'failed' if report.failed else 'passed'}: {crashed}{format_count(worst)} flags of warning "
+    lines.append(f"check {'failed' if report.failed else 'passed'}: {crashed}{counted(worst, 'flag')} of warning "
                  "or worse")
     return "\n".join(lines)

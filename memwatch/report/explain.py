@@ -17,13 +17,21 @@ from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors import STARTUP_PHASES, DetectorConfig, DetectorSet
 from memwatch.detectors.summary import RankSummary, ServingPoint, serving_point
-from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
-from memwatch.flags import OOM, Flag
+from memwatch.detectors.wording import counted, format_bytes, format_count, format_duration_ns
+from memwatch.flags import EXTERNAL_PROCESS, OOM, Flag
 from memwatch.records import Event, Sample
 from memwatch.report.causes import OomFacts, mechanism_sentence, rank_causes
 from memwatch.report.check import graphs_sentence
 from memwatch.report.graphs import replayed_graphs_outside_budget, stored_graphs_outside_budget
-from memwatch.report.growth import TermGrowth, WindowChange, last_window, term_growths, window_sentence
+from memwatch.report.growth import (
+    OutsideSplit,
+    TermGrowth,
+    WindowChange,
+    last_window,
+    split_outside,
+    term_growths,
+    window_sentence,
+)
 from memwatch.report.points import ListPoints, Points
 from memwatch.report.readings import (
     CRASH,
@@ -36,8 +44,10 @@ from memwatch.report.readings import (
     nearly_full,
     unseen_end_sentence,
 )
+from memwatch.report.run_facts import ran_dry
 from memwatch.report.stored import first_ooms, ledger_events, stored_readings, stored_run
 from memwatch.report.stored_points import StoredPoints
+from memwatch.report.tightest import Tightest, tightest_report
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database
@@ -77,22 +87,6 @@ class OomReport:
     """The rank died outside PyTorch's allocator: no OOM event, ``step`` is its last sample."""
     causes: tuple[str, ...] = ()
     """The causes said, most bytes behind them first (:class:`memwatch.report.causes.Cause` kinds)."""
-
-
-@dataclass(frozen=True)
-class Tightest:
-    rank: int
-    step: int
-    oom_margin_bytes: int
-    driver_free_bytes: int | None
-    cache_slack_bytes: int | None
-    activation_reserve_bytes: int | None
-    headroom_bytes: int | None
-    sentence: str
-    reclaimable_cache_bytes: int | None = None
-    """Whole free cached segments (counted as free by the margin); ``None`` without allocator signals."""
-    at_serving_start: bool = False
-    """The smallest margin was already the first serving sample's: it never fell while serving."""
 
 
 @dataclass(frozen=True)
@@ -220,7 +214,7 @@ def explain_from(
                      flags, tolerance)
         for rank, oom in sorted(ooms.items())
     )
-    tightest = tuple(filter(None, (_tightest(rank, summary.tightest_serving, summary.first_serving)
+    tightest = tuple(filter(None, (tightest_report(rank, summary.tightest_serving, summary.first_serving)
                                    for rank, summary in sorted(summaries.items()))))
     unsized = tuple(rank for rank in sorted(readings) if rank in summaries and summaries[rank].sizing is None)
     if reports and not reports[0].crashed:
@@ -271,6 +265,18 @@ def render_explanation(explanation: Explanation) -> str:
 # -- out of memory --------------------------------------------------------------------------------
 
 
+def _split(growths: list[TermGrowth], points: Points, oom: Event, flags: list[Flag]) -> OutsideSplit | None:
+    """Non-PyTorch growth told apart into an ``external_process`` flag's jump and a leak beside it."""
+    growth = next((g for g in growths if g.term == "non_torch_bytes"), None)
+    external = next((flag for flag in flags if flag.kind == EXTERNAL_PROCESS), None)
+    if growth is None or external is None:
+        return None
+    jump, since = _int(external.data.get("jump_bytes")), _int(external.data.get("from_step"))
+    if jump is None or since is None:
+        return None
+    return split_outside(growth, points, oom, jump, since, external.step)
+
+
 def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int, flags: list[Flag],
                  tolerance: int) -> OomReport:
     data = oom.data if isinstance(oom.data, dict) else {}
@@ -282,7 +288,7 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     over = over if over is not None and over > tolerance else None
     growths = term_growths(points, largest_activation, oom) if last is not None else []
     growth = growths[0] if growths else None
-    window = last_window(points, oom)
+    window = last_window(points, oom, oom.kind != CRASH or ran_dry(free, _int(data.get("total_bytes"))))
     before = tuple(FlagBefore(flag.kind, flag.severity, flag.step, oom.step - flag.step,
                               (oom.ts_ns - flag.ts_ns) / 1e9, flag.message)
                    for flag in flags if flag.rank == rank and flag.kind != OOM and flag.ts_ns <= oom.ts_ns)
@@ -294,7 +300,7 @@ def _explain_oom(rank: int, oom: Event, points: Points, largest_activation: int,
     end = f"rank {rank}'s crash" if oom.kind == CRASH else "the out-of-memory"
     facts = None if oom.kind == CRASH else OomFacts.of(oom.step, data)
     rank_flags = [flag for flag in flags if flag.rank == rank and flag.kind != OOM and flag.ts_ns <= oom.ts_ns]
-    causes = rank_causes(facts, growths, over, reserve, rank_flags)
+    causes = rank_causes(facts, growths, over, reserve, rank_flags, _split(growths, points, oom, rank_flags))
     if oom.kind == CRASH:
         total = _int(data.get("total_bytes"))
         if free is None or not total:
@@ -337,30 +343,11 @@ def _free(free: int) -> str:
 def _flag_before(flag: FlagBefore) -> str:
     if flag.steps_before == 0:
         return f"{flag.kind} ({flag.severity}) at step {format_count(flag.step)}, the last step"
-    return (f"{flag.kind} ({flag.severity}) at step {format_count(flag.step)}, {format_count(flag.steps_before)} "
-            f"steps ({format_duration_ns(round(flag.seconds_before * 1e9))}) before")
+    return (f"{flag.kind} ({flag.severity}) at step {format_count(flag.step)}, {counted(flag.steps_before, 'step')} "
+            f"({format_duration_ns(round(flag.seconds_before * 1e9))}) before")
 
 
 # -- healthy runs ---------------------------------------------------------------------------------
-
-
-def _tightest(rank: int, tight: ServingPoint | None, first: ServingPoint | None) -> Tightest | None:
-    if tight is None or tight.oom_margin_bytes is None:
-        return None
-    margin = tight.oom_margin_bytes
-    assert margin is not None
-    reclaimable = tight.reclaimable_cache_bytes
-    of_it = "" if reclaimable is None else f" of which {format_bytes(reclaimable)} reclaimable"
-    # The first serving sample is taken before any request ran: when it holds the smallest margin, the
-    # margin never fell while serving, which is what is true to say.
-    at_start = first is not None and (first.step, first.ts_ns) == (tight.step, tight.ts_ns)
-    when = ("'s OOM margin never fell below where it stood when serving began" if at_start
-            else f"'s tightest serving moment was step {format_count(tight.step)}")
-    sentence = (f"rank {rank}{when}: {format_bytes(margin)} would have been left after a worst-case forward "
-                f"({format_bytes(tight.driver_free_bytes)} free, cache slack {format_bytes(tight.cache_slack_bytes)}"
-                f"{of_it}, activation reserve {format_bytes(tight.activation_reserve_bytes)}).")
-    return Tightest(rank, tight.step, margin, tight.driver_free_bytes, tight.cache_slack_bytes,
-                    tight.activation_reserve_bytes, tight.headroom_bytes, sentence, reclaimable, at_start)
 
 
 def _flags_said(count: int, kinds: tuple[tuple[str, int], ...]) -> str:

@@ -85,14 +85,63 @@ def term_growths(points: Points, largest_activation: int, oom: Event) -> list[Te
     return [growth for _, growth in sorted(found, key=lambda item: -item[0])]
 
 
-def last_window(points: Points, oom: Event) -> WindowChange | None:
+@dataclass(frozen=True)
+class OutsideSplit:
+    """Non-PyTorch growth told apart: another process's jump and a steady leak beside it."""
+
+    jump_bytes: int
+    """The other process's bytes: the flagged rise less what the leak added over the same steps."""
+    jump_step: int
+    """The first sample that shows the jump."""
+    leak: TermGrowth | None
+    """The growth besides the jump, when it reaches :data:`MIN_GROWTH_BYTES`."""
+
+
+def split_outside(growth: TermGrowth, points: Points, oom: Event, jump_bytes: int, from_step: int,
+                  flag_step: int) -> OutsideSplit | None:
+    """Split the non-PyTorch ``growth`` into the jump an ``external_process`` flag measured (``jump_bytes`` from
+    ``from_step`` to ``flag_step``) and the steady growth beside it; ``None`` when nothing but the jump grew.
+
+    The flag's rise spans a few steps, over which a leak also grew: its rate before the jump (from the growth's
+    onset to ``from_step``) is taken out of the rise. A leak that began with or after the jump is timed from the
+    last sample still level with where the jump settled."""
+    before = points.first_from_step(from_step)
+    if before is None or before.non_torch_bytes is None or growth.term != "non_torch_bytes":
+        return None
+    leaked_before = before.non_torch_bytes - growth.from_bytes
+    span = before.step - growth.since_step
+    rate = leaked_before / span if span > 0 else 0.0
+    jump = max(0, min(growth.growth_bytes, round(jump_bytes - rate * (flag_step - from_step))))
+    rest = growth.growth_bytes - jump
+    if rest < MIN_GROWTH_BYTES:
+        return None
+    reached = points.first_reaching("non_torch_bytes", from_step, before.non_torch_bytes + jump / 2)
+    jump_step = from_step if reached is None else reached.step
+    if span > JUMP_STEPS and leaked_before > ONSET_TOLERANCE_BYTES:
+        since, from_bytes, seconds = growth.since_step, growth.from_bytes, growth.seconds
+    else:
+        settled = points.first_from_step(flag_step)
+        if settled is None or settled.non_torch_bytes is None:
+            return None
+        onset = points.last_at_most("non_torch_bytes", settled.non_torch_bytes + ONSET_TOLERANCE_BYTES) or settled
+        if onset.non_torch_bytes is None:
+            return None
+        since, from_bytes, seconds = onset.step, onset.non_torch_bytes, (oom.ts_ns - onset.ts_ns) / 1e9
+    leak = TermGrowth(growth.term, growth.label, from_bytes, growth.to_bytes, rest, since, oom.step - since,
+                      seconds, jump=False)
+    return OutsideSplit(jump, jump_step, leak)
+
+
+def last_window(points: Points, oom: Event, ran_out: bool = True) -> WindowChange | None:
+    """The last :data:`WINDOW_STEPS` steps before ``oom``; ``ran_out``: whether the rank ran out of memory there (an
+    out-of-memory, or a crash that left its device nearly full), so that its margin at the end is at most 0."""
     start, end = points.first_from_step(oom.step - WINDOW_STEPS), points.last()
     if start is None or end is None or start.step == end.step:
         return None  # a window of one step has no change to tell
     keys = ("driver_free_bytes", "non_torch_bytes", "cache_slack_bytes", "allocated_bytes", "oom_margin_bytes")
     last = {key: getattr(end, key) for key in keys}
     # The window ends where memory ran out: its margin is the run's end margin (at most 0), one number with check's.
-    last["oom_margin_bytes"] = end_margin(last["oom_margin_bytes"], ran_out=True)
+    last["oom_margin_bytes"] = end_margin(last["oom_margin_bytes"], ran_out=ran_out)
     return WindowChange(start.step, end.step, (end.ts_ns - start.ts_ns) / 1e9,
                         {key: getattr(start, key) for key in keys}, last)
 

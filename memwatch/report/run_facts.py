@@ -12,15 +12,18 @@ print some of these; they read them from here so that a run has one number per q
                                  sizing did not record ``reserved``); the allocator's cache slack is
                                  not part of it
 ``oom_margin_bytes``             the ledger's OOM margin at the rank's last sample; a rank that ran
-                                 out of memory (an ``oom`` event, or a crash with the driver's free at
-                                 0 B) had no margin left, so its margin at the end is at most 0
+                                 out of memory (an ``oom`` event, or a crash with its device nearly
+                                 full: :func:`ran_dry`) had no margin left, so its margin at the end is
+                                 at most 0
 ``weights_bytes``                the weights (``weights_loaded``, else ``current`` at sizing)
 ``kv_cache_bytes``               ``num_blocks × block_bytes`` at sizing
 ``flag_counts``                  flags per kind
 ===============================  ====================================================================
 
 A run with several ranks sums the byte terms over its ranks (the whole model's weights and KV), takes
-the tightest rank's margin, and the earliest out-of-memory's step.
+the tightest rank's margin, and the earliest out-of-memory's step. Its *worst rank* (:func:`worst_rank`) is the
+one whose figures stand for the run where one rank's figures are given (``replay --json``'s top level): the
+rank that ran out of memory first, else the rank with the lowest margin at its end.
 """
 
 from __future__ import annotations
@@ -59,11 +62,41 @@ def non_torch_at_sizing(sizing: Sizing | None) -> int | None:
     return None if sizing is None else non_torch_from(sizing.used_bytes, sizing.reserved_bytes, sizing.current_bytes)
 
 
+def ran_dry(free_bytes: int | None, total_bytes: int | None) -> bool:
+    """Whether a rank that crashed without an ``oom`` event most likely died of a failed GPU allocation.
+
+    An allocation fails when it asks for more than is free, not only when nothing is free: the caching
+    allocator asks the driver for whole segments (2 MiB, 20 MiB or the request rounded up to 2 MiB) and a
+    library's ``cudaMalloc`` for its whole workspace, so a process dies of memory with a few MiB still free.
+    A crash that left under 2 % of the device free (:func:`memwatch.report.readings.nearly_full`, the test
+    ``explain`` names the failed allocation by) ran out; 0 B free always did."""
+    from memwatch.report.readings import nearly_full
+
+    if free_bytes is None:
+        return False
+    return free_bytes == 0 or (bool(total_bytes) and nearly_full(free_bytes, total_bytes or 0))
+
+
 def end_margin(margin: int | None, ran_out: bool) -> int | None:
     """The OOM margin at a rank's end: what the ledger predicted, but at most 0 once memory ran out."""
     if not ran_out:
         return margin
     return 0 if margin is None else min(margin, 0)
+
+
+def worst_rank(ranks: Iterable[tuple[int, int | None, int | None]]) -> int | None:
+    """The rank that stands for a run, from ``(rank, when it ran out of memory or None, end margin)`` rows.
+
+    The first to run out of memory (ties: the lower rank); when none did, the lowest margin at the end (ties
+    and unknown margins: the lower rank). ``None`` for a run without ranks."""
+    rows = list(ranks)
+    if not rows:
+        return None
+    ran_out = [(when, rank) for rank, when, _ in rows if when is not None]
+    if ran_out:
+        return min(ran_out)[1]
+    known = [(margin, rank) for rank, _, margin in rows if margin is not None]
+    return min(known)[1] if known else min(rank for rank, _, _ in rows)
 
 
 @dataclass(frozen=True)
@@ -95,6 +128,12 @@ class RunTruth:
         return next((r for r in self.ranks if r.rank == rank), None)
 
     @property
+    def worst_rank(self) -> int | None:
+        """:func:`worst_rank` of this run."""
+        return worst_rank((r.rank, r.oom_ts_ns if r.oom_step is not None else None, r.oom_margin_bytes)
+                          for r in self.ranks)
+
+    @property
     def oom_step(self) -> int | None:
         ooms = [r for r in self.ranks if r.oom_step is not None]
         return None if not ooms else min(ooms, key=lambda r: (r.oom_ts_ns or 0, r.rank)).oom_step
@@ -105,7 +144,8 @@ class RunTruth:
         return min(margins) if margins else None
 
     def to_dict(self) -> dict[str, Any]:
-        """The shared keys with the run's values (``None`` where the run has no such quantity)."""
+        """The shared keys with the run's values (``None`` where the run has no such quantity), and the run's worst
+        rank (:func:`worst_rank`): whose margin and out-of-memory the run's are."""
         return {
             "oom_step": self.oom_step,
             "non_torch_at_sizing_bytes": _sum(r.non_torch_at_sizing_bytes for r in self.ranks),
@@ -113,12 +153,15 @@ class RunTruth:
             "weights_bytes": _sum(r.weights_bytes for r in self.ranks),
             "kv_cache_bytes": _sum(r.kv_cache_bytes for r in self.ranks),
             "flag_counts": dict(sorted(self.flag_counts.items())),
+            "worst_rank": self.worst_rank,
         }
 
 
 def truth_from(run_id: str, status: str | None, events: Iterable[Event], summaries: Mapping[int, RankSummary],
-               flags: Iterable[Flag], last_free: Mapping[int, int | None]) -> RunTruth:
-    """The shared quantities from a run's events, per-rank summaries, flags and each rank's last driver free.
+               flags: Iterable[Flag], last_free: Mapping[int, int | None],
+               totals: Mapping[int, int | None] | None = None) -> RunTruth:
+    """The shared quantities from a run's events, per-rank summaries, flags, each rank's last driver free and
+    its device's size (``totals``: whether a crash left the device nearly full, :func:`ran_dry`).
 
     Pure: the one place these are derived, whatever read the inputs."""
     ledgers: dict[int, Ledger] = {}
@@ -139,7 +182,7 @@ def truth_from(run_id: str, status: str | None, events: Iterable[Event], summari
         summary = summaries.get(rank)
         terms = None if summary is None else summary.last_terms
         oom = ooms.get(rank)
-        ran_out = oom is not None or (status == "crashed" and last_free.get(rank) == 0)
+        ran_out = oom is not None or (status == "crashed" and ran_dry(last_free.get(rank), (totals or {}).get(rank)))
         weights = loaded.get(rank)
         if weights is None and sizing is not None:
             weights = sizing.current_bytes
@@ -167,4 +210,6 @@ def run_truth(db: Database, ref: str, config: DetectorConfig | None = None, *, s
     if readings is None:
         readings = stored_readings(db, run.run_id, state.summaries)
     last_free = {rank: None if r.last is None else r.last.driver_free_bytes for rank, r in readings.items()}
-    return truth_from(run.run_id, run.status, events(db, run.run_id), state.summaries, state.flags, last_free)
+    totals = {rank: r.total_bytes for rank, r in readings.items()}
+    return truth_from(run.run_id, run.status, events(db, run.run_id), state.summaries, state.flags, last_free,
+                      totals)

@@ -40,12 +40,16 @@ class ServeStats:
 
 
 class SimulatedEngine:
-    def __init__(self, engine: EngineConfig, cost: CostModel, runners: list[RankRunner], clock: VirtualClock) -> None:
+    def __init__(self, engine: EngineConfig, cost: CostModel, runners: list[RankRunner], clock: VirtualClock,
+                 model_config: str | None = None) -> None:
         self.engine = engine
         self.cost = cost
         self.runners = runners
         self.clock = clock
         self.stats = ServeStats()
+        self.model_config = model_config
+        """What the run records as its ``model_config``: where its model was read from when that was a file (so
+        that ``plan --run`` reads it again there, offline), else the model's name."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -64,7 +68,7 @@ class SimulatedEngine:
                 max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs,
                 max_model_len=engine.max_model_len, tensor_parallel_size=engine.tensor_parallel_size,
                 dtype=spec.dtype, enforce_eager=engine.enforce_eager, attention=engine.attention,
-                model_config=spec.name,
+                model_config=self.model_config or spec.name,
             )
             runner.setup_faults()
         with self.phase("load"):

@@ -68,7 +68,7 @@ def run_scenario(
                                    "ring (see the warning above); check MEMWATCH_RUNTIME_DIR")
         runners.append(RankRunner(rank, spec, engine_config, gpu, monitor, clock, scenario.faults))
 
-    engine = SimulatedEngine(engine_config, scenario.cost, runners, clock)
+    engine = SimulatedEngine(engine_config, scenario.cost, runners, clock, scenario.model_file())
     error: str | None = None
     try:
         engine.start()

@@ -53,6 +53,11 @@ class Scenario:
                                  f"but there are {self.engine.tensor_parallel_size} ranks")
             fault.check(self.engine, self.name)
 
+    def model_file(self) -> str | None:
+        """The model's config file or directory when the scenario names one that exists, as an absolute path."""
+        path = Path(self.model).expanduser()
+        return str(path.resolve()) if path.exists() else None
+
     def model_spec(self) -> ModelSpec:
         """The model at the engine's precision, checked to shard over the engine's TP size like nano-vllm."""
         spec = ModelSpec.load(self.model)
@@ -89,7 +94,9 @@ class Scenario:
                              f"give a shipped scenario ({', '.join(shipped_scenarios())}) or a scenario file")
         path = Path(name_or_path)
         if _is_file(path):
-            return cls.from_text(path.read_text(encoding="utf-8"), source=str(path), json_format=path.suffix == ".json")
+            scenario = cls.from_text(path.read_text(encoding="utf-8"), source=str(path),
+                                     json_format=path.suffix == ".json")
+            return dataclasses.replace(scenario, model=_beside(path, scenario.model))
         shipped = _scenarios_dir().joinpath(f"{name_or_path}.toml")
         if "/" in text or not _is_file(shipped):
             raise UsageError(f"unknown scenario {text[:200]!r}: not a file and not a shipped scenario "
@@ -139,6 +146,19 @@ class Scenario:
             seed=scalars.get("seed", 0),
             expect=build(Expectation, data["expect"], f"{source} [expect]") if "expect" in data else None,
         )
+
+
+def _beside(scenario_file: Path, model: str) -> str:
+    """A scenario file's relative model path, read from the file's folder rather than the current directory.
+
+    ``models/tiny`` next to the file is that folder's, wherever memwatch runs from; a name that is no path there
+    (a shipped model, a Hugging Face id) is left as it is, and so is an absolute path."""
+    path = Path(model)
+    if path.is_absolute() or model.startswith("~"):
+        return model
+    beside = scenario_file.parent / path
+    explicit = model.startswith(("./", "../")) or path.suffix == ".json"
+    return str(beside.resolve()) if explicit or beside.exists() else model
 
 
 def shipped_scenarios() -> list[str]:
