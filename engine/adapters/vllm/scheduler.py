@@ -38,7 +38,6 @@ from typing import Any
 from ...load import kv_blocks_needed
 from ...monitor import Monitor
 from ...probes.base import UNKNOWN, Probe
-from ...probes.cpu import CpuProbe
 from ..hooks import Guard, patch_on_import, unwrap_all, wrap_method
 from ..versions import require_signatures
 from .reading import engine_settings, scheduler_identity, step_kind
@@ -125,7 +124,7 @@ def start_monitor(scheduler: Any, **monitor_options: Any) -> Monitor:
     pool = scheduler.kv_cache_manager.block_pool
     options = {"config": {"model_config": model}, **monitor_options}
     monitor = Monitor(engine="vllm", model=model, rank=identity.rank, world_size=identity.world_size,
-                      probe=_probe(config), **options)
+                      probe=Probe(), **options)
     monitor.event("rank_identity", identity.event("scheduler"))
     # The engine's settings too: the run's config is whole whichever of its rings the sidecar reads first.
     monitor.set_config(num_gpu_blocks=int(pool.num_gpu_blocks), data_parallel_size=identity.dp_size,
@@ -134,12 +133,6 @@ def start_monitor(scheduler: Any, **monitor_options: Any) -> Monitor:
     scheduler.__dict__[REQUESTS_ATTRIBUTE] = identity.dp_rank == 0
     scheduler.__dict__[KV_ATTRIBUTE] = True  # a live engine's pool (attached late) is not fresh: nothing to probe
     return monitor
-
-
-def _probe(config: Any) -> Probe:
-    """The scheduler reads no device; on vLLM's CPU build it says once that the run's device is a CPU."""
-    device = getattr(getattr(config, "device_config", None), "device_type", None)
-    return CpuProbe() if device == "cpu" else Probe()
 
 
 def block_pool_as_known(pool: Any) -> bool:
