@@ -9,6 +9,7 @@ the engine core as the OOM killer would.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,11 +18,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from vllm_cpu import Server, descendants, load, prompts, require_engine, write_model
 
-from memwatch_engine.adapters.vllm.teardown import close_rings_of
+from memwatch_engine.adapters.vllm.teardown import close_rings_of, ending_pids, patch_teardown
+from memwatch_engine.ring_reader import RingReader
 from memwatch_engine.spawn import sidecar_pid
 
 from processes import SidecarProcess, memwatch_env, query, wait_for
@@ -66,6 +69,71 @@ def test_rings_marked_by_the_front_end_before_its_sigkill_end_ok_and_the_others_
                          and "running" not in {status for _, status in rows} and rows, 20, "both ranks' ends")
     assert ended == [(0, "ok"), (1, "crashed")]
     assert not list(runtime_dir.glob("teardown-*.ring"))
+
+
+CORE = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])  # its worker, writing rank argv[2]
+time.sleep(120)
+"""
+
+
+class _Proc:
+    """What vLLM's ``shutdown`` is handed: ``multiprocessing`` processes (``pid``, ``is_alive()``)."""
+
+    def __init__(self, popen: subprocess.Popen[str]) -> None:
+        self.popen, self.pid = popen, popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+def test_vllms_shutdown_wrapped_marks_the_rings_below_the_engine_processes_alive_when_it_begins(
+        runtime_dir: Path, db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two engine cores, each with a worker writing a ring below it; one core dies before the shutdown."""
+    monkeypatch.setenv("MEMWATCH_RUNTIME_DIR", str(runtime_dir))
+    monkeypatch.setenv("MEMWATCH_RUN_ID", "teardown")
+    seen: list[list[str]] = []
+
+    def shutdown(procs: list[_Proc], timeout: float | None = None) -> None:
+        """vLLM's, in short: what it is handed and everything below dies (kill_process_tree)."""
+        seen.append(sorted(ring.name for ring in runtime_dir.glob("*.ring") if RingReader(ring).closed))
+        for proc in procs:
+            for pid in [*descendants(proc.pid), proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.popen.wait(timeout=30)
+
+    utils = ModuleType("vllm.v1.engine.utils")
+    utils.shutdown = shutdown
+    patch_teardown(utils)
+    with SidecarProcess(runtime_dir, db_path):
+        env = memwatch_env(runtime_dir, db_path, MEMWATCH="1")
+        workers: dict[int, list[int]] = {}
+        cores = [subprocess.Popen([sys.executable, "-c", CORE, WRITER, str(rank)], env=env, stdout=subprocess.PIPE,
+                                  text=True) for rank in (0, 1)]
+        try:
+            assert [core.stdout.readline().strip() for core in cores] == ["ready", "ready"]
+            workers.update({rank: descendants(core.pid) for rank, core in enumerate(cores)})
+            assert all(len(below) == 1 for below in workers.values())
+            assert ending_pids([_Proc(core) for core in cores]) == {core.pid for core in cores} | {
+                pid for below in workers.values() for pid in below}
+            wait_for(lambda: query(db_path, "SELECT count(*) FROM ranks") == [(2,)], 20, "both ranks stored")
+            os.kill(cores[1].pid, signal.SIGKILL)  # engine core 1 dies first: its worker is not vLLM's to end
+            cores[1].wait(timeout=30)
+            utils.shutdown([_Proc(core) for core in cores])
+        finally:
+            for core in cores:
+                core.kill()
+                core.wait(timeout=30)
+                core.stdout.close()
+            for pid in (pid for below in workers.values() for pid in below):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        ended = wait_for(lambda: (rows := query(db_path, "SELECT rank, status FROM ranks ORDER BY rank"))
+                         and "running" not in {status for _, status in rows} and rows, 20, "both ranks' ends")
+    assert seen == [["teardown-r0.ring"]]
+    assert ended == [(0, "ok"), (1, "crashed")]
 
 
 def test_the_sidecar_an_engine_starts_is_not_among_its_descendants(runtime_dir: Path, db_path: Path) -> None:
