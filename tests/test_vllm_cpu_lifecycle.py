@@ -231,3 +231,26 @@ def test_kill_9_of_the_engine_core_is_a_crash_within_5_s_and_no_run_stays_runnin
     assert query(served.db, "SELECT status FROM runs") == [("crashed",)]
     assert wait_for(lambda: not list(served.runtime.glob("*.ring")), 30, "the rings removed")
     os.kill(sidecar, 0)  # the sidecar outlived the engine and vLLM's teardown
+
+
+def _sleep() -> None:
+    time.sleep(60)
+
+
+def test_an_engine_process_already_exiting_is_not_vllms_to_end() -> None:
+    """vLLM's liveness monitor calls ``shutdown`` once an engine's sentinel closes, which can be before the killed
+    process is reaped: ``is_alive()`` may still say True. Its readable sentinel says it is exiting."""
+    import multiprocessing
+    import multiprocessing.connection
+
+    engine = multiprocessing.get_context("spawn").Process(target=_sleep)
+    engine.start()
+    try:
+        assert ending_pids([engine]) == {engine.pid}
+        os.kill(engine.pid, signal.SIGKILL)
+        wait_for(lambda: multiprocessing.connection.wait([engine.sentinel], timeout=0), 10, "the sentinel closed")
+        unreaped = type("Unreaped", (), {"pid": engine.pid, "sentinel": engine.sentinel, "is_alive": lambda self: True})
+        assert ending_pids([unreaped()]) == set()
+    finally:
+        engine.kill()
+        engine.join(timeout=30)

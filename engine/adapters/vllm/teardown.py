@@ -6,7 +6,7 @@ with the default ``shutdown_timeout`` of 0, SIGKILLs it and every process below 
 theirs runs after that, so their rings stay open and the sidecar would record a crash for a server stopped
 with Ctrl-C. The front end is the parent that ends them, the one process that knows the kill is an orderly
 shutdown: just before vLLM's ``shutdown`` signals them, the rings of this run written by the engine
-processes still alive, and by every process below them, are marked closed.
+processes still alive (not already exiting), and by every process below them, are marked closed.
 
 A writer still running goes on writing (its own ``close`` later marks the ring again, harmlessly): the
 sidecar takes a closed flag for an end only once the writer is gone, and then stores ``ok``, with every
@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable, Iterable
+from multiprocessing.connection import wait
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -53,9 +54,19 @@ def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def ending_pids(procs: Iterable[Any]) -> set[int]:
-    """The engine processes alive now (``multiprocessing`` processes) and every process below them."""
-    alive = {int(proc.pid) for proc in procs if proc.pid is not None and proc.is_alive()}
+    """The engine processes alive now (``multiprocessing`` processes) and every process below them.
+
+    A process already exiting is not alive here, though ``is_alive()`` may still say so: vLLM's liveness monitor
+    calls ``shutdown`` as soon as an engine's sentinel (a pipe the child holds) closes, which the kernel does
+    while the killed process exits, before it can be reaped. So a readable sentinel counts as dead.
+    """
+    alive = {int(proc.pid) for proc in procs
+             if proc.pid is not None and proc.is_alive() and not _exiting(getattr(proc, "sentinel", None))}
     return alive | set(descendants(alive))
+
+
+def _exiting(sentinel: int | None) -> bool:
+    return sentinel is not None and bool(wait([sentinel], timeout=0))
 
 
 def descendants(roots: Iterable[int]) -> list[int]:
