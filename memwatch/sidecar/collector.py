@@ -27,6 +27,7 @@ from ..losses import reported_lost
 from ..records import Event, Sample
 from ..ring_records import RingDrain
 from ..store.writer import Batch, StoreWriter, WriterStalled
+from .discovery import Discovery
 from .liveness import ring_writer_alive, writer_alive
 from .record_checks import check_meta, screen
 from .rejected_rings import set_aside_ring
@@ -69,6 +70,7 @@ class Collector:
         directory (:class:`~memwatch.sidecar.ring_finder.RingFinder`)."""
         self.runtime_dir = Path(runtime_dir)
         self._finder = RingFinder(self.runtime_dir, trust=trust, runtime_fd=runtime_fd, state_fd=state_fd)
+        self._discovery: Discovery | None = None
         self._writer = writer
         self._observers = list(observers)
         self._is_alive = is_alive
@@ -94,9 +96,23 @@ class Collector:
 
     # -- discovery ------------------------------------------------------------------------------------
 
+    def discover(self, interval: float = 0.25, *, watch: bool = True) -> None:
+        """From now on find rings in a thread of their own (:mod:`.discovery`): :meth:`scan` then only opens
+        what it found, so no directory, however flooded, holds up the drains."""
+        if self._discovery is None:
+            self._discovery = Discovery(self._finder, interval=interval, watch=watch)
+            self._discovery.start()
+
+    @property
+    def found(self) -> bool:
+        """Rings were found that the next :meth:`scan` opens."""
+        return self._discovery is not None and self._discovery.pending
+
     def scan(self) -> None:
-        """Open rings that appeared since the last scan (by the directory's descriptor: :mod:`.ring_finder`)."""
-        for name in self._finder.candidates():
+        """Open rings that appeared since the last scan (by the directory's descriptor: :mod:`.ring_finder`): the
+        names the discovery thread found, or, without one, those a scan of the directory finds now."""
+        names = self._finder.candidates() if self._discovery is None else self._discovery.take()
+        for name in names:
             path = self.runtime_dir / name
             if path not in self.rings and path not in self._finishing:
                 self._open(name, path)
@@ -372,6 +388,8 @@ class Collector:
                     finished(header)
 
     def close(self) -> None:
+        if self._discovery is not None:
+            self._discovery.stop()
         self._settle_finished()
         for state in self.rings.values():
             state.reader.close()
