@@ -23,6 +23,7 @@ from memwatch_engine.dirfd import file_id
 from memwatch_engine.ring import RUN_ID_PATTERN, RingFormatError
 from memwatch_engine.ring_reader import RingHeader, RingReader
 
+from ..identity import VERIFIED
 from ..losses import reported_lost
 from ..records import Event, Sample
 from ..ring_records import RingDrain
@@ -34,6 +35,7 @@ from .rejected_rings import set_aside_ring
 from .ring_finder import RingFinder
 from .ring_state import RingState
 from .run_rows import rank_end, rank_progress, register
+from .writer_cgroup import writer_identity
 
 log = logging.getLogger("memwatch.collector")
 
@@ -138,6 +140,9 @@ class Collector:
             reader.close()
             self._set_aside_ring(name, ident, why, header)
             return
+        # What the kernel says of the writer (its pod UID and container id); whatever the engine wrote under that key
+        # is replaced, so every reader of this header (the store, the exporters) sees the kernel's word or nothing.
+        header.meta[VERIFIED] = writer_identity(header)
         key = f"{header.run_id}/{header.rank}/{header.created_ns}"
         row = self._read.execute(
             "SELECT next_seq, lost, finished FROM ring_cursors WHERE ring = ?", (key,)
