@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 
 from .dir_watch import DirWatch, watch_dir
+from .refused_cleanup import RefusedCleanup
 from .ring_finder import RingFinder
 
 log = logging.getLogger("memwatch.collector")
@@ -54,6 +55,8 @@ class Discovery:
         self._relist = True
         self.listings = 0
         """Complete listings made (the first, and one after each time the kernel dropped changes)."""
+        self.cleanup = RefusedCleanup(finder)
+        """Removes refused rings nobody writes any more (:mod:`.refused_cleanup`), between this thread's waits."""
         self._thread = threading.Thread(target=self._run, name="memwatch-discovery", daemon=True)
 
     @property
@@ -86,6 +89,7 @@ class Discovery:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self.cleanup.tick()
                 if self._watch is None:
                     for name in self._finder.candidates(between=self._stopping):
                         self._hand(name)
