@@ -37,7 +37,7 @@ import sys, time
 from memwatch_engine.ring import RingWriter
 META = {"engine": "vllm", "model": "m", "gpu_name": "H100", "gpu_total_bytes": 80 * 2**30, "pid": 7,
         "device_index": 0, "config": {}, "source": "engine"}
-w = RingWriter(sys.argv[1] + "-r0.ring", run_id=sys.argv[1], meta=META, capacity=256, mode=0o640)
+w = RingWriter(sys.argv[1] + "-r0.ring", run_id=sys.argv[1].rsplit("/", 1)[-1], meta=META, capacity=256, mode=0o640)
 print(time.time(), flush=True)  # the ring is in the directory, complete, from now on
 w.write_sample(0, 10**18, 5, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
 time.sleep(float(sys.argv[2]))
@@ -108,7 +108,8 @@ def rings() -> Iterator[Path]:
 
 def _opened_after(rings: Path, log: Path, run_id: str) -> float:
     """Seconds from a trusted ring's arrival to the sidecar's "draining" line for it (watched every 20 ms)."""
-    engine = _as(ENGINE, ENGINE_RING, run_id, "3", cwd=rings)
+    # Not started in the flooded directory: Python lists its working directory to import from it.
+    engine = _as(ENGINE, ENGINE_RING, str(rings / run_id), "3", cwd=rings.parent)
     assert engine.stdout is not None
     made = float(engine.stdout.readline())
     seen = wait_for(lambda: f"draining {run_id}-r0.ring" in log.read_text(errors="replace") and time.time(),
@@ -131,7 +132,7 @@ def test_a_trusted_ring_is_opened_within_2_s_and_healthz_stays_200_under_a_flood
     toggler = _as(ATTACKER, TOGGLE, cwd=rings)
     probe = Probe(port)
     try:
-        wait_for(lambda: "memwatch serve: rings in" in log.read_text(errors="replace") or agent.poll() is not None,
+        wait_for(lambda: "memwatch serve: health on" in log.read_text(errors="replace") or agent.poll() is not None,
                  timeout=60, what="the sidecar to start")
         assert agent.poll() is None, log.read_text(errors="replace")
         probe.start()
