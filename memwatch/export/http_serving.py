@@ -15,10 +15,10 @@ connection costs a file descriptor and about a kilobyte. Whoever connects:
   request at once, so it always gets in, and is answered within milliseconds.
 - **Only a complete request reaches a handler.** Cheap routes (the health checks) run on the loop; a
   costly one (``/metrics``) runs on :data:`WORKERS` threads. Requests for the same path share one answer:
-  every request that arrives while that path's answer waits for a worker is answered by it (one render, one
-  body for all), so any number of clients, reading their answers or not, costs one render at a time, and a
-  scrape among them is answered with the next. Beyond :data:`QUEUED` distinct paths waiting, a request is
-  answered 503 at once.
+  every request that arrives while that path's answer is being made waits for the next one, made as soon as
+  that one is done, for all of them (one render, one body), so any number of clients, reading their answers
+  or not, costs one render at a time, and a scrape among them is answered with the next. Beyond
+  :data:`QUEUED` distinct paths waiting, a request for another path is answered 503 at once.
 
 Repeated trouble (no file descriptors left, connections evicted, a handler failing) is logged at most
 once a minute, with a count.
@@ -151,7 +151,9 @@ class HttpListener:
         self._in_flight = 0
         self._waiting: dict[str, list[_Conn]] = {}
         """Path -> the requests its next answer goes to (the answer not begun yet); shared with the workers."""
-        self._waiting_lock = threading.Lock()
+        self._running: set[str] = set()
+        """Paths a worker is answering now: one answer of a path at a time (the next is queued when it ends)."""
+        self._waiting_lock = threading.Lock()  # guards the two above and _in_flight
         self._reading: OrderedDict[int, _Conn] = OrderedDict()  # by accept time: the oldest is evicted first
         self._answering: OrderedDict[int, _Conn] = OrderedDict()  # by the time the request completed
         self._stopping = threading.Event()
@@ -189,8 +191,8 @@ class HttpListener:
 
     @property
     def in_flight(self) -> int:
-        """Answers handed to the workers and not made yet (at most ``WORKERS + QUEUED``), each for one or more
-        requests of the same path."""
+        """Answers being made or waiting to be (at most ``WORKERS + QUEUED``), each for one or more requests of
+        the same path; a path has one being made at most, and one waiting."""
         return self._in_flight
 
     @property
@@ -311,7 +313,8 @@ class HttpListener:
             elif self._in_flight < WORKERS + QUEUED:
                 self._waiting[path] = [conn]
                 self._in_flight += 1
-                self._jobs.put(path)
+                if path not in self._running:  # else queued when that answer is made: never two at once
+                    self._jobs.put(path)
             else:
                 self.refused += 1
                 self._answer(conn, Reply(503, b"busy: too many requests at once; try again\n"))
@@ -338,7 +341,6 @@ class HttpListener:
         conn.state = state
 
     def _answered_by_worker(self, conns: list[_Conn], reply: Reply) -> None:
-        self._in_flight -= 1
         for conn in conns:
             if conn.state == _HANDLING:  # else closed meanwhile, by its deadline or to make room
                 self._answer(conn, reply)  # the one body, shared: never copied per connection
@@ -441,7 +443,13 @@ class HttpListener:
                 return
             with self._waiting_lock:  # from now on a request for this path waits for the next answer
                 conns = self._waiting.pop(job)
+                self._running.add(job)
             reply = self._call(job)
+            with self._waiting_lock:
+                self._running.discard(job)
+                self._in_flight -= 1
+                if job in self._waiting:  # requests that came while it was made: the next answer, now
+                    self._jobs.put(job)
             try:
                 self._loop.call_soon_threadsafe(self._answered_by_worker, conns, reply)
             except RuntimeError:  # the loop closed meanwhile
