@@ -170,3 +170,39 @@ def test_a_real_writer_in_a_pods_cgroup_gets_its_pod_uid_and_container_id_as_lab
     assert 'pod="vllm-0"' in line and "a" * 64 not in text and "00000000-0000" not in text
     stored = sqlite3.connect(db_path).execute("SELECT container_id FROM runs WHERE run_id = 'podrun'").fetchone()
     assert stored == (container_id,)
+
+
+def _process(proc: Path, pid: int, start: int, cgroup: str, nspid: str | None = None) -> Path:
+    """A /proc/<pid> of the fields the sidecar reads (stat's start time, cgroup, status's NSpid, ns/pid)."""
+    folder = proc / str(pid)
+    (folder / "ns").mkdir(parents=True)
+    fields = ["S"] + ["0"] * 18 + [str(start)] + ["0"] * 5  # field 3 onwards: state ... field 22 the start time
+    (folder / "stat").write_text(f"{pid} (vllm serve) {' '.join(fields)}\n")
+    (folder / "cgroup").write_text(cgroup)
+    (folder / "status").write_text(f"Name:\tpython\nNSpid:\t{nspid or pid}\n")
+    (folder / "ns" / "pid").write_text("")
+    return folder
+
+
+def _header(pid: int, start: int, **meta: object) -> object:
+    from memwatch_engine.ring_reader import RingHeader
+    return RingHeader("r1", 0, 1, pid, start, 256, 0, dict(meta))
+
+
+def test_the_writer_is_found_by_its_pid_and_start_time_in_its_own_namespace_or_through_nspid(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    _process(proc, 4242, 777, SYSTEMD + "\n")
+    identity = writer_cgroup.writer_identity
+    both = {"k8s_pod_uid": UID, "container_id": CID}
+    assert identity(_header(4242, 777), proc) == both  # type: ignore[arg-type]
+    assert identity(_header(4242, 778), proc) == {}  # type: ignore[arg-type]  # the pid is another process now
+    assert identity(_header(4242, 0), proc) == {}  # type: ignore[arg-type]  # no start time to check it by
+    assert identity(_header(4243, 777), proc) == {}  # type: ignore[arg-type]
+    # A writer in a pid namespace of its own (pid 1 there): found through the NSpid line of /proc/*/status.
+    other = tmp_path / "other"
+    host = _process(other, 5151, 900, SYSTEMD + "\n", nspid="5151\t1")
+    _process(other, 1, 900, "0::/init.scope\n")
+    namespace = (host / "ns" / "pid").stat().st_ino
+    assert identity(_header(1, 900, pid_ns=namespace), other) == both  # type: ignore[arg-type]
+    assert identity(_header(1, 900, pid_ns=namespace + 1), other) == {}  # type: ignore[arg-type]
+    assert writer_cgroup.start_ticks(5151, other) == 900 and writer_cgroup.start_ticks(9, other) is None
