@@ -5,10 +5,12 @@ judged by ``lstat`` first (a refusal opens nothing), opened without following a 
 and what was opened is judged again by ``fstat`` — a FIFO swapped in between is refused, never waited on. A
 stored ring is removed only while its name still denotes the file that was read.
 
-Another uid may fill the directory with names, so the cost of looking stays bounded: an unchanged directory is
-not listed again (but every :data:`FULL_SCAN_S`), a scan that took long is followed by the next only
-:data:`SCAN_PAUSE` times as long later, refused names are remembered up to a bound (:mod:`.refused_names`),
-and the lines logged about them are limited (:mod:`.log_limit`).
+Another uid may fill the directory with names, so the looking is done off the sidecar's loop, by the discovery
+thread (:mod:`.discovery`: a listing once, then the names the kernel reports, each judged by :meth:`judge`), and
+its cost stays bounded where the directory must be scanned: an unchanged directory is not listed again (but
+every :data:`FULL_SCAN_S`), a scan that took long is followed by the next only :data:`SCAN_PAUSE` times as long
+later, refused names are remembered up to a bound (:mod:`.refused_names`), and the lines logged about them are
+limited (:mod:`.log_limit`).
 """
 
 from __future__ import annotations
