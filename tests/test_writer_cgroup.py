@@ -63,6 +63,11 @@ def test_a_cgroup_file_gives_its_lines_agreed_answer_or_nothing() -> None:
     assert parse("0::/\n") == {}  # a private cgroup namespace shows nothing
     assert parse(f"garbage\n{SYSTEMD}\n") == {}
     assert parse(f"x:cpu:/kubepods/pod{UID}/{CID}") == {}
+    # Lines that name no pod, before the one that does, are passed over: a blank one, the root, a path with a
+    # space or a colon in it (only the first two colons separate the fields).
+    pod = f"0::/kubepods/pod{UID}/{CID}"
+    for before in ("", "3:pids:/", "1:name=systemd:/user.slice/a b.scope", "1:name=systemd:/a:b"):
+        assert parse(f"{before}\n{pod}\n") == {"k8s_pod_uid": UID, "container_id": CID}, before
 
 
 def test_proc_is_read_bounded_and_as_ascii(tmp_path: Path) -> None:
@@ -72,6 +77,11 @@ def test_proc_is_read_bounded_and_as_ascii(tmp_path: Path) -> None:
     assert writer_cgroup.read(7, tmp_path) == {"k8s_pod_uid": UID, "container_id": CID}
     cgroup.write_bytes(SYSTEMD.encode() + b"\n" + b"1:cpu:/\n" * (MAX_CGROUP // 8))
     assert writer_cgroup.read(7, tmp_path) == {}  # longer than the bound: nothing, not the first part
+    line = SYSTEMD.encode() + b"\n"
+    filler = b"1:cpu:/" + b"x" * (MAX_CGROUP - len(line) - len(b"1:cpu:/\n")) + b"\n"
+    cgroup.write_bytes(filler + line)
+    assert cgroup.stat().st_size == MAX_CGROUP  # the bound itself is read whole
+    assert writer_cgroup.read(7, tmp_path) == {"k8s_pod_uid": UID, "container_id": CID}
     cgroup.write_bytes(SYSTEMD.encode() + "\n1:cpu:/é\n".encode())
     assert writer_cgroup.read(7, tmp_path) == {}
     assert writer_cgroup.read(8, tmp_path) == {}
@@ -172,12 +182,13 @@ def test_a_real_writer_in_a_pods_cgroup_gets_its_pod_uid_and_container_id_as_lab
     assert stored == (container_id,)
 
 
-def _process(proc: Path, pid: int, start: int, cgroup: str, nspid: str | None = None) -> Path:
+def _process(proc: Path, pid: int, start: int, cgroup: str, nspid: str | None = None,
+             comm: str = "vllm serve") -> Path:
     """A /proc/<pid> of the fields the sidecar reads (stat's start time, cgroup, status's NSpid, ns/pid)."""
     folder = proc / str(pid)
     (folder / "ns").mkdir(parents=True)
     fields = ["S"] + ["0"] * 18 + [str(start)] + ["0"] * 5  # field 3 onwards: state ... field 22 the start time
-    (folder / "stat").write_text(f"{pid} (vllm serve) {' '.join(fields)}\n")
+    (folder / "stat").write_text(f"{pid} ({comm}) {' '.join(fields)}\n")
     (folder / "cgroup").write_text(cgroup)
     (folder / "status").write_text(f"Name:\tpython\nNSpid:\t{nspid or pid}\n")
     (folder / "ns" / "pid").write_text("")
@@ -206,3 +217,16 @@ def test_the_writer_is_found_by_its_pid_and_start_time_in_its_own_namespace_or_t
     assert identity(_header(1, 900, pid_ns=namespace), other) == both  # type: ignore[arg-type]
     assert identity(_header(1, 900, pid_ns=namespace + 1), other) == {}  # type: ignore[arg-type]
     assert writer_cgroup.start_ticks(5151, other) == 900 and writer_cgroup.start_ticks(9, other) is None
+
+
+def test_the_pid_and_start_time_are_read_as_the_kernel_writes_them(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    _process(proc, 1, 500, SYSTEMD + "\n")  # the engine as pid 1 of the namespace the sidecar shares
+    _process(proc, 0, 500, SYSTEMD + "\n")  # no pid 0 is a writer, and a ring with no start time gets nothing:
+    _process(proc, 2, 0, SYSTEMD + "\n")  # (made here to show they are not read)
+    _process(proc, 31, 600, SYSTEMD + "\n", comm="a) 1 2 3 (b")  # a name with ") " in it, as a process may take
+    both = {"k8s_pod_uid": UID, "container_id": CID}
+    assert writer_cgroup.writer_identity(_header(1, 500), proc) == both  # type: ignore[arg-type]
+    assert writer_cgroup.writer_identity(_header(0, 500), proc) == {}  # type: ignore[arg-type]
+    assert writer_cgroup.writer_identity(_header(2, 0), proc) == {}  # type: ignore[arg-type]
+    assert writer_cgroup.start_ticks(31, proc) == 600  # the last ")" ends the name
