@@ -77,10 +77,10 @@ def test_proc_is_read_bounded_and_as_ascii(tmp_path: Path) -> None:
     assert writer_cgroup.read(7, tmp_path) == {"k8s_pod_uid": UID, "container_id": CID}
     cgroup.write_bytes(SYSTEMD.encode() + b"\n" + b"1:cpu:/\n" * (MAX_CGROUP // 8))
     assert writer_cgroup.read(7, tmp_path) == {}  # longer than the bound: nothing, not the first part
-    line = SYSTEMD.encode() + b"\n"
+    line = SYSTEMD.encode()  # last, with no newline: its final digit is the file's last byte
     filler = b"1:cpu:/" + b"x" * (MAX_CGROUP - len(line) - len(b"1:cpu:/\n")) + b"\n"
     cgroup.write_bytes(filler + line)
-    assert cgroup.stat().st_size == MAX_CGROUP  # the bound itself is read whole
+    assert cgroup.stat().st_size == MAX_CGROUP  # the bound itself is read whole, to its last byte
     assert writer_cgroup.read(7, tmp_path) == {"k8s_pod_uid": UID, "container_id": CID}
     cgroup.write_bytes(SYSTEMD.encode() + "\n1:cpu:/é\n".encode())
     assert writer_cgroup.read(7, tmp_path) == {}
