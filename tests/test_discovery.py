@@ -7,13 +7,25 @@ Real files in a private runtime directory, a real inotify watch, the thread itse
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from memwatch.sidecar.dir_watch import IN_CREATE, IN_DELETE, IN_Q_OVERFLOW, DirWatch, watch_dir
+from memwatch.sidecar.dir_watch import (
+    IN_ATTRIB,
+    IN_CREATE,
+    IN_DELETE,
+    IN_DELETE_SELF,
+    IN_IGNORED,
+    IN_MOVE_SELF,
+    IN_Q_OVERFLOW,
+    DirWatch,
+    watch_dir,
+)
 from memwatch.sidecar.discovery import Discovery
 from memwatch.sidecar.ring_finder import RingFinder
 
@@ -94,3 +106,77 @@ def test_a_stopped_discovery_ends_within_its_wait_and_closes_its_watch(finder: R
     began = time.monotonic()
     discovery.stop()
     assert time.monotonic() - began < 1.0 and not discovery._thread.is_alive()
+
+
+def test_each_record_the_kernel_writes_is_read_for_what_it_says(runtime_dir: Path) -> None:
+    runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(runtime_dir, os.O_RDONLY | os.O_DIRECTORY)
+    watch = watch_dir(fd)
+    assert watch is not None and watch.overflowed is False
+    assert os.get_blocking(watch.fileno()) is False and os.get_inheritable(watch.fileno()) is False
+
+    def record(mask: int, name: bytes = b"") -> bytes:
+        padded = name.ljust(16, b"\0") if name else b""
+        return (1).to_bytes(4, "little") + mask.to_bytes(4, "little") + bytes(4) + len(padded).to_bytes(4, "little") \
+            + padded
+
+    try:
+        for ended in (IN_IGNORED, IN_DELETE_SELF, IN_MOVE_SELF):  # the watch itself ended: list again
+            watch.overflowed = False
+            assert watch._parse(record(ended)) == [] and watch.overflowed, ended
+        watch.overflowed = False
+        assert watch._parse(record(IN_ATTRIB)) == []  # the directory's own change: no name
+        assert watch._parse(record(0x20, b"x.ring")) == []  # opened: nothing the finder acts on
+        both = record(IN_CREATE, b"a.ring") + record(IN_DELETE, b"b.ring")
+        assert [(c.name, c.appeared) for c in watch._parse(both)] == [("a.ring", True), ("b.ring", False)]
+        assert not watch.overflowed
+    finally:
+        watch.close()
+        watch.close()  # a second close closes nothing more
+        os.close(fd)
+    assert watch.fileno() == -1
+
+
+def test_a_watch_that_cannot_be_read_or_made_says_so_and_the_directory_is_listed(
+        runtime_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(runtime_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        watch = watch_dir(fd)
+        assert watch is not None
+        os.close(watch.fileno())  # gone under it
+        assert watch.changes() == [] and watch.overflowed is True
+        assert "cannot read the runtime directory's changes: Bad file descriptor; listing it instead" in caplog.text
+    finally:
+        os.close(fd)
+    regular = tmp_path / "not-a-directory"
+    regular.write_text("")
+    file_fd = os.open(regular, os.O_RDONLY)
+    try:
+        assert watch_dir(file_fd) is None
+    finally:
+        os.close(file_fd)
+    assert "cannot watch the runtime directory (Not a directory): it is listed at every scan instead\n" in (
+        caplog.text)
+    # No descriptor left for the watch: the same, and why.
+    out = subprocess.run([sys.executable, "-c", NO_DESCRIPTORS, str(runtime_dir)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "None", out.stderr
+    assert ("cannot watch the runtime directory (Too many open files): it is listed at every scan instead, which a "
+            "flood of names slows down") in out.stderr
+
+
+NO_DESCRIPTORS = """
+import logging, os, resource, sys
+logging.basicConfig(level=logging.DEBUG, format="%(message)s")
+from memwatch.sidecar.dir_watch import watch_dir
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+print(watch_dir(fd))
+"""

@@ -11,7 +11,6 @@ The kernel's queue is bounded (``fs.inotify.max_queued_events``): past it events
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -96,9 +95,8 @@ class DirWatch:
 
 def watch_dir(dir_fd: int) -> DirWatch | None:
     """A watch on the directory open as ``dir_fd``; None (one debug line) where inotify cannot be used."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
+    try:  # the C library is already in the process: no search for it (find_library runs ldconfig or a compiler)
+        libc = ctypes.CDLL(None, use_errno=True)
         init, add = libc.inotify_init1, libc.inotify_add_watch
     except (OSError, AttributeError) as exc:
         log.debug("no inotify (%s): the runtime directory is listed at every scan", exc)
