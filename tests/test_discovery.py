@@ -171,6 +171,7 @@ import logging, os, resource, sys
 logging.basicConfig(level=logging.DEBUG, format="%(message)s")
 from memwatch.sidecar.dir_watch import watch_dir
 fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+watch_dir(fd).close()  # whatever the first call loads is loaded while descriptors are left
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 held = []
 try:
