@@ -114,3 +114,39 @@ def test_a_sidecar_that_may_not_remove_them_keeps_them_counted_and_says_so_once(
     assert printed == ["[]", "0 2"], output  # nothing taken; the two past the bound not permitted
     assert output.count("2 refused rings cannot be removed from") == 1, output  # once, not at every sweep
     assert sorted(path.name for path in rings.iterdir()) == ["junk.ring", "live-r0.ring", "old-r0.ring"]
+
+
+def test_rings_it_may_not_remove_are_counted_said_once_and_sweeps_come_when_due(
+        rings: Path, attacker: subprocess.Popen[str], caplog: pytest.LogCaptureFixture) -> None:
+    # Root may remove anything but from an immutable directory (chattr +i): the refusal a sidecar of another
+    # uid meets in a sticky directory, here in this process.
+    if shutil.which("chattr") is None:
+        pytest.skip("needs chattr (e2fsprogs)")
+    finder = RingFinder(rings, trust=[ENGINE])
+    now = [time.time() + KEEP_S + 1]
+    cleanup = RefusedCleanup(finder, every_s=300, clock=lambda: now[0])
+    try:
+        assert list(finder.listing()) == []
+        subprocess.run(["chattr", "+i", str(rings)], check=True, timeout=30)
+        try:
+            with caplog.at_level(logging.INFO, logger="memwatch.collector"):
+                cleanup.tick()
+                assert cleanup.kept == 0 and "cannot be removed" not in caplog.text  # not due yet
+                now[0] += 300
+                cleanup.tick()
+                assert (cleanup.removed, cleanup.kept) == (0, 2)
+                now[0] += 300
+                cleanup.tick()
+                assert (cleanup.removed, cleanup.kept) == (0, 2)
+        finally:
+            subprocess.run(["chattr", "-i", str(rings)], check=True, timeout=30)
+        said = [r.getMessage() for r in caplog.records if "cannot be removed" in r.getMessage()]
+        assert said == [f"2 refused rings cannot be removed from {rings}: only the directory's owner (or root) may "
+                        "remove another user's file there; they stay, counted by memwatch_rings_refused, until "
+                        "their owner removes them"]  # once, at the first sweep that met them
+        with caplog.at_level(logging.INFO, logger="memwatch.collector"):
+            assert cleanup.sweep() == 2 and (cleanup.removed, cleanup.kept) == (2, 0)
+        assert sorted(path.name for path in rings.iterdir()) == ["live-r0.ring"]  # its writer still holds it
+        assert caplog.records[-1].getMessage() == "removed 2 refused rings unchanged for 3600 s with no writer"
+    finally:
+        finder.close()
