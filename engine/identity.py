@@ -37,7 +37,7 @@ MAX_NAME = 128
 MAX_READ = 64 * 1024
 """At most this much of /proc/self/cgroup and /proc/self/mountinfo is read."""
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0," + str(MAX_NAME - 1) + "}$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0," + str(MAX_NAME - 1) + r"}\Z")  # not "$": it takes a final "\n"
 ENVIRONMENT = {
     "k8s_pod": ("MEMWATCH_K8S_POD", "POD_NAME"),
     "k8s_namespace": ("MEMWATCH_K8S_NAMESPACE", "POD_NAMESPACE"),
@@ -46,7 +46,7 @@ ENVIRONMENT = {
 }
 """Each identity key and the variables that give it, first one set wins."""
 
-_CGROUP_ID = re.compile(r"(?:^|[/:-])([0-9a-f]{64})(?:\.scope)?$")
+_CGROUP_ID = re.compile(r"(?:^|[/:-])([0-9a-f]{64})(?:\.scope)?\Z")
 _MOUNT_ID = re.compile(r"/(?:containers|overlay-containers)/([0-9a-f]{64})/")
 _POD_UID = re.compile(r"/pods/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})/")
 _SANDBOX_ID = re.compile(r"/sandboxes/([0-9a-f]{64})/")

@@ -104,7 +104,7 @@ MAX_EVENT_CHUNKS = 64
 """An event's JSON is at most this many chunks (6 KiB); the Monitor shortens bigger ones."""
 TORN_READ_RETRIES = 4
 
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,16}$")
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,16}\Z")  # \Z: "$" would take a final newline
 STEP_KINDS = (None, "prefill", "decode")
 STEP_KIND_CODES = {None: 0, "prefill": 1, "decode": 2}
 PHASE_CODES = {None: 0, "load": 1, "warmup": 2, "kv_alloc": 3, "cudagraph": 4, "serve": 5, "shutdown": 6}

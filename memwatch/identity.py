@@ -5,10 +5,17 @@ metadata; the sidecar takes only bounded plain names from it (the ring is anothe
 input), stores them in ``runs`` and puts them on every exported series under the names each
 system expects: OpenTelemetry's ``k8s.*``/``container.*`` resource conventions, and the
 ``namespace``/``pod``/``container`` labels dcgm-exporter uses on Prometheus.
+
+The engine's names are claims: a trusted engine can claim another pod's. The sidecar adds what the kernel says
+(:mod:`memwatch.sidecar.writer_cgroup`): the pod UID and container id in the writer's cgroup, under
+:data:`VERIFIED` in the metadata it read (any value the engine put there is replaced). These are exported as
+``k8s_pod_uid`` and ``container_id`` and are the only source of those two labels, so a dashboard can join
+``k8s_pod_uid`` with kube-state-metrics' ``kube_pod_info{uid}`` for names no neighbour can forge.
 """
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +27,16 @@ if TYPE_CHECKING:
 COLUMNS = ("k8s_namespace", "k8s_pod", "k8s_container", "k8s_node", "container_id")
 """The ``runs`` columns (and the ring metadata keys under ``where``), in display order."""
 
+VERIFIED = "verified_by_sidecar"
+"""The metadata key under which the sidecar puts what the kernel says of the writer (never the engine's value)."""
+VERIFIED_FORMS = {
+    "k8s_pod_uid": re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"),
+    "container_id": re.compile(r"[0-9a-f]{64}"),
+}
+"""Each verified key and the whole form its value must have."""
+
 OTEL = {
+    "k8s_pod_uid": "k8s.pod.uid",
     "k8s_namespace": "k8s.namespace.name",
     "k8s_pod": "k8s.pod.name",
     "k8s_container": "k8s.container.name",
@@ -28,6 +44,7 @@ OTEL = {
     "container_id": "container.id",
 }
 PROMETHEUS = {
+    "k8s.pod.uid": "k8s_pod_uid",
     "k8s.namespace.name": "namespace",
     "k8s.pod.name": "pod",
     "k8s.container.name": "container",
@@ -38,11 +55,32 @@ PROMETHEUS = {
 
 
 def place_from_meta(meta: dict[str, Any]) -> dict[str, str]:
-    """The valid names under a ring's ``where`` (missing, or not a plain bounded name: left out)."""
+    """The valid names under a ring's ``where`` (missing, or not a plain bounded name: left out); the container
+    id the kernel gave (:data:`VERIFIED`) in place of the one the engine claims."""
     where = meta.get("where")
-    if not isinstance(where, dict):
+    place = {} if not isinstance(where, dict) else {
+        key: where[key] for key in COLUMNS if valid_name(where.get(key))}
+    verified = verified_from_meta(meta).get("container_id")
+    if verified is not None:
+        place["container_id"] = verified
+    return place
+
+
+def verified_from_meta(meta: dict[str, Any]) -> dict[str, str]:
+    """What the sidecar read from the writer's cgroup (:data:`VERIFIED`), each value checked whole."""
+    verified = meta.get(VERIFIED)
+    if not isinstance(verified, dict):
         return {}
-    return {key: where[key] for key in COLUMNS if valid_name(where.get(key))}
+    return {key: value for key, form in VERIFIED_FORMS.items()
+            if isinstance(value := verified.get(key), str) and form.fullmatch(value)}
+
+
+def label_place(meta: dict[str, Any]) -> dict[str, str]:
+    """The place exported on a rank's series: the engine's names, but its container id only as the kernel says
+    it (with the pod UID); an id the engine merely claims is stored, not exported."""
+    claimed = place_from_meta(meta)
+    claimed.pop("container_id", None)
+    return {**claimed, **verified_from_meta(meta)}
 
 
 def otel_attributes(place: dict[str, str]) -> dict[str, str]:

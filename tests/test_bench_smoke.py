@@ -151,3 +151,14 @@ def test_name_flood_benchmark_counts_the_log_and_the_memory() -> None:
     out = _run("bench_name_flood.py", "2000")
     assert "2,000 names made by uid 50001" in out and "sidecar RSS" in out and "'ignoring ring' lines" in out
     assert "a trusted ring written after the flood stored" in out
+
+
+def test_discovery_benchmark_opens_rings_beside_a_toggled_flood_and_its_baseline() -> None:
+    out = json.loads(_run("bench_discovery.py", "1000", "--rings", "1", "--json"))
+    assert [r["names"] for r in out["results"]] == [0, 1000]  # the baseline measured in the same run
+    assert all(len(r["opened_s"]) == 1 and r["healthz"] > 0 for r in out["results"])
+
+
+def test_unread_benchmark_scrapes_beside_unread_requests_and_its_baseline() -> None:
+    out = json.loads(_run("bench_unread.py", "--connections", "200", "--seconds", "1", "--json"))
+    assert out["baseline"]["scrapes"] > 0 and out["flooded"]["scrapes"] > 0 and out["unread_requests"] >= 200

@@ -147,8 +147,8 @@ def test_close_gives_up_on_stuck_workers_after_two_seconds_in_all(listeners: lis
     listener = _start(listeners, stuck, offload=True)
     clients = [socket.create_connection(("127.0.0.1", listener.port), timeout=5) for _ in range(http_serving.WORKERS)]
     try:
-        for client in clients:
-            client.sendall(b"GET /slow HTTP/1.1\r\n\r\n")
+        for i, client in enumerate(clients):
+            client.sendall(f"GET /slow{i} HTTP/1.1\r\n\r\n".encode())  # four paths: four answers, none shared
         _wait(lambda: listener.in_flight == http_serving.WORKERS)
         started = time.monotonic()
         listener.close()

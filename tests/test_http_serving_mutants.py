@@ -334,18 +334,23 @@ def test_requests_up_to_workers_plus_queued_wait_and_one_more_is_refused(listene
     listener = _start(listeners, lambda path: (release.wait(timeout=5), Reply(200, b"done\n"))[1], offload=True)
     held = []
     try:
-        for _ in range(4 + 64):
+        for i in range(4 + 64):
             conn = socket.create_connection(("127.0.0.1", listener.port), timeout=3)
-            conn.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            conn.sendall(f"GET /{i} HTTP/1.1\r\n\r\n".encode())  # distinct paths: no answer shared
             held.append(conn)
         _wait(lambda: listener.in_flight == 68)
         assert listener.refused == 0
-        answer = _exchange(listener.port, b"GET / HTTP/1.1\r\n\r\n")
+        answer = _exchange(listener.port, b"GET /new HTTP/1.1\r\n\r\n")
         assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
         assert answer.endswith(b"\r\n\r\nbusy: too many requests at once; try again\n")
         assert listener.refused == 1 and listener.in_flight == 68
-        assert _exchange(listener.port, b"GET / HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 503 ")
+        assert _exchange(listener.port, b"GET /new2 HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 503 ")
         assert listener.refused == 2
+        joined = socket.create_connection(("127.0.0.1", listener.port), timeout=3)
+        held.append(joined)
+        joined.sendall(b"GET /67 HTTP/1.1\r\n\r\n")  # a path still waiting: it joins that answer, never 503
+        _wait(lambda: listener.open_connections == 69)
+        assert listener.refused == 2 and listener.in_flight == 68
     finally:
         release.set()
         for conn in held:

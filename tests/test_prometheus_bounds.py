@@ -127,7 +127,7 @@ def test_a_request_dripped_a_byte_at_a_time_is_cut_at_the_total_deadline(endpoin
     assert endpoint.listener.expired == 1 and endpoint.listener.answered == 0
 
 
-def test_requests_beyond_the_workers_and_their_queue_are_answered_503_at_once() -> None:
+def test_requests_for_more_paths_than_the_workers_and_their_queue_are_answered_503_at_once() -> None:
     release = threading.Event()
 
     def slow(path: str) -> Reply:
@@ -138,13 +138,13 @@ def test_requests_beyond_the_workers_and_their_queue_are_answered_503_at_once() 
     listener.start()
     held: list[socket.socket] = []
     try:
-        for _ in range(http_serving.WORKERS + http_serving.QUEUED):
+        for i in range(http_serving.WORKERS + http_serving.QUEUED):
             conn = socket.create_connection(("127.0.0.1", listener.port), timeout=10)
-            conn.sendall(b"GET /x HTTP/1.1\r\n\r\n")
+            conn.sendall(f"GET /x{i} HTTP/1.1\r\n\r\n".encode())  # each its own path: no answer shared
             held.append(conn)
-        _wait(lambda: listener.in_flight == 68)  # 4 workers busy, 64 requests waiting for one
+        _wait(lambda: listener.in_flight == 68)  # 4 workers busy, 64 answers waiting for one
         started = time.monotonic()
-        answer = _exchange(listener.port, b"GET /x HTTP/1.1\r\n\r\n")
+        answer = _exchange(listener.port, b"GET /y HTTP/1.1\r\n\r\n")
         assert answer.startswith(b"HTTP/1.1 503 ") and time.monotonic() - started < 1.0, answer
         assert listener.refused == 1
         release.set()

@@ -15,7 +15,7 @@ UNKNOWN = -1
 """Sentinel for a value a probe cannot read, used on the hot path instead of ``None``."""
 
 
-_UUID = re.compile(r"^(?:(GPU|MIG)-)?([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})$")
+_UUID = re.compile(r"^(?:(GPU|MIG)-)?([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\Z")
 
 
 def gpu_uuid(value: object) -> str | None:

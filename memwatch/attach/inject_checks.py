@@ -23,7 +23,7 @@ MIN_VERSION = (3, 11)
 REMOTE_EXEC_VERSION = (3, 14)
 YAMA_PATH = Path("/proc/sys/kernel/yama/ptrace_scope")
 CAP_SYS_PTRACE = 19
-_PYTHON_NAME = re.compile(r"python[0-9.]*[a-z]?$")
+_PYTHON_NAME = re.compile(r"python[0-9.]*[a-z]?\Z")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ EXE_LIMIT = 64 << 20
 _CHUNK = 1 << 20
 
 _LIBPYTHON = re.compile(rb"/libpython(3)\.(\d{1,2})[a-z]*\.so")
-_NAMED = re.compile(r"^python(3)\.(\d{1,2})[a-z]?$")
+_NAMED = re.compile(r"^python(3)\.(\d{1,2})[a-z]?\Z")
 _PY_VERSION = re.compile(rb"\x003\.(\d{1,2})\.\d{1,2}(?:(?:a|b|rc)\d{1,2})?\+?\x00")
 _CPYTHON_MARK = b"_PyRuntime"
 """A symbol every CPython 3.7+ interpreter exports (debuggers read it), checked beside the version string."""

@@ -29,6 +29,7 @@ import click
 
 from ..errors import MemwatchError
 from ..terminal import EscapingStream, printable
+from .log_lines import configure as configure_logs
 
 COMMANDS: dict[str, str] = {
     "serve": "Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).",
@@ -175,7 +176,7 @@ def main(ctx: click.Context, verbose: int, global_db: str | None) -> None:
     if ctx.invoked_subcommand not in _DRAWS_ITS_OWN:
         _escape_output(ctx)
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logs(level)  # one line per record, whatever names it quotes
 
 
 _DRAWS_ITS_OWN = frozenset({"attach"})

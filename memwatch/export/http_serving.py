@@ -14,8 +14,11 @@ connection costs a file descriptor and about a kilobyte. Whoever connects:
   the oldest that has not completed its request is closed to make room. A probe or a scrape sends its
   request at once, so it always gets in, and is answered within milliseconds.
 - **Only a complete request reaches a handler.** Cheap routes (the health checks) run on the loop; a
-  costly one (``/metrics``) runs on :data:`WORKERS` threads with at most :data:`QUEUED` requests waiting;
-  beyond, a request is answered 503 at once.
+  costly one (``/metrics``) runs on :data:`WORKERS` threads. Requests for the same path share one answer:
+  every request that arrives while that path's answer is being made waits for the next one, made as soon as
+  that one is done, for all of them (one render, one body), so any number of clients, reading their answers
+  or not, costs one render at a time, and a scrape among them is answered with the next. Beyond
+  :data:`QUEUED` distinct paths waiting, a request for another path is answered 503 at once.
 
 Repeated trouble (no file descriptors left, connections evicted, a handler failing) is logged at most
 once a minute, with a count.
@@ -33,7 +36,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from ..errors import UnavailableError
@@ -52,12 +55,18 @@ MIN_CONNECTIONS = 64
 WORKERS = 4
 """Threads that run an offloaded route (``/metrics``); more requests than this wait (at most :data:`QUEUED`)."""
 QUEUED = 64
-"""Complete requests waiting for a worker; beyond this a new one is answered 503 at once."""
+"""Answers (of distinct paths) waiting for a worker; a request for another path beyond this is answered 503 at
+once (one for a path already waiting joins it)."""
 BACKLOG = 4096
 """The kernel's queue of connections not yet accepted (the system caps it at ``net.core.somaxconn``): a burst of
 reconnects beyond it has SYNs dropped, a probe's among them, so it is as deep as the system allows."""
 WANTED_OPEN_FILES = 65536
 """The soft limit of file descriptors a listener raises the process to, if the hard limit allows."""
+SEND_BUFFER = 64 * 1024
+"""The kernel's send buffer of each connection (it doubles it for its bookkeeping). Left to itself it grows to
+megabytes on loopback, so a client that never reads took a whole answer each: a flood of them reconnecting made
+the listener copy hundreds of MB a second. Now such a client takes this much, then waits, unread, for the
+response deadline; a scrape that reads gets its answer as fast as it reads."""
 SWEEP_S = 0.1
 """How often deadlines are enforced: a deadline is kept to within this."""
 ACCEPT_BURST = 1024
@@ -120,12 +129,16 @@ class _Conn:
 class HttpListener:
     """One listening socket served by an event loop on its own thread: ``GET`` to ``route(path)``."""
 
-    def __init__(self, host: str, port: int, route: Route, *, name: str, option: str, offload: bool = False) -> None:
+    def __init__(self, host: str, port: int, route: Route, *, name: str, option: str,
+                 offload: bool | Collection[str] = False) -> None:
+        """``offload``: whether ``route`` runs on the workers (True), or for which paths (the costly ones; every
+        other path, a 404 say, is answered on the loop, so no flood of other paths fills the workers' queue)."""
         self.host = host
         self.route = route
         self.name = name
         self.option = option
-        self.offload = offload
+        self.offload = bool(offload)
+        self._offloaded = None if isinstance(offload, bool) else frozenset(offload)
         self.cap = MIN_CONNECTIONS
         self.accepted = self.answered = self.evicted = self.expired = self.refused = 0
         self._requested_port = port
@@ -134,8 +147,13 @@ class HttpListener:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._workers: list[threading.Thread] = []
-        self._jobs: queue.SimpleQueue[tuple[_Conn, str] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._in_flight = 0
+        self._waiting: dict[str, list[_Conn]] = {}
+        """Path -> the requests its next answer goes to (the answer not begun yet); shared with the workers."""
+        self._running: set[str] = set()
+        """Paths a worker is answering now: one answer of a path at a time (the next is queued when it ends)."""
+        self._waiting_lock = threading.Lock()  # guards the two above and _in_flight
         self._reading: OrderedDict[int, _Conn] = OrderedDict()  # by accept time: the oldest is evicted first
         self._answering: OrderedDict[int, _Conn] = OrderedDict()  # by the time the request completed
         self._stopping = threading.Event()
@@ -173,7 +191,8 @@ class HttpListener:
 
     @property
     def in_flight(self) -> int:
-        """Requests handed to the workers and not answered yet (at most ``WORKERS + QUEUED``)."""
+        """Answers being made or waiting to be (at most ``WORKERS + QUEUED``), each for one or more requests of
+        the same path; a path has one being made at most, and one waiting."""
         return self._in_flight
 
     @property
@@ -234,6 +253,10 @@ class HttpListener:
                 squeezed = True
                 continue
             sock.setblocking(False)
+            try:  # an answer nobody reads holds this much of the kernel's memory (and our copying), not megabytes
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            except OSError:
+                pass
             if len(self._reading) + len(self._answering) >= self.cap:
                 self._evict()
                 self._note("evicted", f"{self.option}: {self.cap} connections open; the oldest waiting ones are "
@@ -280,16 +303,23 @@ class HttpListener:
             return
         conn.head_only = method == b"HEAD"
         path = target.split(b"?", 1)[0].decode("ascii", "replace")
-        if not self.offload:
+        if not self.offload or (self._offloaded is not None and path not in self._offloaded):
             self._answer(conn, self._call(path))
             return
-        if self._in_flight >= WORKERS + QUEUED:
-            self.refused += 1
-            self._answer(conn, Reply(503, b"busy: too many requests at once; try again\n"))
-            return
-        self._to_answering(conn, _HANDLING)
-        self._in_flight += 1
-        self._jobs.put((conn, path))
+        with self._waiting_lock:
+            waiting = self._waiting.get(path)
+            if waiting is not None:  # its next answer, not begun yet, goes to this request too
+                waiting.append(conn)
+            elif self._in_flight < WORKERS + QUEUED:
+                self._waiting[path] = [conn]
+                self._in_flight += 1
+                if path not in self._running:  # else queued when that answer is made: never two at once
+                    self._jobs.put(path)
+            else:
+                self.refused += 1
+                self._answer(conn, Reply(503, b"busy: too many requests at once; try again\n"))
+                return
+        self._to_answering(conn, _HANDLING)  # before the answer: it reaches the loop only after this returns
 
     def _call(self, path: str) -> Reply:
         try:
@@ -310,10 +340,10 @@ class HttpListener:
             self._answering[conn.fd] = conn
         conn.state = state
 
-    def _answered_by_worker(self, conn: _Conn, reply: Reply) -> None:
-        self._in_flight -= 1
-        if conn.state == _HANDLING:  # else closed meanwhile, by its deadline or to make room
-            self._answer(conn, reply)
+    def _answered_by_worker(self, conns: list[_Conn], reply: Reply) -> None:
+        for conn in conns:
+            if conn.state == _HANDLING:  # else closed meanwhile, by its deadline or to make room
+                self._answer(conn, reply)  # the one body, shared: never copied per connection
 
     def _answer(self, conn: _Conn, reply: Reply) -> None:
         self._to_answering(conn, _WRITING)
@@ -411,9 +441,16 @@ class HttpListener:
                 continue
             if job is None:
                 return
-            conn, path = job
-            reply = self._call(path)
+            with self._waiting_lock:  # from now on a request for this path waits for the next answer
+                conns = self._waiting.pop(job)
+                self._running.add(job)
+            reply = self._call(job)
+            with self._waiting_lock:
+                self._running.discard(job)
+                self._in_flight -= 1
+                if job in self._waiting:  # requests that came while it was made: the next answer, now
+                    self._jobs.put(job)
             try:
-                self._loop.call_soon_threadsafe(self._answered_by_worker, conn, reply)
+                self._loop.call_soon_threadsafe(self._answered_by_worker, conns, reply)
             except RuntimeError:  # the loop closed meanwhile
                 return

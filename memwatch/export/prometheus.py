@@ -125,6 +125,10 @@ def render(state: ExportState, resource: dict[str, Any] | None = None, *, headro
     return "\n".join(out) + "\n"
 
 
+METRICS_PATHS = ("/metrics", "/")
+"""What a scrape asks for; any other path is answered 404 on the listener's loop, never queued for a worker."""
+
+
 class PrometheusEndpoint:
     """An HTTP server that answers ``GET /metrics`` with :func:`render` of the state."""
 
@@ -133,14 +137,14 @@ class PrometheusEndpoint:
         self.state = state
         self.resource = resource
         self._listener = HttpListener(host, port, self._route, name="memwatch-prometheus", option="--prometheus",
-                                      offload=True)  # rendering runs on the listener's few workers
+                                      offload=METRICS_PATHS)  # rendering runs on the listener's few workers
 
     def start(self) -> None:
         """Listen; raises :class:`UnavailableError` on a taken port."""
         self._listener.start()
 
     def _route(self, path: str) -> Reply:
-        if path not in ("/metrics", "/"):
+        if path not in METRICS_PATHS:
             return Reply(404, b"memwatch serves /metrics\n")
         try:
             return Reply(200, render(self.state, self.resource).encode(), CONTENT_TYPE)

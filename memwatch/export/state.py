@@ -25,7 +25,7 @@ from typing import Any
 from memwatch_engine.ring_reader import RingHeader
 
 from ..flags import FLAG_KINDS, SEVERITIES, Flag
-from ..identity import otel_attributes, place_from_meta
+from ..identity import label_place, otel_attributes, place_from_meta
 from ..ledger import Ledger, LedgerTerms
 from ..records import Event, Sample
 from ..ring_records import RingDrain, typed_sample
@@ -46,7 +46,8 @@ def run_attributes(header: RingHeader) -> dict[str, Any]:
         "model": str(meta.get("model") or "unknown"),
         "host": str(meta.get("hostname") or "unknown"),
         "pid": header.writer_pid,
-        **otel_attributes(place_from_meta(meta)),  # k8s.pod.name, container.id, ... where the engine saw them
+        **otel_attributes(label_place(meta)),  # k8s.pod.name, ... as the engine claims; k8s.pod.uid, container.id
+                                               # as the kernel says (memwatch.identity)
     }
 
 

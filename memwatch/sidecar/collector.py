@@ -23,16 +23,19 @@ from memwatch_engine.dirfd import file_id
 from memwatch_engine.ring import RUN_ID_PATTERN, RingFormatError
 from memwatch_engine.ring_reader import RingHeader, RingReader
 
+from ..identity import VERIFIED
 from ..losses import reported_lost
 from ..records import Event, Sample
 from ..ring_records import RingDrain
 from ..store.writer import Batch, StoreWriter, WriterStalled
+from .discovery import Discovery
 from .liveness import ring_writer_alive, writer_alive
 from .record_checks import check_meta, screen
 from .rejected_rings import set_aside_ring
 from .ring_finder import RingFinder
 from .ring_state import RingState
 from .run_rows import rank_end, rank_progress, register
+from .writer_cgroup import writer_identity
 
 log = logging.getLogger("memwatch.collector")
 
@@ -69,6 +72,7 @@ class Collector:
         directory (:class:`~memwatch.sidecar.ring_finder.RingFinder`)."""
         self.runtime_dir = Path(runtime_dir)
         self._finder = RingFinder(self.runtime_dir, trust=trust, runtime_fd=runtime_fd, state_fd=state_fd)
+        self._discovery: Discovery | None = None
         self._writer = writer
         self._observers = list(observers)
         self._is_alive = is_alive
@@ -94,9 +98,23 @@ class Collector:
 
     # -- discovery ------------------------------------------------------------------------------------
 
+    def discover(self, interval: float = 0.25, *, watch: bool = True) -> None:
+        """From now on find rings in a thread of their own (:mod:`.discovery`): :meth:`scan` then only opens
+        what it found, so no directory, however flooded, holds up the drains."""
+        if self._discovery is None:
+            self._discovery = Discovery(self._finder, interval=interval, watch=watch)
+            self._discovery.start()
+
+    @property
+    def found(self) -> bool:
+        """Rings were found that the next :meth:`scan` opens."""
+        return self._discovery is not None and self._discovery.pending
+
     def scan(self) -> None:
-        """Open rings that appeared since the last scan (by the directory's descriptor: :mod:`.ring_finder`)."""
-        for name in self._finder.candidates():
+        """Open rings that appeared since the last scan (by the directory's descriptor: :mod:`.ring_finder`): the
+        names the discovery thread found, or, without one, those a scan of the directory finds now."""
+        names = self._finder.candidates() if self._discovery is None else self._discovery.take()
+        for name in names:
             path = self.runtime_dir / name
             if path not in self.rings and path not in self._finishing:
                 self._open(name, path)
@@ -122,6 +140,9 @@ class Collector:
             reader.close()
             self._set_aside_ring(name, ident, why, header)
             return
+        # What the kernel says of the writer (its pod UID and container id); whatever the engine wrote under that key
+        # is replaced, so every reader of this header (the store, the exporters) sees the kernel's word or nothing.
+        header.meta[VERIFIED] = writer_identity(header)
         key = f"{header.run_id}/{header.rank}/{header.created_ns}"
         row = self._read.execute(
             "SELECT next_seq, lost, finished FROM ring_cursors WHERE ring = ?", (key,)
@@ -372,6 +393,8 @@ class Collector:
                     finished(header)
 
     def close(self) -> None:
+        if self._discovery is not None:
+            self._discovery.stop()
         self._settle_finished()
         for state in self.rings.values():
             state.reader.close()

@@ -250,7 +250,7 @@ class Sidecar:
         rings every ``poll_interval``; a ring still holding records past the drain limit (it is behind) is
         drained again at once, and a poll cut short by a full writer queue goes on once the writer has room.
         """
-        next_scan = 0.0
+        self.collector.discover(self.scan_interval)  # a thread of its own finds rings: nothing stalls this loop
         idle_since = last_poll = time.monotonic()
         last_wait = self.poll_interval
         next_retention = idle_since + self.retention_interval
@@ -258,9 +258,7 @@ class Sidecar:
         try:
             while not self._stop.is_set():
                 now = self.heartbeat = time.monotonic()
-                if now >= next_scan:
-                    self.collector.scan()
-                    next_scan = now + self.scan_interval
+                self.collector.scan()  # opens what the discovery thread found
                 if now >= next_retention:
                     self.apply_retention()
                     next_retention = now + self.retention_interval
@@ -290,11 +288,12 @@ class Sidecar:
             self.close()
 
     def _wait(self, seconds: float) -> None:
-        """Wait ``seconds``, or less: until stopped, or until a ring closed or holds a batch (looked at every
-        poll interval: a few header reads)."""
+        """Wait ``seconds``, or less: until stopped, a new ring was found, or a ring closed or holds a batch (looked
+        at every poll interval: a few header reads)."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
-            if self._stop.wait(min(left, self.poll_interval)) or self.collector.ready(BATCH_TARGET):
+            if (self._stop.wait(min(left, self.poll_interval)) or self.collector.found
+                    or self.collector.ready(BATCH_TARGET)):
                 return
 
     def _say_no_ring(self) -> None:

@@ -8,6 +8,7 @@ ends, one summary line says how many were dropped and what the last one was abou
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,8 +35,13 @@ class LogLimiter:
         self._window = window
         self._clock = clock
         self._kinds: dict[str, _Window] = {}
+        self._lock = threading.RLock()  # the discovery thread, the loop and the store writer all refuse rings
 
     def warning(self, kind: str, msg: str, *args: object) -> None:
+        with self._lock:
+            self._warning(kind, msg, *args)
+
+    def _warning(self, kind: str, msg: str, *args: object) -> None:
         now = self._clock()
         window = self._kinds.get(kind)
         if window is None or now - window.started >= self._window:
@@ -50,6 +56,10 @@ class LogLimiter:
 
     def flush(self, *, all_windows: bool = False) -> None:
         """Say what the windows that have ended (or, at exit, all) dropped; called now and then, e.g. every scan."""
+        with self._lock:
+            self._flush(all_windows)
+
+    def _flush(self, all_windows: bool) -> None:
         now = self._clock()
         for kind, window in list(self._kinds.items()):
             if all_windows or now - window.started >= self._window:

@@ -76,6 +76,11 @@ class RefusedNames:
             for name in gone:
                 self._uncount(self._names.pop(name))
 
+    def names(self, reasons: frozenset[str]) -> list[str]:
+        """The names remembered now under one of ``reasons`` (a copy: safe to act on while others add)."""
+        with self._lock:
+            return [name for name, (reason, _gen) in self._names.items() if reason in reasons]
+
     def counts(self) -> dict[str, int]:
         """Names refused now, by reason: every reason of :data:`REASONS`, zeros included."""
         with self._lock:

@@ -5,10 +5,12 @@ judged by ``lstat`` first (a refusal opens nothing), opened without following a 
 and what was opened is judged again by ``fstat`` — a FIFO swapped in between is refused, never waited on. A
 stored ring is removed only while its name still denotes the file that was read.
 
-Another uid may fill the directory with names, so the cost of looking stays bounded: an unchanged directory is
-not listed again (but every :data:`FULL_SCAN_S`), a scan that took long is followed by the next only
-:data:`SCAN_PAUSE` times as long later, refused names are remembered up to a bound (:mod:`.refused_names`),
-and the lines logged about them are limited (:mod:`.log_limit`).
+Another uid may fill the directory with names, so the looking is done off the sidecar's loop, by the discovery
+thread (:mod:`.discovery`: a listing once, then the names the kernel reports, each judged by :meth:`judge`), and
+its cost stays bounded where the directory must be scanned: an unchanged directory is not listed again (but
+every :data:`FULL_SCAN_S`), a scan that took long is followed by the next only :data:`SCAN_PAUSE` times as long
+later, refused names are remembered up to a bound (:mod:`.refused_names`), and the lines logged about them are
+limited (:mod:`.log_limit`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from memwatch_engine.dirfd import open_dir, open_regular, unlink_if_same
@@ -36,6 +38,8 @@ coarsely: two changes within one tick may share a time)."""
 SCAN_PAUSE = 4
 """A scan that took T seconds (a directory flooded with names) is followed by the next no sooner than 4 T later."""
 SLOW_SCAN_S = 0.05
+LISTING_SLICE = 1024
+"""A listing lets other work in every this many names (about a millisecond of listing, a few with ``lstat``)."""
 
 
 def refusal_reason(info: os.stat_result, trusted: frozenset[int]) -> str:
@@ -69,8 +73,9 @@ class RingFinder:
         self._next_full_scan = 0.0
         self._not_before = 0.0
 
-    def candidates(self) -> Iterator[str]:
-        """The names of regular files that look like trusted rings (by ``lstat``), when a scan is due."""
+    def candidates(self, between: Callable[[], None] | None = None) -> Iterator[str]:
+        """The names of regular files that look like trusted rings (by ``lstat``), when a scan is due
+        (``between``: as for :meth:`listing`)."""
         self.limited.flush()
         began = time.monotonic()
         if began < self._not_before:
@@ -83,11 +88,23 @@ class RingFinder:
         if mtime == self._listed_mtime and began < self._next_full_scan:
             return
         wall = time.time_ns()
+        yield from self.listing(between)
+        took = time.monotonic() - began
+        self._listed_mtime = mtime if wall - mtime >= QUIET_DIR_NS else None
+        self._next_full_scan = began + FULL_SCAN_S
+        self._not_before = began + took * (1 + SCAN_PAUSE) if took > SLOW_SCAN_S else 0.0
+
+    def listing(self, between: Callable[[], None] | None = None) -> Iterator[str]:
+        """Every name a complete listing shows that looks like a trusted ring (names refused already are not
+        looked at again); ``between`` is called every :data:`LISTING_SLICE` names, so that a listing of a
+        flooded directory can let other work in (the changes the kernel reported meanwhile)."""
         before = self.refused.generation
         still_there: set[str] = set()
         try:
             with os.scandir(self.dir_fd) as listing:
-                for entry in listing:
+                for seen, entry in enumerate(listing, 1):
+                    if between is not None and not seen % LISTING_SLICE:
+                        between()
                     name = entry.name
                     if not name.endswith(RING_SUFFIX):
                         continue
@@ -99,10 +116,20 @@ class RingFinder:
             log.error("cannot list %s: %s", self.runtime_dir, exc)
             return
         self.refused.forget_unlisted(still_there, before)  # refused now, not ever
-        took = time.monotonic() - began
-        self._listed_mtime = mtime if wall - mtime >= QUIET_DIR_NS else None
-        self._next_full_scan = began + FULL_SCAN_S
-        self._not_before = began + took * (1 + SCAN_PAUSE) if took > SLOW_SCAN_S else 0.0
+
+    def judge(self, name: str) -> bool:
+        """Whether the entry ``name`` looks like a trusted ring now (by ``lstat``); refused (and remembered) if not."""
+        if not name.endswith(RING_SUFFIX) or os.sep in name:
+            return False
+        self.refused.discard(name)  # a name that changed (created again, another owner or mode) is judged afresh
+        try:
+            info = os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            self.refuse(name, exc.strerror or str(exc))
+            return False
+        return self._judged(name, info)
 
     def _looks_trusted(self, entry: os.DirEntry[str]) -> bool:
         name = entry.name
@@ -113,6 +140,9 @@ class RingFinder:
         except OSError as exc:
             self.refuse(name, exc.strerror or str(exc))
             return False
+        return self._judged(name, info)
+
+    def _judged(self, name: str, info: os.stat_result) -> bool:
         why = judge_ring(info, self.trusted)
         if why:
             self.refuse(name, why, refusal_reason(info, self.trusted), info.st_uid)

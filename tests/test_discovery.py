@@ -1,0 +1,184 @@
+"""The discovery thread: names the kernel reports are judged as they appear; refusals go with their names; a
+queue the kernel overflowed is made good by listing again; without inotify the directory is scanned.
+
+Real files in a private runtime directory, a real inotify watch, the thread itself.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from memwatch.sidecar.dir_watch import (
+    IN_ATTRIB,
+    IN_CREATE,
+    IN_DELETE,
+    IN_DELETE_SELF,
+    IN_IGNORED,
+    IN_MOVE_SELF,
+    IN_Q_OVERFLOW,
+    DirWatch,
+    watch_dir,
+)
+from memwatch.sidecar.discovery import Discovery
+from memwatch.sidecar.ring_finder import RingFinder
+
+
+def _make(directory: Path, name: str, mode: int = 0o600) -> None:
+    fd = os.open(directory / name, os.O_CREAT | os.O_WRONLY | os.O_EXCL, mode)
+    os.fchmod(fd, mode)
+    os.close(fd)
+
+
+def _until(predicate: Callable[[], object], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def finder(runtime_dir: Path) -> Iterator[RingFinder]:
+    runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    found = RingFinder(runtime_dir)
+    yield found
+    found.close()
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_a_new_ring_is_handed_over_and_a_refused_name_is_forgotten_when_it_goes(
+        finder: RingFinder, runtime_dir: Path, watch: bool) -> None:
+    _make(runtime_dir, "before-r0.ring")
+    _make(runtime_dir, "notes.txt")
+    discovery = Discovery(finder, interval=0.05, watch=watch)
+    assert discovery.watching is watch
+    discovery.start()
+    try:
+        taken: list[str] = []
+        _until(lambda: taken.extend(discovery.take()) or "before-r0.ring" in taken)  # the first listing
+        _make(runtime_dir, "after-r0.ring")
+        _make(runtime_dir, "open-r0.ring", 0o644)  # every user may read it: refused
+        _until(lambda: taken.extend(discovery.take()) or "after-r0.ring" in taken)
+        _until(lambda: finder.refused.counts()["mode"] == 1)
+        assert "open-r0.ring" not in taken and "notes.txt" not in taken
+        (runtime_dir / "open-r0.ring").unlink()
+        _until(lambda: finder.refused.counts()["mode"] == 0)  # refused now, not ever
+        os.chmod(runtime_dir / "before-r0.ring", 0o644)
+        _until(lambda: finder.refused.counts()["mode"] == 1)  # its mode changed: judged again, and refused
+    finally:
+        discovery.stop()
+    if watch:
+        assert discovery.listings == 1  # listed once; everything after came from the kernel
+
+
+def test_the_kernel_reports_names_made_and_removed_and_says_when_it_dropped_some(runtime_dir: Path) -> None:
+    runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(runtime_dir, os.O_RDONLY | os.O_DIRECTORY)
+    watch = watch_dir(fd)
+    assert isinstance(watch, DirWatch)
+    try:
+        os.close(os.open(runtime_dir / "a-r0.ring", os.O_CREAT | os.O_WRONLY, 0o600))
+        os.chmod(runtime_dir / "a-r0.ring", 0o644)  # a change of mode: judged again
+        (runtime_dir / "a-r0.ring").unlink()
+        changes = watch.changes()
+        assert [(c.name, c.appeared) for c in changes] == [("a-r0.ring", True)] * 2 + [("a-r0.ring", False)]
+        assert watch.changes() == [] and not watch.overflowed  # nothing more queued: no wait
+        event = IN_Q_OVERFLOW.to_bytes(4, "little")
+        overflow = (-1).to_bytes(4, "little", signed=True) + event + bytes(8)  # the kernel's overflow record
+        assert watch._parse(overflow) == [] and watch.overflowed
+        named = (1).to_bytes(4, "little") + (IN_CREATE | IN_DELETE).to_bytes(4, "little") + bytes(4) + \
+            (16).to_bytes(4, "little") + b"x.ring".ljust(16, b"\0")
+        assert [(c.name, c.appeared) for c in watch._parse(named)] == [("x.ring", True)]
+    finally:
+        watch.close()
+        os.close(fd)
+
+
+def test_a_stopped_discovery_ends_within_its_wait_and_closes_its_watch(finder: RingFinder) -> None:
+    discovery = Discovery(finder, interval=0.05)
+    discovery.start()
+    began = time.monotonic()
+    discovery.stop()
+    assert time.monotonic() - began < 1.0 and not discovery._thread.is_alive()
+
+
+def test_each_record_the_kernel_writes_is_read_for_what_it_says(runtime_dir: Path) -> None:
+    runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(runtime_dir, os.O_RDONLY | os.O_DIRECTORY)
+    watch = watch_dir(fd)
+    assert watch is not None and watch.overflowed is False
+    assert os.get_blocking(watch.fileno()) is False and os.get_inheritable(watch.fileno()) is False
+
+    def record(mask: int, name: bytes = b"") -> bytes:
+        padded = name.ljust(16, b"\0") if name else b""
+        return (1).to_bytes(4, "little") + mask.to_bytes(4, "little") + bytes(4) + len(padded).to_bytes(4, "little") \
+            + padded
+
+    try:
+        for ended in (IN_IGNORED, IN_DELETE_SELF, IN_MOVE_SELF):  # the watch itself ended: list again
+            watch.overflowed = False
+            assert watch._parse(record(ended)) == [] and watch.overflowed, ended
+        watch.overflowed = False
+        assert watch._parse(record(IN_ATTRIB)) == []  # the directory's own change: no name
+        assert watch._parse(record(0x20, b"x.ring")) == []  # opened: nothing the finder acts on
+        both = record(IN_CREATE, b"a.ring") + record(IN_DELETE, b"b.ring")
+        assert [(c.name, c.appeared) for c in watch._parse(both)] == [("a.ring", True), ("b.ring", False)]
+        assert not watch.overflowed
+    finally:
+        watch.close()
+        watch.close()  # a second close closes nothing more
+        os.close(fd)
+    assert watch.fileno() == -1
+
+
+def test_a_watch_that_cannot_be_read_or_made_says_so_and_the_directory_is_listed(
+        runtime_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(runtime_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        watch = watch_dir(fd)
+        assert watch is not None
+        os.close(watch.fileno())  # gone under it
+        assert watch.changes() == [] and watch.overflowed is True
+        assert [r.getMessage() for r in caplog.records] == [
+            "cannot read the runtime directory's changes: Bad file descriptor; listing it instead"]
+    finally:
+        os.close(fd)
+    regular = tmp_path / "not-a-directory"
+    regular.write_text("")
+    file_fd = os.open(regular, os.O_RDONLY)
+    try:
+        assert watch_dir(file_fd) is None
+    finally:
+        os.close(file_fd)
+    assert caplog.records[-1].getMessage() == (
+        "cannot watch the runtime directory (Not a directory): it is listed at every scan instead")
+    # No descriptor left for the watch: the same, and why.
+    out = subprocess.run([sys.executable, "-c", NO_DESCRIPTORS, str(runtime_dir)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "None", out.stderr
+    assert ("cannot watch the runtime directory (Too many open files): it is listed at every scan instead, which a "
+            "flood of names slows down") in out.stderr
+
+
+NO_DESCRIPTORS = """
+import logging, os, resource, sys
+logging.basicConfig(level=logging.DEBUG, format="%(message)s")
+from memwatch.sidecar.dir_watch import watch_dir
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+watch_dir(fd).close()  # whatever the first call loads is loaded while descriptors are left
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+print(watch_dir(fd))
+"""
