@@ -154,6 +154,19 @@ def test_the_agent_is_node_critical_and_the_engines_are_not(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(SETS))
+def test_the_agent_ships_within_its_pods_grace_period_and_a_sidecar_keeps_the_default(name: str) -> None:
+    # The agent is told to stop when its pod is: its shutdown may use the pod's whole grace period. A native
+    # sidecar is told after the engine stopped, with less of it left, so it keeps the 30 s default.
+    for workload in workloads(SETS[name]):
+        for container in named(workload, "memwatch"):
+            grace = {e["name"]: e.get("value") for e in container.get("env", [])}.get("MEMWATCH_GRACE_PERIOD")
+            if workload["kind"] == "DaemonSet":
+                assert grace == str(pod_spec(workload)["terminationGracePeriodSeconds"]), name
+            else:
+                assert grace is None, name
+
+
+@pytest.mark.parametrize("name", list(SETS))
 def test_egress_is_bounded_to_dns_and_the_store_when_bundles_are_shipped(name: str) -> None:
     docs = documents(SETS[name])
     egress = [d for d in docs if d["kind"] == "NetworkPolicy" and "Egress" in d["spec"]["policyTypes"]]

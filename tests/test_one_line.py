@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from memwatch.cli.log_lines import OneLineFormatter
 from memwatch.identity import place_from_meta
+from memwatch.log_lines import OneLineFormatter
 from memwatch_engine.identity import valid_name
 from memwatch_engine.ring import RUN_ID_PATTERN, RingWriter
 
@@ -51,6 +51,16 @@ def test_the_formatter_writes_a_quoted_newline_as_an_escape_and_indents_a_traceb
     lines = OneLineFormatter("%(levelname)s %(message)s").format(failed).split("\n")
     assert lines[0] == "ERROR failed"
     assert all(line.startswith("    ") for line in lines[1:]) and lines[-1] == f"    {FORGED}"
+
+
+def test_the_log_tail_a_bundle_carries_is_one_line_per_record() -> None:
+    from memwatch.incident.triggers import LogTail
+
+    tail = LogTail(lines=10)
+    tail.emit(logging.LogRecord("memwatch.collector", logging.WARNING, __file__, 1, "ignoring ring %s",
+                                (f"x\n{FORGED}.ring",), None))
+    lines = tail.tail().decode().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(f"ignoring ring x\\x0a{FORGED}.ring")
 
 
 def test_a_ring_named_with_a_newline_does_not_forge_a_line_in_the_sidecars_log(runtime_dir: Path,

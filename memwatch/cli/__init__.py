@@ -28,8 +28,8 @@ from typing import Any
 import click
 
 from ..errors import MemwatchError
+from ..log_lines import configure as configure_logs
 from ..terminal import EscapingStream, printable
-from .log_lines import configure as configure_logs
 
 COMMANDS: dict[str, str] = {
     "serve": "Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).",

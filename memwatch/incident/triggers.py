@@ -37,6 +37,7 @@ from memwatch_engine.dirfd import open_dir
 
 from ..errors import NotFoundError
 from ..flags import CRITICAL, Flag
+from ..log_lines import FORMAT, OneLineFormatter
 from ..store.db import open_store
 from ..store.schema import ENDED_BADLY
 from . import owed
@@ -69,7 +70,7 @@ class LogTail(logging.Handler):
     def __init__(self, lines: int = LOG_LINES) -> None:
         super().__init__(logging.INFO)
         self._lines: collections.deque[str] = collections.deque(maxlen=lines)
-        self.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        self.setFormatter(OneLineFormatter(FORMAT))
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

@@ -161,15 +161,24 @@ tolerations:
 {{- end }}
 {{- end -}}
 
-{{/* The memwatch container's environment: MEMWATCH_BUNDLE_TO when bundles.to is set, then memwatch.env. */}}
+{{/* The memwatch container's environment: MEMWATCH_BUNDLE_TO when bundles.to is set, then memwatch.env.
+     Called with the root context, or with (dict "root" . "grace" SECONDS) where the container is the first of its
+     pod to be told to stop (the agent): its shutdown may then use the pod's whole terminationGracePeriodSeconds
+     (MEMWATCH_GRACE_PERIOD). A native sidecar is told after the engine has stopped, so it keeps the default. */}}
 {{- define "memwatch.env" -}}
-{{- if or .Values.memwatch.env .Values.bundles.to }}
+{{- $root := .root | default . -}}
+{{- $grace := .grace -}}
+{{- if or $root.Values.memwatch.env $root.Values.bundles.to $grace }}
 env:
-  {{- with .Values.bundles.to }}
+  {{- with $grace }}
+  - name: MEMWATCH_GRACE_PERIOD
+    value: {{ . | quote }}
+  {{- end }}
+  {{- with $root.Values.bundles.to }}
   - name: MEMWATCH_BUNDLE_TO
     value: {{ . | quote }}
   {{- end }}
-  {{- with .Values.memwatch.env }}
+  {{- with $root.Values.memwatch.env }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
 {{- end }}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from ..terminal import printable
+from .terminal import printable
 
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 CONTINUATION = "    "
