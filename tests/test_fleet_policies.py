@@ -8,8 +8,8 @@ import pytest
 
 from memwatch.errors import UsageError
 from memwatch.sim.fleet.engine import FleetRequest
-from memwatch.sim.fleet.policies import EngineView, KvUsage, MemwatchHeadroom, RoundRobin, make_policy
-from memwatch.sim.fleet.results import percentile, render_table, summarize
+from memwatch.sim.fleet.policies import EngineView, KvUsage, KvUsageQueue, MemwatchHeadroom, RoundRobin, make_policy
+from memwatch.sim.fleet.results import PolicyResult, percentile, render_table, summarize, versus_best
 from memwatch.sim.fleet.scrape import keep_families, parse
 from memwatch.sim.fleet.traces import from_text, parse_shape
 
@@ -77,6 +77,39 @@ def test_kv_usage_takes_the_least_used_unsaturated_engine() -> None:
 def test_kv_usage_with_every_engine_saturated_still_routes_to_the_least_used() -> None:
     views = [view(0, exposition("r0", used=95)), view(1, exposition("r1", used=82))]
     assert KvUsage(random.Random(0)).choose(request(), views) == 1
+
+
+def test_kv_usage_queue_holds_the_request_at_the_router_only_when_every_engine_is_saturated() -> None:
+    # Usage 0.95 and 0.82: both at or over 0.8, so the request waits at the router (None) where kv-usage sends it.
+    views = [view(0, exposition("r0", used=95)), view(1, exposition("r1", used=82))]
+    assert KvUsageQueue(random.Random(0)).choose(request(), views) is None
+    assert make_policy("kv-usage-queue", random.Random(0)).choose(request(), views) is None
+    # One engine under both thresholds (0.79, 4 waiting): it takes the request as kv-usage would.
+    views.append(view(2, exposition("r2", used=79, waiting=4)))
+    assert KvUsageQueue(random.Random(0)).choose(request(), views) == 2
+    # The request the router sent there since the scrape makes its queue 5: saturated too, so held again.
+    views[2].sent = [request()]
+    assert KvUsageQueue(random.Random(0)).choose(request(), views) is None
+    assert KvUsageQueue(random.Random(0)).choose(request(), []) is None
+
+
+def test_each_policy_is_judged_against_the_best_baseline_on_each_measure() -> None:
+    # Baselines: kv-usage 100 tokens/s with p99 queue 4 s, kv-usage-queue 80 tokens/s with p99 2 s. The best
+    # baseline's tokens/s is 100 and its p99 2 s, from two different policies: memwatch's 98 tokens/s and
+    # 2.4 s read 0.98 and 1.2.
+    rows = [PolicyResult(policy=policy, trace="t", engines=2, seed=1, requests=10, completed=10, ooms=0,
+                         preemptions=0, p50_queue_s=0.1, p99_queue_s=p99, tokens_per_s=rate, lost=0, rejected=0,
+                         simulated_s=10.0)
+            for policy, rate, p99 in (("kv-usage", 100.0, 4.0), ("kv-usage-queue", 80.0, 2.0), ("memwatch", 98.0, 2.4))]
+    ratios = versus_best(rows, ("round-robin", "kv-usage", "kv-usage-queue"))
+    assert ratios["memwatch"] == {"tokens_per_s_ratio": 0.98, "p99_queue_ratio": 1.2}
+    assert ratios["kv-usage"] == {"tokens_per_s_ratio": 1.0, "p99_queue_ratio": 2.0}
+    table = render_table(rows, ("round-robin", "kv-usage", "kv-usage-queue"))
+    assert "tokens/s ÷ best" in table and "best of kv-usage, kv-usage-queue on each measure" in table
+    assert "0.98" in table.splitlines()[4] and "1.20" in table.splitlines()[4]
+    # No baseline ran: no ratio column, and ratios cannot be formed.
+    assert "÷" not in render_table(rows[2:], ("kv-usage",))
+    assert versus_best(rows[2:], ("kv-usage",))["memwatch"] == {"tokens_per_s_ratio": None, "p99_queue_ratio": None}
 
 
 def test_memwatch_filters_on_admissible_and_safe_prefill_then_scores_committed_usage() -> None:

@@ -141,7 +141,15 @@ def test_the_fleet_ignores_the_callers_sidecar_settings(small_trace: Path, tmp_p
     env = {**os.environ, "MEMWATCH_STATE_DIR": str(state), "MEMWATCH_HEALTH": "127.0.0.1:1",
            "MEMWATCH_TRUST_UIDS": "0"}
     done = subprocess.run([sys.executable, "-m", "memwatch", "sim", "--fleet", "2", "--trace", str(small_trace),
-                           "--router", "round-robin", "--json"], capture_output=True, text=True, timeout=120, env=env)
+                           "--router", "all", "--json"], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["policies"]["round-robin"]["completed"] == 24
+    policies = json.loads(done.stdout)["policies"]
+    assert list(policies) == ["round-robin", "kv-usage", "kv-usage-queue", "memwatch"]
+    assert all(row["completed"] == 24 for row in policies.values())
+    # Each policy against the best baseline: the best baseline's own ratio is 1 on that measure.
+    rates = {name: row["tokens_per_s"] for name, row in policies.items() if name != "memwatch"}
+    best = max(rates, key=rates.__getitem__)
+    assert policies[best]["versus_best_baseline"]["tokens_per_s_ratio"] == 1.0
+    assert policies["memwatch"]["versus_best_baseline"]["tokens_per_s_ratio"] == pytest.approx(
+        policies["memwatch"]["tokens_per_s"] / rates[best], abs=1e-3)
     assert list(state.iterdir()) == []  # nothing of the fleet's was put in the caller's state directory

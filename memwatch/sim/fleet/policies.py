@@ -10,6 +10,11 @@ so what differs between them is what their signals say.
 * ``kv-usage``: the llm-d default's view: KV-cache usage (memwatch's ``memwatch_kv_blocks_used`` over
   ``memwatch_kv_blocks_capacity``) and the waiting queue; an engine is saturated at usage >= 0.8 or a queue of
   5 or more; the least used unsaturated engine wins, the least used of all when every one is saturated.
+* ``kv-usage-queue``: ``kv-usage`` with the llm-d router's flow control: when every engine is saturated the
+  request waits at the router (first come, first served) instead of joining an engine's queue, and is
+  offered again at a later scrape. llm-d's flow-control guide: "Hold requests during peak saturation
+  instead of committing them to a server's local queue"; its saturation detector uses the same two
+  thresholds. The fair baseline for a policy that itself holds requests back.
 * ``memwatch``: engines whose signal is valid and that can admit the request now (``memwatch_admissible_
   requests`` for the request's shape, less what was sent since the scrape; ``memwatch_max_safe_prefill_
   tokens`` at least its prompt); the lowest committed KV usage wins, the larger safe prefill breaking ties.
@@ -99,6 +104,11 @@ class KvUsage:
         self._rng = rng
 
     def choose(self, request: FleetRequest, views: list[EngineView]) -> int | None:
+        best = self._best(views)
+        return None if best is None else best[-1]
+
+    def _best(self, views: list[EngineView]) -> tuple[bool, float, float, float, int] | None:
+        """The least used engine, unsaturated ones first: (saturated, usage, queue, tie-break, index)."""
         if not views:
             return None
         ranked = []
@@ -108,7 +118,15 @@ class KvUsage:
             usage = 0.0 if usage is None else usage
             saturated = usage >= KV_SATURATED_USAGE or queue >= QUEUE_SATURATED
             ranked.append((saturated, usage, queue, self._rng.random(), view.index))
-        return min(ranked)[-1]
+        return min(ranked)
+
+
+class KvUsageQueue(KvUsage):
+    name = "kv-usage-queue"
+
+    def choose(self, request: FleetRequest, views: list[EngineView]) -> int | None:
+        best = self._best(views)
+        return None if best is None or best[0] else best[-1]
 
 
 class MemwatchHeadroom:
@@ -156,7 +174,9 @@ def _sent_share(view: EngineView) -> float:
     return sum(r.prompt_tokens + r.output_tokens for r in view.sent) / total_tokens
 
 
-POLICIES = ("round-robin", "kv-usage", "memwatch")
+POLICIES = ("round-robin", "kv-usage", "kv-usage-queue", "memwatch")
+BASELINES = ("round-robin", "kv-usage", "kv-usage-queue")
+"""The simple policies a memory-aware one is judged against: the best of them on each measure."""
 
 
 def make_policy(name: str, rng: random.Random, shapes: tuple[tuple[int, int], ...] = ()) -> Policy:
@@ -165,6 +185,8 @@ def make_policy(name: str, rng: random.Random, shapes: tuple[tuple[int, int], ..
         return RoundRobin(rng)
     if name == "kv-usage":
         return KvUsage(rng)
+    if name == "kv-usage-queue":
+        return KvUsageQueue(rng)
     if name == "memwatch":
         return MemwatchHeadroom(rng, shapes)
-    raise UsageError(f"unknown router policy {name!r}; use one of {', '.join(POLICIES)}")
+    raise UsageError(f"unknown router policy {name!r}; use one of {', '.join(POLICIES)}, or all to compare them")
