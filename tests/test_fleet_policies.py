@@ -128,6 +128,28 @@ def test_memwatch_filters_on_admissible_and_safe_prefill_then_scores_committed_u
     assert policy.choose(request(3000, 800), views) is None
 
 
+def test_memwatch_checks_the_kv_of_a_request_no_shape_covers() -> None:
+    # Both engines: 100 blocks, 50 used, 25,600 free tokens, so 51,200 tokens in all. A 5,000 + 1,000 token
+    # request is over every shape (1024:256). Engine 0: committed 0.30, so 35,840 tokens neither used nor
+    # promised, but 5 waiting ahead: 6 x 6,000 = 36,000 > 35,840, refused. Engine 1: committed 0.50, 25,600
+    # tokens, nobody waiting: 6,000 fits, though its committed usage is higher.
+    policy = MemwatchHeadroom(random.Random(0), shapes=((1024, 256),))
+    views = [view(0, exposition("r0", used=50, committed=0.30, waiting=5, admissible={"1024:256": 9},
+                                free_tokens=25_600)),
+             view(1, exposition("r1", used=50, committed=0.50, admissible={"1024:256": 9}, free_tokens=25_600))]
+    assert policy.shape_of(request(5000, 1000)) is None
+    assert policy.choose(request(5000, 1000), views) == 1
+    # Three sent to engine 1 since the scrape: 18,000 + 6,000 = 24,000 <= 25,600 still fits; a fourth does not.
+    views[1].sent = [request(5000, 1000)] * 3
+    assert policy.choose(request(5000, 1000), views) == 1
+    views[1].sent.append(request(5000, 1000))
+    assert policy.choose(request(5000, 1000), views) is None
+    # A full cache admits nothing; gauges that cannot tell (no free tokens exported) refuse nobody.
+    full = view(2, exposition("r2", used=100, committed=1.0, free_tokens=0))
+    assert policy.choose(request(5000, 1000), [full]) is None
+    assert policy.choose(request(5000, 1000), [view(3, exposition("r3", used=50, committed=0.9))]) == 3
+
+
 def test_memwatch_without_a_valid_signal_routes_as_kv_usage() -> None:
     policy = MemwatchHeadroom(random.Random(0), shapes=((1024, 256),))
     views = [view(0, exposition("r0", used=50, valid=0, committed=0.0, admissible={"1024:256": 9})),

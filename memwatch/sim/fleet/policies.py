@@ -16,8 +16,9 @@ so what differs between them is what their signals say.
   instead of committing them to a server's local queue"; its saturation detector uses the same two
   thresholds. The fair baseline for a policy that itself holds requests back.
 * ``memwatch``: engines whose signal is valid and that can admit the request now (``memwatch_admissible_
-  requests`` for the request's shape, less what was sent since the scrape; ``memwatch_max_safe_prefill_
-  tokens`` at least its prompt); the lowest committed KV usage wins, the larger safe prefill breaking ties.
+  requests`` for the request's shape, less what was sent since the scrape, or for a request no exported shape
+  covers the same check made on its own size from the free tokens and committed usage; ``memwatch_max_safe_
+  prefill_tokens`` at least its prompt); the lowest committed KV usage wins, the larger safe prefill breaking ties.
   When none can, the request waits at the router for a later scrape (admission control instead of
   preemption or an OOM); when no engine has a valid signal it routes as ``kv-usage`` does.
 
@@ -151,10 +152,12 @@ class MemwatchHeadroom:
         shape = self.shape_of(request)
         ranked = []
         for view in valid:
-            if shape is not None:
-                admissible = view.lowest(ADMISSIBLE, shape=shape)
-                if admissible is not None and admissible - len(view.sent) < 1:
+            admissible = None if shape is None else view.lowest(ADMISSIBLE, shape=shape)
+            if admissible is not None:
+                if admissible - len(view.sent) < 1:
                     continue
+            elif not _fits_unpromised(view, request):
+                continue
             safe = view.lowest(SAFE_PREFILL)
             if safe is not None and safe < request.prompt_tokens:
                 continue
@@ -162,6 +165,22 @@ class MemwatchHeadroom:
             committed = 1.0 if committed is None else committed + _sent_share(view)
             ranked.append((committed, -(safe or 0.0), self._rng.random(), view.index))
         return min(ranked)[-1] if ranked else None
+
+
+def _fits_unpromised(view: EngineView, request: FleetRequest) -> bool:
+    """The KV check for a request no exported shape covers, as ``memwatch_admissible_requests`` would make it for
+    the request's own shape: its tokens, once for itself and once for each request waiting ahead of it, plus the
+    tokens of those sent since the scrape, fit in the tokens neither used nor promised. The cache's tokens are
+    free tokens over the free fraction of blocks; an engine whose gauges cannot tell is not refused."""
+    free_tokens, usage, committed = view.lowest(FREE_TOKENS), view.kv_usage(), view.highest(COMMITTED)
+    if free_tokens is None or usage is None or committed is None:
+        return True
+    if usage >= 1.0:
+        return False
+    unpromised = free_tokens / (1.0 - usage) * (1.0 - committed)
+    ahead = (view.highest(WAITING) or 0) + 1
+    sent = sum(r.prompt_tokens + r.output_tokens for r in view.sent)
+    return ahead * (request.prompt_tokens + request.output_tokens) + sent <= unpromised
 
 
 def _sent_share(view: EngineView) -> float:
