@@ -8,7 +8,15 @@ import pytest
 
 from memwatch.errors import UsageError
 from memwatch.sim.fleet.engine import FleetRequest
-from memwatch.sim.fleet.policies import EngineView, KvUsage, KvUsageQueue, MemwatchHeadroom, RoundRobin, make_policy
+from memwatch.sim.fleet.policies import (
+    POLICIES,
+    EngineView,
+    KvUsage,
+    KvUsageQueue,
+    MemwatchHeadroom,
+    RoundRobin,
+    make_policy,
+)
 from memwatch.sim.fleet.results import PolicyResult, percentile, render_table, summarize, versus_best
 from memwatch.sim.fleet.scrape import keep_families, parse
 from memwatch.sim.fleet.traces import from_text, parse_shape
@@ -112,32 +120,39 @@ def test_each_policy_is_judged_against_the_best_baseline_on_each_measure() -> No
     assert versus_best(rows[2:], ("kv-usage",))["memwatch"] == {"tokens_per_s_ratio": None, "p99_queue_ratio": None}
 
 
-def test_memwatch_filters_on_admissible_and_safe_prefill_then_scores_committed_usage() -> None:
-    policy = MemwatchHeadroom(random.Random(0), shapes=((1024, 256), (4096, 1024)))
+def test_memwatch_filters_on_kv_and_safe_prefill_then_scores_committed_usage() -> None:
+    # Each engine: 100 blocks, 10 used, 9,000 free tokens: 10,000 tokens in all.
+    policy = MemwatchHeadroom(random.Random(0))
     views = [
-        view(0, exposition("r0", used=10, committed=0.20, admissible={"1024:256": 0, "4096:1024": 0}, safe=9000)),
-        view(1, exposition("r1", used=10, committed=0.50, admissible={"1024:256": 3, "4096:1024": 1}, safe=9000)),
-        view(2, exposition("r2", used=10, committed=0.40, admissible={"1024:256": 3, "4096:1024": 1}, safe=2000)),
+        # committed 0.95: 500 tokens neither used nor promised
+        view(0, exposition("r0", used=10, committed=0.95, free_tokens=9000, safe=9000)),
+        view(1, exposition("r1", used=10, committed=0.50, free_tokens=9000, safe=9000)),  # 5,000 tokens
+        view(2, exposition("r2", used=10, committed=0.40, free_tokens=9000, safe=2000)),  # 6,000 tokens
     ]
-    # 500:100 is shape 1024:256: engine 0 admits none; engine 2 has the lower committed usage.
+    # 500 + 100 tokens: over engine 0's 500; engine 2 has the lower committed usage.
     assert policy.choose(request(500, 100), views) == 2
-    # 3000:800 is shape 4096:1024; engine 2's safe prefill (2,000) is below the prompt: engine 1.
+    # A 3,000-token prompt: engine 2's safe prefill (2,000) is below it: engine 1.
     assert policy.choose(request(3000, 800), views) == 1
-    # Engine 1 was sent one since the scrape: its one admissible 4096:1024 is taken, so the next waits.
+    # Sent to engine 1 since the scrape: 3,800 tokens, so 3,800 + 3,800 > 5,000 and the next waits.
     views[1].sent = [request(3000, 800)]
     assert policy.choose(request(3000, 800), views) is None
+    # A small request still fits engine 1's KV (3,800 + 600 <= 5,000), but its prompt and the 3,000 sent
+    # may be prefilled in one forward: 3,500 <= 9,000, admitted; with a safe prefill of 3,400 it waits.
+    assert policy.choose(request(500, 100), views[1:2]) == 1
+    views[1] = view(1, exposition("r1", used=10, committed=0.50, free_tokens=9000, safe=3400))
+    views[1].sent = [request(3000, 800)]
+    assert policy.choose(request(500, 100), views[1:2]) is None
 
 
-def test_memwatch_checks_the_kv_of_a_request_no_shape_covers() -> None:
-    # Both engines: 100 blocks, 50 used, 25,600 free tokens, so 51,200 tokens in all. A 5,000 + 1,000 token
-    # request is over every shape (1024:256). Engine 0: committed 0.30, so 35,840 tokens neither used nor
-    # promised, but 5 waiting ahead: 6 x 6,000 = 36,000 > 35,840, refused. Engine 1: committed 0.50, 25,600
-    # tokens, nobody waiting: 6,000 fits, though its committed usage is higher.
-    policy = MemwatchHeadroom(random.Random(0), shapes=((1024, 256),))
-    views = [view(0, exposition("r0", used=50, committed=0.30, waiting=5, admissible={"1024:256": 9},
+def test_memwatch_checks_each_request_on_its_own_size() -> None:
+    # Both engines: 100 blocks, 50 used, 25,600 free tokens, so 51,200 tokens in all. Engine 0: committed 0.30,
+    # so 35,840 tokens neither used nor promised, but 5 waiting ahead: 6 x 6,000 = 36,000 > 35,840, refused.
+    # Engine 1: committed 0.50, 25,600 tokens, nobody waiting: 6,000 fits, though its committed usage is higher.
+    # The admissible gauge for a large shape says 9 on both: the policy checks the request's own size instead.
+    policy = MemwatchHeadroom(random.Random(0))
+    views = [view(0, exposition("r0", used=50, committed=0.30, waiting=5, admissible={"8192:2048": 9},
                                 free_tokens=25_600)),
-             view(1, exposition("r1", used=50, committed=0.50, admissible={"1024:256": 9}, free_tokens=25_600))]
-    assert policy.shape_of(request(5000, 1000)) is None
+             view(1, exposition("r1", used=50, committed=0.50, admissible={"8192:2048": 9}, free_tokens=25_600))]
     assert policy.choose(request(5000, 1000), views) == 1
     # Three sent to engine 1 since the scrape: 18,000 + 6,000 = 24,000 <= 25,600 still fits; a fourth does not.
     views[1].sent = [request(5000, 1000)] * 3
@@ -151,9 +166,9 @@ def test_memwatch_checks_the_kv_of_a_request_no_shape_covers() -> None:
 
 
 def test_memwatch_without_a_valid_signal_routes_as_kv_usage() -> None:
-    policy = MemwatchHeadroom(random.Random(0), shapes=((1024, 256),))
-    views = [view(0, exposition("r0", used=50, valid=0, committed=0.0, admissible={"1024:256": 9})),
-             view(1, exposition("r1", used=20, valid=0, committed=0.9, admissible={"1024:256": 0}))]
+    policy = MemwatchHeadroom(random.Random(0))
+    views = [view(0, exposition("r0", used=50, valid=0, committed=0.0, free_tokens=9999)),
+             view(1, exposition("r1", used=20, valid=0, committed=0.9, free_tokens=0))]
     assert policy.choose(request(), views) == 1
 
 
@@ -161,8 +176,8 @@ def test_memwatch_counts_what_it_sent_against_committed_usage() -> None:
     # Both engines: 100 blocks, 50 used, 25,600 free tokens, so 51,200 tokens in all. Engine 0 is at 0.60
     # committed, engine 1 at 0.62; after one 5,000 + 1,000 token request sent to engine 0 it stands at
     # 0.60 + 6,000 / 51,200 = 0.717, so the next goes to engine 1.
-    policy = MemwatchHeadroom(random.Random(0), shapes=((8192, 1024),))
-    views = [view(i, exposition(f"r{i}", used=50, committed=c, admissible={"8192:1024": 5}, free_tokens=25_600))
+    policy = MemwatchHeadroom(random.Random(0))
+    views = [view(i, exposition(f"r{i}", used=50, committed=c, free_tokens=25_600))
              for i, c in enumerate((0.60, 0.62))]
     assert policy.choose(request(5000, 1000), views) == 0
     views[0].sent = [request(5000, 1000)]
@@ -176,10 +191,7 @@ def test_shapes_and_policy_names() -> None:
             parse_shape(bad, "here")
     with pytest.raises(UsageError, match="unknown router policy 'least-load'"):
         make_policy("least-load", random.Random(0))
-    policy = MemwatchHeadroom(random.Random(0), shapes=((4096, 1024), (1024, 256)))
-    assert policy.shape_of(request(1024, 256)) == "1024:256"
-    assert policy.shape_of(request(1025, 10)) == "4096:1024"
-    assert policy.shape_of(request(5000, 10)) is None
+    assert [make_policy(name, random.Random(0)).name for name in POLICIES] == list(POLICIES)
 
 
 def test_a_trace_file_with_a_fleet_table() -> None:

@@ -16,9 +16,12 @@ last drained sample. Definitions (``B`` block size in tokens, ``T`` KV blocks in
     carries no per-request sizes) and the activation limit ``floor(max_safe_prefill / P)``; at least 0.
     Without a measured activation per token the KV limit alone.
 ``memwatch_max_safe_prefill_tokens``
-    ``floor(max(oom_margin_bytes, 0) / a)``: the largest prefill whose activation fits in the ledger's
-    OOM margin (:mod:`memwatch.ledger`: the driver's free memory, plus wholly free cached segments, after
-    the next worst-case forward), so admitting it keeps that margin at or above 0. ``a`` is the activation
+    ``floor(max(oom_margin_bytes + forward_need_bytes, 0) / a)``: the largest forward, in tokens, whose
+    activation fits in the room a forward has now (:mod:`memwatch.ledger`: the driver's free memory plus
+    wholly free cached segments; the OOM margin is that room after the next worst-case forward, so the
+    forward's need is added back and counted once: the prefill *is* that forward). A router admits a
+    prompt while it, and the prompts already sent or queued that the engine may batch with it, stay within
+    this. ``a`` is the activation
     per token of the run's largest prefill (its own peak above what stayed allocated, over its tokens; a
     larger prefill amortises fixed per-step buffers that a small one would overstate); before the first
     prefill, the warmup forward's: the ledger's ``activation_reserve_bytes`` over the config's
@@ -243,9 +246,10 @@ def _max_safe_prefill(ranks: list[RankSeries]) -> int | None:
     if not known:
         return None
     worst = max(known)  # TP ranks run the same forward: a rank without its own measure takes the largest
-    tokens = [int(max(s.terms.oom_margin_bytes, 0) // (a if a is not None else worst))
+    tokens = [int(max(s.terms.oom_margin_bytes + s.terms.forward_need_bytes, 0) // (a if a is not None else worst))
               for s, a in zip(ranks, per_token, strict=True)
-              if s.terms is not None and s.terms.oom_margin_bytes is not None]
+              if s.terms is not None and s.terms.oom_margin_bytes is not None
+              and s.terms.forward_need_bytes is not None]
     return min(tokens) if tokens else None
 
 
@@ -269,7 +273,7 @@ HELP = {
     "memwatch_kv_free_tokens": "KV tokens that can be allocated now without preempting anyone (tightest rank)",
     "memwatch_kv_committed_usage_ratio": "KV blocks in use plus those running requests still need, over the total",
     "memwatch_admissible_requests": "More requests of this prompt:output shape that fit now (KV and activation)",
-    "memwatch_max_safe_prefill_tokens": "Largest prefill whose activation fits the OOM margin (tightest rank)",
+    "memwatch_max_safe_prefill_tokens": "Largest forward (tokens) whose activation fits what is free now (tightest)",
     "memwatch_requests_waiting": "Requests queued in the engine's scheduler after its last step",
     "memwatch_requests_running": "Requests the engine's scheduler runs after its last step",
     "memwatch_signal_valid": "1 when the headroom signal is fresh and complete, else 0: ignore the other gauges",

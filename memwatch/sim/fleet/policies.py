@@ -15,12 +15,17 @@ so what differs between them is what their signals say.
   offered again at a later scrape. llm-d's flow-control guide: "Hold requests during peak saturation
   instead of committing them to a server's local queue"; its saturation detector uses the same two
   thresholds. The fair baseline for a policy that itself holds requests back.
-* ``memwatch``: engines whose signal is valid and that can admit the request now (``memwatch_admissible_
-  requests`` for the request's shape, less what was sent since the scrape, or for a request no exported shape
-  covers the same check made on its own size from the free tokens and committed usage; ``memwatch_max_safe_
-  prefill_tokens`` at least its prompt); the lowest committed KV usage wins, the larger safe prefill breaking ties.
-  When none can, the request waits at the router for a later scrape (admission control instead of
-  preemption or an OOM); when no engine has a valid signal it routes as ``kv-usage`` does.
+* ``memwatch``: among engines whose signal is valid, those that can take the request now: its KV check
+  (:func:`fits_kv`: the request's own tokens, once for itself and once per request waiting ahead of it,
+  plus the tokens sent since the scrape, within the tokens neither used nor promised, from
+  ``memwatch_kv_free_tokens`` and ``memwatch_kv_committed_usage_ratio``) and its activation check
+  (``memwatch_max_safe_prefill_tokens`` covers its prompt plus the prompts sent since the scrape, which the
+  engine may prefill in the same forward). The lowest committed KV usage wins (plus the share the requests
+  sent since the scrape will take), the larger safe prefill breaking ties. When none can, the request waits
+  at the router for a later scrape (admission control instead of preemption or an OOM); when no engine has
+  a valid signal it routes as ``kv-usage`` does. A router that knows each request's size makes the check of
+  ``memwatch_admissible_requests`` on that size itself; the gauge, for a few fixed shapes, serves routers
+  that can only compare a series with a number.
 
 Ties go to a draw from the run's seeded generator, so the same seed gives the same routing.
 """
@@ -44,11 +49,10 @@ KV_USED = "memwatch_kv_blocks_used"
 KV_TOTAL = "memwatch_kv_blocks_capacity"
 WAITING = "memwatch_requests_waiting"
 VALID = "memwatch_signal_valid"
-ADMISSIBLE = "memwatch_admissible_requests"
 SAFE_PREFILL = "memwatch_max_safe_prefill_tokens"
 COMMITTED = "memwatch_kv_committed_usage_ratio"
 FREE_TOKENS = "memwatch_kv_free_tokens"
-READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, ADMISSIBLE, SAFE_PREFILL, COMMITTED, FREE_TOKENS,
+READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, SAFE_PREFILL, COMMITTED, FREE_TOKENS,
                   "memwatch_samples_total"})
 """Every metric family a policy reads (and the sample count that shows how far the sidecar has drained)."""
 
@@ -133,33 +137,20 @@ class KvUsageQueue(KvUsage):
 class MemwatchHeadroom:
     name = "memwatch"
 
-    def __init__(self, rng: random.Random, shapes: tuple[tuple[int, int], ...] = ()) -> None:
+    def __init__(self, rng: random.Random) -> None:
         self._rng = rng
         self._fallback = KvUsage(rng)
-        self.shapes = tuple(sorted(shapes, key=lambda shape: (shape[0] + shape[1], shape)))
-
-    def shape_of(self, request: FleetRequest) -> str | None:
-        """The smallest configured shape that covers the request (prompt and output), as its label."""
-        for prompt, output in self.shapes:
-            if request.prompt_tokens <= prompt and request.output_tokens <= output:
-                return f"{prompt}:{output}"
-        return None
 
     def choose(self, request: FleetRequest, views: list[EngineView]) -> int | None:
         valid = [view for view in views if view.lowest(VALID) == 1]
         if not valid:
             return self._fallback.choose(request, views)
-        shape = self.shape_of(request)
         ranked = []
         for view in valid:
-            admissible = None if shape is None else view.lowest(ADMISSIBLE, shape=shape)
-            if admissible is not None:
-                if admissible - len(view.sent) < 1:
-                    continue
-            elif not _fits_unpromised(view, request):
+            if not fits_kv(view, request):
                 continue
             safe = view.lowest(SAFE_PREFILL)
-            if safe is not None and safe < request.prompt_tokens:
+            if safe is not None and safe < request.prompt_tokens + sum(r.prompt_tokens for r in view.sent):
                 continue
             committed = view.highest(COMMITTED)
             committed = 1.0 if committed is None else committed + _sent_share(view)
@@ -167,11 +158,12 @@ class MemwatchHeadroom:
         return min(ranked)[-1] if ranked else None
 
 
-def _fits_unpromised(view: EngineView, request: FleetRequest) -> bool:
-    """The KV check for a request no exported shape covers, as ``memwatch_admissible_requests`` would make it for
-    the request's own shape: its tokens, once for itself and once for each request waiting ahead of it, plus the
-    tokens of those sent since the scrape, fit in the tokens neither used nor promised. The cache's tokens are
-    free tokens over the free fraction of blocks; an engine whose gauges cannot tell is not refused."""
+def fits_kv(view: EngineView, request: FleetRequest) -> bool:
+    """The check ``memwatch_admissible_requests`` makes, on the request's own size: its tokens, once for itself
+    and once for each request waiting ahead of it (counted as its size: the gauges carry no per-request
+    sizes), plus the tokens of those sent since the scrape, fit in the tokens neither used nor promised. The
+    cache's tokens are free tokens over the free fraction of blocks; an engine whose gauges cannot tell is not
+    refused."""
     free_tokens, usage, committed = view.lowest(FREE_TOKENS), view.kv_usage(), view.highest(COMMITTED)
     if free_tokens is None or usage is None or committed is None:
         return True
@@ -198,7 +190,7 @@ BASELINES = ("round-robin", "kv-usage", "kv-usage-queue")
 """The simple policies a memory-aware one is judged against: the best of them on each measure."""
 
 
-def make_policy(name: str, rng: random.Random, shapes: tuple[tuple[int, int], ...] = ()) -> Policy:
+def make_policy(name: str, rng: random.Random) -> Policy:
     """A policy by its command-line name."""
     if name == "round-robin":
         return RoundRobin(rng)
@@ -207,5 +199,5 @@ def make_policy(name: str, rng: random.Random, shapes: tuple[tuple[int, int], ..
     if name == "kv-usage-queue":
         return KvUsageQueue(rng)
     if name == "memwatch":
-        return MemwatchHeadroom(rng, shapes)
+        return MemwatchHeadroom(rng)
     raise UsageError(f"unknown router policy {name!r}; use one of {', '.join(POLICIES)}, or all to compare them")
