@@ -243,3 +243,45 @@ def test_an_idle_engine_stays_valid_until_its_process_ends(runtime_dir: Path, db
             if engine.stdout is not None:
                 engine.stdout.close()
         sidecar.stop()
+
+
+FINISHED_ENGINE = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[2])
+    from test_headroom_gauges import _engine
+    from pathlib import Path
+    engine = _engine(Path(sys.argv[1]), "drained")
+    engine.request_arrived("a", 100, 50)
+    for _ in range(20):
+        engine.step("decode", num_seqs=1, num_tokens=1, kv_blocks_used=10, kv_blocks_total=1000,
+                    requests_running=1, requests_waiting=0, kv_blocks_needed=5)
+    # The last step sampled its last token: nano-vllm reads the load before the request leaves, so the step's
+    # sample still counts it running; the request's end comes as an event after it, and no step follows.
+    engine.request_finished("a", 50)
+    print("idle", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_an_engine_whose_requests_all_finished_is_idle_though_its_last_step_counted_one(
+        runtime_dir: Path, db_path: Path) -> None:
+    port = free_port()
+    with SidecarProcess(runtime_dir, db_path, "--prometheus", str(port), "--poll-interval", "0.05") as sidecar:
+        wait_for(lambda: _listening(port), what="the sidecar's /metrics")
+        engine = subprocess.Popen([sys.executable, "-c", FINISHED_ENGINE, str(runtime_dir),
+                                   str(Path(__file__).parent)],
+                                  env=memwatch_env(runtime_dir, db_path), stdout=subprocess.PIPE, text=True)
+        try:
+            assert engine.stdout is not None and engine.stdout.readline().strip() == "idle"
+            wait_for(lambda: _gauges(_scrape(port), "drained").get("memwatch_requests_running") == 1,
+                     what="the last step")
+            time.sleep(2.0)  # past the 1.5 s a busy engine's signal lasts without a step
+            gauges = _gauges(_scrape(port), "drained")
+            assert gauges["memwatch_requests_running"] == 1  # what the last step read, unchanged
+            assert gauges["memwatch_signal_valid"] == 1 and gauges["memwatch_signal_age_seconds"] > 1.5
+        finally:
+            engine.kill()
+            engine.wait(timeout=30)
+            if engine.stdout is not None:
+                engine.stdout.close()
+        sidecar.stop()

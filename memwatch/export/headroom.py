@@ -31,9 +31,10 @@ last drained sample. Definitions (``B`` block size in tokens, ``T`` KV blocks in
 ``memwatch_signal_valid``
     1 when every rank wrote within ``stale_after`` seconds (1.5 by default) and the KV view, block size and
     load are known; else 0 (a stopped engine, a missing input). A router should then ignore the other
-    gauges. An engine idle at its last step (nothing running, nothing waiting) stays valid however long
-    ago that was, until its process ends: it has no step to take until a request arrives, and its KV state
-    cannot change before then.
+    gauges. An engine idle since its last step (nothing running, nothing waiting; or every request it
+    recorded arriving has finished, since a step reads its load before the requests it finished leave) stays
+    valid however long ago that was, until its process ends: it has no step to take until a request arrives,
+    and its KV state cannot change before then.
 ``memwatch_signal_age_seconds``
     seconds since the stalest rank last wrote, on the sidecar's clock.
 
@@ -112,9 +113,19 @@ class RankInputs:
     reports: bool | None = None
     """Whether this rank's samples carry a KV view or a load (``None``: none drained yet), so a scrape reads only
     whether a rank that never does still writes."""
+    arrived: int = 0
+    finished: int = 0
+    """Requests the engine recorded reaching it and finishing (rank 0's ``request_arrived``/``request_finished``):
+    an engine whose requests have all finished is idle, though its last step read its load before the last of
+    them left."""
 
     def take_event(self, kind: str, data: Any) -> None:
-        """The block size (KV sizing, config) and the batch size the warmup forward ran at (config)."""
+        """The block size (KV sizing, config), the batch size the warmup forward ran at (config), and the
+        requests that arrived and finished."""
+        if kind == "request_arrived":
+            self.arrived += 1
+        elif kind == "request_finished":
+            self.finished += 1
         if not isinstance(data, dict) or kind not in ("kv_allocated", "config"):
             return
         size, batched = data.get("block_size"), data.get("max_num_batched_tokens")
@@ -231,7 +242,9 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
                     fit = min(fit, safe // prompt)
                 admissible[shape_label((prompt, output))] = max(fit, 0)
     load = tight if tight is not None else next((s.inputs for s in ranks if s.inputs.running is not None), None)
-    idle = tight is not None and tight.running == 0 and tight.waiting == 0
+    arrived = sum(s.inputs.arrived for s in ranks)
+    all_finished = arrived > 0 and sum(s.inputs.finished for s in ranks) >= arrived
+    idle = tight is not None and (all_finished or (tight.running == 0 and tight.waiting == 0))
     valid = (age is not None and (age <= config.stale_after or idle) and ratio is not None
              and all(s.ended_at is None for s in ranks))
     return EngineHeadroom(labels, free_tokens, ratio, admissible, safe, None if load is None else load.waiting,
