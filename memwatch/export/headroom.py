@@ -36,7 +36,8 @@ last drained sample. Definitions (``B`` block size in tokens, ``T`` KV blocks in
     valid however long ago that was, until its process ends: it has no step to take until a request arrives,
     and its KV state cannot change before then.
 ``memwatch_signal_age_seconds``
-    seconds since the stalest rank last wrote, on the sidecar's clock.
+    seconds since the stalest rank last wrote: its newest record's own timestamp against the sidecar's wall
+    clock (one clock on one host), so a scrape long after a write reads that whole time.
 
 An engine whose run ended keeps its series, with ``memwatch_signal_valid`` 0, while its ranks' series linger.
 """
@@ -107,8 +108,9 @@ class RankInputs:
     largest_prefill: tuple[int, int] = (0, 0)
     """(tokens, activation bytes) of the run's largest prefill with its own peak."""
     seen_at: float | None = None
-    """The sidecar's clock when this rank was last seen writing: its ring's count moving at a scrape, or (a state
-    fed without rings) the last drain with samples. A drain of old records says nothing of now."""
+    """When this rank last wrote, on the sidecar's clock: its ring's newest record's timestamp
+    (:class:`~memwatch.export.latest_sample.LatestSample`), or (a state fed without rings) the last drain with
+    samples. A drain of old records says nothing of now."""
     latest: LatestSample | None = field(default=None, repr=False)
     reports: bool | None = None
     """Whether this rank's samples carry a KV view or a load (``None``: none drained yet), so a scrape reads only
@@ -290,7 +292,7 @@ HELP = {
     "memwatch_requests_waiting": "Requests queued in the engine's scheduler after its last step",
     "memwatch_requests_running": "Requests the engine's scheduler runs after its last step",
     "memwatch_signal_valid": "1 when the headroom signal is fresh and complete, else 0: ignore the other gauges",
-    "memwatch_signal_age_seconds": "Seconds since the engine's stalest rank last wrote, on the sidecar's clock",
+    "memwatch_signal_age_seconds": "Seconds since the engine's stalest rank last wrote (its newest record's time)",
 }
 
 
