@@ -63,6 +63,27 @@ def test_the_parser_reads_each_rank_and_the_view_takes_the_tightest() -> None:
     assert engine.highest("memwatch_kv_blocks_used") == 41.0  # another run's series is not this engine's
 
 
+def test_a_request_sent_counts_until_a_scrape_shows_a_sample_written_after_it() -> None:
+    # The engine had written 7 samples when the router sent two requests; a long prefill step writes nothing
+    # for the next scrapes, so they still count as sent there. The first sample after them (8) shows them.
+    def scraped(samples: int) -> object:
+        return parse(exposition("r0", used=10) + f'memwatch_samples_total{{run_id="r0",rank="0"}} {samples}\n')
+
+    engine = EngineView(0, "r0", parse(exposition("r0", used=10)
+                                       + 'memwatch_samples_total{run_id="r0",rank="0"} 7\n'))
+    engine.send(request(rid=1))
+    engine.send(request(rid=2))
+    engine.rescraped(scraped(7))  # type: ignore[arg-type]
+    assert [r.request_id for r in engine.sent] == [1, 2]
+    engine.send(request(rid=3))
+    engine.rescraped(scraped(8))  # type: ignore[arg-type]
+    assert engine.sent == [] and engine.sent_marks == []
+    # A scrape without the count (an older sidecar) cannot show them: nothing is kept past it either way.
+    engine.send(request(rid=4))
+    engine.rescraped(parse(exposition("r0", used=10)))
+    assert engine.sent == []
+
+
 def test_round_robin_takes_turns_and_skips_an_engine_that_is_down() -> None:
     policy = RoundRobin(random.Random(0))
     views = [view(i, exposition(f"r{i}", used=0)) for i in range(3)]

@@ -140,7 +140,7 @@ def _route(policy: Policy, due: list[FleetRequest], held: deque[FleetRequest], a
         sidecar = sidecars[engine.index]
         sidecar.wait_drained()
         view = views[engine.index]
-        view.scrape, view.sent = scrape(sidecar.url, READ), []
+        view.rescraped(scrape(sidecar.url, READ))
     routed = 0
     for request in due:
         choice = policy.choose(request, [views[engine.index] for engine in alive])
@@ -148,7 +148,7 @@ def _route(policy: Policy, due: list[FleetRequest], held: deque[FleetRequest], a
             held.append(request)
             continue
         alive[[engine.index for engine in alive].index(choice)].submit(request, serving_ns)
-        views[choice].sent.append(request)
+        views[choice].send(request)
         routed += 1
     if idle and held and not routed:
         rejected = len(held)

@@ -1,10 +1,11 @@
 """The router's policies: which engine takes a request, from what the router last scraped of each.
 
 Every policy sees only the engines that are up (a dead pod leaves the endpoint list, as its readiness probe
-fails) and, for each, its last scrape plus the requests the router itself sent there since that scrape. A
-router knows what it sent; counting it keeps a burst that arrives between two scrapes from all landing on
-the one engine that looked best at the last scrape, and both load-aware policies count it the same way,
-so what differs between them is what their signals say.
+fails) and, for each, its last scrape plus the requests the router itself sent there that the scrape does
+not show yet (the engine has written no sample since they reached it). A router knows what it sent; counting
+it keeps a burst, or the arrivals during an engine's long prefill step, from all landing on the one engine
+that looked best, and every load-aware policy counts it the same way, so what differs between them is what
+their signals say.
 
 * ``round-robin``: the next engine in turn.
 * ``kv-usage``: the llm-d default's view: KV-cache usage (memwatch's ``memwatch_kv_blocks_used`` over
@@ -52,8 +53,8 @@ VALID = "memwatch_signal_valid"
 SAFE_PREFILL = "memwatch_max_safe_prefill_tokens"
 COMMITTED = "memwatch_kv_committed_usage_ratio"
 FREE_TOKENS = "memwatch_kv_free_tokens"
-READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, SAFE_PREFILL, COMMITTED, FREE_TOKENS,
-                  "memwatch_samples_total"})
+SAMPLES = "memwatch_samples_total"
+READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, SAFE_PREFILL, COMMITTED, FREE_TOKENS, SAMPLES})
 """Every metric family a policy reads (and the sample count that shows how far the sidecar has drained)."""
 
 
@@ -65,7 +66,26 @@ class EngineView:
     run_id: str
     scrape: Scrape | None = None
     sent: list[FleetRequest] = field(default_factory=list)
-    """Requests the router sent here since :attr:`scrape`."""
+    """Requests the router sent here that its last scrape does not show yet."""
+    sent_marks: list[float] = field(default_factory=list)
+    """For each of :attr:`sent`, the engine's sample count the router had scraped when it sent it."""
+
+    def rescraped(self, scrape: Scrape) -> None:
+        """Take a new scrape, keeping the requests it cannot show yet: an engine shows a request in the first
+        sample it writes after the request reached it, so one sent when the engine had written ``n`` samples is
+        in the scrape once the count passed ``n``. A busy engine (a long prefill) may write none for several
+        scrapes; forgetting what was sent at each scrape sent it every arrival meanwhile."""
+        count = scrape.highest(SAMPLES, run_id=self.run_id)
+        kept = [(request, mark) for request, mark in zip(self.sent, self.sent_marks, strict=True)
+                if count is not None and count <= mark]
+        self.scrape = scrape
+        self.sent = [request for request, _ in kept]
+        self.sent_marks = [mark for _, mark in kept]
+
+    def send(self, request: FleetRequest) -> None:
+        count = self.highest(SAMPLES)
+        self.sent.append(request)
+        self.sent_marks.append(-1.0 if count is None else count)
 
     def lowest(self, name: str, **labels: str) -> float | None:
         return None if self.scrape is None else self.scrape.lowest(name, run_id=self.run_id, **labels)
