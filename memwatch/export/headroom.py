@@ -10,6 +10,14 @@ last drained sample. Definitions (``B`` block size in tokens, ``T`` KV blocks in
     ``(T − U) × B``: tokens that can be allocated now without preempting anyone.
 ``memwatch_kv_committed_usage_ratio``
     ``(U + N) / T``, clamped to 0–1: the KV usage a router reads today, plus what is already promised.
+``memwatch_kv_expected_usage_ratio``
+    ``(U + ceil(N × r)) / T``, clamped to 0–1: committed usage as the engine's own finished requests say it
+    will be, ``r`` being ``memwatch_expected_output_share``. Not exported until the data supports it.
+``memwatch_expected_output_share``
+    ``r``: the ``--output-quantile`` (0.9 by default) of the share of ``max_tokens`` the engine's last 1,000
+    finished requests generated (:mod:`.output_lengths`; at least 20 finished). ``N × r`` is at least what
+    the running requests need to reach that share of their ``max_tokens``, so the risk stated is the
+    quantile's: one request in ten (at 0.9) runs further than assumed.
 ``memwatch_admissible_requests{shape="P:O"}``
     the smaller of the KV limit ``floor((T − U − N) / ceil((P + O) / B)) − W`` (blocks neither used nor
     promised, less the queue ahead, each waiting request counted as one of this shape because the ring
@@ -54,6 +62,7 @@ from memwatch_engine.ring_format import RECORD_SIZE, sample_load
 
 from ..errors import UsageError
 from ..records import Sample
+from .output_lengths import DEFAULT_QUANTILE, OutputLengths
 
 if TYPE_CHECKING:
     from .latest_sample import LatestSample
@@ -71,10 +80,20 @@ _MAX_TOKENS = 1 << 24
 
 @dataclass(frozen=True)
 class HeadroomConfig:
-    """The shapes ``admissible_requests`` is exported for, and when a signal is stale."""
+    """The shapes ``admissible_requests`` is exported for, when a signal is stale, and the quantile of the
+    finished requests' output share the expected commitment assumes."""
 
     shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES
     stale_after: float = DEFAULT_STALE_AFTER_S
+    output_quantile: float = DEFAULT_QUANTILE
+
+
+def parse_quantile(value: float) -> float:
+    """``--output-quantile``: above 0, at most 1 (1: the longest share seen)."""
+    if not 0 < value <= 1:
+        raise UsageError(f"--output-quantile {value} is not above 0 and at most 1; give e.g. 0.9 (one finished "
+                         "request in ten ran further than the expected commitment assumes)")
+    return value
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -115,6 +134,7 @@ class RankInputs:
     reports: bool | None = None
     """Whether this rank's samples carry a KV view or a load (``None``: none drained yet), so a scrape reads only
     whether a rank that never does still writes."""
+    outputs: OutputLengths = field(default_factory=OutputLengths, repr=False)
     arrived: int = 0
     finished: int = 0
     """Requests the engine recorded reaching it and finishing (rank 0's ``request_arrived``/``request_finished``):
@@ -126,8 +146,10 @@ class RankInputs:
         requests that arrived and finished."""
         if kind == "request_arrived":
             self.arrived += 1
+            self.outputs.take_event(kind, data)
         elif kind == "request_finished":
             self.finished += 1
+            self.outputs.take_event(kind, data)
         if not isinstance(data, dict) or kind not in ("kv_allocated", "config"):
             return
         size, batched = data.get("block_size"), data.get("max_num_batched_tokens")
@@ -209,6 +231,8 @@ class EngineHeadroom:
     labels: dict[str, Any]
     kv_free_tokens: int | None
     committed_usage_ratio: float | None
+    expected_usage_ratio: float | None
+    expected_output_share: float | None
     admissible: dict[str, int]
     max_safe_prefill_tokens: int | None
     requests_waiting: int | None
@@ -229,7 +253,9 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
     if not sizes:
         tight = None
     safe = _max_safe_prefill(ranks)
-    free_tokens = ratio = None
+    shares = [share for s in ranks if (share := s.inputs.outputs.share(config.output_quantile)) is not None]
+    share = max(shares) if shares else None  # rank 0 records the requests; the most cautious of any that do
+    free_tokens = ratio = expected = None
     admissible: dict[str, int] = {}
     if tight is not None:
         total, used, size = tight.kv_total, tight.kv_used, sizes[0]
@@ -237,6 +263,8 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
         needed, waiting = tight.needed, tight.waiting
         if needed is not None and waiting is not None:
             ratio = min(max((used + needed) / total, 0.0), 1.0)  # type: ignore[operator]
+            if share is not None:
+                expected = min(max((used + math.ceil(needed * share)) / total, 0.0), 1.0)  # type: ignore[operator]
             spare = max(total - used - needed, 0)  # type: ignore[operator]
             for prompt, output in config.shapes:
                 fit = spare // math.ceil((prompt + output) / size) - waiting  # type: ignore[operator]
@@ -249,7 +277,8 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
     idle = tight is not None and (all_finished or (tight.running == 0 and tight.waiting == 0))
     valid = (age is not None and (age <= config.stale_after or idle) and ratio is not None
              and all(s.ended_at is None for s in ranks))
-    return EngineHeadroom(labels, free_tokens, ratio, admissible, safe, None if load is None else load.waiting,
+    return EngineHeadroom(labels, free_tokens, ratio, expected, None if expected is None else share, admissible,
+                          safe, None if load is None else load.waiting,
                           None if load is None else load.running, valid, age)
 
 
@@ -287,6 +316,8 @@ def engine_headroom(ranks: Iterable[RankSeries], config: HeadroomConfig,
 HELP = {
     "memwatch_kv_free_tokens": "KV tokens that can be allocated now without preempting anyone (tightest rank)",
     "memwatch_kv_committed_usage_ratio": "KV blocks in use plus those running requests still need, over the total",
+    "memwatch_kv_expected_usage_ratio": "Committed KV usage with running requests reaching the expected output share",
+    "memwatch_expected_output_share": "The --output-quantile of finished requests' output tokens over max_tokens",
     "memwatch_admissible_requests": "More requests of this prompt:output shape that fit now (KV and activation)",
     "memwatch_max_safe_prefill_tokens": "Largest forward (tokens) whose activation fits what is free now (tightest)",
     "memwatch_requests_waiting": "Requests queued in the engine's scheduler after its last step",
@@ -304,6 +335,8 @@ def render_headroom(engines: list[EngineHeadroom], labels_of: Callable[[dict[str
     columns: list[tuple[str, Callable[[EngineHeadroom], float | int | None]]] = [
         ("memwatch_kv_free_tokens", lambda e: e.kv_free_tokens),
         ("memwatch_kv_committed_usage_ratio", lambda e: e.committed_usage_ratio),
+        ("memwatch_kv_expected_usage_ratio", lambda e: e.expected_usage_ratio),
+        ("memwatch_expected_output_share", lambda e: e.expected_output_share),
         ("memwatch_max_safe_prefill_tokens", lambda e: e.max_safe_prefill_tokens),
         ("memwatch_requests_waiting", lambda e: e.requests_waiting),
         ("memwatch_requests_running", lambda e: e.requests_running),

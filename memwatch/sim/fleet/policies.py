@@ -33,6 +33,7 @@ Ties go to a draw from the run's seeded generator, so the same seed gives the sa
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -52,9 +53,11 @@ WAITING = "memwatch_requests_waiting"
 VALID = "memwatch_signal_valid"
 SAFE_PREFILL = "memwatch_max_safe_prefill_tokens"
 COMMITTED = "memwatch_kv_committed_usage_ratio"
+EXPECTED = "memwatch_kv_expected_usage_ratio"
+SHARE = "memwatch_expected_output_share"
 FREE_TOKENS = "memwatch_kv_free_tokens"
 SAMPLES = "memwatch_samples_total"
-READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, SAFE_PREFILL, COMMITTED, FREE_TOKENS, SAMPLES})
+READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, SAFE_PREFILL, COMMITTED, EXPECTED, SHARE, FREE_TOKENS, SAMPLES})
 """Every metric family a policy reads (and the sample count that shows how far the sidecar has drained)."""
 
 
@@ -172,37 +175,52 @@ class MemwatchHeadroom:
             safe = view.lowest(SAFE_PREFILL)
             if safe is not None and safe < request.prompt_tokens + sum(r.prompt_tokens for r in view.sent):
                 continue
-            committed = view.highest(COMMITTED)
-            committed = 1.0 if committed is None else committed + _sent_share(view)
+            committed, share = commitment(view)
+            committed = 1.0 if committed is None else committed + _sent_share(view, share)
             ranked.append((committed, -(safe or 0.0), self._rng.random(), view.index))
         return min(ranked)[-1] if ranked else None
+
+
+def commitment(view: EngineView) -> tuple[float | None, float]:
+    """The engine's committed KV usage and the share of ``max_tokens`` its requests are expected to reach: the
+    expected usage and share where the sidecar exports them (its finished requests support an estimate), else
+    the worst case, every request to its ``max_tokens``."""
+    expected, share = view.highest(EXPECTED), view.highest(SHARE)
+    if expected is not None and share is not None:
+        return expected, share
+    return view.highest(COMMITTED), 1.0
+
+
+def tokens_of(request: FleetRequest, share: float) -> float:
+    """The KV tokens a request is expected to hold at its end: its prompt and that share of its outputs."""
+    return request.prompt_tokens + math.ceil(share * request.output_tokens)
 
 
 def fits_kv(view: EngineView, request: FleetRequest) -> bool:
     """The check ``memwatch_admissible_requests`` makes, on the request's own size: its tokens, once for itself
     and once for each request waiting ahead of it (counted as its size: the gauges carry no per-request
-    sizes), plus the tokens of those sent since the scrape, fit in the tokens neither used nor promised. The
-    cache's tokens are free tokens over the free fraction of blocks; an engine whose gauges cannot tell is not
-    refused."""
-    free_tokens, usage, committed = view.lowest(FREE_TOKENS), view.kv_usage(), view.highest(COMMITTED)
+    sizes), plus the tokens of those sent and not yet shown, fit in the tokens neither used nor promised (with
+    the expected commitment and output share where exported). The cache's tokens are free tokens over the free
+    fraction of blocks; an engine whose gauges cannot tell is not refused."""
+    (committed, share), free_tokens, usage = commitment(view), view.lowest(FREE_TOKENS), view.kv_usage()
     if free_tokens is None or usage is None or committed is None:
         return True
     if usage >= 1.0:
         return False
     unpromised = free_tokens / (1.0 - usage) * (1.0 - committed)
     ahead = (view.highest(WAITING) or 0) + 1
-    sent = sum(r.prompt_tokens + r.output_tokens for r in view.sent)
-    return ahead * (request.prompt_tokens + request.output_tokens) + sent <= unpromised
+    sent = sum(tokens_of(r, share) for r in view.sent)
+    return ahead * tokens_of(request, share) + sent <= unpromised
 
 
-def _sent_share(view: EngineView) -> float:
-    """The KV share the requests sent since the scrape will commit: their tokens over the cache's tokens
-    (free tokens over the free fraction of blocks; 0 when that cannot be told)."""
+def _sent_share(view: EngineView, share: float = 1.0) -> float:
+    """The KV share the requests sent and not yet shown will commit: their tokens over the cache's tokens (free
+    tokens over the free fraction of blocks; 0 when that cannot be told)."""
     free_tokens, usage = view.lowest(FREE_TOKENS), view.kv_usage()
     if not view.sent or free_tokens is None or usage is None or usage >= 1.0 or free_tokens <= 0:
         return 0.0
     total_tokens = free_tokens / (1.0 - usage)
-    return sum(r.prompt_tokens + r.output_tokens for r in view.sent) / total_tokens
+    return sum(tokens_of(r, share) for r in view.sent) / total_tokens
 
 
 POLICIES = ("round-robin", "kv-usage", "kv-usage-queue", "memwatch")
