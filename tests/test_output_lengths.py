@@ -30,6 +30,7 @@ def test_the_quantile_is_the_nearest_rank_of_the_shares() -> None:
     # Shares 0.05, 0.10, ..., 1.00: the 0.9 quantile is the 18th of 20 (ceil(0.9 x 20)), 0.90; the median the
     # 10th, 0.50; quantile 1 the longest.
     assert (lengths.share(0.9), lengths.share(0.5), lengths.share(1.0)) == (0.90, 0.50, 1.0)
+    assert lengths.share(0.01) == 0.05  # ceil(0.2) = rank 1: the shortest
     assert lengths.finished == 20
 
 
@@ -38,10 +39,16 @@ def test_what_it_cannot_use_costs_nothing_and_memory_is_bounded() -> None:
     lengths.take_event("request_finished", {"request_id": 1, "output_tokens": 5})  # never arrived
     lengths.take_event("request_arrived", {"request_id": 2, "prompt_tokens": 3})  # no max_tokens
     lengths.take_event("request_finished", {"request_id": 2, "output_tokens": 5})
-    for bad in ([1], None, {"request_id": True, "max_tokens": 5}, {"request_id": "x" * 300, "max_tokens": 5},
-                {"request_id": 3, "max_tokens": 0}, {"request_id": 4, "max_tokens": "9"}):
+    for bad in ([1], None, {"request_id": True, "max_tokens": 5}, {"request_id": "x" * 257, "max_tokens": 5},
+                {"request_id": [1], "max_tokens": 5}, {"request_id": 3, "max_tokens": 0},
+                {"request_id": 4, "max_tokens": "9"}):
         lengths.take_event("request_arrived", bad)
-    assert lengths.finished == 0
+    assert lengths.finished == 0 and len(lengths._open) == 0
+    # The edges that are kept: an id of 256 characters, max_tokens 1, a request that generated nothing.
+    finish(lengths, "y" * 256, 1, 1)
+    finish(lengths, 6, 4, 0)
+    assert list(lengths._shares) == [1.0, 0.0]
+    lengths = OutputLengths()
     finish(lengths, 5, 10, 50)  # more than max_tokens (an engine that stops late): a share of 1, never more
     assert list(lengths._shares) == [1.0]
     for i in range(MAX_OPEN + 10):  # requests that never end: only the newest MAX_OPEN are remembered
