@@ -163,6 +163,11 @@ def test_memwatch_filters_on_kv_and_safe_prefill_then_scores_committed_usage() -
     views[1] = view(1, exposition("r1", used=10, committed=0.50, free_tokens=9000, safe=3400))
     views[1].sent = [request(3000, 800)]
     assert policy.choose(request(500, 100), views[1:2]) is None
+    # Two requests waiting at the engine may be prefilled with it too, each counted as its size: with a safe
+    # prefill of 3,000, a 1,000-token prompt fits (3 x 1,000), a 1,001-token one does not.
+    queued = view(2, exposition("r2", used=10, committed=0.10, free_tokens=9000, safe=3000, waiting=2))
+    assert policy.choose(request(1000, 10), [queued]) == 2
+    assert policy.choose(request(1001, 10), [queued]) is None
 
 
 def test_memwatch_checks_each_request_on_its_own_size() -> None:

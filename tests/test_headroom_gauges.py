@@ -101,13 +101,13 @@ def test_each_gauge_is_the_value_worked_out_by_hand(runtime_dir: Path, db_path: 
         # Activation: the prefill of 4,096 tokens rose 1 GiB above what stayed allocated: 256 KiB a token.
         # The room a forward has now: free 2 GiB + wholly free cache (reserved 21 - active 20 - pinned 0 = 1 GiB)
         # = 3 GiB. (The ledger's OOM margin is that less the next forward's need, the 2 GiB reserve: 1 GiB; the
-        # prefill is that forward, so its need is counted once.) 3 GiB / 256 KiB = 12,288 tokens.
-        assert gauges["memwatch_max_safe_prefill_tokens"] == 3 * GiB // (GiB // 4096) == 12288
+        # prefill is that forward, so its need is counted once.) Three quarters of it, 2.25 GiB / 256 KiB = 9,216.
+        assert gauges["memwatch_max_safe_prefill_tokens"] == 3 * GiB * 3 // 4 // (GiB // 4096) == 9216
         # Admissible, KV limit: (1000 - 200 - 100) = 700 spare blocks // blocks of the shape, less the 2 waiting;
-        # activation limit: 12,288 // prompt.
-        assert gauges["memwatch_admissible_requests{512:256}"] == min(700 // 48 - 2, 12288 // 512) == 12
-        assert gauges["memwatch_admissible_requests{2048:512}"] == min(700 // 160 - 2, 12288 // 2048) == 2
-        assert gauges["memwatch_admissible_requests{8192:1024}"] == max(min(700 // 576 - 2, 12288 // 8192), 0) == 0
+        # activation limit: 9,216 // prompt.
+        assert gauges["memwatch_admissible_requests{512:256}"] == min(700 // 48 - 2, 9216 // 512) == 12
+        assert gauges["memwatch_admissible_requests{2048:512}"] == min(700 // 160 - 2, 9216 // 2048) == 2
+        assert gauges["memwatch_admissible_requests{8192:1024}"] == max(min(700 // 576 - 2, 9216 // 8192), 0) == 0
         assert gauges["memwatch_signal_valid"] == 1 and 0 <= gauges["memwatch_signal_age_seconds"] < 2
 
         # A step the sidecar has not drained yet is what the next scrape shows (read from the ring's newest slot).
@@ -116,8 +116,8 @@ def test_each_gauge_is_the_value_worked_out_by_hand(runtime_dir: Path, db_path: 
         gauges = _gauges(_scrape(port), "hand")
         assert gauges["memwatch_kv_free_tokens"] == (1000 - 216) * 16
         assert gauges["memwatch_kv_committed_usage_ratio"] == (216 + 99) / 1000
-        assert gauges["memwatch_admissible_requests{2048:512}"] == min((1000 - 216 - 99) // 160 - 1, 6) == 3
-        assert gauges["memwatch_admissible_requests{512:256}"] == min(685 // 48 - 1, 24) == 13
+        assert gauges["memwatch_admissible_requests{2048:512}"] == min((1000 - 216 - 99) // 160 - 1, 4) == 3
+        assert gauges["memwatch_admissible_requests{512:256}"] == min(685 // 48 - 1, 18) == 13
         assert gauges["memwatch_requests_waiting"] == 1
         _promtool_passes_the_headroom(_scrape(port))
         engine.close()

@@ -24,12 +24,12 @@ last drained sample. Definitions (``B`` block size in tokens, ``T`` KV blocks in
     carries no per-request sizes) and the activation limit ``floor(max_safe_prefill / P)``; at least 0.
     Without a measured activation per token the KV limit alone.
 ``memwatch_max_safe_prefill_tokens``
-    ``floor(max(oom_margin_bytes + forward_need_bytes, 0) / a)``: the largest forward, in tokens, whose
-    activation fits in the room a forward has now (:mod:`memwatch.ledger`: the driver's free memory plus
-    wholly free cached segments; the OOM margin is that room after the next worst-case forward, so the
-    forward's need is added back and counted once: the prefill *is* that forward). A router admits a
-    prompt while it, and the prompts already sent or queued that the engine may batch with it, stay within
-    this. ``a`` is the activation
+    ``floor(max(0.75 × (oom_margin_bytes + forward_need_bytes), 0) / a)``: the largest forward, in tokens,
+    whose activation fits in three quarters (:data:`PREFILL_ROOM_SHARE`) of the room a forward has now
+    (:mod:`memwatch.ledger`: the driver's free memory plus wholly free cached segments; the OOM margin is that
+    room after the next worst-case forward, so the forward's need is added back and counted once: the prefill
+    *is* that forward). A router admits a prompt while it, and the prompts already sent or queued that the
+    engine may batch with it, stay within this. ``a`` is the activation
     per token of the run's largest prefill (its own peak above what stayed allocated, over its tokens; a
     larger prefill amortises fixed per-step buffers that a small one would overstate); before the first
     prefill, the warmup forward's: the ledger's ``activation_reserve_bytes`` over the config's
@@ -74,6 +74,12 @@ engine keep the scrape small."""
 DEFAULT_STALE_AFTER_S = 1.5
 """No write from a rank for this long makes the signal invalid: 30 scrapes of the llm-d router (every 50 ms), and
 half a second to spare for the scrape that sees it, so a stopped engine reads invalid within 2 s of its last step."""
+PREFILL_ROOM_SHARE = 0.75
+"""The share of the room free for a forward that the safe prefill may fill. A prefill's activation is estimated
+per token from one measured prefill; what that cannot see (the allocator reserving whole segments for each
+tensor size, per-sequence buffers, a longer prompt's larger tensors) made the simulator's engines run out of
+memory with the whole room counted, and with 90 % of it, on a noisy-neighbour trace (2 of 3 seeds); 75 % ran
+none out on every trace of the fleet bench."""
 _MAX_TOKENS = 1 << 24
 """Prompt and output lengths a shape may have (16 M tokens)."""
 
@@ -290,7 +296,8 @@ def _max_safe_prefill(ranks: list[RankSeries]) -> int | None:
     if not known:
         return None
     worst = max(known)  # TP ranks run the same forward: a rank without its own measure takes the largest
-    tokens = [int(max(s.terms.oom_margin_bytes + s.terms.forward_need_bytes, 0) // (a if a is not None else worst))
+    tokens = [int(max(PREFILL_ROOM_SHARE * (s.terms.oom_margin_bytes + s.terms.forward_need_bytes), 0)
+                  // (a if a is not None else worst))
               for s, a in zip(ranks, per_token, strict=True)
               if s.terms is not None and s.terms.oom_margin_bytes is not None
               and s.terms.forward_need_bytes is not None]

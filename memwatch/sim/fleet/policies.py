@@ -18,11 +18,12 @@ their signals say.
   thresholds. The fair baseline for a policy that itself holds requests back.
 * ``memwatch``: among engines whose signal is valid, those that can take the request now: its KV check
   (:func:`fits_kv`: the request's own tokens, once for itself and once per request waiting ahead of it,
-  plus the tokens sent since the scrape, within the tokens neither used nor promised, from
-  ``memwatch_kv_free_tokens`` and ``memwatch_kv_committed_usage_ratio``) and its activation check
-  (``memwatch_max_safe_prefill_tokens`` covers its prompt plus the prompts sent since the scrape, which the
-  engine may prefill in the same forward). The lowest committed KV usage wins (plus the share the requests
-  sent since the scrape will take), the larger safe prefill breaking ties. When none can, the request waits
+  plus the tokens sent and not yet shown, within the tokens neither used nor promised, from
+  ``memwatch_kv_free_tokens`` and the expected or committed usage: :func:`commitment`) and its activation check
+  (``memwatch_max_safe_prefill_tokens`` covers its prompt, once for itself and once per request waiting
+  ahead of it, plus the prompts sent and not yet shown: the engine may prefill them in the same forward).
+  The lowest expected KV usage wins (plus the share the requests sent and not yet shown will take), the
+  larger safe prefill breaking ties. When none can, the request waits
   at the router for a later scrape (admission control instead of preemption or an OOM); when no engine has
   a valid signal it routes as ``kv-usage`` does. A router that knows each request's size makes the check of
   ``memwatch_admissible_requests`` on that size itself; the gauge, for a few fixed shapes, serves routers
@@ -173,7 +174,8 @@ class MemwatchHeadroom:
             if not fits_kv(view, request):
                 continue
             safe = view.lowest(SAFE_PREFILL)
-            if safe is not None and safe < request.prompt_tokens + sum(r.prompt_tokens for r in view.sent):
+            ahead = (view.highest(WAITING) or 0) + 1
+            if safe is not None and safe < ahead * request.prompt_tokens + sum(r.prompt_tokens for r in view.sent):
                 continue
             committed, share = commitment(view)
             committed = 1.0 if committed is None else committed + _sent_share(view, share)
