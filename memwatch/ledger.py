@@ -108,6 +108,10 @@ class LedgerTerms(NamedTuple):
     torch_kept_bytes: int | None = None
     """Other long-lived PyTorch memory now: what stays allocated after this step beyond weights and KV
     (``allocated − weights − KV``; a sample is read between steps). Rises with tensors kept across steps."""
+    forward_need_bytes: int | None = None
+    """The activation the next worst-case forward needs, which ``oom_margin_bytes`` already subtracted: the
+    larger of the activation reserve and the largest rise a serving step has shown. ``margin + need`` is the
+    room a forward has now."""
 
 
 KNOWN_BUDGET_RULES = (None, "nano-vllm", *sglang_rule.RULES)
@@ -373,7 +377,7 @@ class Ledger:
         long_lived = self._long_lived
         if long_lived is None:
             return LedgerTerms(self._budget, non_torch, slack, self._weights, self._torch_other, self._kv,
-                               reserve, None, None, None, None, margin, reclaimable, pinned)
+                               reserve, None, None, None, None, margin, reclaimable, pinned, None, need)
         if allocated is None:
             activation_now = kept = None
         else:
@@ -388,4 +392,4 @@ class Ledger:
                 residual = headroom - self._headroom_at_sizing
         return LedgerTerms(self._budget, non_torch, slack, self._weights, self._torch_other, self._kv,
                            reserve, activation_now, step_activation, headroom, residual, margin, reclaimable,
-                           pinned, kept)
+                           pinned, kept, need)

@@ -8,8 +8,16 @@ import pytest
 
 from memwatch.errors import UsageError
 from memwatch.sim.fleet.engine import FleetRequest
-from memwatch.sim.fleet.policies import EngineView, KvUsage, MemwatchHeadroom, RoundRobin, make_policy
-from memwatch.sim.fleet.results import percentile, render_table, summarize
+from memwatch.sim.fleet.policies import (
+    POLICIES,
+    EngineView,
+    KvUsage,
+    KvUsageQueue,
+    MemwatchHeadroom,
+    RoundRobin,
+    make_policy,
+)
+from memwatch.sim.fleet.results import PolicyResult, percentile, render_table, summarize, versus_best
 from memwatch.sim.fleet.scrape import keep_families, parse
 from memwatch.sim.fleet.traces import from_text, parse_shape
 
@@ -55,6 +63,27 @@ def test_the_parser_reads_each_rank_and_the_view_takes_the_tightest() -> None:
     assert engine.highest("memwatch_kv_blocks_used") == 41.0  # another run's series is not this engine's
 
 
+def test_a_request_sent_counts_until_a_scrape_shows_a_sample_written_after_it() -> None:
+    # The engine had written 7 samples when the router sent two requests; a long prefill step writes nothing
+    # for the next scrapes, so they still count as sent there. The first sample after them (8) shows them.
+    def scraped(samples: int) -> object:
+        return parse(exposition("r0", used=10) + f'memwatch_samples_total{{run_id="r0",rank="0"}} {samples}\n')
+
+    engine = EngineView(0, "r0", parse(exposition("r0", used=10)
+                                       + 'memwatch_samples_total{run_id="r0",rank="0"} 7\n'))
+    engine.send(request(rid=1))
+    engine.send(request(rid=2))
+    engine.rescraped(scraped(7))  # type: ignore[arg-type]
+    assert [r.request_id for r in engine.sent] == [1, 2]
+    engine.send(request(rid=3))
+    engine.rescraped(scraped(8))  # type: ignore[arg-type]
+    assert engine.sent == [] and engine.sent_marks == []
+    # A scrape without the count (an older sidecar) cannot show them: nothing is kept past it either way.
+    engine.send(request(rid=4))
+    engine.rescraped(parse(exposition("r0", used=10)))
+    assert engine.sent == []
+
+
 def test_round_robin_takes_turns_and_skips_an_engine_that_is_down() -> None:
     policy = RoundRobin(random.Random(0))
     views = [view(i, exposition(f"r{i}", used=0)) for i in range(3)]
@@ -79,26 +108,93 @@ def test_kv_usage_with_every_engine_saturated_still_routes_to_the_least_used() -
     assert KvUsage(random.Random(0)).choose(request(), views) == 1
 
 
-def test_memwatch_filters_on_admissible_and_safe_prefill_then_scores_committed_usage() -> None:
-    policy = MemwatchHeadroom(random.Random(0), shapes=((1024, 256), (4096, 1024)))
+def test_kv_usage_queue_holds_the_request_at_the_router_only_when_every_engine_is_saturated() -> None:
+    # Usage 0.95 and 0.82: both at or over 0.8, so the request waits at the router (None) where kv-usage sends it.
+    views = [view(0, exposition("r0", used=95)), view(1, exposition("r1", used=82))]
+    assert KvUsageQueue(random.Random(0)).choose(request(), views) is None
+    assert make_policy("kv-usage-queue", random.Random(0)).choose(request(), views) is None
+    # One engine under both thresholds (0.79, 4 waiting): it takes the request as kv-usage would.
+    views.append(view(2, exposition("r2", used=79, waiting=4)))
+    assert KvUsageQueue(random.Random(0)).choose(request(), views) == 2
+    # The request the router sent there since the scrape makes its queue 5: saturated too, so held again.
+    views[2].sent = [request()]
+    assert KvUsageQueue(random.Random(0)).choose(request(), views) is None
+    assert KvUsageQueue(random.Random(0)).choose(request(), []) is None
+
+
+def test_each_policy_is_judged_against_the_best_baseline_on_each_measure() -> None:
+    # Baselines: kv-usage 100 tokens/s with p99 queue 4 s, kv-usage-queue 80 tokens/s with p99 2 s. The best
+    # baseline's tokens/s is 100 and its p99 2 s, from two different policies: memwatch's 98 tokens/s and
+    # 2.4 s read 0.98 and 1.2.
+    rows = [PolicyResult(policy=policy, trace="t", engines=2, seed=1, requests=10, completed=10, ooms=0,
+                         preemptions=0, p50_queue_s=0.1, p99_queue_s=p99, tokens_per_s=rate, lost=0, rejected=0,
+                         simulated_s=10.0)
+            for policy, rate, p99 in (("kv-usage", 100.0, 4.0), ("kv-usage-queue", 80.0, 2.0), ("memwatch", 98.0, 2.4))]
+    ratios = versus_best(rows, ("round-robin", "kv-usage", "kv-usage-queue"))
+    assert ratios["memwatch"] == {"tokens_per_s_ratio": 0.98, "p99_queue_ratio": 1.2}
+    assert ratios["kv-usage"] == {"tokens_per_s_ratio": 1.0, "p99_queue_ratio": 2.0}
+    table = render_table(rows, ("round-robin", "kv-usage", "kv-usage-queue"))
+    assert "tokens/s ÷ best" in table and "best of kv-usage, kv-usage-queue on each measure" in table
+    assert "0.98" in table.splitlines()[4] and "1.20" in table.splitlines()[4]
+    # No baseline ran: no ratio column, and ratios cannot be formed.
+    assert "÷" not in render_table(rows[2:], ("kv-usage",))
+    assert versus_best(rows[2:], ("kv-usage",))["memwatch"] == {"tokens_per_s_ratio": None, "p99_queue_ratio": None}
+
+
+def test_memwatch_filters_on_kv_and_safe_prefill_then_scores_committed_usage() -> None:
+    # Each engine: 100 blocks, 10 used, 9,000 free tokens: 10,000 tokens in all.
+    policy = MemwatchHeadroom(random.Random(0))
     views = [
-        view(0, exposition("r0", used=10, committed=0.20, admissible={"1024:256": 0, "4096:1024": 0}, safe=9000)),
-        view(1, exposition("r1", used=10, committed=0.50, admissible={"1024:256": 3, "4096:1024": 1}, safe=9000)),
-        view(2, exposition("r2", used=10, committed=0.40, admissible={"1024:256": 3, "4096:1024": 1}, safe=2000)),
+        # committed 0.95: 500 tokens neither used nor promised
+        view(0, exposition("r0", used=10, committed=0.95, free_tokens=9000, safe=9000)),
+        view(1, exposition("r1", used=10, committed=0.50, free_tokens=9000, safe=9000)),  # 5,000 tokens
+        view(2, exposition("r2", used=10, committed=0.40, free_tokens=9000, safe=2000)),  # 6,000 tokens
     ]
-    # 500:100 is shape 1024:256: engine 0 admits none; engine 2 has the lower committed usage.
+    # 500 + 100 tokens: over engine 0's 500; engine 2 has the lower committed usage.
     assert policy.choose(request(500, 100), views) == 2
-    # 3000:800 is shape 4096:1024; engine 2's safe prefill (2,000) is below the prompt: engine 1.
+    # A 3,000-token prompt: engine 2's safe prefill (2,000) is below it: engine 1.
     assert policy.choose(request(3000, 800), views) == 1
-    # Engine 1 was sent one since the scrape: its one admissible 4096:1024 is taken, so the next waits.
+    # Sent to engine 1 since the scrape: 3,800 tokens, so 3,800 + 3,800 > 5,000 and the next waits.
     views[1].sent = [request(3000, 800)]
     assert policy.choose(request(3000, 800), views) is None
+    # A small request still fits engine 1's KV (3,800 + 600 <= 5,000), but its prompt and the 3,000 sent
+    # may be prefilled in one forward: 3,500 <= 9,000, admitted; with a safe prefill of 3,400 it waits.
+    assert policy.choose(request(500, 100), views[1:2]) == 1
+    views[1] = view(1, exposition("r1", used=10, committed=0.50, free_tokens=9000, safe=3400))
+    views[1].sent = [request(3000, 800)]
+    assert policy.choose(request(500, 100), views[1:2]) is None
+    # Two requests waiting at the engine may be prefilled with it too, each counted as its size: with a safe
+    # prefill of 3,000, a 1,000-token prompt fits (3 x 1,000), a 1,001-token one does not.
+    queued = view(2, exposition("r2", used=10, committed=0.10, free_tokens=9000, safe=3000, waiting=2))
+    assert policy.choose(request(1000, 10), [queued]) == 2
+    assert policy.choose(request(1001, 10), [queued]) is None
+
+
+def test_memwatch_checks_each_request_on_its_own_size() -> None:
+    # Both engines: 100 blocks, 50 used, 25,600 free tokens, so 51,200 tokens in all. Engine 0: committed 0.30,
+    # so 35,840 tokens neither used nor promised, but 5 waiting ahead: 6 x 6,000 = 36,000 > 35,840, refused.
+    # Engine 1: committed 0.50, 25,600 tokens, nobody waiting: 6,000 fits, though its committed usage is higher.
+    # The admissible gauge for a large shape says 9 on both: the policy checks the request's own size instead.
+    policy = MemwatchHeadroom(random.Random(0))
+    views = [view(0, exposition("r0", used=50, committed=0.30, waiting=5, admissible={"8192:2048": 9},
+                                free_tokens=25_600)),
+             view(1, exposition("r1", used=50, committed=0.50, admissible={"8192:2048": 9}, free_tokens=25_600))]
+    assert policy.choose(request(5000, 1000), views) == 1
+    # Three sent to engine 1 since the scrape: 18,000 + 6,000 = 24,000 <= 25,600 still fits; a fourth does not.
+    views[1].sent = [request(5000, 1000)] * 3
+    assert policy.choose(request(5000, 1000), views) == 1
+    views[1].sent.append(request(5000, 1000))
+    assert policy.choose(request(5000, 1000), views) is None
+    # A full cache admits nothing; gauges that cannot tell (no free tokens exported) refuse nobody.
+    full = view(2, exposition("r2", used=100, committed=1.0, free_tokens=0))
+    assert policy.choose(request(5000, 1000), [full]) is None
+    assert policy.choose(request(5000, 1000), [view(3, exposition("r3", used=50, committed=0.9))]) == 3
 
 
 def test_memwatch_without_a_valid_signal_routes_as_kv_usage() -> None:
-    policy = MemwatchHeadroom(random.Random(0), shapes=((1024, 256),))
-    views = [view(0, exposition("r0", used=50, valid=0, committed=0.0, admissible={"1024:256": 9})),
-             view(1, exposition("r1", used=20, valid=0, committed=0.9, admissible={"1024:256": 0}))]
+    policy = MemwatchHeadroom(random.Random(0))
+    views = [view(0, exposition("r0", used=50, valid=0, committed=0.0, free_tokens=9999)),
+             view(1, exposition("r1", used=20, valid=0, committed=0.9, free_tokens=0))]
     assert policy.choose(request(), views) == 1
 
 
@@ -106,8 +202,8 @@ def test_memwatch_counts_what_it_sent_against_committed_usage() -> None:
     # Both engines: 100 blocks, 50 used, 25,600 free tokens, so 51,200 tokens in all. Engine 0 is at 0.60
     # committed, engine 1 at 0.62; after one 5,000 + 1,000 token request sent to engine 0 it stands at
     # 0.60 + 6,000 / 51,200 = 0.717, so the next goes to engine 1.
-    policy = MemwatchHeadroom(random.Random(0), shapes=((8192, 1024),))
-    views = [view(i, exposition(f"r{i}", used=50, committed=c, admissible={"8192:1024": 5}, free_tokens=25_600))
+    policy = MemwatchHeadroom(random.Random(0))
+    views = [view(i, exposition(f"r{i}", used=50, committed=c, free_tokens=25_600))
              for i, c in enumerate((0.60, 0.62))]
     assert policy.choose(request(5000, 1000), views) == 0
     views[0].sent = [request(5000, 1000)]
@@ -121,10 +217,7 @@ def test_shapes_and_policy_names() -> None:
             parse_shape(bad, "here")
     with pytest.raises(UsageError, match="unknown router policy 'least-load'"):
         make_policy("least-load", random.Random(0))
-    policy = MemwatchHeadroom(random.Random(0), shapes=((4096, 1024), (1024, 256)))
-    assert policy.shape_of(request(1024, 256)) == "1024:256"
-    assert policy.shape_of(request(1025, 10)) == "4096:1024"
-    assert policy.shape_of(request(5000, 10)) is None
+    assert [make_policy(name, random.Random(0)).name for name in POLICIES] == list(POLICIES)
 
 
 def test_a_trace_file_with_a_fleet_table() -> None:

@@ -7,6 +7,7 @@ Sizes: the readiness test drives one engine with 6 requests; the small trace her
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -130,3 +131,25 @@ def test_the_command_prints_json_per_policy_and_refuses_half_an_invocation(small
         done = subprocess.run([sys.executable, "-m", "memwatch", "sim", *args], capture_output=True, text=True,
                               timeout=60)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+
+
+def test_the_fleet_ignores_the_callers_sidecar_settings(small_trace: Path, tmp_path: Path) -> None:
+    """A user whose shell sets ``MEMWATCH_STATE_DIR`` (and other settings of their own sidecar) can still run a
+    fleet: each fleet sidecar has its own state directory and lock, so two of them never share one."""
+    state = tmp_path / "my-sidecar-state"
+    state.mkdir(mode=0o700)
+    env = {**os.environ, "MEMWATCH_STATE_DIR": str(state), "MEMWATCH_HEALTH": "127.0.0.1:1",
+           "MEMWATCH_TRUST_UIDS": "0"}
+    done = subprocess.run([sys.executable, "-m", "memwatch", "sim", "--fleet", "2", "--trace", str(small_trace),
+                           "--router", "all", "--json"], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr
+    policies = json.loads(done.stdout)["policies"]
+    assert list(policies) == ["round-robin", "kv-usage", "kv-usage-queue", "memwatch"]
+    assert all(row["completed"] == 24 for row in policies.values())
+    # Each policy against the best baseline: the best baseline's own ratio is 1 on that measure.
+    rates = {name: row["tokens_per_s"] for name, row in policies.items() if name != "memwatch"}
+    best = max(rates, key=rates.__getitem__)
+    assert policies[best]["versus_best_baseline"]["tokens_per_s_ratio"] == 1.0
+    assert policies["memwatch"]["versus_best_baseline"]["tokens_per_s_ratio"] == pytest.approx(
+        policies["memwatch"]["tokens_per_s"] / rates[best], abs=1e-3)
+    assert list(state.iterdir()) == []  # nothing of the fleet's was put in the caller's state directory

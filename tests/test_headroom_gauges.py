@@ -99,14 +99,15 @@ def test_each_gauge_is_the_value_worked_out_by_hand(runtime_dir: Path, db_path: 
         assert gauges["memwatch_kv_committed_usage_ratio"] == (200 + 100) / 1000
         assert gauges["memwatch_requests_running"] == 4 and gauges["memwatch_requests_waiting"] == 2
         # Activation: the prefill of 4,096 tokens rose 1 GiB above what stayed allocated: 256 KiB a token.
-        # The ledger's OOM margin: free 2 GiB + wholly free cache (reserved 21 - active 20 - pinned 0 = 1 GiB)
-        # - the next forward's need (the 2 GiB reserve; no step rose more) = 1 GiB, so 1 GiB / 256 KiB = 4096.
-        assert gauges["memwatch_max_safe_prefill_tokens"] == GiB // (GiB // 4096) == 4096
+        # The room a forward has now: free 2 GiB + wholly free cache (reserved 21 - active 20 - pinned 0 = 1 GiB)
+        # = 3 GiB. (The ledger's OOM margin is that less the next forward's need, the 2 GiB reserve: 1 GiB; the
+        # prefill is that forward, so its need is counted once.) Three quarters of it, 2.25 GiB / 256 KiB = 9,216.
+        assert gauges["memwatch_max_safe_prefill_tokens"] == 3 * GiB * 3 // 4 // (GiB // 4096) == 9216
         # Admissible, KV limit: (1000 - 200 - 100) = 700 spare blocks // blocks of the shape, less the 2 waiting;
-        # activation limit: 4096 // prompt.
-        assert gauges["memwatch_admissible_requests{512:256}"] == min(700 // 48 - 2, 4096 // 512) == 8
-        assert gauges["memwatch_admissible_requests{2048:512}"] == min(700 // 160 - 2, 4096 // 2048) == 2
-        assert gauges["memwatch_admissible_requests{8192:1024}"] == max(min(700 // 576 - 2, 4096 // 8192), 0) == 0
+        # activation limit: 9,216 // prompt.
+        assert gauges["memwatch_admissible_requests{512:256}"] == min(700 // 48 - 2, 9216 // 512) == 12
+        assert gauges["memwatch_admissible_requests{2048:512}"] == min(700 // 160 - 2, 9216 // 2048) == 2
+        assert gauges["memwatch_admissible_requests{8192:1024}"] == max(min(700 // 576 - 2, 9216 // 8192), 0) == 0
         assert gauges["memwatch_signal_valid"] == 1 and 0 <= gauges["memwatch_signal_age_seconds"] < 2
 
         # A step the sidecar has not drained yet is what the next scrape shows (read from the ring's newest slot).
@@ -115,8 +116,8 @@ def test_each_gauge_is_the_value_worked_out_by_hand(runtime_dir: Path, db_path: 
         gauges = _gauges(_scrape(port), "hand")
         assert gauges["memwatch_kv_free_tokens"] == (1000 - 216) * 16
         assert gauges["memwatch_kv_committed_usage_ratio"] == (216 + 99) / 1000
-        assert gauges["memwatch_admissible_requests{2048:512}"] == min((1000 - 216 - 99) // 160 - 1, 2) == 2
-        assert gauges["memwatch_admissible_requests{512:256}"] == min(685 // 48 - 1, 8) == 8
+        assert gauges["memwatch_admissible_requests{2048:512}"] == min((1000 - 216 - 99) // 160 - 1, 4) == 3
+        assert gauges["memwatch_admissible_requests{512:256}"] == min(685 // 48 - 1, 18) == 13
         assert gauges["memwatch_requests_waiting"] == 1
         _promtool_passes_the_headroom(_scrape(port))
         engine.close()
@@ -236,6 +237,48 @@ def test_an_idle_engine_stays_valid_until_its_process_ends(runtime_dir: Path, db
             wait_for(lambda: _gauges(_scrape(port), "idles")["memwatch_signal_valid"] == 0, timeout=10,
                      what="the killed engine's signal to turn invalid")
             print(f"invalid {time.monotonic() - killed:.2f} s after the kill")
+        finally:
+            engine.kill()
+            engine.wait(timeout=30)
+            if engine.stdout is not None:
+                engine.stdout.close()
+        sidecar.stop()
+
+
+FINISHED_ENGINE = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[2])
+    from test_headroom_gauges import _engine
+    from pathlib import Path
+    engine = _engine(Path(sys.argv[1]), "drained")
+    engine.request_arrived("a", 100, 50)
+    for _ in range(20):
+        engine.step("decode", num_seqs=1, num_tokens=1, kv_blocks_used=10, kv_blocks_total=1000,
+                    requests_running=1, requests_waiting=0, kv_blocks_needed=5)
+    # The last step sampled its last token: nano-vllm reads the load before the request leaves, so the step's
+    # sample still counts it running; the request's end comes as an event after it, and no step follows.
+    engine.request_finished("a", 50)
+    print("idle", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_an_engine_whose_requests_all_finished_is_idle_though_its_last_step_counted_one(
+        runtime_dir: Path, db_path: Path) -> None:
+    port = free_port()
+    with SidecarProcess(runtime_dir, db_path, "--prometheus", str(port), "--poll-interval", "0.05") as sidecar:
+        wait_for(lambda: _listening(port), what="the sidecar's /metrics")
+        engine = subprocess.Popen([sys.executable, "-c", FINISHED_ENGINE, str(runtime_dir),
+                                   str(Path(__file__).parent)],
+                                  env=memwatch_env(runtime_dir, db_path), stdout=subprocess.PIPE, text=True)
+        try:
+            assert engine.stdout is not None and engine.stdout.readline().strip() == "idle"
+            wait_for(lambda: _gauges(_scrape(port), "drained").get("memwatch_requests_running") == 1,
+                     what="the last step")
+            time.sleep(2.0)  # past the 1.5 s a busy engine's signal lasts without a step
+            gauges = _gauges(_scrape(port), "drained")
+            assert gauges["memwatch_requests_running"] == 1  # what the last step read, unchanged
+            assert gauges["memwatch_signal_valid"] == 1 and gauges["memwatch_signal_age_seconds"] > 1.5
         finally:
             engine.kill()
             engine.wait(timeout=30)

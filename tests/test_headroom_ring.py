@@ -97,28 +97,55 @@ def test_a_simulated_run_records_the_load_on_the_rank_that_schedules(tmp_path: P
 
 
 def test_the_newest_sample_is_read_past_events_and_readings_without_a_load(runtime_dir: Path) -> None:
-    monitor = _monitor(runtime_dir, capacity=16)
+    # The engine's clock (its records' ts_ns) and the sidecar's wall clock are one clock here, held still; the
+    # sidecar's own monotonic clock is ``now``.
+    wall = [1_000 * 10**9]
+    monitor = Monitor(engine="t", runtime_dir=runtime_dir, probe=Probe(), run_id="load", spawn_sidecar=False,
+                      close_at_exit=False, capacity=16, clock=lambda: wall[0])
     reader = RingReader(monitor.ring_path)
     now = [10.0]
-    latest = LatestSample(reader.fileno(), reader.header.capacity, clock=lambda: now[0])
+    latest = LatestSample(reader.fileno(), reader.header.capacity, clock=lambda: now[0], wall=lambda: wall[0])
     assert latest.read() is None and latest.seen_at == 10.0  # nothing stepped yet (the phase events only)
     for step in range(40):  # the 16-slot ring wraps around twice
         monitor.step("decode", num_seqs=1, num_tokens=1, kv_blocks_used=step, kv_blocks_total=100,
                      requests_running=1, requests_waiting=step % 3, kv_blocks_needed=100 - step)
     monitor.event("kv_evictable", {"evictable_tokens": 5})
     monitor.sample()
-    now[0] = 11.0
+    now[0], wall[0] = 11.0, wall[0] + 250_000_000  # a scrape 250 ms after those writes
     found = latest.read()
     assert found is not None and (found.kv_used, found.kv_total, found.running, found.waiting, found.needed) == (
         39, 100, 1, 39 % 3, 61)
-    assert latest.seen_at == 11.0  # the count moved since the last look
+    # Written 250 ms before the scrape saw it (the newest record's own timestamp), not when the scrape came.
+    assert latest.seen_at == 11.0 - 0.25
     now[0] = 12.5
-    assert latest.read() == found and latest.seen_at == 11.0  # nothing new: when it last moved stands
+    assert latest.read() == found and latest.seen_at == 10.75  # nothing new: when it was written stands
     latest.close()
     reader.close()
     monitor.close()
     assert latest.read() is None
     assert os.path.exists(monitor.ring_path) and RECORD_SIZE == 128
+
+
+def test_a_rank_without_a_load_is_aged_by_its_newest_record_and_a_future_stamp_counts_as_now(
+        runtime_dir: Path) -> None:
+    engine_ns = [5_000 * 10**9]
+    monitor = Monitor(engine="t", runtime_dir=runtime_dir, probe=Probe(), run_id="worker", spawn_sidecar=False,
+                      close_at_exit=False, capacity=64, clock=lambda: engine_ns[0])
+    reader = RingReader(monitor.ring_path)
+    sidecar_wall = [engine_ns[0] + 2 * 10**9]  # the sidecar looks 2 s after the engine's write
+    latest = LatestSample(reader.fileno(), reader.header.capacity, clock=lambda: 100.0, wall=lambda: sidecar_wall[0])
+    monitor.step()  # a TP worker's step: no KV view, no load
+    latest.moved()
+    assert latest.seen_at == 100.0 - 2.0
+    latest.moved()
+    assert latest.seen_at == 98.0  # the count did not move: unchanged
+    engine_ns[0] += 10 * 10**9  # an engine on a simulated clock, ahead of the sidecar's: written now, not later
+    monitor.step()
+    latest.moved()
+    assert latest.seen_at == 100.0
+    latest.close()
+    reader.close()
+    monitor.close()
 
 
 def test_the_activation_per_token_is_the_largest_prefill_s_else_the_warmup_s() -> None:

@@ -60,6 +60,7 @@ def test_seed_worked_example_qwen_7b_on_an_80_gb_gpu() -> None:
         # free = 80 GB - (1 + 14) GB - KV = 12,004,968,960; no cache yet, so the forward needs all 4 GB
         oom_margin_bytes=12_004_968_960 - 4 * GB,
         torch_kept_bytes=0,  # allocated beyond weights and KV: nothing kept
+        forward_need_bytes=4 * GB,  # the activation reserve: no serving step has risen more
     )
     # The lines the CLI prints sum to the budget exactly.
     assert (terms.non_torch_bytes + terms.weights_bytes + terms.torch_other_bytes + terms.kv_bytes
@@ -84,6 +85,26 @@ def sized_ledger() -> Ledger:
     ledger.on_event(kv_allocated(16 * GiB, 0.75, used=5 * GiB, peak=7 * GiB, current=4608 * MiB,
                                  block_bytes=100 * MiB, num_blocks=46))
     return ledger
+
+
+def test_the_forward_need_is_the_reserve_until_a_serving_step_rises_more() -> None:
+    ledger = sized_ledger()
+    total, long_lived = 16 * GiB, 4608 * MiB + 4600 * MiB
+    first = ledger.on_sample(sample(5, long_lived, long_lived, long_lived + 512 * MiB, total))
+    # The reserve, 2,560 MiB (peak 7,168 - current 4,608 at sizing); free 6,664 MiB, no cache: margin 4,104 MiB.
+    assert (first.forward_need_bytes, first.oom_margin_bytes) == (2560 * MiB, 4104 * MiB)
+    # A prefill rose 3,000 MiB above what it left allocated (100 MiB): the next forward may need that much.
+    reserved = long_lived + 3100 * MiB
+    step = ledger.on_sample(sample(6, long_lived + 100 * MiB, reserved, reserved + 512 * MiB, total,
+                                   peak=long_lived + 3100 * MiB, peak_is_step=True))
+    assert step.forward_need_bytes == 3000 * MiB
+    # free 16,384 - 12,820 = 3,564 MiB; slack 3,000 MiB is not below the need: margin = free (no signals).
+    assert step.oom_margin_bytes == 3564 * MiB
+    # A smaller step later leaves the need where the largest rise put it.
+    later = ledger.on_sample(sample(7, long_lived, long_lived, long_lived + 512 * MiB, total,
+                                    peak=long_lived + 500 * MiB, peak_is_step=True))
+    assert later.forward_need_bytes == 3000 * MiB
+    assert later.oom_margin_bytes == (total - long_lived - 512 * MiB) - 3000 * MiB
 
 
 def test_hand_computed_sequence() -> None:

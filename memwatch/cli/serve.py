@@ -63,6 +63,10 @@ from .options import Seconds, db_option, thresholds_option
 @click.option("--signal-stale-after", type=Seconds(0.0, 3600.0, low_open=True), default=None, metavar="SECONDS",
               help="memwatch_signal_valid turns 0 when a rank of the engine has not written for this long "
                    "(default 1.5: a stopped engine reads invalid within 2 s).")
+@click.option("--output-quantile", type=float, default=None, metavar="Q", envvar="MEMWATCH_OUTPUT_QUANTILE",
+              help="memwatch_kv_expected_usage_ratio assumes the running requests reach this quantile of the share "
+                   "of max_tokens the engine's finished requests generated (default 0.9: one in ten runs "
+                   "further; 1: the longest seen; env MEMWATCH_OUTPUT_QUANTILE).")
 @click.option("--otlp", metavar="[ENDPOINT]", is_flag=False, flag_value="1", default=None,
               help="Push metrics and flag log records over OTLP/HTTP (protobuf) to ENDPOINT, e.g. "
                    "http://collector:4318; without one, OTEL_EXPORTER_OTLP_ENDPOINT or localhost:4318 "
@@ -110,7 +114,7 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
             detector_config: DetectorConfig | None, keep_full: str, keep_evidence: str, keep_rollups: str,
             max_db_size: str, no_ring_warning: float,
             prometheus: str | None, admission_shapes: tuple[str, ...], signal_stale_after: float | None,
-            otlp: str | None, console: bool, trust_uids: tuple[int, ...],
+            output_quantile: float | None, otlp: str | None, console: bool, trust_uids: tuple[int, ...],
             runtime_group: int | None, health: str | None, bundle_to: str | None, termination_log: Path,
             spool_max_bytes: str, spool_max_bundles: int, bundles_per_hour: int, grace_period: float) -> None:
     """Store every engine's timeline in SQLite, live, until stopped (SIGTERM or Ctrl-C).
@@ -120,7 +124,8 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
     /metrics each engine's memory headroom for routers (docs/routing.md).
     """
     from ..export.config import export_config, parse_listen
-    from ..export.headroom import DEFAULT_SHAPES, DEFAULT_STALE_AFTER_S, HeadroomConfig, parse_shape
+    from ..export.headroom import DEFAULT_SHAPES, DEFAULT_STALE_AFTER_S, HeadroomConfig, parse_quantile, parse_shape
+    from ..export.output_lengths import DEFAULT_QUANTILE
 
     rollups = None if keep_rollups == "forever" else parse_duration_ns(keep_rollups)
     retention = Retention(parse_duration_ns(keep_full), parse_duration_ns(keep_evidence), rollups,
@@ -133,7 +138,8 @@ def command(db_path: Path | None, runtime_dir: Path | None, state_dir: Path | No
     config = export_config(prometheus, otlp, console)
     shapes = tuple(dict.fromkeys(parse_shape(shape) for shape in admission_shapes)) or DEFAULT_SHAPES
     stale_after = DEFAULT_STALE_AFTER_S if signal_stale_after is None else signal_stale_after
-    config = replace(config, headroom=HeadroomConfig(shapes, stale_after))
+    quantile = DEFAULT_QUANTILE if output_quantile is None else parse_quantile(output_quantile)
+    config = replace(config, headroom=HeadroomConfig(shapes, stale_after, quantile))
     health_at = parse_listen(health, "--health") if health is not None else None
     exporters = None
     if config.enabled:

@@ -38,7 +38,8 @@ STORE_WAIT_SECONDS = 15.0
 @click.option("--fleet", "fleet", type=click.IntRange(1, 16), default=None, metavar="N",
               help="Run --trace through N simulated engines, each with its own sidecar, behind a router.")
 @click.option("--router", "routers", metavar="POLICY", multiple=True,
-              help="With --fleet: round-robin, kv-usage or memwatch (repeatable; default: all three, compared).")
+              help="With --fleet: round-robin, kv-usage, kv-usage-queue or memwatch (repeatable), or all "
+                   "(the default): each policy's tokens/s and p99 queue time over the best baseline's.")
 @click.option("--trace", metavar="NAME|FILE", default=None,
               help="With --fleet: a fleet trace (fleet_bursty_long_context, fleet_long_prefill), a shipped "
                    "scenario or a scenario file.")
@@ -90,16 +91,18 @@ def command(scenario: str | None, list_scenarios: bool, scorecard: bool, runtime
 
 def _fleet(engines: int, trace: str, routers: tuple[str, ...], seed: int | None, as_json: bool) -> None:
     """Run the trace through the fleet with each policy; print the table or the JSON."""
-    from ..sim.fleet import POLICIES, load_trace, render_table, run_fleet
+    from ..sim.fleet import BASELINES, POLICIES, load_trace, render_table, run_fleet, versus_best
 
     loaded = load_trace(trace)
-    results = run_fleet(loaded, engines, list(routers) or list(POLICIES),
-                        seed=loaded.scenario.seed if seed is None else seed)
+    chosen = list(POLICIES) if not routers or "all" in routers else list(routers)
+    results = run_fleet(loaded, engines, chosen, seed=loaded.scenario.seed if seed is None else seed)
     if as_json:
+        ratios = versus_best(results, BASELINES)
         click.echo(json.dumps({"trace": loaded.name, "engines": engines,
-                               "policies": {r.policy: r.to_dict() for r in results}}, indent=2))
+                               "policies": {r.policy: {**r.to_dict(), "versus_best_baseline": ratios[r.policy]}
+                                            for r in results}}, indent=2))
     else:
-        click.echo(render_table(results))
+        click.echo(render_table(results, BASELINES))
 
 
 def _simulate(scenario: str, runtime: Path, speed: float | None, db_path: Path | None, as_json: bool) -> None:

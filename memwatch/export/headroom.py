@@ -10,15 +10,26 @@ last drained sample. Definitions (``B`` block size in tokens, ``T`` KV blocks in
     ``(T − U) × B``: tokens that can be allocated now without preempting anyone.
 ``memwatch_kv_committed_usage_ratio``
     ``(U + N) / T``, clamped to 0–1: the KV usage a router reads today, plus what is already promised.
+``memwatch_kv_expected_usage_ratio``
+    ``(U + ceil(N × r)) / T``, clamped to 0–1: committed usage as the engine's own finished requests say it
+    will be, ``r`` being ``memwatch_expected_output_share``. Not exported until the data supports it.
+``memwatch_expected_output_share``
+    ``r``: the ``--output-quantile`` (0.9 by default) of the share of ``max_tokens`` the engine's last 1,000
+    finished requests generated (:mod:`.output_lengths`; at least 20 finished). ``N × r`` is at least what
+    the running requests need to reach that share of their ``max_tokens``, so the risk stated is the
+    quantile's: one request in ten (at 0.9) runs further than assumed.
 ``memwatch_admissible_requests{shape="P:O"}``
     the smaller of the KV limit ``floor((T − U − N) / ceil((P + O) / B)) − W`` (blocks neither used nor
     promised, less the queue ahead, each waiting request counted as one of this shape because the ring
     carries no per-request sizes) and the activation limit ``floor(max_safe_prefill / P)``; at least 0.
     Without a measured activation per token the KV limit alone.
 ``memwatch_max_safe_prefill_tokens``
-    ``floor(max(oom_margin_bytes, 0) / a)``: the largest prefill whose activation fits in the ledger's
-    OOM margin (:mod:`memwatch.ledger`: the driver's free memory, plus wholly free cached segments, after
-    the next worst-case forward), so admitting it keeps that margin at or above 0. ``a`` is the activation
+    ``floor(max(0.75 × (oom_margin_bytes + forward_need_bytes), 0) / a)``: the largest forward, in tokens,
+    whose activation fits in three quarters (:data:`PREFILL_ROOM_SHARE`) of the room a forward has now
+    (:mod:`memwatch.ledger`: the driver's free memory plus wholly free cached segments; the OOM margin is that
+    room after the next worst-case forward, so the forward's need is added back and counted once: the prefill
+    *is* that forward). A router admits a prompt while it, and the prompts already sent or queued that the
+    engine may batch with it, stay within this. ``a`` is the activation
     per token of the run's largest prefill (its own peak above what stayed allocated, over its tokens; a
     larger prefill amortises fixed per-step buffers that a small one would overstate); before the first
     prefill, the warmup forward's: the ledger's ``activation_reserve_bytes`` over the config's
@@ -28,11 +39,13 @@ last drained sample. Definitions (``B`` block size in tokens, ``T`` KV blocks in
 ``memwatch_signal_valid``
     1 when every rank wrote within ``stale_after`` seconds (1.5 by default) and the KV view, block size and
     load are known; else 0 (a stopped engine, a missing input). A router should then ignore the other
-    gauges. An engine idle at its last step (nothing running, nothing waiting) stays valid however long
-    ago that was, until its process ends: it has no step to take until a request arrives, and its KV state
-    cannot change before then.
+    gauges. An engine idle since its last step (nothing running, nothing waiting; or every request it
+    recorded arriving has finished, since a step reads its load before the requests it finished leave) stays
+    valid however long ago that was, until its process ends: it has no step to take until a request arrives,
+    and its KV state cannot change before then.
 ``memwatch_signal_age_seconds``
-    seconds since the stalest rank last wrote, on the sidecar's clock.
+    seconds since the stalest rank last wrote: its newest record's own timestamp against the sidecar's wall
+    clock (one clock on one host), so a scrape long after a write reads that whole time.
 
 An engine whose run ended keeps its series, with ``memwatch_signal_valid`` 0, while its ranks' series linger.
 """
@@ -49,6 +62,7 @@ from memwatch_engine.ring_format import RECORD_SIZE, sample_load
 
 from ..errors import UsageError
 from ..records import Sample
+from .output_lengths import DEFAULT_QUANTILE, OutputLengths
 
 if TYPE_CHECKING:
     from .latest_sample import LatestSample
@@ -60,16 +74,32 @@ engine keep the scrape small."""
 DEFAULT_STALE_AFTER_S = 1.5
 """No write from a rank for this long makes the signal invalid: 30 scrapes of the llm-d router (every 50 ms), and
 half a second to spare for the scrape that sees it, so a stopped engine reads invalid within 2 s of its last step."""
+PREFILL_ROOM_SHARE = 0.75
+"""The share of the room free for a forward that the safe prefill may fill. A prefill's activation is estimated
+per token from one measured prefill; what that cannot see (the allocator reserving whole segments for each
+tensor size, per-sequence buffers, a longer prompt's larger tensors) made the simulator's engines run out of
+memory with the whole room counted, and with 90 % of it, on a noisy-neighbour trace (2 of 3 seeds); 75 % ran
+none out on every trace of the fleet bench."""
 _MAX_TOKENS = 1 << 24
 """Prompt and output lengths a shape may have (16 M tokens)."""
 
 
 @dataclass(frozen=True)
 class HeadroomConfig:
-    """The shapes ``admissible_requests`` is exported for, and when a signal is stale."""
+    """The shapes ``admissible_requests`` is exported for, when a signal is stale, and the quantile of the
+    finished requests' output share the expected commitment assumes."""
 
     shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES
     stale_after: float = DEFAULT_STALE_AFTER_S
+    output_quantile: float = DEFAULT_QUANTILE
+
+
+def parse_quantile(value: float) -> float:
+    """``--output-quantile``: above 0, at most 1 (1: the longest share seen)."""
+    if not 0 < value <= 1:
+        raise UsageError(f"--output-quantile {value} is not above 0 and at most 1; give e.g. 0.9 (one finished "
+                         "request in ten ran further than the expected commitment assumes)")
+    return value
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -103,15 +133,29 @@ class RankInputs:
     largest_prefill: tuple[int, int] = (0, 0)
     """(tokens, activation bytes) of the run's largest prefill with its own peak."""
     seen_at: float | None = None
-    """The sidecar's clock when this rank was last seen writing: its ring's count moving at a scrape, or (a state
-    fed without rings) the last drain with samples. A drain of old records says nothing of now."""
+    """When this rank last wrote, on the sidecar's clock: its ring's newest record's timestamp
+    (:class:`~memwatch.export.latest_sample.LatestSample`), or (a state fed without rings) the last drain with
+    samples. A drain of old records says nothing of now."""
     latest: LatestSample | None = field(default=None, repr=False)
     reports: bool | None = None
     """Whether this rank's samples carry a KV view or a load (``None``: none drained yet), so a scrape reads only
     whether a rank that never does still writes."""
+    outputs: OutputLengths = field(default_factory=OutputLengths, repr=False)
+    arrived: int = 0
+    finished: int = 0
+    """Requests the engine recorded reaching it and finishing (rank 0's ``request_arrived``/``request_finished``):
+    an engine whose requests have all finished is idle, though its last step read its load before the last of
+    them left."""
 
     def take_event(self, kind: str, data: Any) -> None:
-        """The block size (KV sizing, config) and the batch size the warmup forward ran at (config)."""
+        """The block size (KV sizing, config), the batch size the warmup forward ran at (config), and the
+        requests that arrived and finished."""
+        if kind == "request_arrived":
+            self.arrived += 1
+            self.outputs.take_event(kind, data)
+        elif kind == "request_finished":
+            self.finished += 1
+            self.outputs.take_event(kind, data)
         if not isinstance(data, dict) or kind not in ("kv_allocated", "config"):
             return
         size, batched = data.get("block_size"), data.get("max_num_batched_tokens")
@@ -193,6 +237,8 @@ class EngineHeadroom:
     labels: dict[str, Any]
     kv_free_tokens: int | None
     committed_usage_ratio: float | None
+    expected_usage_ratio: float | None
+    expected_output_share: float | None
     admissible: dict[str, int]
     max_safe_prefill_tokens: int | None
     requests_waiting: int | None
@@ -213,7 +259,9 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
     if not sizes:
         tight = None
     safe = _max_safe_prefill(ranks)
-    free_tokens = ratio = None
+    shares = [share for s in ranks if (share := s.inputs.outputs.share(config.output_quantile)) is not None]
+    share = max(shares) if shares else None  # rank 0 records the requests; the most cautious of any that do
+    free_tokens = ratio = expected = None
     admissible: dict[str, int] = {}
     if tight is not None:
         total, used, size = tight.kv_total, tight.kv_used, sizes[0]
@@ -221,6 +269,8 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
         needed, waiting = tight.needed, tight.waiting
         if needed is not None and waiting is not None:
             ratio = min(max((used + needed) / total, 0.0), 1.0)  # type: ignore[operator]
+            if share is not None:
+                expected = min(max((used + math.ceil(needed * share)) / total, 0.0), 1.0)  # type: ignore[operator]
             spare = max(total - used - needed, 0)  # type: ignore[operator]
             for prompt, output in config.shapes:
                 fit = spare // math.ceil((prompt + output) / size) - waiting  # type: ignore[operator]
@@ -228,10 +278,13 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
                     fit = min(fit, safe // prompt)
                 admissible[shape_label((prompt, output))] = max(fit, 0)
     load = tight if tight is not None else next((s.inputs for s in ranks if s.inputs.running is not None), None)
-    idle = tight is not None and tight.running == 0 and tight.waiting == 0
+    arrived = sum(s.inputs.arrived for s in ranks)
+    all_finished = arrived > 0 and sum(s.inputs.finished for s in ranks) >= arrived
+    idle = tight is not None and (all_finished or (tight.running == 0 and tight.waiting == 0))
     valid = (age is not None and (age <= config.stale_after or idle) and ratio is not None
              and all(s.ended_at is None for s in ranks))
-    return EngineHeadroom(labels, free_tokens, ratio, admissible, safe, None if load is None else load.waiting,
+    return EngineHeadroom(labels, free_tokens, ratio, expected, None if expected is None else share, admissible,
+                          safe, None if load is None else load.waiting,
                           None if load is None else load.running, valid, age)
 
 
@@ -243,9 +296,11 @@ def _max_safe_prefill(ranks: list[RankSeries]) -> int | None:
     if not known:
         return None
     worst = max(known)  # TP ranks run the same forward: a rank without its own measure takes the largest
-    tokens = [int(max(s.terms.oom_margin_bytes, 0) // (a if a is not None else worst))
+    tokens = [int(max(PREFILL_ROOM_SHARE * (s.terms.oom_margin_bytes + s.terms.forward_need_bytes), 0)
+                  // (a if a is not None else worst))
               for s, a in zip(ranks, per_token, strict=True)
-              if s.terms is not None and s.terms.oom_margin_bytes is not None]
+              if s.terms is not None and s.terms.oom_margin_bytes is not None
+              and s.terms.forward_need_bytes is not None]
     return min(tokens) if tokens else None
 
 
@@ -268,12 +323,14 @@ def engine_headroom(ranks: Iterable[RankSeries], config: HeadroomConfig,
 HELP = {
     "memwatch_kv_free_tokens": "KV tokens that can be allocated now without preempting anyone (tightest rank)",
     "memwatch_kv_committed_usage_ratio": "KV blocks in use plus those running requests still need, over the total",
+    "memwatch_kv_expected_usage_ratio": "Committed KV usage with running requests reaching the expected output share",
+    "memwatch_expected_output_share": "The --output-quantile of finished requests' output tokens over max_tokens",
     "memwatch_admissible_requests": "More requests of this prompt:output shape that fit now (KV and activation)",
-    "memwatch_max_safe_prefill_tokens": "Largest prefill whose activation fits the OOM margin (tightest rank)",
+    "memwatch_max_safe_prefill_tokens": "Largest forward (tokens) whose activation fits what is free now (tightest)",
     "memwatch_requests_waiting": "Requests queued in the engine's scheduler after its last step",
     "memwatch_requests_running": "Requests the engine's scheduler runs after its last step",
     "memwatch_signal_valid": "1 when the headroom signal is fresh and complete, else 0: ignore the other gauges",
-    "memwatch_signal_age_seconds": "Seconds since the engine's stalest rank last wrote, on the sidecar's clock",
+    "memwatch_signal_age_seconds": "Seconds since the engine's stalest rank last wrote (its newest record's time)",
 }
 
 
@@ -285,6 +342,8 @@ def render_headroom(engines: list[EngineHeadroom], labels_of: Callable[[dict[str
     columns: list[tuple[str, Callable[[EngineHeadroom], float | int | None]]] = [
         ("memwatch_kv_free_tokens", lambda e: e.kv_free_tokens),
         ("memwatch_kv_committed_usage_ratio", lambda e: e.committed_usage_ratio),
+        ("memwatch_kv_expected_usage_ratio", lambda e: e.expected_usage_ratio),
+        ("memwatch_expected_output_share", lambda e: e.expected_output_share),
         ("memwatch_max_safe_prefill_tokens", lambda e: e.max_safe_prefill_tokens),
         ("memwatch_requests_waiting", lambda e: e.requests_waiting),
         ("memwatch_requests_running", lambda e: e.requests_running),

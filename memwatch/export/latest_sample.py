@@ -9,6 +9,10 @@ and never maps the file.
 
 A slot the writer may be overwriting while it is copied is not taken: after the copy, ``published`` is read
 again and any slot within reach of the writer since then is dropped (the rules of :mod:`memwatch_engine.ring_format`).
+
+When the engine last wrote is its newest record's own timestamp (``ts_ns``, the engine host's wall clock), not
+when a scrape first saw the ring move: a scrape that comes 50 ms after a write reads an age of 50 ms. A
+timestamp ahead of the sidecar's clock (an engine on a simulated clock) counts as written now.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from memwatch_engine.ring_format import (
 LOOK_BACK = 16
 """Slots read behind ``published`` for the newest sample (events between steps are rarely more)."""
 
+_STAMP = struct.Struct("<Q16xq")
+"""A record's seq and ``ts_ns`` (bytes 0 and 24 of every slot, sample or event chunk)."""
 _PICK = struct.Struct("<QBBxxi64xii32xii")
 """Of a sample slot only what the headroom reads: seq, type, flags, requests running (12), KV blocks used and
 total (80), requests waiting and KV blocks needed (120): the layout of :mod:`memwatch_engine.ring_format`."""
@@ -56,26 +62,44 @@ def _known(value: int) -> int | None:
 class LatestSample:
     """Reads one ring's newest sample on demand, on a descriptor it owns (a ``dup`` of the collector's)."""
 
-    def __init__(self, fd: int, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, fd: int, capacity: int, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], int] = time.time_ns) -> None:
         self._fd = os.dup(fd)
         self._mask = capacity - 1
         self._window = capacity - min(MAX_EVENT_CHUNKS, capacity // 8)
         self._clock = clock
+        self._wall = wall
         self._published = -1
         self._latest: Latest | None = None
         self.seen_at: float | None = None
-        """The sidecar's clock when ``published`` was last seen to move: when the engine last wrote."""
+        """When the engine last wrote, on the sidecar's clock (``clock``): its newest record's timestamp."""
+
+    def _written_at(self, stamp: bytes, published: int) -> float:
+        """The sidecar's ``clock`` at the newest record's ``ts_ns``; now when its slot was overwritten meanwhile
+        or its stamp is ahead of this host's wall clock."""
+        now = self._clock()
+        seq, ts_ns = _STAMP.unpack_from(stamp)
+        if seq != published - 1:
+            return now
+        return now - max(self._wall() - ts_ns, 0) / 1e9
+
+    def _slot_at(self, seq: int) -> int:
+        return HEADER_SIZE + (seq & self._mask) * RECORD_SIZE
 
     def moved(self) -> None:
-        """Only look whether the ring's count moved (one ``pread``): for a rank that reports no KV view or load."""
+        """Only look whether the ring's count moved, and when its newest record was written (two ``pread``
+        calls): for a rank that reports no KV view or load."""
         if self._fd < 0:
             return
         try:
             published = _PUBLISHED.unpack(os.pread(self._fd, 8, _PUBLISHED_AT))[0]
+            if published == self._published or published < 1:
+                return
+            stamp = os.pread(self._fd, _STAMP.size, self._slot_at(published - 1))
         except (OSError, struct.error):
             return
-        if published != self._published:
-            self._published, self.seen_at = published, self._clock()
+        if len(stamp) == _STAMP.size:
+            self._published, self.seen_at = published, self._written_at(stamp, published)
 
     def read(self) -> Latest | None:
         """The newest sample with its load among the last :data:`LOOK_BACK` slots, or ``None`` (none there, a
@@ -101,6 +125,9 @@ class LatestSample:
         except (OSError, struct.error):  # a ring closed or truncated under us
             return None
         safe_from = after - self._window
+        newest = (count - 1) * RECORD_SIZE
+        if count and published - 1 >= safe_from:
+            self.seen_at = self._written_at(blob[newest:newest + _STAMP.size], published)
         self._latest = None
         for at in range(len(blob) // RECORD_SIZE - 1, -1, -1):
             seq = start + at

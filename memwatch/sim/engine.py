@@ -103,7 +103,8 @@ class SimulatedEngine:
         next_id = len(requests)
         with self.phase("serve"):
             start = self.clock.now_ns()
-            pending = deque(Sequence(r.request_id, r.prompt_tokens, r.output_tokens, start + r.arrival_ns)
+            pending = deque(Sequence(r.request_id, r.prompt_tokens, r.output_tokens, start + r.arrival_ns,
+                                     r.stop_tokens)
                             for r in sorted(requests, key=lambda r: (r.arrival_ns, r.request_id)))
             while pending or injected or not scheduler.is_finished():
                 while pending and pending[0].arrival_ns <= self.clock.now_ns():

@@ -135,7 +135,7 @@ class Scheduler:
     def postprocess(self, seqs: list[Sequence], is_prefill: bool) -> list[Sequence]:
         """Account the step's tokens; every sequence that completed its prompt samples one token.
 
-        Returns the sequences that finished (``max_tokens`` outputs; simulated requests ignore EOS).
+        Returns the sequences that finished: ``max_tokens`` outputs, or their end of sequence (``stop_tokens``).
         """
         finished = []
         for seq in seqs:
@@ -145,7 +145,7 @@ class Scheduler:
             if is_prefill and seq.num_cached_tokens < seq.num_tokens:
                 continue
             seq.append_token()
-            if seq.num_completion_tokens == seq.max_tokens:
+            if seq.num_completion_tokens == seq.stop_tokens:
                 seq.status = SequenceStatus.FINISHED
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)

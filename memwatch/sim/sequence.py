@@ -16,18 +16,23 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """A request being served: ``num_tokens`` grows by one per decode step until ``max_tokens`` outputs."""
+    """A request being served: ``num_tokens`` grows by one per decode step until ``max_tokens`` outputs, or
+    ``stop_tokens`` of them when its end of sequence comes first (unknown to the scheduler until it comes)."""
 
     __slots__ = (
         "arrival_ns", "block_table", "is_prefill", "max_tokens",
         "num_cached_tokens", "num_preemptions", "num_prompt_tokens", "num_scheduled_tokens",
-        "num_tokens", "seq_id", "status",
+        "num_tokens", "seq_id", "status", "stop_tokens",
     )
 
-    def __init__(self, seq_id: int, num_prompt_tokens: int, max_tokens: int, arrival_ns: int = 0) -> None:
+    def __init__(self, seq_id: int, num_prompt_tokens: int, max_tokens: int, arrival_ns: int = 0,
+                 stop_tokens: int | None = None) -> None:
         if num_prompt_tokens < 1 or max_tokens < 1:
             raise ValueError(f"a request needs at least one prompt and one output token, "
                              f"got {num_prompt_tokens} and {max_tokens}")
+        if stop_tokens is not None and not 1 <= stop_tokens <= max_tokens:
+            raise ValueError(f"a request stops after 1 to max_tokens ({max_tokens}) outputs, not {stop_tokens}")
+        self.stop_tokens = max_tokens if stop_tokens is None else stop_tokens
         self.seq_id = seq_id
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens

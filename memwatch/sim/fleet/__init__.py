@@ -5,8 +5,9 @@
 """
 
 from memwatch.sim.fleet.fleet import run_fleet
-from memwatch.sim.fleet.policies import POLICIES
-from memwatch.sim.fleet.results import PolicyResult, render_table
+from memwatch.sim.fleet.policies import BASELINES, POLICIES
+from memwatch.sim.fleet.results import PolicyResult, render_table, versus_best
 from memwatch.sim.fleet.traces import FleetTrace, load_trace, shipped_traces
 
-__all__ = ["POLICIES", "FleetTrace", "PolicyResult", "load_trace", "render_table", "run_fleet", "shipped_traces"]
+__all__ = ["BASELINES", "POLICIES", "FleetTrace", "PolicyResult", "load_trace", "render_table", "run_fleet",
+           "shipped_traces", "versus_best"]

@@ -37,6 +37,13 @@ class FleetRequest:
     output_tokens: int
     arrival_ns: int
     """Virtual nanoseconds after the trace starts."""
+    stop_tokens: int | None = None
+    """Outputs before its end of sequence (``None``: ``output_tokens``); the engine's to find out, never the
+    router's: no policy may read it."""
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.output_tokens if self.stop_tokens is None else self.stop_tokens
 
 
 class _TimedScheduler(Scheduler):
@@ -136,7 +143,7 @@ class FleetEngine:
         """Queue a request the router sent here; it reaches the engine at its arrival time."""
         self.requests[request.request_id] = request
         self.pending.append(Sequence(request.request_id, request.prompt_tokens, request.output_tokens,
-                                     serving_start_ns + request.arrival_ns))
+                                     serving_start_ns + request.arrival_ns, request.stop_tokens))
 
     def advance_to(self, until_ns: int) -> None:
         """Run every step that begins before ``until_ns`` (the last one may end after it), idling otherwise."""

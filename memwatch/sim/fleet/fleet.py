@@ -81,7 +81,7 @@ def _run(trace: FleetTrace, engines: int, policies: list[str], seed: int, home: 
 
 def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed: int) -> PolicyResult:
     rng = random.Random(seed)
-    policy = make_policy(name, rng, trace.shapes)
+    policy = make_policy(name, rng)
     start_ns = time.time_ns()
     fleet = [FleetEngine(i, trace.scenario, trace.faults_of(i), sidecar.runtime_dir, start_ns, new_run_id())
              for i, sidecar in enumerate(sidecars)]
@@ -140,7 +140,7 @@ def _route(policy: Policy, due: list[FleetRequest], held: deque[FleetRequest], a
         sidecar = sidecars[engine.index]
         sidecar.wait_drained()
         view = views[engine.index]
-        view.scrape, view.sent = scrape(sidecar.url, READ), []
+        view.rescraped(scrape(sidecar.url, READ))
     routed = 0
     for request in due:
         choice = policy.choose(request, [views[engine.index] for engine in alive])
@@ -148,7 +148,7 @@ def _route(policy: Policy, due: list[FleetRequest], held: deque[FleetRequest], a
             held.append(request)
             continue
         alive[[engine.index for engine in alive].index(choice)].submit(request, serving_ns)
-        views[choice].sent.append(request)
+        views[choice].send(request)
         routed += 1
     if idle and held and not routed:
         rejected = len(held)
@@ -165,7 +165,7 @@ def _result(trace: FleetTrace, fleet: list[FleetEngine], name: str, seed: int, r
         for request_id, request in engine.requests.items():
             if request_id in finished:
                 queue_ns.append(engine.started_ns[request_id] - serving_ns - request.arrival_ns)
-                output_tokens += request.output_tokens
+                output_tokens += request.generated_tokens
                 last_finish = max(last_finish, finished[request_id] - serving_ns)
             else:
                 lost += 1

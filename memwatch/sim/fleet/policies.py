@@ -1,26 +1,40 @@
 """The router's policies: which engine takes a request, from what the router last scraped of each.
 
 Every policy sees only the engines that are up (a dead pod leaves the endpoint list, as its readiness probe
-fails) and, for each, its last scrape plus the requests the router itself sent there since that scrape. A
-router knows what it sent; counting it keeps a burst that arrives between two scrapes from all landing on
-the one engine that looked best at the last scrape, and both load-aware policies count it the same way,
-so what differs between them is what their signals say.
+fails) and, for each, its last scrape plus the requests the router itself sent there that the scrape does
+not show yet (the engine has written no sample since they reached it). A router knows what it sent; counting
+it keeps a burst, or the arrivals during an engine's long prefill step, from all landing on the one engine
+that looked best, and every load-aware policy counts it the same way, so what differs between them is what
+their signals say.
 
 * ``round-robin``: the next engine in turn.
 * ``kv-usage``: the llm-d default's view: KV-cache usage (memwatch's ``memwatch_kv_blocks_used`` over
   ``memwatch_kv_blocks_capacity``) and the waiting queue; an engine is saturated at usage >= 0.8 or a queue of
   5 or more; the least used unsaturated engine wins, the least used of all when every one is saturated.
-* ``memwatch``: engines whose signal is valid and that can admit the request now (``memwatch_admissible_
-  requests`` for the request's shape, less what was sent since the scrape; ``memwatch_max_safe_prefill_
-  tokens`` at least its prompt); the lowest committed KV usage wins, the larger safe prefill breaking ties.
-  When none can, the request waits at the router for a later scrape (admission control instead of
-  preemption or an OOM); when no engine has a valid signal it routes as ``kv-usage`` does.
+* ``kv-usage-queue``: ``kv-usage`` with the llm-d router's flow control: when every engine is saturated the
+  request waits at the router (first come, first served) instead of joining an engine's queue, and is
+  offered again at a later scrape. llm-d's flow-control guide: "Hold requests during peak saturation
+  instead of committing them to a server's local queue"; its saturation detector uses the same two
+  thresholds. The fair baseline for a policy that itself holds requests back.
+* ``memwatch``: among engines whose signal is valid, those that can take the request now: its KV check
+  (:func:`fits_kv`: the request's own tokens, once for itself and once per request waiting ahead of it,
+  plus the tokens sent and not yet shown, within the tokens neither used nor promised, from
+  ``memwatch_kv_free_tokens`` and the expected or committed usage: :func:`commitment`) and its activation check
+  (``memwatch_max_safe_prefill_tokens`` covers its prompt, once for itself and once per request waiting
+  ahead of it, plus the prompts sent and not yet shown: the engine may prefill them in the same forward).
+  The lowest expected KV usage wins (plus the share the requests sent and not yet shown will take), the
+  larger safe prefill breaking ties. When none can, the request waits
+  at the router for a later scrape (admission control instead of preemption or an OOM); when no engine has
+  a valid signal it routes as ``kv-usage`` does. A router that knows each request's size makes the check of
+  ``memwatch_admissible_requests`` on that size itself; the gauge, for a few fixed shapes, serves routers
+  that can only compare a series with a number.
 
 Ties go to a draw from the run's seeded generator, so the same seed gives the same routing.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,12 +52,13 @@ KV_USED = "memwatch_kv_blocks_used"
 KV_TOTAL = "memwatch_kv_blocks_capacity"
 WAITING = "memwatch_requests_waiting"
 VALID = "memwatch_signal_valid"
-ADMISSIBLE = "memwatch_admissible_requests"
 SAFE_PREFILL = "memwatch_max_safe_prefill_tokens"
 COMMITTED = "memwatch_kv_committed_usage_ratio"
+EXPECTED = "memwatch_kv_expected_usage_ratio"
+SHARE = "memwatch_expected_output_share"
 FREE_TOKENS = "memwatch_kv_free_tokens"
-READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, ADMISSIBLE, SAFE_PREFILL, COMMITTED, FREE_TOKENS,
-                  "memwatch_samples_total"})
+SAMPLES = "memwatch_samples_total"
+READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, SAFE_PREFILL, COMMITTED, EXPECTED, SHARE, FREE_TOKENS, SAMPLES})
 """Every metric family a policy reads (and the sample count that shows how far the sidecar has drained)."""
 
 
@@ -55,7 +70,26 @@ class EngineView:
     run_id: str
     scrape: Scrape | None = None
     sent: list[FleetRequest] = field(default_factory=list)
-    """Requests the router sent here since :attr:`scrape`."""
+    """Requests the router sent here that its last scrape does not show yet."""
+    sent_marks: list[float] = field(default_factory=list)
+    """For each of :attr:`sent`, the engine's sample count the router had scraped when it sent it."""
+
+    def rescraped(self, scrape: Scrape) -> None:
+        """Take a new scrape, keeping the requests it cannot show yet: an engine shows a request in the first
+        sample it writes after the request reached it, so one sent when the engine had written ``n`` samples is
+        in the scrape once the count passed ``n``. A busy engine (a long prefill) may write none for several
+        scrapes; forgetting what was sent at each scrape sent it every arrival meanwhile."""
+        count = scrape.highest(SAMPLES, run_id=self.run_id)
+        kept = [(request, mark) for request, mark in zip(self.sent, self.sent_marks, strict=True)
+                if count is not None and count <= mark]
+        self.scrape = scrape
+        self.sent = [request for request, _ in kept]
+        self.sent_marks = [mark for _, mark in kept]
+
+    def send(self, request: FleetRequest) -> None:
+        count = self.highest(SAMPLES)
+        self.sent.append(request)
+        self.sent_marks.append(-1.0 if count is None else count)
 
     def lowest(self, name: str, **labels: str) -> float | None:
         return None if self.scrape is None else self.scrape.lowest(name, run_id=self.run_id, **labels)
@@ -99,6 +133,11 @@ class KvUsage:
         self._rng = rng
 
     def choose(self, request: FleetRequest, views: list[EngineView]) -> int | None:
+        best = self._best(views)
+        return None if best is None else best[-1]
+
+    def _best(self, views: list[EngineView]) -> tuple[bool, float, float, float, int] | None:
+        """The least used engine, unsaturated ones first: (saturated, usage, queue, tie-break, index)."""
         if not views:
             return None
         ranked = []
@@ -108,63 +147,97 @@ class KvUsage:
             usage = 0.0 if usage is None else usage
             saturated = usage >= KV_SATURATED_USAGE or queue >= QUEUE_SATURATED
             ranked.append((saturated, usage, queue, self._rng.random(), view.index))
-        return min(ranked)[-1]
+        return min(ranked)
+
+
+class KvUsageQueue(KvUsage):
+    name = "kv-usage-queue"
+
+    def choose(self, request: FleetRequest, views: list[EngineView]) -> int | None:
+        best = self._best(views)
+        return None if best is None or best[0] else best[-1]
 
 
 class MemwatchHeadroom:
     name = "memwatch"
 
-    def __init__(self, rng: random.Random, shapes: tuple[tuple[int, int], ...] = ()) -> None:
+    def __init__(self, rng: random.Random) -> None:
         self._rng = rng
         self._fallback = KvUsage(rng)
-        self.shapes = tuple(sorted(shapes, key=lambda shape: (shape[0] + shape[1], shape)))
-
-    def shape_of(self, request: FleetRequest) -> str | None:
-        """The smallest configured shape that covers the request (prompt and output), as its label."""
-        for prompt, output in self.shapes:
-            if request.prompt_tokens <= prompt and request.output_tokens <= output:
-                return f"{prompt}:{output}"
-        return None
 
     def choose(self, request: FleetRequest, views: list[EngineView]) -> int | None:
         valid = [view for view in views if view.lowest(VALID) == 1]
         if not valid:
             return self._fallback.choose(request, views)
-        shape = self.shape_of(request)
         ranked = []
         for view in valid:
-            if shape is not None:
-                admissible = view.lowest(ADMISSIBLE, shape=shape)
-                if admissible is not None and admissible - len(view.sent) < 1:
-                    continue
-            safe = view.lowest(SAFE_PREFILL)
-            if safe is not None and safe < request.prompt_tokens:
+            if not fits_kv(view, request):
                 continue
-            committed = view.highest(COMMITTED)
-            committed = 1.0 if committed is None else committed + _sent_share(view)
+            safe = view.lowest(SAFE_PREFILL)
+            ahead = (view.highest(WAITING) or 0) + 1
+            if safe is not None and safe < ahead * request.prompt_tokens + sum(r.prompt_tokens for r in view.sent):
+                continue
+            committed, share = commitment(view)
+            committed = 1.0 if committed is None else committed + _sent_share(view, share)
             ranked.append((committed, -(safe or 0.0), self._rng.random(), view.index))
         return min(ranked)[-1] if ranked else None
 
 
-def _sent_share(view: EngineView) -> float:
-    """The KV share the requests sent since the scrape will commit: their tokens over the cache's tokens
-    (free tokens over the free fraction of blocks; 0 when that cannot be told)."""
+def commitment(view: EngineView) -> tuple[float | None, float]:
+    """The engine's committed KV usage and the share of ``max_tokens`` its requests are expected to reach: the
+    expected usage and share where the sidecar exports them (its finished requests support an estimate), else
+    the worst case, every request to its ``max_tokens``."""
+    expected, share = view.highest(EXPECTED), view.highest(SHARE)
+    if expected is not None and share is not None:
+        return expected, share
+    return view.highest(COMMITTED), 1.0
+
+
+def tokens_of(request: FleetRequest, share: float) -> float:
+    """The KV tokens a request is expected to hold at its end: its prompt and that share of its outputs."""
+    return request.prompt_tokens + math.ceil(share * request.output_tokens)
+
+
+def fits_kv(view: EngineView, request: FleetRequest) -> bool:
+    """The check ``memwatch_admissible_requests`` makes, on the request's own size: its tokens, once for itself
+    and once for each request waiting ahead of it (counted as its size: the gauges carry no per-request
+    sizes), plus the tokens of those sent and not yet shown, fit in the tokens neither used nor promised (with
+    the expected commitment and output share where exported). The cache's tokens are free tokens over the free
+    fraction of blocks; an engine whose gauges cannot tell is not refused."""
+    (committed, share), free_tokens, usage = commitment(view), view.lowest(FREE_TOKENS), view.kv_usage()
+    if free_tokens is None or usage is None or committed is None:
+        return True
+    if usage >= 1.0:
+        return False
+    unpromised = free_tokens / (1.0 - usage) * (1.0 - committed)
+    ahead = (view.highest(WAITING) or 0) + 1
+    sent = sum(tokens_of(r, share) for r in view.sent)
+    return ahead * tokens_of(request, share) + sent <= unpromised
+
+
+def _sent_share(view: EngineView, share: float = 1.0) -> float:
+    """The KV share the requests sent and not yet shown will commit: their tokens over the cache's tokens (free
+    tokens over the free fraction of blocks; 0 when that cannot be told)."""
     free_tokens, usage = view.lowest(FREE_TOKENS), view.kv_usage()
     if not view.sent or free_tokens is None or usage is None or usage >= 1.0 or free_tokens <= 0:
         return 0.0
     total_tokens = free_tokens / (1.0 - usage)
-    return sum(r.prompt_tokens + r.output_tokens for r in view.sent) / total_tokens
+    return sum(tokens_of(r, share) for r in view.sent) / total_tokens
 
 
-POLICIES = ("round-robin", "kv-usage", "memwatch")
+POLICIES = ("round-robin", "kv-usage", "kv-usage-queue", "memwatch")
+BASELINES = ("round-robin", "kv-usage", "kv-usage-queue")
+"""The simple policies a memory-aware one is judged against: the best of them on each measure."""
 
 
-def make_policy(name: str, rng: random.Random, shapes: tuple[tuple[int, int], ...] = ()) -> Policy:
+def make_policy(name: str, rng: random.Random) -> Policy:
     """A policy by its command-line name."""
     if name == "round-robin":
         return RoundRobin(rng)
     if name == "kv-usage":
         return KvUsage(rng)
+    if name == "kv-usage-queue":
+        return KvUsageQueue(rng)
     if name == "memwatch":
-        return MemwatchHeadroom(rng, shapes)
-    raise UsageError(f"unknown router policy {name!r}; use one of {', '.join(POLICIES)}")
+        return MemwatchHeadroom(rng)
+    raise UsageError(f"unknown router policy {name!r}; use one of {', '.join(POLICIES)}, or all to compare them")

@@ -62,18 +62,46 @@ def summarize(policy: str, trace: str, engines: int, seed: int, requests: int, q
     )
 
 
-def render_table(results: list[PolicyResult]) -> str:
-    """One line per policy, the columns of the JSON."""
+def versus_best(results: list[PolicyResult], baselines: tuple[str, ...]) -> dict[str, dict[str, float | None]]:
+    """Each policy's tokens/s over the best baseline's (the highest) and p99 queue time over the best baseline's
+    (the lowest), the baselines being those of ``baselines`` that ran; ``None`` where a ratio cannot be formed
+    (no baseline ran, or the best one's figure is 0 or missing)."""
+    ran = [r for r in results if r.policy in baselines]
+    best_rate = max((r.tokens_per_s for r in ran), default=0.0)
+    best_p99 = min((r.p99_queue_s for r in ran if r.p99_queue_s is not None), default=None)
+    ratios: dict[str, dict[str, float | None]] = {}
+    for r in results:
+        rate = round(r.tokens_per_s / best_rate, 3) if best_rate > 0 else None
+        p99 = (round(r.p99_queue_s / best_p99, 3) if best_p99 is not None and best_p99 > 0
+               and r.p99_queue_s is not None else None)
+        ratios[r.policy] = {"tokens_per_s_ratio": rate, "p99_queue_ratio": p99}
+    return ratios
+
+
+def render_table(results: list[PolicyResult], baselines: tuple[str, ...] = ()) -> str:
+    """One line per policy, the columns of the JSON; with ``baselines`` that ran, each policy's tokens/s and p99
+    queue time over the best baseline's (:func:`versus_best`)."""
     if not results:
         return "no policy ran"
     first = results[0]
+    ratios = versus_best(results, baselines) if any(r.policy in baselines for r in results) else None
     head = (f"trace {first.trace}: {first.requests:,} requests, {first.engines} engines, seed {first.seed}\n"
-            f"{'policy':<12} {'completed':>9} {'ooms':>4} {'preemptions':>11} {'p50 queue s':>11} "
+            f"{'policy':<14} {'completed':>9} {'ooms':>4} {'preemptions':>11} {'p50 queue s':>11} "
             f"{'p99 queue s':>11} {'tokens/s':>9} {'lost':>4} {'rejected':>8}")
+    if ratios is not None:
+        head += f" {'tokens/s ÷ best':>15} {'p99 ÷ best':>10}"
 
     def cell(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    rows = [f"{r.policy:<12} {r.completed:>9,} {r.ooms:>4} {r.preemptions:>11,} {cell(r.p50_queue_s):>11} "
-            f"{cell(r.p99_queue_s):>11} {r.tokens_per_s:>9,.1f} {r.lost:>4} {r.rejected:>8}" for r in results]
-    return "\n".join([head, *rows])
+    rows = []
+    for r in results:
+        row = (f"{r.policy:<14} {r.completed:>9,} {r.ooms:>4} {r.preemptions:>11,} {cell(r.p50_queue_s):>11} "
+               f"{cell(r.p99_queue_s):>11} {r.tokens_per_s:>9,.1f} {r.lost:>4} {r.rejected:>8}")
+        if ratios is not None:
+            ratio = ratios[r.policy]
+            row += f" {cell(ratio['tokens_per_s_ratio']):>15} {cell(ratio['p99_queue_ratio']):>10}"
+        rows.append(row)
+    footer = [f"best baseline: the best of {', '.join(b for b in baselines if any(r.policy == b for r in results))} "
+              "on each measure (highest tokens/s, lowest p99 queue)"] if ratios is not None else []
+    return "\n".join([head, *rows, *footer])

@@ -29,6 +29,9 @@ POLL_INTERVAL_S = 0.001
 """The sidecars' ``--poll-interval``: they drain within 8 of these (:mod:`memwatch.sidecar.pacing`)."""
 ORPHAN_EXIT_S = 60.0
 """A sidecar whose fleet went away without stopping it (killed) exits after this long with no engine writing."""
+KEPT_SETTINGS = frozenset({"MEMWATCH_WHERE"})
+"""The caller's ``MEMWATCH_*`` variables a fleet sidecar keeps; every other one configures a sidecar of the caller's
+(its state directory and lock, trusted uids, exporters, bundles) and would make the fleet's sidecars share it."""
 _LISTENING = re.compile(r"Prometheus on http://127\.0\.0\.1:(\d+)/metrics")
 
 
@@ -44,6 +47,7 @@ class FleetSidecar:
         self.runtime_dir = home / "rings"
         self.db_path = home / "memwatch.db"
         self.log_path = home / "sidecar.log"
+        self.state_dir = home / "state"
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.extra_args = extra_args
         self.port: int | None = None
@@ -53,12 +57,14 @@ class FleetSidecar:
 
     def start(self) -> None:
         """Start the process; :meth:`wait_listening` says where it serves."""
-        env = {**os.environ, "MEMWATCH_SPAWN": "0"}
-        for name in ("MEMWATCH_PROMETHEUS", "MEMWATCH_OTLP", "MEMWATCH_CONSOLE", "OTEL_METRICS_EXPORTER"):
-            env.pop(name, None)
+        env = {name: value for name, value in os.environ.items()
+               if not name.startswith("MEMWATCH_") or name in KEPT_SETTINGS}
+        env.pop("OTEL_METRICS_EXPORTER", None)
+        env["MEMWATCH_SPAWN"] = "0"
         command = [sys.executable, "-m", "memwatch", "serve", "--runtime-dir", str(self.runtime_dir),
-                   "--db", str(self.db_path), "--prometheus", "127.0.0.1:0", "--no-detect",
-                   "--poll-interval", str(POLL_INTERVAL_S), "--exit-when-idle", str(ORPHAN_EXIT_S), *self.extra_args]
+                   "--state-dir", str(self.state_dir), "--db", str(self.db_path), "--prometheus", "127.0.0.1:0",
+                   "--no-detect", "--poll-interval", str(POLL_INTERVAL_S), "--exit-when-idle", str(ORPHAN_EXIT_S),
+                   *self.extra_args]
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              env=env, start_new_session=True)

@@ -23,7 +23,7 @@ from memwatch.sim.fleet.engine import FleetRequest
 from memwatch.sim.scenario import MAX_SCENARIO_REF, Scenario, _parse_toml, parse_fault, shipped_scenarios
 
 DEFAULT_SHAPES = ((1024, 256), (4096, 1024))
-"""The shapes a trace without ``admission_shapes`` routes by."""
+"""The shapes the sidecars of a trace without ``admission_shapes`` export ``memwatch_admissible_requests`` for."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ class FleetTrace:
     def requests(self, seed: int | None = None) -> list[FleetRequest]:
         """The routed stream: the workload drawn with ``seed`` (default: the scenario's own)."""
         drawn = self.scenario.workload.generate(self.scenario.seed if seed is None else seed)
-        return [FleetRequest(r.request_id, r.prompt_tokens, r.output_tokens, r.arrival_ns) for r in drawn]
+        return [FleetRequest(r.request_id, r.prompt_tokens, r.output_tokens, r.arrival_ns, r.stop_tokens)
+                for r in drawn]
 
     def check(self, engines: int) -> None:
         for index, _fault in self.engine_faults:
