@@ -60,7 +60,9 @@ def test_the_last_uploads_get_what_is_left_of_the_grace_period(tmp_path: Path, s
         took = time.monotonic() - began
     assert took < grace, (took, out)
     left = float(out.split("shipping what is spooled within ")[1].split(" s")[0])
-    assert grace - 6 - 1 < left <= grace - 6, out  # the period less the exit's 6 s, from the loop's last round
+    # The period less the exit's 6 s, counted from the loop's last round: at most its idle wait (1 s) before the
+    # signal, and a moment more on a loaded machine.
+    assert grace - 6 - 1.5 < left <= grace - 6, out
     keys = server.keys(bucket)
     if ships:
         assert keys == [f"incidents/{bundle.name}"] and took >= 15, (took, out)

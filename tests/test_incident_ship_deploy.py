@@ -16,21 +16,26 @@ def memwatch_env(text: str) -> list[dict] | None:
     raise AssertionError("no memwatch container rendered")
 
 
-@pytest.mark.parametrize("shape", [[], ["--set", "mode=agent"], ["--set", "memwatch.nativeSidecar=false"]])
-def test_bundles_to_sets_the_environment_variable(shape):
+AGENT_GRACE = [{"name": "MEMWATCH_GRACE_PERIOD", "value": "60"}]
+"""Told to stop with its pod, the agent ships within its grace period (agent.terminationGracePeriodSeconds)."""
+
+
+@pytest.mark.parametrize(("shape", "first"), [([], []), (["--set", "mode=agent"], AGENT_GRACE),
+                                              (["--set", "memwatch.nativeSidecar=false"], [])])
+def test_bundles_to_sets_the_environment_variable(shape, first):
     rendered = template("r", [*shape, "--set", "bundles.to=s3://incidents/prod",
                               "--set-json", 'memwatch.env=[{"name":"AWS_REGION","value":"eu-west-1"}]'])
-    assert memwatch_env(rendered) == [{"name": "MEMWATCH_BUNDLE_TO", "value": "s3://incidents/prod"},
+    assert memwatch_env(rendered) == [*first, {"name": "MEMWATCH_BUNDLE_TO", "value": "s3://incidents/prod"},
                                       {"name": "AWS_REGION", "value": "eu-west-1"}]
 
 
-@pytest.mark.parametrize("shape", [[], ["--set", "mode=agent"]])
-def test_off_by_default(shape):
-    assert memwatch_env(template("r", shape)) is None
+@pytest.mark.parametrize(("shape", "env"), [([], None), (["--set", "mode=agent"], AGENT_GRACE)])
+def test_off_by_default(shape, env):
+    assert memwatch_env(template("r", shape)) == env  # no MEMWATCH_BUNDLE_TO
 
 
 def test_the_agent_example_and_its_rendering_ship_to_the_nodes_folder():
     rendered = template("memwatch-agent", ["-f", str(ROOT / "deploy/helm/examples/agent.yaml")])
-    expected = [{"name": "MEMWATCH_BUNDLE_TO", "value": "file:///var/lib/memwatch/incidents"}]
+    expected = [*AGENT_GRACE, {"name": "MEMWATCH_BUNDLE_TO", "value": "file:///var/lib/memwatch/incidents"}]
     assert memwatch_env(rendered) == expected
     assert memwatch_env((ROOT / "deploy/daemonset/memwatch-agent.yaml").read_text()) == expected

@@ -17,7 +17,7 @@ PKG = ROOT / "memwatch"
 # The modules kept at the top of memwatch/, each read by several parts (or an entry point).
 TOP = {
     "__init__", "__main__", "errors", "flags", "identity", "ledger", "losses", "nvml", "records", "ring_records",
-    "sglang_rule", "terminal", "units",
+    "sglang_rule", "terminal", "units", "log_lines",
 }
 # The sidecar's own modules (memwatch serve: its loop, its rings' state, liveness, checks).
 SIDECAR = {

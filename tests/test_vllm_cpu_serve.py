@@ -147,12 +147,18 @@ def test_vllm_and_memwatch_agree_while_vllm_holds_its_requests_paused(served: Se
     """
     url = served.server.url
     jobs = prompts(6, PROMPT, seed=23)
-    finished_before = served.server.metrics()["vllm:request_success_total"]
+    finished_before = _finished_when_idle(served)
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         futures = [pool.submit(complete, url, job, OUTPUT, stream=True) for job in jobs]
         moments = []
-        for _ in range(3):
-            time.sleep(0.3)
+        for _ in range(8):  # on a loaded machine a pause may come before every request is in: try again
+            if len(moments) == 2 or all(future.done() for future in futures):
+                break
+            deadline = time.monotonic() + 30  # pause once vLLM holds every request (a few steps in, none done)
+            while (sum(_gauges(served.server.metrics())[1:]) < len(jobs) and time.monotonic() < deadline
+                   and not all(future.done() for future in futures)):
+                time.sleep(0.05)
+            time.sleep(0.1)
             _post(f"{url}/pause?mode=keep")
             try:
                 time.sleep(1.0)  # the sidecar drains at least every 0.4 s
@@ -194,6 +200,20 @@ def test_sigterm_ends_the_run_ok_with_every_ring_drained_and_removed(served: Ser
     assert status == "ok"
     assert query(served.db, "SELECT rank, status FROM ranks ORDER BY rank") == [(0, "ok"), (1, "ok")]
     assert wait_for(lambda: not list(served.runtime.glob(f"{run_id}-*.ring")), 30, "the rings removed")
+
+
+def _finished_when_idle(served: Served) -> float:
+    """vLLM's count of finished requests once it holds none and the count stands still: read while an earlier
+    test's last requests were still being counted, it never equals the count during this test's pauses."""
+    deadline, last = time.monotonic() + 60, None
+    while time.monotonic() < deadline:
+        values = served.server.metrics()
+        now = values["vllm:request_success_total"]
+        if sum(_gauges(values)[1:]) == 0 and now == last:
+            return now
+        last = now
+        time.sleep(0.2)
+    raise AssertionError("vLLM never settled idle before the paused test")
 
 
 def _post(url: str) -> None:

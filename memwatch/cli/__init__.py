@@ -50,7 +50,7 @@ COMMANDS: dict[str, str] = {
     "run": "Run CMD with memwatch on: MEMWATCH=1 and one MEMWATCH_RUN_ID for it and every process it starts.",
     "sql": "Run one read-only SQL query on the database and print its rows.",
     "bundle": "Write a run's incident bundle: one checked .tar.gz every reading command opens with --db.",
-    "incidents": "List the incident bundles under a folder or URL, newest first, each verified.",
+    "incidents": "List the incident bundles under a folder or URL, newest first, each by its manifest.",
     "prune": "Roll samples older than --keep-full up per second per rank, keep the evidence, reclaim space.",
 }
 """Every command: its module under ``memwatch.cli`` (same name, ``-`` as ``_``) and its short help."""
