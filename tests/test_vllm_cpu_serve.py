@@ -145,31 +145,11 @@ def test_vllm_and_memwatch_agree_while_vllm_holds_its_requests_paused(served: Se
     blocks: free tokens ``(16 − U) × 128``, committed usage ``(U + 6r − U) / 16`` (the waiting ones were
     preempted or never admitted: they hold none).
     """
-    url = served.server.url
-    jobs = prompts(6, PROMPT, seed=23)
-    finished_before = _finished_when_idle(served)
-    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-        futures = [pool.submit(complete, url, job, OUTPUT, stream=True) for job in jobs]
-        moments = []
-        for _ in range(8):  # on a loaded machine a pause may come before every request is in: try again
-            if len(moments) == 2 or all(future.done() for future in futures):
-                break
-            deadline = time.monotonic() + 30  # pause once vLLM holds every request (a few steps in, none done)
-            while (sum(_gauges(served.server.metrics())[1:]) < len(jobs) and time.monotonic() < deadline
-                   and not all(future.done() for future in futures)):
-                time.sleep(0.05)
-            time.sleep(0.1)
-            _post(f"{url}/pause?mode=keep")
-            try:
-                time.sleep(1.0)  # the sidecar drains at least every 0.4 s
-                vllm, mine = served.server.metrics(), served.memwatch()
-            finally:
-                _post(f"{url}/resume")
-            gauges = _gauges(vllm)
-            if vllm["vllm:request_success_total"] == finished_before and gauges[1] + gauges[2] == len(jobs):
-                moments.append((gauges, mine))  # every request in, none finished
-        done = [future.result(timeout=600) for future in futures]
-    assert [c.output_tokens for c in done] == [OUTPUT] * len(jobs)
+    moments: list[tuple[tuple[float, float, float], dict[str, float]]] = []
+    for batch in range(3):  # a batch whose every pause came too early or too late is run again, with new prompts
+        moments = _paused_moments(served, prompts(6, PROMPT, seed=23 + batch))
+        if moments:
+            break
     assert moments
     for (usage, running, waiting), mine in moments:
         blocks = round(usage * USABLE)
@@ -200,6 +180,36 @@ def test_sigterm_ends_the_run_ok_with_every_ring_drained_and_removed(served: Ser
     assert status == "ok"
     assert query(served.db, "SELECT rank, status FROM ranks ORDER BY rank") == [(0, "ok"), (1, "ok")]
     assert wait_for(lambda: not list(served.runtime.glob(f"{run_id}-*.ring")), 30, "the rings removed")
+
+
+def _paused_moments(served: Served, jobs: list) -> list[tuple[tuple[float, float, float], dict[str, float]]]:
+    """vLLM's gauges and memwatch's at up to two pauses of one batch in which every request is in and none has
+    finished; every request completes with all its tokens."""
+    url = served.server.url
+    finished_before = _finished_when_idle(served)
+    moments = []
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = [pool.submit(complete, url, job, OUTPUT, stream=True) for job in jobs]
+        for _ in range(8):  # on a loaded machine a pause may come before every request is in: try again
+            if len(moments) == 2 or all(future.done() for future in futures):
+                break
+            deadline = time.monotonic() + 30  # pause once vLLM holds every request (a few steps in, none done)
+            while (sum(_gauges(served.server.metrics())[1:]) < len(jobs) and time.monotonic() < deadline
+                   and not all(future.done() for future in futures)):
+                time.sleep(0.05)
+            time.sleep(0.1)
+            _post(f"{url}/pause?mode=keep")
+            try:
+                time.sleep(1.0)  # the sidecar drains at least every 0.4 s
+                vllm, mine = served.server.metrics(), served.memwatch()
+            finally:
+                _post(f"{url}/resume")
+            gauges = _gauges(vllm)
+            if vllm["vllm:request_success_total"] == finished_before and gauges[1] + gauges[2] == len(jobs):
+                moments.append((gauges, mine))  # every request in, none finished
+        done = [future.result(timeout=600) for future in futures]
+    assert [c.output_tokens for c in done] == [OUTPUT] * len(jobs)
+    return moments
 
 
 def _finished_when_idle(served: Served) -> float:
