@@ -53,6 +53,10 @@ tuples: the live detectors, which would otherwise pay for a typed record per sam
 ``events_only = True`` with the drain's events alone."""
 
 
+class _ListingCut(Exception):
+    """The last listing reached its deadline."""
+
+
 class Collector:
     """Drains every trusted ring of one runtime directory into the store."""
 
@@ -113,8 +117,33 @@ class Collector:
     def scan(self) -> None:
         """Open rings that appeared since the last scan (by the directory's descriptor: :mod:`.ring_finder`): the
         names the discovery thread found, or, without one, those a scan of the directory finds now."""
-        names = self._finder.candidates() if self._discovery is None else self._discovery.take()
-        for name in names:
+        self._open_all(list(self._finder.candidates() if self._discovery is None else self._discovery.take()))
+
+    def last_scan(self, deadline: float) -> None:
+        """Before the last drain: stop the discovery thread and list the directory once more on this thread, so a
+        ring created while the sidecar could not run (stopped, or its thread not yet told) is drained too; the
+        listing ends at ``deadline`` (a flooded directory), leaving the rest in the rings."""
+        names: list[str] = []
+        if self._discovery is not None:
+            self._discovery.stop(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            names = self._discovery.take()
+            if self._discovery.running:
+                self._open_all(names)
+                return  # still listing: two listings at once would share the finder's state
+
+        def past_deadline() -> None:
+            if time.monotonic() >= deadline:
+                raise _ListingCut
+
+        try:
+            names += list(self._finder.listing(between=past_deadline))
+        except _ListingCut:
+            log.warning("the last look for new rings stopped at its deadline; rings it did not reach stay for "
+                        "the next sidecar")
+        self._open_all(names)
+
+    def _open_all(self, names: list[str]) -> None:
+        for name in dict.fromkeys(names):
             path = self.runtime_dir / name
             if path not in self.rings and path not in self._finishing:
                 self._open(name, path)

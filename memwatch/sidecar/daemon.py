@@ -368,7 +368,7 @@ class Sidecar:
         ``close`` then commits what was queued (or gives up on a database that stays locked or full).
         """
         deadline = time.monotonic() + budget_s
-        self.collector.scan()
+        self.collector.last_scan(time.monotonic() + budget_s / 2)
         while time.monotonic() < deadline and self.writer.paused is None:
             self._check_writer()
             read = self.collector.poll()

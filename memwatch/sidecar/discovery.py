@@ -74,6 +74,11 @@ class Discovery:
         return names
 
     @property
+    def running(self) -> bool:
+        """Whether the thread is still at work (a stop waits for a listing's next slice)."""
+        return self._thread.is_alive()
+
+    @property
     def pending(self) -> bool:
         return bool(self._pending)
 
