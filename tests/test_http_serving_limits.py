@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from memwatch.export import http_serving
+from memwatch.export import http_serving, shared_answers
 from memwatch.export.http_serving import HttpListener, Reply, raise_open_files_limit
 
 NO_ROOM = ("--edge: cannot accept a connection (Too many open files); the oldest waiting ones are closed to make "
@@ -145,11 +145,11 @@ def test_close_gives_up_on_stuck_workers_after_two_seconds_in_all(listeners: lis
         return Reply(200, b"late\n")
 
     listener = _start(listeners, stuck, offload=True)
-    clients = [socket.create_connection(("127.0.0.1", listener.port), timeout=5) for _ in range(http_serving.WORKERS)]
+    clients = [socket.create_connection(("127.0.0.1", listener.port), timeout=5) for _ in range(shared_answers.WORKERS)]
     try:
         for i, client in enumerate(clients):
             client.sendall(f"GET /slow{i} HTTP/1.1\r\n\r\n".encode())  # four paths: four answers, none shared
-        _wait(lambda: listener.in_flight == http_serving.WORKERS)
+        _wait(lambda: listener.in_flight == shared_answers.WORKERS)
         started = time.monotonic()
         listener.close()
         took = time.monotonic() - started

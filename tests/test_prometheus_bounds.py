@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from memwatch.export import http_serving
+from memwatch.export import http_serving, shared_answers
 from memwatch.export.http_serving import HttpListener, Reply
 from memwatch.export.prometheus import PrometheusEndpoint
 from memwatch.export.state import ExportState
@@ -138,7 +138,7 @@ def test_requests_for_more_paths_than_the_workers_and_their_queue_are_answered_5
     listener.start()
     held: list[socket.socket] = []
     try:
-        for i in range(http_serving.WORKERS + http_serving.QUEUED):
+        for i in range(shared_answers.WORKERS + shared_answers.QUEUED):
             conn = socket.create_connection(("127.0.0.1", listener.port), timeout=10)
             conn.sendall(f"GET /x{i} HTTP/1.1\r\n\r\n".encode())  # each its own path: no answer shared
             held.append(conn)
@@ -194,7 +194,7 @@ def test_close_stops_every_thread_and_the_port() -> None:
     endpoint = PrometheusEndpoint("127.0.0.1", 0, ExportState())
     endpoint.start()
     started = {thread.name for thread in threading.enumerate()} - before
-    assert started == {"memwatch-prometheus", *(f"memwatch-prometheus-{i}" for i in range(http_serving.WORKERS))}
+    assert started == {"memwatch-prometheus", *(f"memwatch-prometheus-{i}" for i in range(shared_answers.WORKERS))}
     idle = socket.create_connection(("127.0.0.1", endpoint.port), timeout=5)
     began = time.monotonic()
     endpoint.close()

@@ -14,11 +14,8 @@ connection costs a file descriptor and about a kilobyte. Whoever connects:
   the oldest that has not completed its request is closed to make room. A probe or a scrape sends its
   request at once, so it always gets in, and is answered within milliseconds.
 - **Only a complete request reaches a handler.** Cheap routes (the health checks) run on the loop; a
-  costly one (``/metrics``) runs on :data:`WORKERS` threads. Requests for the same path share one answer:
-  every request that arrives while that path's answer is being made waits for the next one, made as soon as
-  that one is done, for all of them (one render, one body), so any number of clients, reading their answers
-  or not, costs one render at a time, and a scrape among them is answered with the next. Beyond
-  :data:`QUEUED` distinct paths waiting, a request for another path is answered 503 at once.
+  costly one (``/metrics``) runs on worker threads, one answer per path shared by every request waiting for it
+  (:mod:`memwatch.export.shared_answers`); too many distinct paths waiting, and a request is answered 503 at once.
 
 Repeated trouble (no file descriptors left, connections evicted, a handler failing) is logged at most
 once a minute, with a count.
@@ -29,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import queue
 import re
 import resource
 import socket
@@ -40,6 +36,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from ..errors import UnavailableError
+from .shared_answers import SharedAnswers
 
 log = logging.getLogger("memwatch.export")
 
@@ -52,11 +49,6 @@ MAX_REQUEST_BYTES = 8192
 MAX_CONNECTIONS = 8192
 """Connections open at once at most, per listener (fewer where file descriptors are few: :func:`connection_cap`)."""
 MIN_CONNECTIONS = 64
-WORKERS = 4
-"""Threads that run an offloaded route (``/metrics``); more requests than this wait (at most :data:`QUEUED`)."""
-QUEUED = 64
-"""Answers (of distinct paths) waiting for a worker; a request for another path beyond this is answered 503 at
-once (one for a path already waiting joins it)."""
 BACKLOG = 4096
 """The kernel's queue of connections not yet accepted (the system caps it at ``net.core.somaxconn``): a burst of
 reconnects beyond it has SYNs dropped, a probe's among them, so it is as deep as the system allows."""
@@ -146,14 +138,7 @@ class HttpListener:
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._workers: list[threading.Thread] = []
-        self._jobs: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-        self._in_flight = 0
-        self._waiting: dict[str, list[_Conn]] = {}
-        """Path -> the requests its next answer goes to (the answer not begun yet); shared with the workers."""
-        self._running: set[str] = set()
-        """Paths a worker is answering now: one answer of a path at a time (the next is queued when it ends)."""
-        self._waiting_lock = threading.Lock()  # guards the two above and _in_flight
+        self._answers: SharedAnswers[_Conn, Reply] = SharedAnswers(name, self._call, self._answered_by_worker)
         self._reading: OrderedDict[int, _Conn] = OrderedDict()  # by accept time: the oldest is evicted first
         self._answering: OrderedDict[int, _Conn] = OrderedDict()  # by the time the request completed
         self._stopping = threading.Event()
@@ -179,10 +164,7 @@ class HttpListener:
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
         if self.offload:
-            self._workers = [threading.Thread(target=self._work, name=f"{self.name}-{i}", daemon=True)
-                             for i in range(WORKERS)]
-            for worker in self._workers:
-                worker.start()
+            self._answers.start()
 
     @property
     def port(self) -> int:
@@ -193,7 +175,7 @@ class HttpListener:
     def in_flight(self) -> int:
         """Answers being made or waiting to be (at most ``WORKERS + QUEUED``), each for one or more requests of
         the same path; a path has one being made at most, and one waiting."""
-        return self._in_flight
+        return self._answers.in_flight
 
     @property
     def open_connections(self) -> int:
@@ -210,13 +192,11 @@ class HttpListener:
             loop.call_soon_threadsafe(loop.stop)
         except RuntimeError:  # the loop already ended
             pass
-        for _ in self._workers:
-            self._jobs.put(None)
+        workers = self._answers.stop()
         deadline = time.monotonic() + CLOSE_S
-        for thread in [self._thread, *self._workers]:
+        for thread in [self._thread, *workers]:
             if thread is not None:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        self._workers = []
 
     # The loop's thread -------------------------------------------------------------------------------
 
@@ -306,19 +286,10 @@ class HttpListener:
         if not self.offload or (self._offloaded is not None and path not in self._offloaded):
             self._answer(conn, self._call(path))
             return
-        with self._waiting_lock:
-            waiting = self._waiting.get(path)
-            if waiting is not None:  # its next answer, not begun yet, goes to this request too
-                waiting.append(conn)
-            elif self._in_flight < WORKERS + QUEUED:
-                self._waiting[path] = [conn]
-                self._in_flight += 1
-                if path not in self._running:  # else queued when that answer is made: never two at once
-                    self._jobs.put(path)
-            else:
-                self.refused += 1
-                self._answer(conn, Reply(503, b"busy: too many requests at once; try again\n"))
-                return
+        if not self._answers.add(path, conn):
+            self.refused += 1
+            self._answer(conn, Reply(503, b"busy: too many requests at once; try again\n"))
+            return
         self._to_answering(conn, _HANDLING)  # before the answer: it reaches the loop only after this returns
 
     def _call(self, path: str) -> Reply:
@@ -340,7 +311,7 @@ class HttpListener:
             self._answering[conn.fd] = conn
         conn.state = state
 
-    def _answered_by_worker(self, conns: list[_Conn], reply: Reply) -> None:
+    def _answer_all(self, conns: list[_Conn], reply: Reply) -> None:
         for conn in conns:
             if conn.state == _HANDLING:  # else closed meanwhile, by its deadline or to make room
                 self._answer(conn, reply)  # the one body, shared: never copied per connection
@@ -432,25 +403,7 @@ class HttpListener:
 
     # The workers' threads ----------------------------------------------------------------------------
 
-    def _work(self) -> None:
+    def _answered_by_worker(self, conns: list[_Conn], reply: Reply) -> None:
+        """Hand ``reply`` to the loop for ``conns``; raises ``RuntimeError`` once the loop has closed."""
         assert self._loop is not None
-        while not self._stopping.is_set():
-            try:
-                job = self._jobs.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if job is None:
-                return
-            with self._waiting_lock:  # from now on a request for this path waits for the next answer
-                conns = self._waiting.pop(job)
-                self._running.add(job)
-            reply = self._call(job)
-            with self._waiting_lock:
-                self._running.discard(job)
-                self._in_flight -= 1
-                if job in self._waiting:  # requests that came while it was made: the next answer, now
-                    self._jobs.put(job)
-            try:
-                self._loop.call_soon_threadsafe(self._answered_by_worker, conns, reply)
-            except RuntimeError:  # the loop closed meanwhile
-                return
+        self._loop.call_soon_threadsafe(self._answer_all, conns, reply)
