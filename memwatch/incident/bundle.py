@@ -19,7 +19,6 @@ import json
 import os
 import re
 import secrets
-import sqlite3
 import tarfile
 import time
 from collections.abc import Callable, Mapping
@@ -27,16 +26,16 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 from memwatch_engine.dirfd import create_exclusive, open_dir, open_regular
 
 from ..errors import MemwatchError
-from ..store.db import Database, open_store, readonly_uri
+from ..store.db import Database
 from ..store.queries import get_run
-from ..store.retention import NS, Retention, plan_run
+from ..store.retention import NS
 from . import manifest as m
 from . import pgzip
+from .run_copy import copy_run, full_from, full_span, shorten
 from .scratch import PART_PREFIX, WorkDir
 
 if TYPE_CHECKING:
@@ -50,12 +49,6 @@ LOG_TAIL_BYTES = 256 * 1024
 COMPRESS_LEVEL = 1
 """gzip's fastest level: on a 15-minute window of 8 ranks it is 5 % larger than level 6 and takes a quarter of the
 time (bench/bench_bundle.py); the build must fit a pod's termination grace period."""
-
-RUN_TABLES = ("runs", "ranks", "events", "flags", "rank_summaries", "serving_minutes")
-"""Tables copied by ``run_id``; ``sample_rows`` and ``sample_seconds`` are copied by the run's key. Rows set aside
-as undecodable (``set_aside``: another process's raw bytes) and ring cursors stay on the node."""
-KEY_TABLES = ("sample_rows", "sample_seconds")
-
 
 class BundleTooLarge(MemwatchError):
     """Even at the shortest window and without its log, the bundle is over the cap."""
@@ -121,10 +114,10 @@ def build_at(db: Database, ref: str, trigger: str, dir_fd: int, shown: Path, *, 
     with WorkDir(dir_fd) as work, ThreadPoolExecutor(pgzip.workers() + 1, thread_name_prefix="memwatch-bundle") as pool:
         database = work.path(m.DATABASE)
         pending = pool.submit(_accounts, db, run.run_id, config)  # SQLite lets go of the GIL: both go at once
-        _copy_run(source, database, run.run_id)
+        copy_run(source, database, run.run_id)
         tail = (log_tail or b"")[-LOG_TAIL_BYTES:]
         dropped: list[str] = []
-        window: dict[str, int | None] = {"full_from_ns": _full_from(database), "full_seconds_dropped": 0}
+        window: dict[str, int | None] = {"full_from_ns": full_from(database), "full_seconds_dropped": 0}
         rolled = 0
         shrinkable = True
         while True:
@@ -144,15 +137,15 @@ def build_at(db: Database, ref: str, trigger: str, dir_fd: int, shown: Path, *, 
             archive = _archive(made, files, created, pool, early)
             if len(archive) <= cap_bytes:
                 break
-            span = _full_span(database)
+            span = full_span(database)
             more = 0
             if span > MIN_WINDOW_NS and shrinkable:
                 keep = max(MIN_WINDOW_NS, int(span * cap_bytes / len(archive) * 0.8))
-                more = _shorten(database, run.run_id, keep)
+                more = shorten(database, run.run_id, keep)
                 shrinkable = more > 0 and keep > MIN_WINDOW_NS  # at the shortest window, or nothing left to roll
             if more:
                 rolled += more
-                window["full_from_ns"] = _full_from(database)
+                window["full_from_ns"] = full_from(database)
                 if "full-resolution window shortened" not in dropped:
                     dropped.append("full-resolution window shortened")
             elif tail:
@@ -251,93 +244,6 @@ def _source_path(db: Database) -> str:
         if name == "main" and file:
             return str(file)
     raise MemwatchError("a bundle is built from a database file, not an in-memory database")
-
-
-def _copy_run(source: str, target: str, run_id: str) -> None:
-    """The run's rows, with the schema of this memwatch, into a new database file ``target``.
-
-    A table that holds this run's rows only, in a source of this schema, is copied whole (``INSERT … SELECT *``,
-    which SQLite copies record by record without decoding them: three times faster on the samples); any other
-    by the run's key."""
-    open_store(target).conn.close()
-    conn = sqlite3.connect(f"file:{quote(os.fsencode(target))}", uri=True)
-    try:
-        conn.execute("PRAGMA journal_mode=DELETE")  # one file, no -wal, when read from the bundle
-        conn.execute("PRAGMA synchronous=OFF")  # a scratch file: the archive is synced, not it
-        conn.execute("PRAGMA cache_size=-65536")
-        conn.execute("ATTACH DATABASE ? AS src", (readonly_uri(source),))
-        same_schema = conn.execute("PRAGMA src.user_version").fetchone()[0] == \
-            conn.execute("PRAGMA main.user_version").fetchone()[0]
-        key = conn.execute("SELECT run_key FROM src.runs WHERE run_id = ?", (run_id,)).fetchone()
-        with conn:
-            for table in (*RUN_TABLES, *KEY_TABLES):
-                theirs = [row[1] for row in conn.execute(f"PRAGMA src.table_info({table})")]
-                ours = [row[1] for row in conn.execute(f"PRAGMA main.table_info({table})")]
-                columns = [column for column in ours if column in theirs]
-                if not columns:
-                    continue
-                where, param = ("run_id", run_id) if table in RUN_TABLES else ("run_key", key[0] if key else None)
-                if same_schema and theirs == ours and _only(conn, table, where, param):
-                    conn.execute(f"INSERT INTO main.{table} SELECT * FROM src.{table}")
-                    continue
-                names = ", ".join(columns)
-                conn.execute(f"INSERT INTO main.{table} ({names}) SELECT {names} FROM src.{table} WHERE {where} = ?",
-                             (param,))
-            conn.execute("DELETE FROM main.incidents")  # what the copy's own triggers decided: a bundle owes nothing
-        conn.execute("DETACH DATABASE src")  # a new file filled in key order has no free pages: no VACUUM
-    finally:
-        conn.close()
-
-
-def _only(conn: sqlite3.Connection, table: str, column: str, value: object) -> bool:
-    """Whether every row of ``src.table`` has ``column = value`` (its first key column: one index look-up)."""
-    low = conn.execute(f"SELECT min({column}) FROM src.{table}").fetchone()[0]  # one aggregate a query: else a
-    high = conn.execute(f"SELECT max({column}) FROM src.{table}").fetchone()[0]  # scan of the whole table
-    return low is not None and low == high == value
-
-
-def _full_from(database: str) -> int | None:
-    """The first full-resolution sample's time: the least of each rank's first (a few look-ups of the samples'
-    key, ``run_key, rank, ts_ns``, where ``min(ts_ns)`` alone would read them all)."""
-    conn = sqlite3.connect(database)
-    try:
-        first: int | None = None
-        for (key,) in conn.execute("SELECT run_key FROM runs").fetchall():
-            rank = conn.execute("SELECT min(rank) FROM sample_rows WHERE run_key = ?", (key,)).fetchone()[0]
-            while rank is not None:
-                ts = conn.execute("SELECT min(ts_ns) FROM sample_rows WHERE run_key = ? AND rank = ?",
-                                  (key, rank)).fetchone()[0]
-                first = ts if first is None or ts < first else first
-                rank = conn.execute("SELECT min(rank) FROM sample_rows WHERE run_key = ? AND rank > ?",
-                                    (key, rank)).fetchone()[0]
-        return first
-    finally:
-        conn.close()
-
-
-def _full_span(database: str) -> int:
-    conn = sqlite3.connect(database)
-    try:
-        low, high = conn.execute("SELECT min(ts_ns), max(ts_ns) FROM sample_rows").fetchone()
-    finally:
-        conn.close()
-    return 0 if low is None else high - low
-
-
-def _shorten(database: str, run_id: str, keep_ns: int) -> int:
-    """Roll up the run's full-resolution samples older than ``keep_ns`` before its last one; the seconds rolled."""
-    conn = sqlite3.connect(database)
-    try:
-        db = Database(conn)
-        before = conn.execute("SELECT count(*) FROM sample_seconds").fetchone()[0]
-        with conn:
-            for sql, params in plan_run(db, run_id, Retention(full_ns=keep_ns, evidence_ns=0, rollups_ns=None)):
-                conn.execute(sql, params)
-        after = conn.execute("SELECT count(*) FROM sample_seconds").fetchone()[0]
-        conn.execute("VACUUM")
-        return max(after - before, 0)
-    finally:
-        conn.close()
 
 
 def _archive(made: m.Manifest, files: Mapping[str, bytes], created_ns: int, pool: Executor | None = None,
