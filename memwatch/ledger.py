@@ -13,8 +13,9 @@ One name per quantity, in every command and in the JSON (these field names are t
 
 =========================  ===========================================================================
 ``budget_bytes``           ``total × utilization`` (or what an explicit KV size committed, below)
-``non_torch_bytes``        non-PyTorch: ``used − reserved``, everything the allocator does not hold
-                           (CUDA context, NCCL/cuBLAS workspaces, graph pools, other processes)
+``non_torch_bytes``        non-PyTorch: ``used − reserved − KV outside the allocator``, everything the
+                           allocator does not hold (CUDA context, NCCL/cuBLAS workspaces, graph pools,
+                           other processes) except the KV cache an engine mapped past it (below)
 ``cache_slack_bytes``      ``reserved − allocated``: cached by the allocator, unallocated
 ``weights_bytes``          the weights (``weights_loaded``, else all of ``current`` at sizing)
 ``torch_other_bytes``      other long-lived PyTorch memory: ``current − weights`` at sizing, plus what a
@@ -45,6 +46,15 @@ Choices, where the model leaves room:
   is negative. When the sizing event carries the allocator's ``reserved_bytes``, headroom at sizing
   is computed with the same terms as on every sample (residual 0 at sizing); without it, non-PyTorch
   at sizing is the engine's ``used - current`` and its cache slack shows up as a positive residual.
+* KV memory an engine commits through the driver's virtual-memory API (``cuMemCreate``/``cuMemMap``:
+  vLLM 0.34's extensible KV cache, SGLang's pool sized after CUDA-graph capture) is in the driver's
+  ``used`` and in no allocator counter. The engine says what it committed (``kv_outside_allocator_bytes``,
+  and ``kv_outside_in_readings_bytes`` for the part already committed when the sizing readings were
+  taken); the KV term counts it, so non-PyTorch is ``used − reserved`` less that, and what stays
+  allocated is compared with the KV term less it. Only up to the KV term: what the engine mapped beyond
+  (granule rounding) is memory outside PyTorch the KV term does not hold, and stays non-PyTorch. And
+  only up to ``used − reserved``, so an engine's claim never drives the term below 0 (after the engine
+  unmapped its cache at teardown, say).
 * Cache slack is two different things, told apart by the allocator's own signals when the sample
   carries them: ``pinned_cache_bytes`` (``inactive_split_bytes``: free blocks inside segments that
   still hold a live block; ``empty_cache`` cannot release them, and only requests that fit a hole
@@ -75,6 +85,17 @@ def is_startup_sizing(data: Any) -> bool:
     """A ``kv_allocated`` event's data is the engine's startup sizing (the one a plan or a replay models), not a
     later resize such as SGLang's after CUDA-graph capture (``sizing_event: "post_capture"``)."""
     return not (isinstance(data, dict) and data.get("sizing_event") is not None)
+
+
+def non_torch_bytes(used_bytes: int | None, inside_bytes: int | None, kv_outside_bytes: int = 0) -> int | None:
+    """Non-PyTorch memory, the one definition: the driver's ``used`` beyond what the allocator holds
+    (``inside_bytes``: its reserve, or ``current`` where the reserve is unknown), less the KV memory the engine
+    committed outside the allocator, which the KV term counts. That subtraction takes at most what the driver
+    shows beyond the allocator, so it never makes the term negative."""
+    if used_bytes is None or inside_bytes is None:
+        return None
+    beyond = used_bytes - inside_bytes
+    return beyond - min(kv_outside_bytes, max(beyond, 0))
 
 
 def engine_block_count(
@@ -150,6 +171,11 @@ class Sizing(NamedTuple):
     pool_bytes: int | None = None
     """The KV bytes of every pool when the engine keeps several of different cell sizes (``kv_pools``: SGLang's
     full and sliding-window pools); ``None`` when the KV cache is ``num_blocks × block_bytes``."""
+    kv_outside_allocator_bytes: int = 0
+    """KV memory the engine committed outside PyTorch's allocator once sized (device virtual memory: vLLM 0.34's
+    extensible KV cache, SGLang's post-capture pool): the driver's ``used`` holds it, ``reserved`` does not."""
+    kv_outside_in_readings_bytes: int = 0
+    """The part of it already committed when the readings were taken: in ``used_bytes``, not in ``current``."""
 
     @property
     def kv_bytes(self) -> int | None:
@@ -159,6 +185,16 @@ class Sizing(NamedTuple):
         if self.num_blocks is None or self.block_bytes is None:
             return None
         return self.num_blocks * self.block_bytes
+
+    @property
+    def kv_outside_bytes(self) -> int:
+        """The part of the KV term outside the allocator: what the engine committed there, at most the KV term."""
+        return _within(self.kv_outside_allocator_bytes, self.kv_bytes)
+
+    @property
+    def kv_outside_in_readings(self) -> int:
+        """The part of the KV term outside the allocator that the readings' ``used`` already holds."""
+        return _within(self.kv_outside_in_readings_bytes, self.kv_bytes)
 
     @property
     def checked_by(self) -> str | None:
@@ -205,6 +241,32 @@ class Sizing(NamedTuple):
         sized_by = ("the KV bytes SGLang profiled" if rule.startswith("sglang") else
                     "the KV bytes vLLM sized" if rule == "vllm" else "the explicit KV size")
         return f"used + peak − current + {sized_by}"
+
+
+def _within(outside: int, kv_bytes: int | None) -> int:
+    """``outside`` bytes, at most ``kv_bytes`` when that is known: what the engine mapped beyond its KV term
+    (granule rounding) is not KV."""
+    return outside if kv_bytes is None else min(outside, kv_bytes)
+
+
+def sizing_of(data: dict[str, Any], step: int = 0, ts_ns: int = 0) -> Sizing:
+    """The :class:`Sizing` a ``kv_allocated`` event's data records."""
+    utilization = _number(data, "gpu_memory_utilization")
+    return Sizing(
+        step=step, ts_ns=ts_ns,
+        total_bytes=_integer(data, "total_bytes"),
+        gpu_memory_utilization=None if utilization is None else float(utilization),
+        used_bytes=_integer(data, "used_bytes"), peak_bytes=_integer(data, "peak_bytes"),
+        current_bytes=_integer(data, "current_bytes"), block_bytes=_integer(data, "block_bytes"),
+        num_blocks=_integer(data, "num_blocks"), reserved_bytes=_integer(data, "reserved_bytes"),
+        explicit_kv_bytes=_integer(data, "kv_cache_memory_bytes"),
+        budget_rule=data.get("budget_rule") if isinstance(data.get("budget_rule"), str) else None,
+        rule_inputs=data, kv_unit="token" if data.get("kv_unit") == "token" else "block",
+        kv_in_readings_bytes=_integer(data, "kv_in_readings_bytes") or 0,
+        pool_bytes=_pool_bytes(data.get("kv_pools")),
+        kv_outside_allocator_bytes=max(_integer(data, "kv_outside_allocator_bytes") or 0, 0),
+        kv_outside_in_readings_bytes=max(_integer(data, "kv_outside_in_readings_bytes") or 0, 0),
+    )
 
 
 def _number(data: dict[str, Any], key: str) -> Any:
@@ -256,7 +318,7 @@ class Ledger:
 
     __slots__ = (
         "_activation_reserve", "_budget", "_declared_after_sizing", "_forward_need", "_headroom_at_sizing", "_kv",
-        "_loaded_weights", "_long_lived", "_torch_other", "_weights", "sizing",
+        "_kv_outside", "_loaded_weights", "_long_lived", "_torch_other", "_weights", "sizing",
     )
 
     def __init__(self) -> None:
@@ -272,6 +334,7 @@ class Ledger:
         self._weights: int | None = self._loaded_weights
         self._torch_other: int | None = None
         self._kv: int | None = None
+        self._kv_outside = 0
         self._activation_reserve: int | None = None
         self._long_lived: int | None = None
         self._headroom_at_sizing: int | None = None
@@ -295,20 +358,7 @@ class Ledger:
                 self._set_sizing_terms(self.sizing)
 
     def _size(self, event: Event, data: dict[str, Any]) -> None:
-        utilization = _number(data, "gpu_memory_utilization")
-        self.sizing = Sizing(
-            step=event.step, ts_ns=event.ts_ns,
-            total_bytes=_integer(data, "total_bytes"),
-            gpu_memory_utilization=None if utilization is None else float(utilization),
-            used_bytes=_integer(data, "used_bytes"), peak_bytes=_integer(data, "peak_bytes"),
-            current_bytes=_integer(data, "current_bytes"), block_bytes=_integer(data, "block_bytes"),
-            num_blocks=_integer(data, "num_blocks"), reserved_bytes=_integer(data, "reserved_bytes"),
-            explicit_kv_bytes=_integer(data, "kv_cache_memory_bytes"),
-            budget_rule=data.get("budget_rule") if isinstance(data.get("budget_rule"), str) else None,
-            rule_inputs=data, kv_unit="token" if data.get("kv_unit") == "token" else "block",
-            kv_in_readings_bytes=_integer(data, "kv_in_readings_bytes") or 0,
-            pool_bytes=_pool_bytes(data.get("kv_pools")),
-        )
+        self.sizing = sizing_of(data, event.step, event.ts_ns)
         self._declared_after_sizing = 0
         self._set_sizing_terms(self.sizing)
         self._forward_need = self._activation_reserve
@@ -325,15 +375,22 @@ class Ledger:
         if sizing.peak_bytes is not None and current is not None:
             self._activation_reserve = sizing.peak_bytes - current
         self._long_lived = _sum_or_none(weights, self._torch_other, self._kv)
+        self._kv_outside = sizing.kv_outside_bytes
 
         # What the engine committed at sizing: used - current + current + (peak - current) + KV; with the
-        # reserve known, non-PyTorch is used - reserved as on every sample, and the rest is current again.
+        # reserve known, non-PyTorch is used - reserved as on every sample, and the rest is current again. KV
+        # the engine maps outside the allocator is in the KV term, not in non-PyTorch: all it maps by this
+        # sizing counts (the readings' used may hold only part of it), and what it maps beyond the KV term
+        # (granule rounding) stays non-PyTorch from here on, so that it is no residual.
         used, peak, reserved = sizing.used_bytes, sizing.peak_bytes, sizing.reserved_bytes
-        outside = current if reserved is None else reserved
-        committed_at_sizing = _sum_or_none(used, peak, None if outside is None else -outside, self._kv)
+        inside = current if reserved is None else reserved
+        mapped_later = max(sizing.kv_outside_allocator_bytes - sizing.kv_outside_in_readings_bytes, 0)
+        used_once_mapped = None if used is None else used + mapped_later
+        committed_at_sizing = _sum_or_none(non_torch_bytes(used_once_mapped, inside, self._kv_outside), peak,
+                                           self._kv)
+        in_readings = sizing.kv_outside_in_readings
         if sizing.explicit_kv_bytes is not None:
-            self._budget = _sum_or_none(used, peak, None if current is None else -current,
-                                        sizing.explicit_kv_bytes)
+            self._budget = _sum_or_none(non_torch_bytes(used, current, in_readings), peak, sizing.explicit_kv_bytes)
         elif sizing.total_bytes is not None and sizing.gpu_memory_utilization is not None:
             self._budget = int(sizing.total_bytes * sizing.gpu_memory_utilization)
         if self._budget is not None and committed_at_sizing is not None:
@@ -351,7 +408,7 @@ class Ledger:
         allocated = sample.allocated_bytes
         reserved = sample.reserved_bytes
         used = sample.driver_used_bytes
-        non_torch = None if used is None or reserved is None else used - reserved
+        non_torch = non_torch_bytes(used, reserved, self._kv_outside)
         slack = None if reserved is None or allocated is None else reserved - allocated
         reserve = self._activation_reserve
         free = sample.driver_free_bytes
@@ -378,13 +435,15 @@ class Ledger:
         if long_lived is None:
             return LedgerTerms(self._budget, non_torch, slack, self._weights, self._torch_other, self._kv,
                                reserve, None, None, None, None, margin, reclaimable, pinned, None, need)
+        allocated_long_lived = long_lived - self._kv_outside  # the allocator never held the KV mapped outside it
         if allocated is None:
             activation_now = kept = None
         else:
-            activation_now = allocated - long_lived
+            activation_now = allocated - allocated_long_lived
             kept = activation_now + self._torch_other  # type: ignore[operator]
         step_peak = sample.peak_bytes
-        step_activation = step_peak - long_lived if sample.peak_is_step and step_peak is not None else None
+        step_activation = (step_peak - allocated_long_lived if sample.peak_is_step and step_peak is not None
+                           else None)
         headroom = residual = None
         if non_torch is not None and reserve is not None and self._budget is not None:
             headroom = self._budget - non_torch - long_lived - reserve

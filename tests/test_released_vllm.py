@@ -348,6 +348,38 @@ def test_an_extensible_kv_cache_is_recorded_with_the_count_committed_after_warmu
                             "IS NOT NULL")
     assert totals == [(179,)]
 
+    # vLLM maps the blocks through the driver's virtual memory, outside PyTorch's allocator: on the fake device
+    # each rank's used memory holds the CUDA context, the allocator's reserve and the committed bytes (whole
+    # 2 MiB granules: 6 MiB for 5.625), and memwatch records what vLLM mapped.
+    kv, mapped, weights, activation = 180 * block_bytes, 3 * 2 * MiB, 7 * MiB + 512 * 1024, 3 * MiB
+    assert kv == 5_898_240
+    for _, data in _events(db_path, "kv_allocated"):
+        assert data["kv_outside_allocator_bytes"] == data["kv_outside_in_readings_bytes"] == mapped
+        # The allocator: the weights in one 8 MiB segment; the warmup's 4 MiB segment released by empty_cache.
+        assert (data["current_bytes"], data["peak_bytes"], data["reserved_bytes"]) == (
+            weights, weights + activation, 8 * MiB)
+        assert data["used_bytes"] == 64 * MiB + 8 * MiB + mapped
+    done = subprocess.run([sys.executable, "-m", "memwatch", "check", "0123abcd0007", "--json"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    report = json.loads(done.stdout)
+    sized = [rank for rank in report["ranks"] if rank["rank"] in (0, 1)]
+    assert len(sized) == 2
+    for rank in sized:
+        terms = rank["last_terms"]
+        # The KV budget is what vLLM committed: its blocks × bytes per block.
+        assert (rank["num_blocks"], terms["kv_bytes"], rank["kv_cache_bytes"]) == (180, kv, kv)
+        # Budget (vLLM's rule: what it committed): the readings' used, the KV already in it, plus the reserve.
+        assert terms["budget_bytes"] == (64 * MiB + 8 * MiB + mapped) + activation == 81 * MiB
+        # Non-PyTorch: the 64 MiB context and the 0.375 MiB of granule rounding past the blocks, never the blocks.
+        assert terms["non_torch_bytes"] == 64 * MiB + mapped - kv == 67_502_080
+        assert rank["non_torch_at_sizing_bytes"] == 64 * MiB + mapped - kv
+        # Other long-lived PyTorch: none beyond the weights, at sizing and as each sample measures it.
+        assert (terms["weights_bytes"], terms["torch_other_bytes"], terms["torch_kept_bytes"]) == (weights, 0, 0)
+        assert terms["activation_reserve_bytes"] == activation
+        # Headroom: 81 − 64.375 − 7.5 − 0 − 5.625 − 3 MiB = the weights segment's 0.5 MiB slack; residual 0.
+        assert terms["headroom_bytes"] == 81 * MiB - 67_502_080 - weights - kv - activation == 512 * 1024
+        assert terms["residual_bytes"] == 0 and rank["min_headroom"]["bytes"] == 512 * 1024
+
 
 @pytest.mark.parametrize("engine", [folder for _, folder in EXTENSIBLE], ids=[version for version, _ in EXTENSIBLE])
 def test_attached_late_to_an_extensible_kv_cache_the_committed_count_is_recorded(
@@ -361,6 +393,8 @@ def test_attached_late_to_an_extensible_kv_cache_the_committed_count_is_recorded
 
     block_bytes = 4 * 16 * 2 * (64 + 64) * 2
     assert (facts["reserved"], facts["num_blocks"]) == (256, 180) and facts["worker_wrapped"] == []
-    sizings = {rank: (data["num_blocks"], data["block_bytes"], data["kv_cache_bytes"], data["attached_late"])
+    sizings = {rank: (data["num_blocks"], data["block_bytes"], data["kv_cache_bytes"], data["attached_late"],
+                      data["kv_outside_allocator_bytes"])
                for rank, data in _events(db_path, "kv_allocated")}
-    assert sizings == {rank: (180, block_bytes, 180 * block_bytes, True) for rank in (0, 1)}
+    # The blocks' bytes, not the 6 MiB mapped for them (whole 2 MiB granules), which the ledger counts once.
+    assert sizings == {rank: (180, block_bytes, 180 * block_bytes, True, 6 * MiB) for rank in (0, 1)}

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from memwatch.ledger import kv_bytes_of
+from memwatch.ledger import kv_bytes_of, sizing_of
 from memwatch.report.run_data import RankData, RunData
-from memwatch.report.run_facts import non_torch_from
+from memwatch.report.run_facts import non_torch_at_sizing
 
 
 def _max(values: list[int | None]) -> int | None:
@@ -75,7 +75,7 @@ def rank_facts(data: RankData) -> RankFacts:
         weights_bytes=weights,
         torch_other_bytes=None if current is None or weights is None else max(current - weights, 0),
         activation_reserve_bytes=None if peak is None or current is None else peak - current,
-        non_pytorch_bytes=_non_torch_at_sizing(sizing),
+        non_pytorch_bytes=non_torch_at_sizing(sizing_of(sizing)) if sizing else None,
         num_blocks=blocks, block_bytes=block_bytes,
         kv_bytes=kv_bytes_of(sizing),
         budget_bytes=None if total is None or utilization is None else int(total * utilization),
@@ -86,10 +86,6 @@ def rank_facts(data: RankData) -> RankFacts:
         oom_step=None if oom is None else oom.step,
         cuda_graphs_outside_budget_bytes=data.cuda_graphs_outside_budget_bytes,
     )
-
-
-def _non_torch_at_sizing(sizing: dict[str, Any]) -> int | None:
-    return non_torch_from(sizing.get("used_bytes"), sizing.get("reserved_bytes"), sizing.get("current_bytes"))
 
 
 def _serving_peak(data: RankData) -> int | None:

@@ -9,8 +9,9 @@ print some of these; they read them from here so that a run has one number per q
                                  failed), ``None`` when no allocation failed
 ``non_torch_at_sizing_bytes``    non-PyTorch memory when the KV cache was sized, as the ledger defines
                                  it on every sample: ``used − reserved`` (``used − current`` when the
-                                 sizing did not record ``reserved``); the allocator's cache slack is
-                                 not part of it
+                                 sizing did not record ``reserved``) less the KV memory the readings
+                                 held outside the allocator (:func:`memwatch.ledger.non_torch_bytes`);
+                                 the allocator's cache slack is not part of it
 ``oom_margin_bytes``             the ledger's OOM margin at the rank's last sample; a rank that ran
                                  out of memory (an ``oom`` event, or a crash with its device nearly
                                  full: :func:`ran_dry`) had no margin left, so its margin at the end is
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from memwatch.detectors import DetectorConfig
 from memwatch.detectors.summary import RankSummary
 from memwatch.flags import OOM, Flag
-from memwatch.ledger import KV_ALLOCATED, WEIGHTS_LOADED, Ledger, Sizing
+from memwatch.ledger import KV_ALLOCATED, WEIGHTS_LOADED, Ledger, Sizing, non_torch_bytes
 from memwatch.records import Event
 
 if TYPE_CHECKING:
@@ -51,15 +52,18 @@ SHARED_KEYS: tuple[str, ...] = (
 RANK_KEYS: tuple[str, ...] = SHARED_KEYS[:5]
 
 
-def non_torch_from(used: int | None, reserved: int | None, current: int | None) -> int | None:
-    """Non-PyTorch memory at sizing: ``used − reserved`` (the ledger's term), else ``used − current``."""
-    inside = reserved if reserved is not None else current
-    return None if used is None or inside is None else used - inside
+def non_torch_from(used: int | None, reserved: int | None, current: int | None, kv_outside: int = 0) -> int | None:
+    """Non-PyTorch memory at sizing, the ledger's term (:func:`memwatch.ledger.non_torch_bytes`): ``used −
+    reserved``, else ``used − current``, less the KV memory the readings held outside the allocator."""
+    return non_torch_bytes(used, reserved if reserved is not None else current, kv_outside)
 
 
 def non_torch_at_sizing(sizing: Sizing | None) -> int | None:
     """:func:`non_torch_from` of a ledger's sizing."""
-    return None if sizing is None else non_torch_from(sizing.used_bytes, sizing.reserved_bytes, sizing.current_bytes)
+    if sizing is None:
+        return None
+    return non_torch_from(sizing.used_bytes, sizing.reserved_bytes, sizing.current_bytes,
+                          sizing.kv_outside_in_readings)
 
 
 def ran_dry(free_bytes: int | None, total_bytes: int | None) -> bool:

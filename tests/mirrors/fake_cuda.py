@@ -7,7 +7,9 @@ memory is taken with :func:`empty` (what ``torch.empty(..., device="cuda")`` wou
 
 The allocator is PyTorch's caching allocator made exact and small: a request is rounded up to 512
 bytes (what ``allocated`` counts) and gets a segment of its own, rounded up to 2 MiB, or the smallest
-cached segment that holds it; freed segments stay reserved until ``empty_cache``. When the driver
+cached segment that holds it; freed segments stay reserved until ``empty_cache``. Memory an engine maps through
+the driver's virtual-memory API (``cuMemCreate``/``cuMemMap``) is taken with :func:`map_outside_allocator`: the
+driver counts it used (``mem_get_info``), the allocator's counters never see it. When the driver
 has no room it releases the cache and retries once, then calls the out-of-memory observers with
 ``(device, alloc_size, device_total, device_free)`` and raises ``torch.OutOfMemoryError``, as PyTorch does.
 
@@ -64,6 +66,7 @@ class FakeDevice:
 
     def __init__(self, index: int, total: int, context: int, other: int) -> None:
         self.index, self.total, self.outside = index, total, context + other
+        self.mapped = 0  # mapped through the driver's virtual-memory API: used, but in no allocator counter
         self.allocated = self.peak = 0
         self.live: dict[int, tuple[int, int]] = {}  # handle -> (rounded size, segment size)
         self.cached: list[int] = []  # sizes of wholly free segments
@@ -86,7 +89,20 @@ class FakeDevice:
 
     @_locked
     def mem_get_info(self) -> tuple[int, int]:
-        return self.total - self.outside - self.reserved, self.total
+        return self.total - self.outside - self.mapped - self.reserved, self.total
+
+    @_locked
+    def map(self, nbytes: int) -> None:
+        """``cuMemCreate`` + ``cuMemMap`` of ``nbytes``: physical memory the driver hands out directly, as an
+        out-of-memory error (no cache released, no observer called) when it has none."""
+        free = self.mem_get_info()[0]
+        if nbytes > free:
+            raise torch.OutOfMemoryError(f"CUDA driver: out of memory mapping {nbytes} bytes ({free} free)")
+        self.mapped += nbytes
+
+    @_locked
+    def unmap(self, nbytes: int) -> None:
+        self.mapped -= nbytes
 
     @_locked
     def malloc(self, nbytes: int) -> int:
@@ -197,6 +213,19 @@ class Buffer:
             self._handle = None
 
 
+class Mapping:
+    """Device memory mapped outside the allocator (the driver's virtual-memory API), held by the caller."""
+
+    def __init__(self, device: FakeDevice, nbytes: int) -> None:
+        device.map(nbytes)
+        self.device, self.nbytes = device, nbytes
+
+    def unmap(self) -> None:
+        if self.nbytes:
+            self.device.unmap(self.nbytes)
+            self.nbytes = 0
+
+
 _observers: list[Any] = []
 _current = [0]
 _devices: dict[int, FakeDevice] = {}
@@ -222,6 +251,11 @@ def _new_device(number: int) -> FakeDevice:
 def empty(nbytes: int) -> Buffer:
     """Take ``nbytes`` on the current device, as allocating a CUDA tensor does."""
     return Buffer(device(), nbytes)
+
+
+def map_outside_allocator(nbytes: int, index: Any = None) -> Mapping:
+    """Map ``nbytes`` on device ``index`` (the current one by default) as ``cuMemCreate``/``cuMemMap`` do."""
+    return Mapping(device(index), nbytes)
 
 
 def _set_device(index: Any) -> None:

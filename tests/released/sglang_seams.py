@@ -179,9 +179,10 @@ def post_capture_seams() -> None:
     (``is_post_capture_kv_active``; SGLang's own gate also asks for a CUDA platform and captured decode and
     prefill graphs, which a CPU run cannot have), and the KV pool's virtual-memory
     backing (``KvVmmBufferOwner``: address space reserved for the largest pool, memory committed in
-    granules of 2 MiB as SGLang backs a span) with buffers on the CPU and each committed granule taken from
-    the fake device. The resize itself is SGLang's: ``post_capture_resize_kv_pool`` reads the free memory
-    after capture, sizes a budget and calls the configurator, the pool and the allocator."""
+    granules of 2 MiB as SGLang backs a span) with buffers on the CPU and each committed granule mapped on
+    the fake device as the driver maps it (``cuMemCreate``/``cuMemMap``): in the device's used memory, in
+    none of the caching allocator's counters. The resize itself is SGLang's: ``post_capture_resize_kv_pool``
+    reads the free memory after capture, sizes a budget and calls the configurator, the pool and the allocator."""
     import fake_cuda
     import torch
     from sglang.srt.environ import envs
@@ -205,7 +206,7 @@ def post_capture_seams() -> None:
             for index, span in enumerate(spans):
                 want = -(-int(span) // VMM_GRANULARITY) * VMM_GRANULARITY
                 if want > self.backed[index]:
-                    self.granules.append(fake_cuda.empty(want - self.backed[index]))
+                    self.granules.append(fake_cuda.map_outside_allocator(want - self.backed[index]))
                     self.backed[index] = want
 
         def ensure_prefix(self, num_tokens: int) -> None:
@@ -220,7 +221,7 @@ def post_capture_seams() -> None:
 
         def close(self) -> None:
             for granule in self.granules:
-                granule.free()
+                granule.unmap()
             self.granules, self.tensors = [], []
 
     model_runner.is_post_capture_kv_active = is_post_capture_kv_active

@@ -130,7 +130,7 @@ def test_the_resize_after_cuda_graph_capture_is_a_second_sizing_that_ledger_and_
     # Second: the free memory SGLang read after capture less the same headroom, plus the KV memory already
     # backed (one 2 MiB granule for each of the 4 layers' K and V buffers), capped at the first count.
     assert second["sizing_event"] == "post_capture" and second["post_capture_cap_tokens"] == 58_736
-    assert second["kv_in_readings_bytes"] == 8 * 2 * MiB
+    assert second["kv_outside_in_readings_bytes"] == 8 * 2 * MiB
     free_gb = second["post_capture_available_gb"]
     assert free_gb < (TOTAL - CONTEXT - WEIGHTS) / GiB  # capture and the scheduler's pools took some after sizing
     budget = int((free_gb - headroom_gb) * GiB) + 16 * MiB
@@ -153,13 +153,37 @@ def test_the_resize_after_cuda_graph_capture_is_a_second_sizing_that_ledger_and_
     assert ledger.sizing.num_blocks == ledger.sizing.formula_blocks == tokens
     assert query(db_path, "SELECT count(*) FROM flags WHERE kind = 'block_count_mismatch'") == [(0,)]
 
+    # The pool is backed through the driver's virtual memory (KvVmmBufferOwner), outside PyTorch's allocator: the
+    # first sizing's page (one granule a buffer) and, before the resize, the readings' used memory hold it, their
+    # reserve does not.
+    assert first["kv_outside_allocator_bytes"] == 8 * 2 * MiB
+    used, reserved, current = second["used_bytes"], second["reserved_bytes"], second["current_bytes"]
+    assert used == CONTEXT + reserved + 16 * MiB and second["peak_bytes"] == current
+    assert second["kv_outside_allocator_bytes"] == facts["backed_bytes"]
+
     done = memwatch(env, "check", "5a1a00000102", "--json")
-    assert done.returncode in (0, 1), done.stderr
-    [rank] = json.loads(done.stdout)["ranks"]
-    assert rank["num_blocks"] == tokens and rank["last_terms"]["kv_bytes"] == tokens * QWEN3_CELL
-    # The 16 MiB backed before the resize are in the readings' current and in the KV term: other long-lived
-    # PyTorch memory leaves them out rather than count them twice.
-    assert rank["last_terms"]["torch_other_bytes"] == second["current_bytes"] - WEIGHTS - 16 * MiB
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    [rank] = report["ranks"]
+    terms = rank["last_terms"]
+    kv = tokens * QWEN3_CELL
+    assert rank["num_blocks"] == tokens and terms["kv_bytes"] == kv
+    # Budget, SGLang's rule: what it held at the resize outside the KV it had backed, plus the budget it sized.
+    assert terms["budget_bytes"] == used - 16 * MiB + second["peak_bytes"] - current + budget
+    # Non-PyTorch: the CUDA context, and what SGLang backed beyond the KV term (each buffer's last granule is
+    # partly past its tokens); the backed KV itself is counted once, as KV.
+    padding = 8 * granules * 2 * MiB - kv
+    assert padding == 11_075_584 and terms["non_torch_bytes"] == CONTEXT + padding
+    assert report["non_torch_at_sizing_bytes"] == rank["non_torch_at_sizing_bytes"] == CONTEXT
+    # Other long-lived PyTorch: all of the allocator's current beyond the weights (none of the KV is in it).
+    assert terms["weights_bytes"] == WEIGHTS and terms["torch_other_bytes"] == current - WEIGHTS > 0
+    assert 0 <= terms["torch_kept_bytes"] <= terms["torch_other_bytes"]
+    assert terms["activation_reserve_bytes"] == 0
+    # Headroom: the budget's bytes no token took, plus the cache slack SGLang's used − current counted at the
+    # resize, less the granule padding; the padding was mapped by the resize itself, so the residual is 0.
+    assert terms["headroom_bytes"] == (budget - kv) + (reserved - current) - padding == 5_157_949
+    assert terms["residual_bytes"] == 0 and rank["min_headroom"]["bytes"] > 0
+    assert report["flags"] == [] and not report["failed"]
 
     # plan --run compares the plan with the startup sizing, which is what a plan models: its 58,736 tokens and
     # the weights as loaded, not the resize's readings taken after the graphs and the scheduler's pools.

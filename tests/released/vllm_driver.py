@@ -52,6 +52,7 @@ from vllm_seams import (
     plan_kv,
     serve,
     triton_as_on_a_gpu_host,
+    weights_and_warmup,
 )
 
 WRAPPED = "__memwatch_wrapped__"
@@ -310,6 +311,7 @@ class _InProcessEngineCore:
 
 
 OVERRIDE_KV_BYTES = 8 * MiB
+EXTENSIBLE_WEIGHTS, EXTENSIBLE_ACTIVATION = 7 * MiB + 512 * 1024, 3 * MiB
 
 
 def _blocks_override(model: str, blocks: int) -> dict[str, Any]:
@@ -345,7 +347,9 @@ def _extensible(model: str, measured: list[int], late: bool = False) -> dict[str
     capacity of the 8 MiB each worker offers, ``initialize_from_config`` reserves it, each worker measures
     ``measured[rank]`` blocks after warmup (``CompilationTimes.num_kv_blocks``), vLLM's own
     ``finalize_extensible_kv_cache`` settles on the smallest and shrinks the configs, and every worker's
-    ``extend_kv_cache`` commits that count; the scheduler then serves one prompt on it. ``late``: started with
+    ``extend_kv_cache`` commits that count; the scheduler then serves one prompt on it. Before the count is
+    measured each worker's allocator holds the weights (7.5 MiB) and has run a warmup forward (3 MiB), as
+    ``vllm_seams.weights_and_warmup`` describes. ``late``: started with
     memwatch off, and attached once the count is committed, as ``attach --inject`` attaches (its in-process
     half, :func:`memwatch_engine.adapters.vllm.late.attach`)."""
     from vllm.v1.core.kv_cache_planning import finalize_extensible_kv_cache
@@ -366,6 +370,8 @@ def _extensible(model: str, measured: list[int], late: bool = False) -> dict[str
     reserved = kv_cache_configs[0].num_blocks
     for worker, kv_cache_config in zip(workers, kv_cache_configs, strict=True):
         worker.initialize_from_config(kv_cache_config)
+    for worker in workers:
+        weights_and_warmup(worker, EXTENSIBLE_WEIGHTS, EXTENSIBLE_ACTIVATION)
     scheduler_config = copy.deepcopy(kv_cache_configs[0])
     times = [CompilationTimes(0.0, 0.0, num_kv_blocks=blocks) for blocks in measured]
     num_blocks = finalize_extensible_kv_cache(config, kv_cache_configs, scheduler_config, times)

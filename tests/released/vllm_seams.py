@@ -10,6 +10,8 @@ from types import SimpleNamespace
 from typing import Any
 
 MiB = 1 << 20
+GRANULE = 2 * MiB
+"""The driver's allocation granularity (``cuMemGetAllocationGranularity`` on current GPUs)."""
 
 
 class CpuModelRunner:
@@ -67,26 +69,45 @@ def cpu_extensible_kv_cache(gpu_worker: Any) -> None:
     Segments are not padded to a granule (the worker keeps its own copy of the config, as a worker process
     does), nothing registers the memory, a worker's cross-rank minimum is its own count (the engine core takes
     the minimum of all ranks, in vLLM's ``finalize_extensible_kv_cache``), and ``extend_kv_cache`` commits
-    the blocks as plain CPU memory: each backing buffer's bytes per block times the committed count. As
-    vLLM's does, it sets the runner's config's block count and leaves its tensors describing the reservation.
+    the blocks as the driver does: each backing buffer's bytes per block times the committed count, rounded up
+    to whole 2 MiB granules (``physical_bytes``), mapped on the worker's fake device outside the caching
+    allocator: the device's used memory holds them, ``torch.cuda.memory_reserved`` does not. As vLLM's does,
+    it sets the runner's config's block count and leaves its tensors describing the reservation.
     """
     import copy
 
+    import fake_cuda
     import torch
 
     def extend_kv_cache(runner: Any, kv_cache_config: Any, num_blocks: int) -> None:
         reserved = runner.kv_cache_config.num_blocks
-        sizes = {tensor.size // reserved * num_blocks for tensor in runner.kv_cache_config.kv_cache_tensors}
-        runner.committed = [torch.empty(size, dtype=torch.uint8) for size in sizes]
-        runner.allocated_bytes = runner.extensible_kv_cache.physical_bytes = sum(sizes)
+        sizes = [tensor.size // reserved * num_blocks for tensor in runner.kv_cache_config.kv_cache_tensors]
+        physical = sum(-(-size // GRANULE) * GRANULE for size in sizes)
+        runner.committed = fake_cuda.map_outside_allocator(physical, runner.device)
+        runner.allocated_bytes = sum(sizes)
+        runner.extensible_kv_cache.physical_bytes = physical
+        runner.extensible_kv_cache.bytes_per_block = sum(sizes) // num_blocks
         runner.kv_cache_config.num_blocks = num_blocks
 
     torch.accelerator.current_device_index = lambda: 0
     gpu_worker.pad_kv_cache_segments = lambda kv_cache_config, *args, **kwargs: copy.deepcopy(kv_cache_config)
-    gpu_worker.granule_size = lambda device: 2 * MiB
+    gpu_worker.granule_size = lambda device: GRANULE
     gpu_worker.registers_kv_cache_memory = lambda vllm_config: False
     gpu_worker._min_across_ranks = lambda value: value
     gpu_worker.extend_kv_cache = extend_kv_cache
+
+
+def weights_and_warmup(worker: Any, weights_bytes: int, activation_bytes: int) -> None:
+    """What loading and warming up take from the caching allocator on ``worker``'s fake device: the weights, kept;
+    a warmup forward's activations, freed; then ``empty_cache``, as vLLM's ``measure_kv_cache_blocks`` empties
+    torch's cache before it reads the free memory. The weights' segment is rounded up to 2 MiB (cache slack)."""
+    import fake_cuda
+    import torch
+
+    torch.cuda.set_device(worker.device)
+    worker.model_runner.weights = fake_cuda.empty(weights_bytes)
+    fake_cuda.empty(activation_bytes).free()
+    torch.cuda.empty_cache()
 
 
 def triton_as_on_a_gpu_host(gpu_worker: Any) -> None:
@@ -112,6 +133,7 @@ def cpu_init_device(self: Any) -> None:
     self.init_snapshot = SimpleNamespace(free_memory=free, total_memory=total)
     self.requested_memory = request_memory(self.init_snapshot, self.cache_config, 0)
     self.model_runner = CpuModelRunner(self.vllm_config)
+    self.model_runner.device = self.device
 
 
 def make_config(model: str, dp_rank: int, spec_tokens: int = 0, *, dp: int = 2, tp: int = 2, block_size: int = 16,

@@ -24,8 +24,10 @@ runner (speculative decoding) shares the process and is not a rank of its own. P
   again after graph capture, before the scheduler reads its count): a second ``kv_allocated``
   (``sizing_event: "post_capture"``) with the readings before the resize, the free memory SGLang read
   then (``post_capture_available_gb``), the byte budget it computed (``post_capture_budget_bytes``), the
-  first count that caps it (``post_capture_cap_tokens``) and the pool's memory already backed, which
-  the readings hold (``kv_in_readings_bytes``); the ledger and ``check`` use it from then on.
+  first count that caps it (``post_capture_cap_tokens``) and the pool's memory backed outside PyTorch's
+  allocator (its virtual-memory backing): before the resize, which the readings' used memory holds
+  (``kv_outside_in_readings_bytes``), and after it (``kv_outside_allocator_bytes``); the ledger and
+  ``check`` use it from then on.
 
 Upstream interface followed: SGLang 0.5.23 (``model_executor/model_runner.py``,
 ``mem_cache/kv_cache_configurator.py``, ``model_executor/pool_configurator.py``).

@@ -140,7 +140,13 @@ def _record_sizing(state: Rank, configurator: Any, result: Any) -> None:
     state.configurator = configurator
     schedule = get_schedule()
     fraction = sizing.get("mem_fraction_static")
-    _kv_allocated(state, result, result.token_to_kv_pool, sizing.get("profiled_kv_bytes"), {})
+    pool = result.token_to_kv_pool
+    # Sized to be resized after capture: the pool reserves address space and backs only its first page now,
+    # through the driver's virtual-memory API, outside PyTorch's allocator (the readings predate it).
+    backed = int(getattr(pool, "post_capture_backed_bytes", 0) or 0) if getattr(pool, "post_capture_active", False) \
+        else 0
+    _kv_allocated(state, result, pool, sizing.get("profiled_kv_bytes"),
+                  {"kv_outside_allocator_bytes": backed} if backed else {})
     # The settings in the names every engine's runs share (what ``replay`` reads): a KV block is one token,
     # the utilization is mem_fraction_static, the running-request limit is the one SGLang resolved.
     chunk = schedule.chunked_prefill_size
@@ -213,7 +219,12 @@ def _wrap_post_capture_resize(original: Callable[..., Any]) -> Callable[..., Any
 def _resized(state: Rank, runner: Any, before: int, readings: tuple[int, int, int, int, int] | None,
              backed: int | None) -> None:
     """The second sizing: SGLang's counts after the resize, on the budget it computed after capture (the free
-    memory it read then, ``post_capture_available_gb``, less its headroom, plus the KV bytes already backed)."""
+    memory it read then, ``post_capture_available_gb``, less its headroom, plus the KV bytes already backed).
+
+    The pool is backed through the driver's virtual-memory API (``KvVmmBufferOwner``), outside PyTorch's
+    allocator: what was backed before the resize is in the readings' used memory, not in ``current``
+    (``kv_outside_in_readings_bytes``), and what is backed after it in every later reading's
+    (``kv_outside_allocator_bytes``); the ledger counts both once, as KV."""
     budget = state.sizing.get("pool_budget_bytes")
     pool = runner.token_to_kv_pool
     state.sized_on = readings
@@ -221,10 +232,11 @@ def _resized(state: Rank, runner: Any, before: int, readings: tuple[int, int, in
         max_total_num_tokens=runner.max_total_num_tokens, max_running_requests=runner.max_running_requests,
         full_max_total_num_tokens=getattr(runner, "full_max_total_num_tokens", None),
         swa_max_total_num_tokens=getattr(runner, "swa_max_total_num_tokens", None))
+    backed_now = int(getattr(pool, "post_capture_backed_bytes", 0))
     _kv_allocated(state, sized, pool, budget,
                   {"sizing_event": "post_capture", "post_capture_budget_bytes": budget,
-                   "post_capture_cap_tokens": before, "kv_in_readings_bytes": backed,
-                   "kv_cache_bytes": int(getattr(pool, "post_capture_backed_bytes", 0)) or None})
+                   "post_capture_cap_tokens": before, "kv_outside_in_readings_bytes": backed,
+                   "kv_outside_allocator_bytes": backed_now, "kv_cache_bytes": backed_now or None})
     state.monitor.set_config(max_num_seqs=int(runner.max_running_requests))
 
 

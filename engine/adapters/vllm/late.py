@@ -87,13 +87,17 @@ def _record_kv_sizing(worker: Any, monitor: Monitor) -> None:
     """``kv_allocated`` from the model runner's ``KVCacheConfig`` (the config's block count when it has none)."""
     cache_config = worker.cache_config
     kv_cache_config = getattr(worker.model_runner, "kv_cache_config", None)
+    outside: dict[str, int] = {}
     if kv_cache_config is not None:
         num_blocks, kv_bytes = int(kv_cache_config.num_blocks), kv_cache_bytes(kv_cache_config)
         extensible = getattr(worker.model_runner, "extensible_kv_cache", None)
         if extensible is not None and getattr(cache_config, "enable_extensible_kv_cache", False):
             # vLLM 0.34's extensible KV cache: the config's tensors still describe the reserved range (its block
-            # count is the committed one); the bytes extend_kv_cache committed are the cache's physical bytes.
-            kv_bytes = int(extensible.physical_bytes)
+            # count is the committed one), so the KV bytes are the committed blocks × the cache's bytes per block;
+            # extend_kv_cache mapped them, rounded up to whole granules (its physical bytes), through the driver,
+            # outside PyTorch's allocator.
+            kv_bytes = num_blocks * int(extensible.bytes_per_block)
+            outside = {"kv_outside_allocator_bytes": int(extensible.physical_bytes)}
     elif cache_config.num_gpu_blocks is not None:
         num_blocks, kv_bytes = int(cache_config.num_gpu_blocks), None
     else:
@@ -106,4 +110,5 @@ def _record_kv_sizing(worker: Any, monitor: Monitor) -> None:
         "num_blocks": num_blocks, "block_bytes": kv_bytes // num_blocks if kv_bytes and num_blocks > 0 else None,
         "block_size": int(cache_config.block_size), "kv_cache_bytes": kv_bytes,
         "kv_cache_memory_bytes": cache_config.kv_cache_memory_bytes, "budget_rule": "vllm", "attached_late": True,
+        **outside,
     })

@@ -249,7 +249,10 @@ def _record_extended(worker: Any, num_blocks: Any) -> None:
 
     vLLM measured the free memory after warmup and CUDA-graph capture (``measure_kv_cache_blocks``) and
     committed the smallest count of all ranks, so the size recorded is ``blocks × bytes per block``: the
-    ledger re-derives that count, and what was reserved stays in ``reserved_num_blocks``.
+    ledger re-derives that count, and what was reserved stays in ``reserved_num_blocks``. The blocks are
+    mapped through the driver's virtual-memory API, outside PyTorch's allocator: the driver's used memory
+    holds them (the readings taken here too), the allocator's reserve does not. What vLLM mapped (its
+    ``physical_bytes``, granule rounding included) is recorded so the ledger counts it once, as KV.
     """
     state = _state(worker)
     if state is None or state.reserved is None:
@@ -259,6 +262,9 @@ def _record_extended(worker: Any, num_blocks: Any) -> None:
     current, peak, reserved_bytes, used, free = state.monitor.probe.read()
     known = UNKNOWN not in (current, peak, used, free)
     cache_config = worker.cache_config
+    extensible = getattr(worker.model_runner, "extensible_kv_cache", None)
+    mapped = getattr(extensible, "physical_bytes", None)
+    mapped = num_blocks * block_bytes if mapped is None else int(mapped)
     state.monitor.kv_allocated(
         num_blocks, block_bytes,
         total_bytes=used + free if known else None, used_bytes=used if known else None,
@@ -268,6 +274,7 @@ def _record_extended(worker: Any, num_blocks: Any) -> None:
         kv_cache_memory_bytes=num_blocks * block_bytes, kv_cache_bytes=num_blocks * block_bytes, budget_rule="vllm",
         extensible_kv_cache=True, reserved_num_blocks=reserved,
         available_kv_cache_memory_bytes=state.available_kv_bytes,
+        kv_outside_allocator_bytes=mapped, kv_outside_in_readings_bytes=mapped,
     )
 
 
