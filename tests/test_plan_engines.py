@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from memwatch.cli.plan import plan
+from memwatch.errors import UsageError
 from memwatch.models import ModelSpec, forward_activation_bytes
 from memwatch.plan import PlanInputs, plan_capacity
 from memwatch.plan.engines import defaults, sglang_mem_fraction_static, vllm_capture_sizes
@@ -26,13 +27,15 @@ def qwen() -> ModelSpec:
 def test_block_sizes_follow_the_engine(qwen: ModelSpec) -> None:
     sizes = {engine: plan_capacity(qwen, PlanInputs(kv_cache_memory_bytes=GIB, engine=engine)).block_size
              for engine in ("nano-vllm", "vllm", "sglang")}
-    assert sizes == {"nano-vllm": 256, "vllm": 16, "sglang": 1}
+    assert sizes == {"nano-vllm": 256, "vllm": 64, "sglang": 1}  # vLLM: its newest release, 0.34
     assert plan_capacity(qwen, PlanInputs(kv_cache_memory_bytes=GIB, engine="vllm", block_size=32)).block_size == 32
+    older = plan_capacity(qwen, PlanInputs(kv_cache_memory_bytes=GIB, engine="vllm", engine_version="0.33"))
+    assert older.block_size == 16
 
 
 def test_vllm_deducts_weights_activation_and_graphs_but_not_the_context(qwen: ModelSpec) -> None:
     result = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="vllm", activation_reserve_bytes=GIB,
-                                            cudagraph_bytes=512 * MIB, seq_len=32_768))
+                                            cudagraph_bytes=512 * MIB, seq_len=32_768, engine_version="0.33"))
     requested = math.ceil(80 * GIB * 0.92)                             # request_memory: ceil(total × util)
     assert (result.utilization, result.budget_bytes) == (0.92, requested)
     assert result.kv_budget_bytes == requested - WEIGHTS - GIB - 512 * MIB
@@ -43,17 +46,22 @@ def test_vllm_deducts_weights_activation_and_graphs_but_not_the_context(qwen: Mo
 
 def test_vllm_refuses_to_start_when_the_context_does_not_fit_the_slack(qwen: ModelSpec) -> None:
     result = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=24 * GIB, engine="vllm", utilization=0.99,
-                                            seqs=1, seq_len=1024))
+                                            seqs=1, seq_len=1024, engine_version="0.33"))
     # total × (1 − 0.99) = 245.76 MiB of slack cannot hold the 512 MiB context
     assert result.startup_error is not None and "refuses to start" in result.startup_error
     assert (result.kv_blocks, result.fits) == (0, False)
-    code = CliRunner().invoke(plan, ["--engine", "vllm", "--gpu-memory", "24GiB", "--utilization", "0.99"]).exit_code
+    code = CliRunner().invoke(plan, ["--engine", "vllm", "--engine-version", "0.33", "--gpu-memory", "24GiB",
+                                     "--utilization", "0.99"]).exit_code
     assert code == 1
 
 
 def test_vllm_kv_cache_memory_bytes_replaces_the_rule(qwen: ModelSpec) -> None:
-    result = plan_capacity(qwen, PlanInputs(kv_cache_memory_bytes=10 * GIB, engine="vllm"))
+    result = plan_capacity(qwen, PlanInputs(kv_cache_memory_bytes=10 * GIB, engine="vllm", engine_version="0.33"))
     assert result.kv_budget_bytes == 10 * GIB and result.kv_blocks == 10 * GIB // (16 * PER_TOKEN)
+    # 0.34: the explicit size turns the extensible KV cache off; blocks of 64 tokens.
+    newer = plan_capacity(qwen, PlanInputs(kv_cache_memory_bytes=10 * GIB, engine="vllm", engine_version="0.34"))
+    assert newer.kv_budget_bytes == 10 * GIB and newer.kv_blocks == 10 * GIB // (64 * PER_TOKEN)
+    assert not newer.extensible_kv_cache
 
 
 def test_vllm_cuda_graph_estimate(qwen: ModelSpec) -> None:
@@ -73,10 +81,12 @@ def test_vllm_cuda_graph_estimate(qwen: ModelSpec) -> None:
 
 def test_vllm_batch_defaults_follow_the_device_size() -> None:
     # EngineArgs.get_batch_defaults, OPENAI_API_SERVER: 24 GiB, an 80 GB H100, a 141 GB H200, a 180 GB B200
-    tiers = {gib: defaults("vllm", int(gib * GIB)) for gib in (24, 80, 141e9 / GIB, 180e9 / GIB)}
-    assert [(d.max_num_batched_tokens, d.max_num_seqs) for d in tiers.values()] == [
-        (2_048, 256), (8_192, 1_024), (8_192, 1_024), (16_384, 1_024)]
-    assert all((d.block_size, d.utilization) == (16, 0.92) for d in tiers.values())
+    for version in ("0.33", "0.34"):
+        tiers = {gib: defaults("vllm", int(gib * GIB), version=version) for gib in (24, 80, 141e9 / GIB, 180e9 / GIB)}
+        assert [(d.max_num_batched_tokens, d.max_num_seqs) for d in tiers.values()] == [
+            (2_048, 256), (8_192, 1_024), (8_192, 1_024), (16_384, 1_024)]
+    older = [defaults("vllm", gib * GIB, version="0.33") for gib in (24, 80, 180)]
+    assert {(d.block_size, d.utilization) for d in older} == {(16, 0.92)}
 
 
 def test_sglang_automatic_mem_fraction_static() -> None:
@@ -101,7 +111,8 @@ def test_sglang_static_fraction_covers_weights_and_the_pool(qwen: ModelSpec) -> 
 
 def test_each_engine_prints_its_own_ledger() -> None:
     runner = CliRunner()
-    text = {engine: runner.invoke(plan, ["--engine", engine, "--gpu-memory", "80GiB"]).stdout
+    text = {engine: runner.invoke(plan, ["--engine", engine, "--gpu-memory", "80GiB",
+                                         *(["--engine-version", "0.33"] if engine == "vllm" else [])]).stdout
             for engine in ("nano-vllm", "vllm", "sglang")}
     assert "− non-PyTorch" in text["nano-vllm"] and "× utilization 0.9 " in text["nano-vllm"]
     assert "− CUDA graphs" in text["vllm"] and "· non-PyTorch" in text["vllm"]
@@ -111,3 +122,81 @@ def test_each_engine_prints_its_own_ledger() -> None:
     data = json.loads(runner.invoke(plan, ["--engine", "sglang", "--gpu-memory", "80GiB", "--json"]).stdout)
     assert [line["label"] for line in data["ledger"]][:3] == ["GPU memory", "non-PyTorch",
                                                               "mem_fraction_static 0.836"]
+
+
+def test_vllm_0_34_extensible_kv_cache_keeps_the_margin_and_the_activation_peak_free(qwen: ModelSpec) -> None:
+    """vLLM 0.34 by default (its extensible KV cache on CUDA): utilization resolves to 1.0, blocks of 64 tokens, and
+    the cache gets what is measured free after capture, less max(1 GiB, 0.75 × activation) and the activation."""
+    result = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="vllm", activation_reserve_bytes=GIB,
+                                            cudagraph_bytes=512 * MIB, seq_len=32_768))
+    assert (result.engine_version, result.extensible_kv_cache, result.utilization) == ("0.34", True, 1.0)
+    assert result.budget_bytes == 80 * GIB and result.block_size == 64
+    # free after capture: 80 GiB − 512 MiB context − weights − 512 MiB graphs; margin max(1 GiB, 768 MiB) = 1 GiB.
+    # min(80 GiB − weights − 512 MiB, that free − 1 GiB) − 1 GiB of activation:
+    assert result.kv_budget_bytes == 80 * GIB - 512 * MIB - WEIGHTS - 512 * MIB - GIB - GIB == 67_446_887_424
+    assert result.kv_blocks == 67_446_887_424 // (64 * PER_TOKEN) == 18_377
+    assert result.non_torch_bytes == 512 * MIB and result.startup_error is None
+    labels = [(line.op, line.label) for line in result.ledger]
+    assert labels == [("", "GPU memory"), ("−", "non-PyTorch"), ("−", "weights"), ("−", "CUDA graphs"),
+                      ("−", "sizing margin"), ("−", "activation reserve"), ("=", "KV budget"),
+                      ("·", "utilization 1")]
+    # A larger activation peak sets the margin: 0.75 × 2 GiB.
+    larger = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="vllm", activation_reserve_bytes=2 * GIB,
+                                            cudagraph_bytes=512 * MIB))
+    assert larger.kv_budget_bytes == 80 * GIB - 512 * MIB - WEIGHTS - 512 * MIB - 1536 * MIB - 2 * GIB
+
+
+def test_vllm_0_34_a_utilization_given_caps_the_extensible_kv_cache(qwen: ModelSpec) -> None:
+    """Utilization 0.5: ceil(40 GiB) less weights and graphs is below the measured free memory less the margin, so
+    the share binds; memory outside PyTorch is then outside it and vLLM starts anyway (the share is only a cap)."""
+    result = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="vllm", utilization=0.5,
+                                            activation_reserve_bytes=GIB, cudagraph_bytes=512 * MIB))
+    assert result.budget_bytes == 40 * GIB
+    assert result.kv_budget_bytes == 40 * GIB - WEIGHTS - 512 * MIB - GIB
+    assert [line.label for line in result.ledger if line.op == "·"] == ["non-PyTorch"]
+    assert result.startup_error is None
+    # Without the extensible cache 0.34 sizes as 0.33 did, with its own blocks: 0.92, the context in the slack.
+    estimate = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="vllm", extensible_kv_cache=False,
+                                              activation_reserve_bytes=GIB, cudagraph_bytes=512 * MIB))
+    requested = math.ceil(80 * GIB * 0.92)
+    assert (estimate.utilization, estimate.block_size, estimate.extensible_kv_cache) == (0.92, 64, False)
+    assert estimate.kv_budget_bytes == requested - WEIGHTS - GIB - 512 * MIB
+
+
+def test_vllm_0_34_extensible_kv_cache_that_holds_no_block_is_a_failed_start(qwen: ModelSpec) -> None:
+    result = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=16 * GIB, engine="vllm", activation_reserve_bytes=GIB,
+                                            cudagraph_bytes=512 * MIB))
+    assert result.kv_budget_bytes == 16 * GIB - 512 * MIB - WEIGHTS - 512 * MIB - GIB - GIB < 0
+    assert result.kv_blocks == 0 and "refuses to start" in (result.startup_error or "")
+
+
+def test_engine_versions_the_planner_does_not_know_or_cannot_combine_are_refused(qwen: ModelSpec) -> None:
+    for inputs, words in (
+            (PlanInputs(gpu_memory_bytes=80 * GIB, engine="vllm", engine_version="0.32"), "not a release"),
+            (PlanInputs(gpu_memory_bytes=80 * GIB, engine="vllm", engine_version="0.33", extensible_kv_cache=True),
+             "no extensible KV cache"),
+            (PlanInputs(kv_cache_memory_bytes=GIB, engine="vllm", extensible_kv_cache=True), "kv_cache_memory_bytes"),
+            (PlanInputs(gpu_memory_bytes=80 * GIB, engine="sglang", engine_version="0.34"), "--engine vllm"),
+            (PlanInputs(gpu_memory_bytes=80 * GIB, engine="nano-vllm", extensible_kv_cache=False), "--engine vllm")):
+        with pytest.raises(UsageError, match=words):
+            plan_capacity(qwen, inputs)
+    assert plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="vllm",
+                                          engine_version="v0.34.1")).engine_version == "0.34"
+    assert plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="sglang")).engine_version is None
+
+
+def test_the_cli_plans_the_release_it_is_told() -> None:
+    runner = CliRunner()
+    plans = {version: json.loads(runner.invoke(plan, ["--engine", "vllm", "--engine-version", version,
+                                                      "--gpu-memory", "80GiB", "--json"]).stdout)
+             for version in ("0.33.0", "0.34.0")}
+    assert [(p["engine_version"], p["extensible_kv_cache"], p["block_size"], p["utilization"])
+            for p in plans.values()] == [("0.33", False, 16, 0.92), ("0.34", True, 64, 1.0)]
+    text = runner.invoke(plan, ["--engine", "vllm", "--gpu-memory", "80GiB", "--no-extensible-kv-cache"]).stdout
+    assert text.splitlines()[0].startswith("plan for Qwen2.5-7B-Instruct (GQA) on vllm 0.34, per rank")
+    text = runner.invoke(plan, ["--engine", "vllm", "--gpu-memory", "80GiB"]).stdout
+    assert "on vllm 0.34, per rank" in text.splitlines()[0] and "− sizing margin" in text
+    assert text.splitlines()[1].endswith("blocks of 64 tokens, extensible")
+    assert all(len(line) <= 80 for line in text.splitlines())
+    refused = runner.invoke(plan, ["--engine", "vllm", "--engine-version", "0.2", "--gpu-memory", "80GiB"])
+    assert refused.exit_code == 2 and "not a release memwatch plans for" in refused.stderr

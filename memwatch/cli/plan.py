@@ -13,7 +13,7 @@ from ..errors import MemwatchError, UsageError
 from ..models.quantization import METHODS as QUANTIZATION_METHODS
 from ..models.spec import ModelSpec
 from ..plan.capacity import MAX_BLOCK_TOKENS, MAX_TARGET, PlanInputs, plan_capacity
-from ..plan.engines import ENGINES
+from ..plan.engines import ENGINES, VLLM_VERSIONS
 from ..plan.observed import compare_run
 from ..plan.report import render_observed, render_plan
 from ..plan.runs import load_run
@@ -27,8 +27,8 @@ MIN_BARE_GPU_MEMORY = GIB
 """A bare ``--gpu-memory`` number below this is taken for a unit left out (``24`` meant ``24GiB``)."""
 _PLANNING_OPTIONS = ("model", "gpu_memory", "utilization", "kv_cache_memory_bytes", "weights_bytes",
                      "activation_reserve_bytes", "non_torch_bytes", "cudagraph_bytes", "dtype", "kv_dtype",
-                     "quantization", "engine", "tp", "pp", "block_size", "seqs", "seq_len", "tokens",
-                     "max_num_batched_tokens", "max_num_seqs")
+                     "quantization", "engine", "engine_version", "extensible_kv_cache", "tp", "pp", "block_size",
+                     "seqs", "seq_len", "tokens", "max_num_batched_tokens", "max_num_seqs")
 
 
 def _size(value: str | None) -> int | None:
@@ -76,6 +76,12 @@ def _plan_run(db_path: Path | None, run: str, as_json: bool) -> None:
                    "or a shipped model name.")
 @click.option("--engine", type=click.Choice(ENGINES), default="nano-vllm", show_default=True,
               help="Whose budget rule and defaults to plan with.")
+@click.option("--engine-version", type=Text(32),
+              help=f"vLLM's release, e.g. 0.34 or 0.34.0: its defaults and KV sizing [default: "
+                   f"{VLLM_VERSIONS[-1]}; known: {', '.join(VLLM_VERSIONS)}].")
+@click.option("--extensible-kv-cache/--no-extensible-kv-cache", default=None,
+              help="vLLM 0.34's extensible KV cache, sized on the memory free after warmup [default: on for 0.34 "
+                   "unless --kv-cache-memory-bytes].")
 @click.option("--gpu-memory", type=Text(), help="Device bytes per rank: 25769803776, 24GiB (2^30) or 24GB (10^9).")
 @click.option("--utilization", type=finite_float(0, 1, low_open=True),
               help="Share of the device the engine may use (SGLang: mem_fraction_static) "
@@ -97,7 +103,7 @@ def _plan_run(db_path: Path | None, run: str, as_json: bool) -> None:
 @click.option("--pp", type=click.IntRange(min=1, max=1 << 20), default=1, show_default=True,
               help="Pipeline parallel size.")
 @click.option("--block-size", type=int_range(1, MAX_BLOCK_TOKENS),
-              help="Tokens per KV block [default: 256 nano-vllm, 16 vLLM, 1 SGLang].")
+              help="Tokens per KV block [default: 256 nano-vllm, 64 vLLM 0.34, 16 vLLM 0.33, 1 SGLang].")
 @click.option("--seqs", type=int_range(1, MAX_TARGET), help="Target: resident sequences (with --seq-len).")
 @click.option("--seq-len", type=int_range(1, MAX_TARGET), help="Target: cached tokens per sequence.")
 @click.option("--tokens", type=int_range(1, MAX_TARGET), help="Target: cached tokens summed over resident sequences.")
@@ -108,7 +114,8 @@ def _plan_run(db_path: Path | None, run: str, as_json: bool) -> None:
 @db_option
 @json_option
 @click.pass_context
-def plan(ctx: click.Context, model: str, engine: str, gpu_memory: str | None, utilization: float | None,
+def plan(ctx: click.Context, model: str, engine: str, engine_version: str | None, extensible_kv_cache: bool | None,
+         gpu_memory: str | None, utilization: float | None,
          kv_cache_memory_bytes: str | None, weights_bytes: str | None, activation_reserve_bytes: str | None,
          non_torch_bytes: str | None, cudagraph_bytes: str | None, dtype: str | None, quantization: str | None,
          kv_dtype: str | None, tp: int, pp: int, block_size: int | None, seqs: int | None, seq_len: int | None,
@@ -136,7 +143,7 @@ def plan(ctx: click.Context, model: str, engine: str, gpu_memory: str | None, ut
             cudagraph_bytes=_size(cudagraph_bytes), dtype=dtype, kv_dtype=kv_dtype,
             quantization=quantization, tp=tp, pp=pp, block_size=block_size, seqs=seqs, seq_len=seq_len,
             tokens=tokens, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            engine=engine,
+            engine=engine, engine_version=engine_version, extensible_kv_cache=extensible_kv_cache,
         )
         result = plan_capacity(ModelSpec.load(model), inputs)
     except MemwatchError as exc:

@@ -73,6 +73,10 @@ class PlanInputs:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     engine: str = DEFAULT_ENGINE
+    engine_version: str | None = None
+    """vLLM's release (``0.33``, ``0.34``, ``0.34.0``): whose defaults and sizing; None: the newest planned for."""
+    extensible_kv_cache: bool | None = None
+    """vLLM 0.34's extensible KV cache; None: the release's default (on unless the KV size is explicit)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,10 @@ class CapacityPlan:
     fits: bool | None
     shortfall_bytes: int | None
     table: tuple[LoadRow, ...] = field(default_factory=tuple)
+    engine_version: str | None = None
+    """The vLLM release planned for (``None`` for the other engines)."""
+    extensible_kv_cache: bool = False
+    """Whether the plan sizes vLLM's extensible KV cache (on the memory measured free after warmup)."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -175,6 +183,24 @@ def _check_inputs(inputs: PlanInputs) -> None:
         if value is not None and not 1 <= value <= MAX_TARGET:
             shown = value if value < 10**30 else "a number that large"
             raise PlanError(f"--{name.replace('_', '-')} must be at least 1 and at most {MAX_TARGET:,}, got {shown}")
+    if inputs.engine != "vllm" and (inputs.engine_version is not None or inputs.extensible_kv_cache is not None):
+        raise PlanError("--engine-version and --extensible-kv-cache describe vLLM releases; plan with --engine vllm")
+    version = engines.vllm_release(inputs.engine_version) if inputs.engine == "vllm" else None
+    if inputs.extensible_kv_cache and version == "0.33":
+        raise PlanError("vLLM 0.33 has no extensible KV cache; it came with 0.34")
+    if inputs.extensible_kv_cache and inputs.kv_cache_memory_bytes is not None:
+        raise PlanError("vLLM refuses an extensible KV cache with kv_cache_memory_bytes: it sizes the cache from "
+                        "measured memory, which the explicit size overrides")
+
+
+def _extensible(inputs: PlanInputs) -> bool:
+    """Whether vLLM sizes an extensible KV cache: asked for, else its release's default, never beside an explicit
+    KV size (``VllmConfig._resolve_extensible_kv_cache``)."""
+    if inputs.engine != "vllm" or inputs.kv_cache_memory_bytes is not None:
+        return False
+    if inputs.extensible_kv_cache is not None:
+        return inputs.extensible_kv_cache
+    return engines.extensible_by_default(inputs.engine_version)
 
 
 def _sequence_kv_bytes(spec: ModelSpec, inputs: PlanInputs, kv_dtype: str, seq_len: int,
@@ -236,7 +262,9 @@ def plan_capacity(spec: ModelSpec, inputs: PlanInputs) -> CapacityPlan:
     dtype = canonical_dtype(inputs.dtype or spec.dtype)
     kv_dtype = canonical_dtype(inputs.kv_dtype or inputs.dtype or spec.dtype)
     tp, pp = inputs.tp, inputs.pp
-    rules = engines.defaults(engine, inputs.gpu_memory_bytes, tp)
+    version = engines.vllm_release(inputs.engine_version) if engine == "vllm" else None
+    extensible = _extensible(inputs)
+    rules = engines.defaults(engine, inputs.gpu_memory_bytes, tp, version, extensible)
     block = inputs.block_size or rules.block_size
     batched = inputs.max_num_batched_tokens or rules.max_num_batched_tokens
     max_seqs = inputs.max_num_seqs or rules.max_num_seqs
@@ -280,7 +308,8 @@ def plan_capacity(spec: ModelSpec, inputs: PlanInputs) -> CapacityPlan:
                 utilization = engines.sglang_mem_fraction_static(inputs.gpu_memory_bytes or 0, tp, pp)
                 notes["utilization"] = "SGLang's automatic value for this device"
         split = engines.kv_budget(engine, inputs.gpu_memory_bytes or 0, utilization, weights=weights,
-                                  activation=non_kv, non_torch=non_torch, cudagraph=cudagraph, notes=notes)
+                                  activation=non_kv, non_torch=non_torch, cudagraph=cudagraph, notes=notes,
+                                  extensible=extensible)
         budget, kv_budget, ledger, startup_error = (split.budget_bytes, split.kv_budget_bytes, split.lines,
                                                     split.startup_error)
     kv_blocks = max(0, kv_budget) // block_bytes if not startup_error else 0
@@ -331,5 +360,5 @@ def plan_capacity(spec: ModelSpec, inputs: PlanInputs) -> CapacityPlan:
         seq_kv_bytes=seq_kv, ideal_seq_kv_bytes=ideal_seq_kv,
         max_concurrent_seqs=max_concurrent, ideal_max_concurrent_seqs=ideal_concurrent,
         required_kv_bytes=required, ideal_required_kv_bytes=ideal_required,
-        fits=fits, shortfall_bytes=shortfall, table=table,
+        fits=fits, shortfall_bytes=shortfall, table=table, engine_version=version, extensible_kv_cache=extensible,
     )

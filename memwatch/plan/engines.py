@@ -1,7 +1,8 @@
 """Each engine's own KV budget rule and defaults, as its source computes them at startup.
 
-The vLLM functions below are those of vLLM 0.33.0, the release the adapters are tested against; a test
-reads them, and nano-vllm's defaults, in the released wheels.
+The vLLM rules follow the release the plan is told (``--engine-version``; the newest below when unsaid), each
+as the released wheel the adapters are tested against has it; a test reads them, and nano-vllm's defaults,
+in those wheels.
 
 =========  ============================================================================================
 nano-vllm  ``num_blocks = int(total × util − used − peak + current) // block_bytes``
@@ -17,8 +18,20 @@ vLLM       ``available_kv_cache_memory_bytes = requested_memory − non_kv_cache
            NCCL and the cuBLAS handles: weights plus the activation peak, while the memory outside
            PyTorch is not deducted and must fit in ``total × (1 − util)`` (else vLLM refuses to start:
            "Free memory on device … is less than desired GPU memory utilization").
-           ``--kv-cache-memory-bytes`` replaces the whole rule. Blocks of 16 tokens
+           ``--kv-cache-memory-bytes`` replaces the whole rule. vLLM 0.33: blocks of 16 tokens
            (``DEFAULT_BLOCK_SIZE``), utilization 0.92 (``CacheConfig``, ``vllm/config/cache.py``).
+           vLLM 0.34 sizes the same way only without its extensible KV cache, and with blocks of 64
+           tokens (``DEFAULT_BLOCK_SIZE``, ``vllm/config/cache.py`` line 185). Its extensible KV cache is on by
+           default on CUDA unless ``kv_cache_memory_bytes`` (or a block-count override) is given
+           (``VllmConfig._resolve_extensible_kv_cache``, ``vllm/config/vllm.py`` line 3180); an unset
+           utilization then resolves to 1.0, else to ``DEFAULT_GPU_MEMORY_UTILIZATION`` 0.92
+           (``resolved_gpu_memory_utilization``, ``vllm/config/cache.py`` lines 186 and 495–501). The cache
+           is sized after warmup and CUDA-graph capture from the memory measured free
+           (``measure_kv_cache_bytes``, ``vllm/v1/worker/extensible_kv_cache.py`` lines 613–618):
+           ``min(requested − non-KV used, free − margin) − activation peak``, where non-KV used is what the
+           instance took since start-up (weights and graphs), free is the device's free memory then (so
+           memory outside PyTorch is deducted), and the margin is ``max(1 GiB, 0.75 × activation peak)``
+           (``KV_CACHE_MARGIN_FLOOR_BYTES``, ``KV_CACHE_MARGIN_FRACTION``, lines 64–65).
            The CUDA-graph estimate (``GPUModelRunner.profile_cudagraph_memory``: the first capture plus
            at least 1 MiB for each further one, in one shared pool) is approximated here as the decode
            activation peak of the largest captured batch plus 1 MiB per captured size, with vLLM's
@@ -60,6 +73,29 @@ ENGINES = ("nano-vllm", "vllm", "sglang")
 MIB = 1 << 20
 GIB = 1 << 30
 CUDAGRAPH_BYTES_PER_GRAPH = 1 * MIB
+VLLM_VERSIONS = ("0.33", "0.34")
+"""The vLLM releases (major.minor) whose rules and defaults the planner follows, oldest first."""
+EXTENSIBLE_MARGIN_FLOOR = 1 * GIB
+"""vLLM 0.34's ``KV_CACHE_MARGIN_FLOOR_BYTES`` on CUDA (``vllm/v1/worker/extensible_kv_cache.py`` line 64)."""
+EXTENSIBLE_MARGIN_FRACTION = Decimal("0.75")
+"""vLLM 0.34's ``KV_CACHE_MARGIN_FRACTION`` (line 65): the margin's share of the activation peak."""
+
+
+def vllm_release(version: str | None) -> str:
+    """The planned vLLM release, ``major.minor``, of ``0.34``, ``0.34.0`` or ``v0.34.1``; the newest when unsaid."""
+    if version is None:
+        return VLLM_VERSIONS[-1]
+    parts = version.strip().removeprefix("v").split(".")
+    release = ".".join(parts[:2])
+    if release not in VLLM_VERSIONS:
+        raise UsageError(f"vLLM {version!r} is not a release memwatch plans for; use one of "
+                         f"{', '.join(VLLM_VERSIONS)}")
+    return release
+
+
+def extensible_by_default(version: str | None) -> bool:
+    """Whether vLLM ``version`` sizes an extensible KV cache unless told otherwise (0.34 on: its CUDA default)."""
+    return vllm_release(version) != "0.33"
 
 
 @dataclass(frozen=True)
@@ -73,19 +109,22 @@ class EngineDefaults:
     max_num_seqs: int
 
 
-def defaults(engine: str, gpu_memory_bytes: int | None, tp: int = 1) -> EngineDefaults:
-    """The engine's defaults for a device of ``gpu_memory_bytes``."""
+def defaults(engine: str, gpu_memory_bytes: int | None, tp: int = 1, version: str | None = None,
+             extensible: bool = False) -> EngineDefaults:
+    """The engine's defaults for a device of ``gpu_memory_bytes``; for vLLM, of release ``version`` with or
+    without its extensible KV cache."""
     if engine == "nano-vllm":
         return EngineDefaults(256, 0.9, 16_384, 512)
     if engine == "vllm":
+        block, utilization = (16, 0.92) if vllm_release(version) == "0.33" else (64, 1.0 if extensible else 0.92)
         # EngineArgs.get_batch_defaults, the API server's column: 16,384 batched tokens and 1,024 sequences
         # from 160 GiB, 8,192 and 1,024 from 70 GiB, 2,048 and 256 below (``vllm/engine/arg_utils.py``).
         memory = gpu_memory_bytes or 0
         if memory >= 160 * GIB:
-            return EngineDefaults(16, 0.92, 16_384, 1_024)
+            return EngineDefaults(block, utilization, 16_384, 1_024)
         if memory >= 70 * GIB:
-            return EngineDefaults(16, 0.92, 8_192, 1_024)
-        return EngineDefaults(16, 0.92, 2_048, 256)
+            return EngineDefaults(block, utilization, 8_192, 1_024)
+        return EngineDefaults(block, utilization, 2_048, 256)
     if engine == "sglang":
         chunked, _ = _sglang_capacity(gpu_memory_bytes, tp)
         return EngineDefaults(1, None, chunked, _sglang_capacity(gpu_memory_bytes, tp)[1])
@@ -166,8 +205,9 @@ class Budget:
 
 
 def kv_budget(engine: str, total: int, utilization: float, *, weights: int, activation: int,
-              non_torch: int, cudagraph: int, notes: dict[str, str]) -> Budget:
-    """KV bytes per rank under ``engine``'s rule, with the lines that show how they were reached."""
+              non_torch: int, cudagraph: int, notes: dict[str, str], extensible: bool = False) -> Budget:
+    """KV bytes per rank under ``engine``'s rule, with the lines that show how they were reached; ``extensible``:
+    vLLM 0.34's extensible KV cache, sized on the memory measured free after warmup."""
     share = Decimal(total) * Decimal(str(utilization))
     start = LedgerLine("", "GPU memory", total, notes.get("gpu", ""))
     weights_line = LedgerLine("−", "weights", weights, notes["weights"])
@@ -179,6 +219,10 @@ def kv_budget(engine: str, total: int, utilization: float, *, weights: int, acti
         lines = (start, LedgerLine("×", f"utilization {utilization:g}", budget),
                  non_torch_line, weights_line, activation_line)
         return Budget(budget, kv, (*lines, LedgerLine("=", "KV budget", kv)))
+    if engine == "vllm" and extensible:
+        return _vllm_extensible(start, math.ceil(share), utilization, total, weights_line, activation_line,
+                                non_torch_line, weights=weights, activation=activation, non_torch=non_torch,
+                                cudagraph=cudagraph, notes=notes)
     if engine == "vllm":
         budget = math.ceil(share)
         kv = budget - weights - activation - cudagraph
@@ -206,3 +250,26 @@ def kv_budget(engine: str, total: int, utilization: float, *, weights: int, acti
                             "not deducted: runs in the (1 − mem_fraction_static) remainder"))
         return Budget(budget, kv, lines)
     raise UsageError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+
+
+def _vllm_extensible(start: LedgerLine, requested: int, utilization: float, total: int, weights_line: LedgerLine,
+                     activation_line: LedgerLine, non_torch_line: LedgerLine, *, weights: int, activation: int,
+                     non_torch: int, cudagraph: int, notes: dict[str, str]) -> Budget:
+    """vLLM 0.34's extensible KV cache: ``min(requested − weights − graphs, free − margin) − activation``, with free
+    the device's memory less non-PyTorch, weights and graphs after capture (``measure_kv_cache_bytes``). The
+    requested share is only a cap: vLLM starts whatever the device had free."""
+    margin = max(EXTENSIBLE_MARGIN_FLOOR, int(activation * EXTENSIBLE_MARGIN_FRACTION))
+    graphs = LedgerLine("−", "CUDA graphs", cudagraph, notes["cudagraph"])
+    margin_note = "max(1 GiB, 0.75 × activation reserve): kept free of the measured memory"
+    capped = requested - weights - cudagraph
+    measured = total - non_torch - weights - cudagraph - margin
+    kv = min(capped, measured) - activation
+    requested_line = LedgerLine("×", f"utilization {utilization:g}", requested, "rounded up")
+    if measured <= capped:  # the free memory measured after capture binds
+        lines = (start, non_torch_line, weights_line, graphs, LedgerLine("−", "sizing margin", margin, margin_note),
+                 activation_line, LedgerLine("=", "KV budget", kv),
+                 LedgerLine("·", requested_line.label, requested, "the cap, not reached"))
+    else:  # the requested share binds
+        lines = (start, requested_line, weights_line, graphs, activation_line, LedgerLine("=", "KV budget", kv),
+                 LedgerLine("·", "non-PyTorch", non_torch, f"{notes['non_torch']}; outside the share"))
+    return Budget(requested, kv, lines)

@@ -51,8 +51,9 @@ def render_plan(plan: CapacityPlan) -> str:
     """The ledger, the load table and the verdict, as lines of text."""
     rank = f"tp {plan.tp}, pp {plan.pp}"
     lines = [
-        f"plan for {plan.model} ({plan.attention_kind}) on {plan.engine}, per rank at {rank}",
-        f"weights {plan.dtype}, KV cache {plan.kv_dtype}, blocks of {plan.block_size} tokens",
+        f"plan for {plan.model} ({plan.attention_kind}) on {_engine(plan)}, per rank at {rank}",
+        f"weights {plan.dtype}, KV cache {plan.kv_dtype}, blocks of {plan.block_size} tokens"
+        + (", extensible" if plan.extensible_kv_cache else ""),
         "",
         _line("KV per token", plan.kv_bytes_per_token),
         _line("KV block", plan.block_bytes),
@@ -107,3 +108,8 @@ def render_observed(comparisons: Sequence[PlanVsObserved]) -> str:
                 lines.append(f"{'':<20}{predicted:>13}{measured:>13}")
             lines += textwrap.wrap(term.cause, width=78, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(lines)
+
+
+def _engine(plan: CapacityPlan) -> str:
+    """The engine, with the vLLM release planned for."""
+    return plan.engine if plan.engine_version is None else f"{plan.engine} {plan.engine_version}"
