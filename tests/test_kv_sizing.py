@@ -4,7 +4,7 @@ the KV term is known: each field from its own key, each malformed field left out
 from __future__ import annotations
 
 from memwatch.kv_sizing import is_startup_sizing, kv_bytes_of, sizing_of
-from memwatch.ledger import Ledger
+from memwatch.ledger import Ledger, non_torch_bytes
 from memwatch.records import Event, Sample
 
 MiB = 1 << 20
@@ -132,3 +132,31 @@ def test_declared_long_lived_memory_adds_up_and_only_after_sizing() -> None:
     held.on_event(Event("k", 0, 0, 0, "kv_allocated", {"current_bytes": 2 * GiB, "kv_in_readings_bytes": 512 * MiB,
                                                        "peak_bytes": 2 * GiB}))
     assert held.on_sample(_sample(1)).torch_other_bytes == 2 * GiB - GiB - 512 * MiB
+
+
+def test_a_sizing_short_of_readings_gives_no_residual_and_no_reserve() -> None:
+    """Total and utilization give the budget; without the used memory nothing says what was committed at sizing, so
+    there is a headroom but no residual; without a peak there is no reserve, so no headroom at all."""
+    ledger = Ledger()
+    ledger.on_event(Event("k", 0, 0, 0, "kv_allocated", {"total_bytes": 8 * GiB, "gpu_memory_utilization": 0.75,
+                                                         "peak_bytes": 3 * GiB, "current_bytes": 2 * GiB,
+                                                         "num_blocks": 256, "block_bytes": 4 * MiB}))
+    terms = ledger.on_sample(_sample(1))
+    # 6 GiB − non-PyTorch 1 − weights 2 − other 0 − KV 1 − reserve 1 GiB.
+    assert terms.headroom_bytes == GiB and terms.residual_bytes is None
+    assert (terms.reclaimable_cache_bytes, terms.pinned_cache_bytes) == (None, None)
+    signals = ledger.on_sample(_sample(2, active=4 * GiB, pinned=256 * MiB))
+    assert (signals.reclaimable_cache_bytes, signals.pinned_cache_bytes) == (768 * MiB, 256 * MiB)
+    no_peak = Ledger()
+    no_peak.on_event(Event("k", 0, 0, 0, "kv_allocated", {"total_bytes": 8 * GiB, "gpu_memory_utilization": 0.75,
+                                                          "current_bytes": 2 * GiB, "used_bytes": 3 * GiB,
+                                                          "num_blocks": 256, "block_bytes": 4 * MiB}))
+    terms = no_peak.on_sample(_sample(1))
+    assert terms.activation_reserve_bytes is None and terms.headroom_bytes is None and terms.budget_bytes == 6 * GiB
+    # Known KV, unknown current: the KV term is still given, beside what needs no KV term.
+    kv_only = Ledger()
+    kv_only.on_event(Event("k", 0, 0, 0, "kv_allocated", {"num_blocks": 256, "block_bytes": 4 * MiB}))
+    terms = kv_only.on_sample(_sample(1))
+    assert terms.kv_bytes == GiB and terms.weights_bytes is None and terms.torch_kept_bytes is None
+    # Without any claim of KV outside the allocator, the driver's reading beyond the reserve is all non-PyTorch.
+    assert non_torch_bytes(3 * GiB, 2 * GiB) == GiB
