@@ -200,3 +200,34 @@ def test_the_cli_plans_the_release_it_is_told() -> None:
     assert all(len(line) <= 80 for line in text.splitlines())
     refused = runner.invoke(plan, ["--engine", "vllm", "--engine-version", "0.2", "--gpu-memory", "80GiB"])
     assert refused.exit_code == 2 and "not a release memwatch plans for" in refused.stderr
+
+
+def test_vllm_0_34_extensible_ledger_lines_say_which_bound_binds(qwen: ModelSpec) -> None:
+    """10 GiB, 1 GiB outside PyTorch, 2 GiB of weights, 512 MiB of graphs, 1 GiB of activation (a 1 GiB margin). At
+    utilization 0.8 the share less weights and graphs, 5.5 GiB, equals the measured free memory less the margin: the
+    measured memory is named as the bound. At 0.7 the share binds, 5.5 − 1 GiB less."""
+    given = {"gpu_memory_bytes": 10 * GIB, "engine": "vllm", "weights_bytes": 2 * GIB, "non_torch_bytes": GIB,
+             "cudagraph_bytes": 512 * MIB, "activation_reserve_bytes": GIB}
+    tie = plan_capacity(qwen, PlanInputs(utilization=0.8, **given))
+    lines = [(line.op, line.label, line.num_bytes, line.note) for line in tie.ledger]
+    assert lines == [
+        ("", "GPU memory", 10 * GIB, ""),
+        ("−", "non-PyTorch", GIB, "given (--non-torch-bytes)"),
+        ("−", "weights", 2 * GIB, "given (--weights-bytes)"),
+        ("−", "CUDA graphs", 512 * MIB, "given (--cudagraph-bytes)"),
+        ("−", "sizing margin", GIB, "max(1 GiB, 0.75 × activation reserve): kept free of the measured memory"),
+        ("−", "activation reserve", GIB, "given (--activation-reserve-bytes)"),
+        ("=", "KV budget", 4 * GIB + 512 * MIB, ""),
+        ("·", "utilization 0.8", 8 * GIB, "the cap, not reached")]
+    capped = plan_capacity(qwen, PlanInputs(utilization=0.7, **given))
+    requested = math.ceil(10 * GIB * 0.7)
+    lines = [(line.op, line.label, line.num_bytes, line.note) for line in capped.ledger]
+    assert lines == [
+        ("", "GPU memory", 10 * GIB, ""),
+        ("×", "utilization 0.7", requested, "rounded up"),
+        ("−", "weights", 2 * GIB, "given (--weights-bytes)"),
+        ("−", "CUDA graphs", 512 * MIB, "given (--cudagraph-bytes)"),
+        ("−", "activation reserve", GIB, "given (--activation-reserve-bytes)"),
+        ("=", "KV budget", requested - 2 * GIB - 512 * MIB - GIB, ""),
+        ("·", "non-PyTorch", GIB, "given (--non-torch-bytes); outside the share")]
+    assert (capped.budget_bytes, capped.startup_error) == (requested, None)
