@@ -160,3 +160,12 @@ def test_a_sizing_short_of_readings_gives_no_residual_and_no_reserve() -> None:
     assert terms.kv_bytes == GiB and terms.weights_bytes is None and terms.torch_kept_bytes is None
     # Without any claim of KV outside the allocator, the driver's reading beyond the reserve is all non-PyTorch.
     assert non_torch_bytes(3 * GiB, 2 * GiB) == GiB
+
+
+def test_a_utilization_budget_needs_both_the_total_and_the_utilization() -> None:
+    for data in ({"total_bytes": 8 * GiB}, {"gpu_memory_utilization": 0.5}):
+        ledger = Ledger()
+        ledger.on_event(Event("k", 0, 0, 0, "kv_allocated", {**data, "peak_bytes": 3 * GiB, "current_bytes": 2 * GiB,
+                                                             "used_bytes": 3 * GiB, "num_blocks": 1, "block_bytes": 8}))
+        terms = ledger.on_sample(_sample(1))
+        assert terms.budget_bytes is None and terms.headroom_bytes is None and terms.residual_bytes is None
