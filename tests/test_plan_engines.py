@@ -231,3 +231,37 @@ def test_vllm_0_34_extensible_ledger_lines_say_which_bound_binds(qwen: ModelSpec
         ("=", "KV budget", requested - 2 * GIB - 512 * MIB - GIB, ""),
         ("·", "non-PyTorch", GIB, "given (--non-torch-bytes); outside the share")]
     assert (capped.budget_bytes, capped.startup_error) == (requested, None)
+
+
+def test_sglang_chunked_prefill_and_graph_batch_follow_the_device_tiers() -> None:
+    """``handle_gpu_memory_settings``' tiers, at each edge (MiB of device memory) and each side of TP 4: under 20 GiB
+    2,048 tokens and graphs to 8; under 35 GiB 4,096 and 48 (160 from TP 4); under 60 GiB 4,096 and 32 (160);
+    under 160 GiB 8,192 and 256 (512); then 16,384 and 512. An unknown device gets 4,096 and 160."""
+    def tier(mib: int, tp: int = 1) -> tuple[int, int]:
+        rules = defaults("sglang", mib * MIB, tp)
+        return rules.max_num_batched_tokens, rules.max_num_seqs
+
+    assert [tier(mib) for mib in (20 * 1024 - 1, 20 * 1024, 35 * 1024 - 1, 35 * 1024, 60 * 1024 - 1, 60 * 1024,
+                                  160 * 1024 - 1, 160 * 1024)] == [
+        (2048, 8), (4096, 48), (4096, 48), (4096, 32), (4096, 32), (8192, 256), (8192, 256), (16384, 512)]
+    assert [tier(mib, 3) for mib in (20 * 1024, 35 * 1024, 60 * 1024)] == [(4096, 48), (4096, 32), (8192, 256)]
+    assert [tier(mib, 4) for mib in (20 * 1024 - 1, 20 * 1024, 35 * 1024, 60 * 1024, 160 * 1024)] == [
+        (2048, 8), (4096, 160), (4096, 160), (8192, 512), (16384, 512)]
+    rules = defaults("sglang", None)
+    assert (rules.block_size, rules.utilization, rules.max_num_batched_tokens, rules.max_num_seqs) == (
+        1, None, 4096, 160)
+
+
+def test_sglang_reserved_memory_term_by_term() -> None:
+    """``reserved = 512 + 1.5 × max(chunked, 2,048) + tp × pp / 8 × 1,024 + 2 × max_bs`` MB, at least 10 GiB only
+    above 60 GiB; the fraction is ``(gpu − reserved) / gpu`` to 3 decimals."""
+    # 16 GiB = 16,384 MB: chunked 2,048, graphs to 8: 512 + 3,072 + 128 + 16 = 3,728 → 12,656 / 16,384 = 0.77246.
+    assert sglang_mem_fraction_static(16 * GIB) == 0.772
+    # TP 2 × PP 2 on 16 GiB: + 512 − 128 MB: 4,112 → 0.74902; TP 4 alone also 512 MB.
+    assert sglang_mem_fraction_static(16 * GIB, tp=2, pp=2) == sglang_mem_fraction_static(16 * GIB, tp=4) == 0.749
+    # 60 GiB exactly (61,440 MB): chunked 8,192, graphs 256: 512 + 12,288 + 128 + 512 = 13,440, no floor → 0.78125.
+    assert sglang_mem_fraction_static(60 * GIB) == round((61_440 - 13_440) / 61_440, 3) == 0.781
+    # 100 GiB: the 13,440 MB reserved is above the 10,240 MB floor.
+    assert sglang_mem_fraction_static(100 * GIB) == round((102_400 - 13_440) / 102_400, 3) == 0.869
+    # 170 GiB: chunked 16,384, graphs 512: 512 + 24,576 + 128 + 1,024 = 26,240 MB.
+    assert sglang_mem_fraction_static(170 * GIB) == round((174_080 - 26_240) / 174_080, 3) == 0.849
