@@ -12,7 +12,7 @@ from memwatch.cli.plan import plan
 from memwatch.errors import UsageError
 from memwatch.models import ModelSpec, forward_activation_bytes
 from memwatch.plan import PlanInputs, plan_capacity
-from memwatch.plan.engines import defaults, sglang_mem_fraction_static, vllm_capture_sizes
+from memwatch.plan.engines import defaults, kv_budget, sglang_mem_fraction_static, vllm_capture_sizes
 
 GIB, MIB = 2**30, 2**20
 WEIGHTS = 7_615_616_512 * 2                                            # Qwen2.5-7B-Instruct in bf16
@@ -265,3 +265,53 @@ def test_sglang_reserved_memory_term_by_term() -> None:
     assert sglang_mem_fraction_static(100 * GIB) == round((102_400 - 13_440) / 102_400, 3) == 0.869
     # 170 GiB: chunked 16,384, graphs 512: 512 + 24,576 + 128 + 1,024 = 26,240 MB.
     assert sglang_mem_fraction_static(170 * GIB) == round((174_080 - 26_240) / 174_080, 3) == 0.849
+
+
+def test_each_engines_ledger_line_by_line(qwen: ModelSpec) -> None:
+    """10 GiB at 0.5, 2 GiB of weights, 1 GiB of activation, 512 MiB outside PyTorch, 256 MiB of graphs, all given."""
+    given = {"gpu_memory_bytes": 10 * GIB, "utilization": 0.5, "weights_bytes": 2 * GIB, "non_torch_bytes": 512 * MIB,
+             "activation_reserve_bytes": GIB, "cudagraph_bytes": 256 * MIB}
+    start = ("", "GPU memory", 10 * GIB, "")
+    weights, activation = ("−", "weights", 2 * GIB, "given (--weights-bytes)"), (
+        "−", "activation reserve", GIB, "given (--activation-reserve-bytes)")
+    non_torch = ("−", "non-PyTorch", 512 * MIB, "given (--non-torch-bytes)")
+
+    def lines(**inputs: object) -> list[tuple[str, str, int, str]]:
+        plan_ = plan_capacity(qwen, PlanInputs(**{**given, **inputs}))  # type: ignore[arg-type]
+        return [(line.op, line.label, line.num_bytes, line.note) for line in plan_.ledger]
+
+    assert lines(engine="nano-vllm") == [start, ("×", "utilization 0.5", 5 * GIB, ""), non_torch, weights, activation,
+                                         ("=", "KV budget", 5 * GIB - 512 * MIB - 3 * GIB, "")]
+    assert lines(engine="vllm", engine_version="0.33") == [
+        start, ("×", "utilization 0.5", 5 * GIB, "rounded up"), weights, activation,
+        ("−", "CUDA graphs", 256 * MIB, "given (--cudagraph-bytes)"),
+        ("=", "KV budget", 5 * GIB - 3 * GIB - 256 * MIB, ""),
+        ("·", "non-PyTorch", 512 * MIB,
+         "given (--non-torch-bytes); outside the budget, must fit in total × (1 − util) = 5,368,709,120 B")]
+    assert lines(engine="sglang") == [
+        start, non_torch, ("×", "mem_fraction_static 0.5", (10 * GIB - 512 * MIB) // 2, ""), weights,
+        ("=", "KV budget", (10 * GIB - 512 * MIB) // 2 - 2 * GIB, ""),
+        ("·", "activation reserve", GIB, "not deducted: runs in the (1 − mem_fraction_static) remainder")]
+    # Memory outside PyTorch exactly filling total × (1 − util) still starts; a byte more does not.
+    fits = plan_capacity(qwen, PlanInputs(**{**given, "non_torch_bytes": 5 * GIB}, engine="vllm",  # type: ignore[arg-type]
+                                          engine_version="0.33"))
+    over = plan_capacity(qwen, PlanInputs(**{**given, "non_torch_bytes": 5 * GIB + 1}, engine="vllm",  # type: ignore[arg-type]
+                                          engine_version="0.33"))
+    assert fits.startup_error is None and fits.budget_bytes == 5 * GIB
+    assert "refuses to start" in (over.startup_error or "")
+
+
+def test_defaults_at_the_tier_edges_and_unknown_engines() -> None:
+    assert [(d.max_num_batched_tokens, d.max_num_seqs) for d in (
+        defaults("vllm", 70 * GIB - 1), defaults("vllm", 70 * GIB), defaults("vllm", 160 * GIB - 1),
+        defaults("vllm", 160 * GIB), defaults("vllm", None))] == [
+        (2_048, 256), (8_192, 1_024), (8_192, 1_024), (16_384, 1_024), (2_048, 256)]
+    assert defaults("nano-vllm", None) == defaults("nano-vllm", 80 * GIB)
+    assert (defaults("nano-vllm", None).block_size, defaults("nano-vllm", None).max_num_seqs) == (256, 512)
+    assert defaults("vllm", 80 * GIB).utilization == 0.92  # extensible only when asked
+    for call in (lambda: defaults("tgi", 80 * GIB),
+                 lambda: kv_budget("tgi", 80 * GIB, 0.9, weights=0, activation=0, non_torch=0, cudagraph=0,
+                                   notes=dict.fromkeys(("weights", "activation", "non_torch", "cudagraph"), ""))):
+        with pytest.raises(UsageError) as raised:
+            call()
+        assert str(raised.value) == "unknown engine 'tgi'; use one of nano-vllm, vllm, sglang"
