@@ -198,6 +198,9 @@ def test_the_cli_plans_the_release_it_is_told() -> None:
     assert "on vllm 0.34, per rank" in text.splitlines()[0] and "− sizing margin" in text
     assert text.splitlines()[1].endswith("blocks of 64 tokens, extensible")
     assert all(len(line) <= 80 for line in text.splitlines())
+    other = runner.invoke(plan, ["--engine", "sglang", "--gpu-memory", "80GiB"]).stdout.splitlines()
+    assert other[0] == "plan for Qwen2.5-7B-Instruct (GQA) on sglang, per rank at tp 1, pp 1"
+    assert other[1] == "weights bfloat16, KV cache bfloat16, blocks of 1 tokens"
     refused = runner.invoke(plan, ["--engine", "vllm", "--engine-version", "0.2", "--gpu-memory", "80GiB"])
     assert refused.exit_code == 2 and "not a release memwatch plans for" in refused.stderr
 
