@@ -311,3 +311,23 @@ def test_events_past_their_bound_are_refused_in_process(real: tuple[str, dict[st
     with pytest.raises(m.BundleError, match=r"the bundle's events\.jsonl is 1,048,576 bytes, more than memwatch "
                                             r"writes for its run\.db \(at most [0-9,]+\); refusing it"):
         load(bomb(real[1], 1 << 20))
+
+
+def test_a_held_bundle_is_read_from_another_thread(real: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    """A reading command may open the bundle on one thread and read it on another (the report's workers)."""
+    from memwatch.incident.open import open_bundle
+    from memwatch.store.db import connect_readonly
+
+    path = tmp_path / "memwatch-incident-real.tar.gz"
+    path.write_bytes(pack(real[1]))
+    opened = open_bundle(str(path))
+    try:
+        conn = connect_readonly(opened.db_path)
+        got: list[object] = []
+        reader = threading.Thread(target=lambda: got.append(conn.execute("SELECT count(*) FROM runs").fetchone()))
+        reader.start()
+        reader.join(10)
+        assert got == [(1,)]
+        conn.close()
+    finally:
+        opened.close()
