@@ -182,9 +182,16 @@ def test_the_events_bound_covers_what_the_build_writes() -> None:
 def test_a_database_that_is_not_sqlite_is_refused() -> None:
     from memwatch.incident import bundle_db
 
-    for data in (b"", b"SQLite format 3\x00" + bytes(50), b"not a database" * 100):
-        with pytest.raises(m.BundleError, match="is not a SQLite database"):
+    for data in (b"", b"SQLite format 3\x00" + bytes(83), b"not a database" * 100):  # 99 bytes: one short
+        with pytest.raises(m.BundleError, match="^its run.db is not a SQLite database, so not a memwatch database$"):
             bundle_db.check_header(bytearray(data))
+
+
+def test_a_header_of_exactly_100_bytes_is_enough_to_judge(real: tuple[str, dict[str, bytes]]) -> None:
+    """SQLite's database header is the file's first 100 bytes: all the header check reads."""
+    from memwatch.incident import bundle_db
+
+    bundle_db.check_header(bytearray(real[1][m.DATABASE][:100]))
 
 
 def _memdb(name: str) -> sqlite3.Connection:
@@ -329,5 +336,8 @@ def test_a_held_bundle_is_read_from_another_thread(real: tuple[str, dict[str, by
         reader.join(10)
         assert got == [(1,)]
         conn.close()
-    finally:
-        opened.close()
+    finally:  # let go of by another thread (a finalizer's, a worker's) than the one that opened it
+        closer = threading.Thread(target=lambda: (opened.close(), got.append("closed")))
+        closer.start()
+        closer.join(10)
+    assert got == [(1,), "closed"]
