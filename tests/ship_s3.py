@@ -27,11 +27,12 @@ def free_port() -> int:
 
 
 class S3Server:
-    """moto's S3 on 127.0.0.1:port, started and stopped within bounded waits."""
+    """moto's S3 on host:port (loopback unless told; a container reaches a bridge's gateway address), started and
+    stopped within bounded waits."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.endpoint = f"http://127.0.0.1:{port}"
+    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
+        self.port, self.host = port, host
+        self.endpoint = f"http://{host}:{port}"
         self._server = None
         self._thread: threading.Thread | None = None
 
@@ -40,7 +41,7 @@ class S3Server:
         return {**CREDENTIALS, "AWS_ENDPOINT_URL": self.endpoint}
 
     def start(self) -> S3Server:
-        self._server = make_server("127.0.0.1", self.port, DomainDispatcherApplication(create_backend_app), True,
+        self._server = make_server(self.host, self.port, DomainDispatcherApplication(create_backend_app), True,
                                    request_handler=MotoRequestHandler)
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="moto-s3", daemon=True)

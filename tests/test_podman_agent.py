@@ -7,7 +7,6 @@ vllm/vllm-openai's ENTRYPOINT with a simulated engine writing rings through the 
 
 from __future__ import annotations
 
-import copy
 import re
 import tempfile
 import time
@@ -15,10 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from podman.fixtures import Setup, as_uid, engine_spec, manifest, query, set_env, setup, write_timings
-from podman.pods import Played, http_get, wait_for
+from podman.fixtures import Setup, query, setup, write_timings
+from podman.node import Node
+from podman.pods import http_get, wait_for
 from podman.runtime import timings
-from podman.transforms import Doc, playable
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = 2000
@@ -32,44 +31,6 @@ def built() -> Iterator[Setup]:
         pytest.skip(made)
     yield made
     write_timings()
-
-
-class Node:
-    """A temporary node directory with the agent's pod up, and the engine pods played on it."""
-
-    def __init__(self, built: Setup, root: Path) -> None:
-        self.built, self.root = built, root
-        self.plays: list[Played] = []
-        docs, self.ports = playable(manifest("daemonset", "memwatch-agent.yaml"), built.by_role, root)
-        self.agent = self.play(docs, "agent")
-        self.rings = root / "var/run/memwatch/rings"
-        self.db = root / "var/lib/memwatch/memwatch.db"
-
-    def play(self, docs: list[Doc], name: str) -> Played:
-        played = Played(self.built.podman, docs, self.root, name)
-        self.plays.append(played)
-        return played
-
-    def engines(self, uids: dict[int, str], **env: str) -> Played:
-        """Engine pods of the manifest's vllm-pod.yaml, one per uid, as one play."""
-        wait_for(self.rings.is_dir, 30, "the agent's rings directory")
-        base = manifest("daemonset", "vllm-pod.yaml")
-        docs: list[Doc] = []
-        for uid, name in uids.items():
-            for doc in copy.deepcopy(base):
-                if doc.get("kind") == "Pod":
-                    doc = as_uid(doc, uid, name)
-                    set_env(engine_spec(doc), **env)
-                docs.append(doc)
-        played, _ = playable(docs, self.built.by_role, self.root)
-        return self.play(played, f"engines-{'-'.join(map(str, uids))}")
-
-    def close(self) -> None:
-        for played in reversed(self.plays):
-            try:
-                played.down()
-            except Exception:  # one pod's failure to stop must not leave the others running
-                pass
 
 
 @pytest.fixture
