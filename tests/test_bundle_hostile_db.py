@@ -183,7 +183,7 @@ def test_a_database_that_is_not_sqlite_is_refused() -> None:
     from memwatch.incident import bundle_db
 
     for data in (b"", b"SQLite format 3\x00" + bytes(83), b"not a database" * 100):  # 99 bytes: one short
-        with pytest.raises(m.BundleError, match="^its run.db is not a SQLite database, so not a memwatch database$"):
+        with pytest.raises(m.BundleError, match=r"^its run\.db is not a SQLite database, so not a memwatch database$"):
             bundle_db.check_header(bytearray(data))
 
 
