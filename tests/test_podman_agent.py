@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from podman.fixtures import Setup, query, setup, write_timings
+from podman.fixtures import Setup, query
 from podman.node import Node
 from podman.pods import http_get, wait_for
 from podman.runtime import timings
@@ -22,15 +22,6 @@ from podman.runtime import timings
 pytestmark = pytest.mark.timeout(600)
 STEPS = 2000
 HEALTH, METRICS = 8081, 9400
-
-
-@pytest.fixture(scope="module")
-def built() -> Iterator[Setup]:
-    made = setup()
-    if isinstance(made, str):
-        pytest.skip(made)
-    yield made
-    write_timings()
 
 
 @pytest.fixture

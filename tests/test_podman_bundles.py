@@ -18,12 +18,12 @@ import tarfile
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from helm_chart import ROOT, documents, template
-from podman.fixtures import Setup, engine_spec, query, set_env, setup, write_timings
+from podman.fixtures import Setup, engine_spec, query, set_env
 from podman.node import Node
 from podman.pods import Played, wait_for
 from podman.runtime import Podman, timed, timings
@@ -39,15 +39,6 @@ SETTLE = 5.0
 the sidecar's worker and shipper take well under a second a round."""
 NETWORK = "podman-default-kube-network"
 """The bridge ``podman kube play`` puts pods on; its gateway is the host as ``host.containers.internal``."""
-
-
-@pytest.fixture(scope="module")
-def built() -> Iterator[Setup]:
-    made = setup()
-    if isinstance(made, str):
-        pytest.skip(made)
-    yield made
-    write_timings()
 
 
 def rendered(release: str, *args: str) -> list[Doc]:
