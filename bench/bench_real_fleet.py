@@ -12,7 +12,7 @@ Each request goes out as a streaming ``POST /v1/completions`` with a token-id pr
 generated (``ignore_eos``).
 
 The trace is ``fleet_bursty_long_context`` scaled to the tiny model: its first ``--requests`` requests (drawn
-with ``--seed``), prompt and output lengths and the engines' KV cache times ``--token-scale`` (1/8: the trace's
+with each of ``--seeds``), prompt and output lengths and the engines' KV cache times ``--token-scale`` (1/8: the trace's
 16,384-token context on the model's 2,048), arrivals times ``--time-scale``. Per policy: requests completed of
 those sent, vLLM's own preemption count (``vllm:num_preemptions_total``, its rise over the run), engines that
 died (an OOM on a GPU; none expected on a CPU), output tokens/s (completed requests' tokens over the time
