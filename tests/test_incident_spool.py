@@ -124,7 +124,7 @@ def test_a_shipped_bundle_is_removed_only_while_its_name_is_that_file(box: Spool
     box.enqueue(bundle)
     fd, shipped = box.open(bundle.name)
     os.close(fd)
-    os.unlink(bundle.name, dir_fd=box.fd)
+    os.rename(Path(box.path) / bundle.name, tmp_path / "aside")  # kept: its inode is not reused for the next file
     other = make_bundle(tmp_path / "other", run="r")
     os.rename(other, Path(box.path) / bundle.name)  # another file under the name since the upload
     box.remove(bundle.name, identity(shipped))
