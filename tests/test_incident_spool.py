@@ -8,6 +8,7 @@ a drop that cannot be told is still dropped; a shipped bundle is deleted only wh
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import tempfile
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_incident_ship import make_bundle
 
-from memwatch.errors import UsageError
+from memwatch.errors import PermissionDeniedError, UsageError
 from memwatch.incident import spool
 from memwatch.incident.spool import Spool, identity
 from memwatch_engine.dirfd import NotRegularFile, open_dir, private_dir
@@ -146,3 +147,135 @@ def test_the_active_spool_takes_what_a_build_hands_it_until_it_stops(box: Spool,
     second = make_bundle(tmp_path / "out", run="two")
     spool.enqueue(second)  # no sidecar shipping: it stays where it was built
     assert second.exists() and box.pending() == [first.name]
+
+
+class SwappedOnTheWay(Spool):
+    """A spool whose source name is swapped (by real renames and links) between its look and its move: the moment
+    :meth:`holds` is asked is the window another process of the build folder's owner would have."""
+
+    swap: str = "file"
+
+    def holds(self, name: str) -> bool:
+        source = self.source  # type: ignore[attr-defined]
+        os.rename(source / name, source.parent / "original")
+        if self.swap == "file":
+            make_bundle(source.parent / "impostor", run="impostor").rename(source / name)
+        else:  # a link to the very file that was judged: following it would take it for the same
+            (source / name).symlink_to(source.parent / "original")
+        return super().holds(name)
+
+
+@pytest.mark.parametrize("swap", ["file", "link"])
+def test_a_bundle_swapped_while_it_is_spooled_is_handed_back_not_shipped(tmp_path: Path, swap: str) -> None:
+    state = private_dir(tmp_path / "state")
+    box = SwappedOnTheWay(state, tmp_path / "state")
+    box.swap = swap
+    bundle = make_bundle(tmp_path / "out", run="swapped")
+    box.source = bundle.parent  # type: ignore[attr-defined]
+    told: list[int] = []
+    box.on_enqueue = lambda: told.append(1)
+    with pytest.raises(UsageError, match=f"^{bundle.name} changed while it was spooled; not shipped$"):
+        box.enqueue(bundle)
+    assert box.pending() == [] and os.listdir(box.fd) == [] and told == []
+    assert os.path.lexists(bundle) and bundle.is_symlink() == (swap == "link")  # handed back where it was
+    box.close()
+    os.close(state)
+
+
+def test_partial_copies_are_removed_at_start_and_nothing_else(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = private_dir(tmp_path / "state")
+    folder = tmp_path / "state" / "bundles"
+    folder.mkdir(mode=0o700)
+    for name in (".memwatch-incident-a.tar.gz.tmp", ".other.tmp", ".hidden", "notes.tmp", "x.TMP"):
+        (folder / name).write_bytes(b"x")
+    caplog.set_level(logging.INFO, "memwatch.incident")
+    Spool(state, tmp_path / "state").close()
+    assert sorted(os.listdir(folder)) == [".hidden", "notes.tmp", "x.TMP"]
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        "bundle spool: removed .memwatch-incident-a.tar.gz.tmp, a copy cut short",
+        "bundle spool: removed .other.tmp, a copy cut short"]
+    os.close(state)
+
+
+def test_a_spool_others_may_enter_is_refused_in_one_line(tmp_path: Path) -> None:
+    state = private_dir(tmp_path / "state")
+    (tmp_path / "state" / "bundles").mkdir(mode=0o755)
+    os.chmod(tmp_path / "state" / "bundles", 0o755)
+    with pytest.raises(PermissionDeniedError) as refused:
+        Spool(state, tmp_path / "state")
+    assert str(refused.value) == (f"cannot use {tmp_path / 'state' / 'bundles'} as the bundle spool: mode 755 lets "
+                                  "other users in; chmod 700 it; it must be a directory of the sidecar's user, "
+                                  "mode 0700")
+    os.close(state)
+
+
+def test_a_stale_copy_is_replaced_and_strays_never_hide_a_bundle(box: Spool, tmp_path: Path) -> None:
+    if os.stat("/dev/shm").st_dev == os.fstat(box.fd).st_dev:
+        pytest.skip("/dev/shm is on the spool's file system here")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        bundle = make_bundle(Path(shm), run="again")
+        (Path(box.path) / f".{bundle.name}.tmp").write_bytes(b"a copy cut short, the spool still open")
+        box.enqueue(bundle)
+    for i in range(12):  # whatever order the folder lists them in, a stray never ends the listing
+        (Path(box.path) / f"stray-{i}.txt").write_bytes(b"x")
+    others = [make_bundle(tmp_path / f"o{i}", run=f"o{i}") for i in range(3)]
+    for path in others:
+        box.enqueue(path)
+    assert sorted(box.pending()) == sorted([bundle.name, *(p.name for p in others)])
+    assert box.oldest() is not None and box.oldest()[0] in box.pending()
+
+
+def _three(box: Spool, tmp_path: Path) -> list[str]:
+    paths = [_dated(make_bundle(tmp_path / f"t{i}", run=f"t{i}"), 10 * (i + 1)) for i in range(3)]
+    for path in paths:
+        box.enqueue(path)
+    return [p.name for p in paths]
+
+
+def test_the_cap_drops_exactly_what_is_over_it_and_says_which_cap(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    state = private_dir(tmp_path / "state")
+    box = Spool(state, tmp_path / "state")  # the default caps: nothing dropped yet
+    names = _three(box, tmp_path)
+    sizes = dict(box.sizes())
+    assert box.enforce_cap() == [] and box.dropped == 0
+    box.cap_count = 1
+    assert box.enforce_cap(keep=names[0]) == names[1:]  # the one kept need not be the newest
+    assert box.pending() == [names[0]]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"bundle_dropped {name} ({sizes[name]} bytes): the spool holds {count} bundles, over its cap of 1; the oldest "
+        "go first" for name, count in zip(names[1:], (3, 2), strict=True)]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # nobody to tell: nothing failed
+    box.close()
+    os.close(state)
+
+
+def test_over_its_bytes_only_the_oldest_goes_and_a_failed_telling_is_logged(tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    state = private_dir(tmp_path / "state")
+    box = Spool(state, tmp_path / "state")
+    names = _three(box, tmp_path)
+    sizes = dict(box.sizes())
+    box.cap_count, box.cap_bytes = 3, sizes[names[1]] + sizes[names[2]]  # room for two of the three: one goes
+
+    def tell(name: str, size: int, why: str) -> None:
+        raise RuntimeError("the database is locked")
+
+    box.on_drop = tell
+    assert box.enforce_cap() == [names[0]] and box.pending() == names[1:]
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        f"bundle_dropped {names[0]} ({sizes[names[0]]} bytes): the spool holds {sum(sizes.values()):,} bytes, over "
+        f"its cap of {box.cap_bytes:,}; the oldest go first",
+        f"bundle {names[0]} dropped, not recorded: the database is locked"]
+    box.close()
+    os.close(state)
+
+
+def test_without_a_sidecar_shipping_the_bundle_stays_and_the_log_says_where(tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    bundle = make_bundle(tmp_path / "out", run="kept")
+    caplog.set_level(logging.INFO, "memwatch.incident")
+    spool.enqueue(bundle)
+    assert bundle.exists()
+    assert [r.getMessage() for r in caplog.records] == [f"bundle {bundle.name} kept at {bundle} (no --bundle-to)"]
