@@ -327,3 +327,50 @@ def test_the_log_tail_keeps_its_last_lines_each_cut_and_leaves_with_close(db: tu
     assert len(triggers._meta) == 4096  # bounded
     triggers.close()
     assert triggers.log_tail not in logging.getLogger("memwatch").handlers and triggers.dir_fd == -1
+
+
+def test_a_spool_drop_is_counted_and_recorded_and_a_uid_is_named_from_the_ring(
+        db: tuple[Path, str], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    db_path, run_id = db
+    name = "memwatch-incident-20261204T000000.000Z-pod-a-dropped.tar.gz"
+    _one_owed(db_path, run_id, "oom", state="built", bundle=name)
+    triggers = IncidentTriggers(db_path, tmp_path / "out", start=False)
+    before = time.time_ns()
+    triggers.bundle_dropped(name, 1234, "the spool is full")
+    assert triggers.counts == {"built": 0, "failed": 0, "dropped": 1}
+    assert _sql(db_path, "SELECT state, note FROM incidents") == [("dropped", "the spool is full")]
+    [(ts, data)] = _sql(db_path, "SELECT ts_ns, data FROM events WHERE kind = 'bundle_dropped'")
+    assert before <= ts <= time.time_ns()
+    assert data == f'{{"bundle": "{name}", "bytes": 1234, "why": "the spool is full"}}'
+    triggers.close()
+
+    _one_owed(db_path, run_id, "oom")
+    _sql(db_path, "INSERT INTO incidents (run_id, trigger, decided_ns) VALUES (?, 'shutdown', 2)", (run_id,))
+    limited = IncidentTriggers(db_path, tmp_path / "out2", limiter=PerUid(per_hour=1), start=False)
+    limited(_header(run_id, uid=4242), [])
+    limited.shutdown([])
+    why = "over the limit of 1 bundles an hour for uid 4242"
+    assert _sql(db_path, "SELECT trigger, state, note FROM incidents ORDER BY decided_ns") == [
+        ("oom", "built", None), ("shutdown", "dropped", why)]
+    assert f"run {run_id}: the shutdown incident bundle is dropped: {why}" in caplog.text
+    assert limited.counts == {"built": 1, "failed": 0, "dropped": 1}
+    limited.close()
+
+
+def test_only_a_critical_flag_wakes_the_builder(db: tuple[Path, str], tmp_path: Path) -> None:
+    from memwatch.flags import Flag
+
+    db_path, run_id = db
+    _sql(db_path, "DELETE FROM incidents")
+    triggers = IncidentTriggers(db_path, tmp_path / "out", poll_s=60.0)  # its own thread, looking once a minute
+    time.sleep(0.5)  # its first round: nothing owed
+    _one_owed(db_path, run_id, "oom")  # the run's ending, decided with its commit
+    triggers.on_flag(Flag(run_id, 0, 1, 1, "fragmentation", "warning", "words", {}))
+    time.sleep(1.0)
+    assert triggers.built == []  # a warning wakes nobody
+    triggers.on_flag(Flag(run_id, 0, 1, 1, "oom", "critical", "words", {}))
+    deadline = time.monotonic() + 30
+    while not triggers.built and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(triggers.built) == 1
+    triggers.close()
