@@ -107,8 +107,9 @@ class Ledger:
         """``row``'s bundle is not built (the per-uid rate): its run gets a ``bundle_dropped`` event saying why, as a
         bundle dropped from the spool does, so the run's own events tell why it has no bundle."""
         data = json.dumps({"trigger": row.trigger, "why": why}, sort_keys=True)
-        self._run("INSERT INTO events (run_id, rank, step, ts_ns, kind, data) SELECT run_id, NULL, NULL, ?,"
-                  " 'bundle_dropped', ? FROM runs WHERE run_id = ?", (now_ns, data, row.run_id))
+        self._run("""
+            INSERT INTO events (run_id, rank, step, ts_ns, kind, data)
+            SELECT run_id, NULL, NULL, ?, 'bundle_dropped', ? FROM runs WHERE run_id = ?""", (now_ns, data, row.run_id))
 
     def close(self) -> None:
         with self._lock:
