@@ -24,7 +24,8 @@ from memwatch.sim.fleet.traces import from_text, parse_shape
 
 def exposition(run: str, *, used: int, total: int = 100, waiting: int = 0, valid: int = 1,
                committed: float | None = None, admissible: dict[str, int] | None = None,
-               safe: int | None = None, free_tokens: int | None = None, ranks: int = 1) -> str:
+               safe: int | None = None, free_tokens: int | None = None, capacity: int | None = None,
+               ranks: int = 1) -> str:
     """A sidecar's text for one engine: the KV gauges per rank, the headroom gauges per engine."""
     lines = ["# HELP memwatch_kv_blocks_used KV cache blocks in use", "# TYPE memwatch_kv_blocks_used gauge"]
     lines += [f'memwatch_kv_blocks_used{{run_id="{run}",rank="{r}"}} {used + r}' for r in range(ranks)]
@@ -40,6 +41,9 @@ def exposition(run: str, *, used: int, total: int = 100, waiting: int = 0, valid
                   f'memwatch_max_safe_prefill_tokens{{run_id="{run}"}} {safe}']
     if free_tokens is not None:
         lines += ["# TYPE memwatch_kv_free_tokens gauge", f'memwatch_kv_free_tokens{{run_id="{run}"}} {free_tokens}']
+    if capacity is not None:
+        lines += ["# TYPE memwatch_kv_capacity_tokens gauge",
+                  f'memwatch_kv_capacity_tokens{{run_id="{run}"}} {capacity}']
     lines += ["# TYPE memwatch_admissible_requests gauge"]
     lines += [f'memwatch_admissible_requests{{run_id="{run}",shape="{shape}"}} {n}'
               for shape, n in (admissible or {}).items()]
@@ -189,6 +193,23 @@ def test_memwatch_checks_each_request_on_its_own_size() -> None:
     full = view(2, exposition("r2", used=100, committed=1.0, free_tokens=0))
     assert policy.choose(request(5000, 1000), [full]) is None
     assert policy.choose(request(5000, 1000), [view(3, exposition("r3", used=50, committed=0.9))]) == 3
+
+
+def test_memwatch_sizes_the_cache_from_the_sample_its_free_tokens_come_from() -> None:
+    """An engine that just emptied: its newest sample has all 6,272 tokens free (49 blocks of 128), while the
+    stored sample behind ``memwatch_kv_blocks_used`` still says 36 of 49 blocks used. Free tokens over the free
+    fraction make a cache of 6,272 / (13 / 49) = 23,641 tokens; the capacity gauge says 6,272. Committed 0.5:
+    3,136 tokens neither used nor promised, so one request of 2,000 fits and a second sent after it does not."""
+    policy = MemwatchHeadroom(random.Random(0))
+    stale = exposition("r0", used=36, total=49, committed=0.5, free_tokens=6272, capacity=6272)
+    engine = view(0, stale)
+    assert policy.choose(request(1500, 500), [engine]) == 0
+    engine.sent = [request(1500, 500)]
+    assert policy.choose(request(1500, 500), [engine]) is None  # 2,000 + 2,000 > 3,136
+    # Without the capacity gauge (an older sidecar), the mixed estimate: 23,641 × 0.5 = 11,820 tokens, admitted.
+    older = view(0, exposition("r0", used=36, total=49, committed=0.5, free_tokens=6272))
+    older.sent = [request(1500, 500)]
+    assert policy.choose(request(1500, 500), [older]) == 0
 
 
 def test_memwatch_without_a_valid_signal_routes_as_kv_usage() -> None:

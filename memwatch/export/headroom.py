@@ -8,6 +8,9 @@ last drained sample. Definitions (``B`` block size in tokens, ``T`` KV blocks in
 
 ``memwatch_kv_free_tokens``
     ``(T − U) × B``: tokens that can be allocated now without preempting anyone.
+``memwatch_kv_capacity_tokens``
+    ``T × B``: the cache's tokens in all, of the same rank and sample as the free tokens, so a router can
+    weigh one against the other (``memwatch_kv_blocks_used`` is of the last stored sample, a moment older).
 ``memwatch_kv_committed_usage_ratio``
     ``(U + N) / T``, clamped to 0–1: the KV usage a router reads today, plus what is already promised.
 ``memwatch_kv_expected_usage_ratio``
@@ -236,6 +239,7 @@ class EngineHeadroom:
 
     labels: dict[str, Any]
     kv_free_tokens: int | None
+    kv_capacity_tokens: int | None
     committed_usage_ratio: float | None
     expected_usage_ratio: float | None
     expected_output_share: float | None
@@ -261,11 +265,12 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
     safe = _max_safe_prefill(ranks)
     shares = [share for s in ranks if (share := s.inputs.outputs.share(config.output_quantile)) is not None]
     share = max(shares) if shares else None  # rank 0 records the requests; the most cautious of any that do
-    free_tokens = ratio = expected = None
+    free_tokens = capacity = ratio = expected = None
     admissible: dict[str, int] = {}
     if tight is not None:
         total, used, size = tight.kv_total, tight.kv_used, sizes[0]
         free_tokens = max(total - used, 0) * size  # type: ignore[operator]
+        capacity = total * size  # type: ignore[operator]
         needed, waiting = tight.needed, tight.waiting
         if needed is not None and waiting is not None:
             ratio = min(max((used + needed) / total, 0.0), 1.0)  # type: ignore[operator]
@@ -283,8 +288,8 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
     idle = tight is not None and (all_finished or (tight.running == 0 and tight.waiting == 0))
     valid = (age is not None and (age <= config.stale_after or idle) and ratio is not None
              and all(s.ended_at is None for s in ranks))
-    return EngineHeadroom(labels, free_tokens, ratio, expected, None if expected is None else share, admissible,
-                          safe, None if load is None else load.waiting,
+    return EngineHeadroom(labels, free_tokens, capacity, ratio, expected, None if expected is None else share,
+                          admissible, safe, None if load is None else load.waiting,
                           None if load is None else load.running, valid, age)
 
 
@@ -322,6 +327,7 @@ def engine_headroom(ranks: Iterable[RankSeries], config: HeadroomConfig,
 
 HELP = {
     "memwatch_kv_free_tokens": "KV tokens that can be allocated now without preempting anyone (tightest rank)",
+    "memwatch_kv_capacity_tokens": "KV tokens the cache holds in all (the rank and sample of memwatch_kv_free_tokens)",
     "memwatch_kv_committed_usage_ratio": "KV blocks in use plus those running requests still need, over the total",
     "memwatch_kv_expected_usage_ratio": "Committed KV usage with running requests reaching the expected output share",
     "memwatch_expected_output_share": "The --output-quantile of finished requests' output tokens over max_tokens",
@@ -341,6 +347,7 @@ def render_headroom(engines: list[EngineHeadroom], labels_of: Callable[[dict[str
     base = [labels_of(engine.labels) for engine in engines]
     columns: list[tuple[str, Callable[[EngineHeadroom], float | int | None]]] = [
         ("memwatch_kv_free_tokens", lambda e: e.kv_free_tokens),
+        ("memwatch_kv_capacity_tokens", lambda e: e.kv_capacity_tokens),
         ("memwatch_kv_committed_usage_ratio", lambda e: e.committed_usage_ratio),
         ("memwatch_kv_expected_usage_ratio", lambda e: e.expected_usage_ratio),
         ("memwatch_expected_output_share", lambda e: e.expected_output_share),
