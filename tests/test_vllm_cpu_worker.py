@@ -241,6 +241,8 @@ def test_installed_the_cpu_worker_is_wrapped_when_vllm_imports_it(
                                                      for name in ("__init__", *vllm_worker.CPU_SEAMS)))
     monkeypatch.setenv("MEMWATCH_RUNTIME_DIR", str(runtime_dir))
     monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(hooks, "_finder", hooks.PatchOnImport())  # as in a new process: nothing registered yet
     monkeypatch.setattr(versions, "_said", {})
     for name in [name for name in sys.modules if name == "vllm" or name.startswith("vllm.")]:
         monkeypatch.delitem(sys.modules, name)

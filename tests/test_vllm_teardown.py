@@ -8,10 +8,12 @@ the pytest process itself, where the mutation tests see them.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -60,6 +62,16 @@ def _engine(conn: Connection, rings: list[Ring], below: list[Any] | None, comm: 
         parent_end.send(("stop",))
         child.join(timeout=30)
     del writers  # never closed: a SIGKILLed engine's rings stay open
+
+
+def _lease(conn: Connection, path: Path) -> None:
+    """Another process holding a read lease on ``path`` (``F_SETLEASE``): an open for writing waits until it
+    lets go, or until the kernel breaks the lease (``/proc/sys/fs/lease-break-time``, 45 s by default)."""
+    signal.signal(signal.SIGIO, signal.SIG_IGN)  # told to let go, it does not
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    conn.send("leased")
+    conn.recv()
 
 
 class Engines:
@@ -167,6 +179,25 @@ def test_a_process_named_with_a_parenthesis_is_still_followed_to_the_processes_b
     assert descendants([core.pid]) == [tree[1]]
 
 
+def test_a_process_handle_without_a_sentinel_is_judged_by_is_alive(engines: Engines) -> None:
+    """Not every handle carries a sentinel (a ``subprocess.Popen`` one, say): alive is then what it says."""
+
+    class Handle:
+        def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+            self.popen, self.pid = popen, popen.pid
+
+        def is_alive(self) -> bool:
+            return self.popen.poll() is None
+
+    popen = subprocess.Popen(["sleep", "30"])
+    try:
+        assert ending_pids([Handle(popen)]) == {popen.pid}
+    finally:
+        popen.kill()
+        popen.wait()
+    assert ending_pids([Handle(popen)]) == set()
+
+
 # Whose rings are marked.
 
 def test_this_runs_rings_written_by_the_listed_processes_are_marked_closed_and_nothing_else(
@@ -221,6 +252,25 @@ def test_without_a_run_writers_or_a_directory_nothing_is_marked(
     assert close_rings_of(set(), "None", runtime_dir) == []
     assert close_rings_of({engine.pid}, "None", runtime_dir / "gone") == []
     assert not _closed(runtime_dir / "None-r0.ring")
+
+
+def test_a_ring_another_process_holds_a_lease_on_is_left_at_once(engines: Engines, runtime_dir: Path) -> None:
+    """Opening it for writing would wait for the lease to be let go: the shutdown never waits for anyone."""
+    engine, _ = engines.start([(runtime_dir / "run1-r0.ring", "run1", 0)])
+    os.kill(engine.pid, signal.SIGKILL)  # its ring stays open, and nobody writes it any more
+    engine.join(timeout=30)
+    parent_end, child_end = FORK.Pipe()
+    holder = FORK.Process(target=_lease, args=(child_end, runtime_dir / "run1-r0.ring"))
+    holder.start()
+    try:
+        assert parent_end.recv() == "leased"
+        began = time.monotonic()
+        assert close_rings_of({engine.pid}, "run1", runtime_dir) == []
+        assert time.monotonic() - began < 5
+    finally:
+        parent_end.send("let go")
+        holder.join(timeout=30)
+    assert close_rings_of({engine.pid}, "run1", runtime_dir) == ["run1-r0.ring"]
 
 
 # vLLM's shutdown, wrapped.
@@ -300,6 +350,8 @@ def test_installed_the_teardown_is_followed_when_vllm_imports_it(
     monkeypatch.setenv("MEMWATCH_RUNTIME_DIR", str(runtime_dir))
     monkeypatch.setenv("MEMWATCH_RUN_ID", "run1")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(hooks, "_finder", hooks.PatchOnImport())  # as in a new process: nothing registered yet
     for name in [name for name in sys.modules if name == "vllm" or name.startswith("vllm.")]:
         monkeypatch.delitem(sys.modules, name)
     engine, _ = engines.start([(runtime_dir / "run1-r0.ring", "run1", 0)])
