@@ -21,6 +21,7 @@ import pytest
 
 from memwatch_engine.adapters import hooks, versions
 from memwatch_engine.adapters import vllm as vllm_adapter
+from memwatch_engine.adapters.vllm import scheduler as vllm_scheduler
 from memwatch_engine.adapters.vllm import worker as vllm_worker
 from memwatch_engine.adapters.vllm.worker import patch_cpu_worker, patch_worker, requested_bytes
 from memwatch_engine.ring_reader import RingReader
@@ -112,6 +113,7 @@ def guard() -> Iterator[None]:
 def _serve(worker: Any) -> None:
     """What vLLM does with a worker, from start to shutdown."""
     worker.init_device()
+    leads = [vllm_scheduler.lead()]  # rank 0's monitor writes the workload when the scheduler runs here
     worker.load_model()
     available = worker.determine_available_memory()
     assert available == 4 * GiB - CONSUMED_BYTES
@@ -125,18 +127,23 @@ def _serve(worker: Any) -> None:
                              scheduled_spec_decode_tokens={})
     assert worker.execute_model(output) == "output"
     worker.shutdown()
+    leads.append(vllm_scheduler.lead())
+    assert leads[0] is None if worker.rank else leads[0] is not None and leads[0].ring_path.exists()
+    assert leads[1] is None
     assert worker.calls == ["init_device", "load_model", "determine_available_memory", "initialize_from_config",
                             "compile_or_warm_up_model", "execute_model", "shutdown"]
 
 
-def _ring(runtime_dir: Path) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
+def _ring(runtime_dir: Path, rank: int = 0, world_size: int = 1) -> tuple[dict[str, Any],
+                                                                          list[tuple[str, dict[str, Any]]]]:
     [path] = runtime_dir.glob("*.ring")
     reader = RingReader(path)
     events = [(event[3], event[4]) for event in reader.drain(0).events]
-    meta, closed = reader.header.meta, reader.closed
+    header, closed = reader.header, reader.closed
     reader.close()
-    assert closed
-    return meta, events
+    assert closed and (header.rank, header.world_size) == (rank, world_size)
+    assert header.meta["model"] == "Qwen/Qwen3-0.6B"
+    return header.meta, events
 
 
 def test_a_cpu_workers_own_methods_start_its_rank_on_a_cpu_and_record_its_kv_sizing(
@@ -151,7 +158,9 @@ def test_a_cpu_workers_own_methods_start_its_rank_on_a_cpu_and_record_its_kv_siz
 
     meta, events = _ring(runtime_dir)
     assert (meta["gpu_name"], meta["gpu_total_bytes"], meta["engine"]) == ("CPU", None, "vllm")
+    assert (meta["config"]["data_parallel_size"], meta["config"]["block_size"]) == (1, 16)
     named = dict(events)
+    assert named["rank_identity"] == {"role": "worker", "dp_rank": 0, "dp_size": 1, "tp_rank": 0, "pp_rank": 0}
     assert named["vllm_memory_snapshot"] == {"stage": "init", "requested_bytes": 4 * GiB}  # no device snapshot
     profile = named["vllm_memory_profile"]
     assert (profile["available_kv_cache_memory_bytes"], profile["requested_bytes"]) == (4 * GiB - CONSUMED_BYTES,
@@ -162,6 +171,21 @@ def test_a_cpu_workers_own_methods_start_its_rank_on_a_cpu_and_record_its_kv_siz
     phases = [data["phase"] for kind, data in events if kind == "phase_start"]
     assert phases == ["load", "warmup", "kv_alloc", "cudagraph", "serve"]
     assert [kind for kind, _ in events][-1] == "run_end"
+
+
+def test_the_second_cpu_worker_of_tensor_parallel_2_is_rank_1_of_2_and_leaves_the_workload_to_rank_0(
+        runtime_dir: Path, monkeypatch: pytest.MonkeyPatch, guard: None) -> None:
+    monkeypatch.setenv("MEMWATCH_RUNTIME_DIR", str(runtime_dir))
+    gpu, cpu = _modules()
+    patch_worker(gpu)
+    patch_cpu_worker(cpu)
+    config = _config()
+    config.parallel_config.world_size = config.parallel_config.tensor_parallel_size = 2
+    _serve(cpu.CPUWorker(config, 1, 1))
+    meta, events = _ring(runtime_dir, rank=1, world_size=2)
+    assert meta["config"]["tensor_parallel_size"] == 2
+    assert dict(events)["rank_identity"] == {"role": "worker", "dp_rank": 0, "dp_size": 1, "tp_rank": 1,
+                                             "pp_rank": 0}
 
 
 def test_a_cpu_worker_that_inherits_a_method_has_only_its_own_wrapped(guard: None) -> None:
