@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from test_crash_with_memory_free import SCENARIO as CRASH_WITH_MEMORY_FREE
 
 from memwatch.cli import main
 from memwatch.report.run_facts import RANK_KEYS, SHARED_KEYS, worst_rank
 from memwatch.sim.scenario import shipped_scenarios
-from tests.stored_runs import store_scenario
-from tests.test_crash_with_memory_free import SCENARIO as CRASH_WITH_MEMORY_FREE
+
+from stored_runs import store_scenario
 
 SCENARIOS = ("demo", "warmup_decode", "non_torch_leak", "torch_leak", "fragmentation", "other_process_oom")
 """Those whose numbers are checked by hand below."""

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from memwatch.cli import main
 from memwatch.store import open_store
-from tests.stored_runs import store_scenario
+
+from stored_runs import store_scenario
 
 
 def _json(db: Path, *args: str) -> Any:

@@ -9,7 +9,8 @@ from click.testing import CliRunner
 
 from memwatch.cli import main
 from memwatch.report.run_facts import SHARED_KEYS
-from tests.stored_runs import store_scenario
+
+from stored_runs import store_scenario
 
 QWEN3_06B_WEIGHTS = 2 * 596_049_920
 """Qwen3-0.6B's parameters in bf16, unsharded."""
