@@ -262,3 +262,26 @@ def test_a_failure_in_the_thread_is_said_once_and_ends_it(finder: RingFinder, ru
         "finding rings failed; new rings are no longer opened until the sidecar restarts"]
     assert failed[0].exc_info is not None and "the loop's wake-up failed" in str(failed[0].exc_info[1])
     assert discovery.take() == ["a-r0.ring"]  # handed before the failure
+
+
+def test_a_ring_made_during_a_long_listing_is_handed_before_the_listing_ends(finder: RingFinder,
+                                                                              runtime_dir: Path) -> None:
+    for i in range(3000):
+        _make(runtime_dir, f"{i:05d}-r0.ring")
+    handed: list[int] = []
+
+    def found() -> None:  # in the discovery thread, at its listing's first name
+        if not handed:
+            _make(runtime_dir, "new-r0.ring")
+        handed.append(1)
+
+    discovery = Discovery(finder, interval=0.05, on_found=found)
+    discovery.start()
+    try:
+        _until(lambda: discovery.listings == 1 and len(handed) >= 3001)
+        time.sleep(0.3)
+        names = discovery.take()
+    finally:
+        discovery.stop()
+    assert len(set(names)) == len(names) == 3001  # found twice (by the kernel, then the listing): handed once
+    assert names.index("new-r0.ring") <= 1024 + 1  # judged at the listing's next slice, not after 3,000 names

@@ -87,7 +87,7 @@ class Discovery:
             if len(self._pending) >= MAX_PENDING:
                 self._relist = True  # found again by the next listing, once the loop took these
                 return
-            self._pending[name] = None
+            self._pending.setdefault(name)  # an ordered set: found twice, taken once
         if self._on_found is not None:
             self._on_found()
 
@@ -101,7 +101,7 @@ class Discovery:
                     self._stop.wait(self._interval)
                     continue
                 if self._relist or self._watch.overflowed:
-                    self._relist = self._watch.overflowed = False
+                    self._relist = self._watch.overflowed = False  # pragma: no mutate (None: as false)
                     self.listings += 1
                     for name in self._finder.listing(between=self._changes):
                         self._hand(name)
