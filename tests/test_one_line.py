@@ -52,6 +52,8 @@ def test_the_formatter_writes_a_quoted_newline_as_an_escape_and_indents_a_traceb
     lines = OneLineFormatter("%(levelname)s %(message)s").format(failed).split("\n")
     assert lines[0] == "ERROR failed"
     assert all(line.startswith("    ") for line in lines[1:]) and lines[-1] == f"    {FORGED}"
+    traceback = logging.Formatter().formatException(failed.exc_info).split("\n")  # type: ignore[arg-type]
+    assert lines[1:] == [f"    {line}" for line in traceback]  # each line whole, indented, nothing between
 
 
 def test_every_command_logs_one_timestamped_line_per_record_to_stderr_at_its_level() -> None:
