@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from podman.fixtures import Setup, query
 from podman.node import Node
-from podman.pods import http_get, wait_for
+from podman.pods import Played, http_get, wait_for
 from podman.runtime import timings
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))  # the flood, shared with the benches
