@@ -18,8 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from memwatch.cli import main
-from memwatch.report.run_facts import RANK_KEYS, SHARED_KEYS, worst_rank
 from memwatch.sim.scenario import shipped_scenarios
+from memwatch.store.run_figures import RANK_KEYS, SHARED_KEYS, worst_rank
 from tests.stored_runs import store_scenario
 from tests.test_crash_with_memory_free import SCENARIO as CRASH_WITH_MEMORY_FREE
 

@@ -16,12 +16,12 @@ from ..errors import NotFoundError, UsageError
 from ..ledger import Ledger, LedgerTerms
 from ..losses import Gap, run_losses, span
 from ..records import SAMPLE_COLUMNS, Event, Sample
-from ..report.run_facts import RunTruth, run_truth
-from ..report.stored import stored_readings, stored_run
 from ..store import open_store
 from ..store.db import Database
 from ..store.moments import find_moment, parse_duration_ns, resolve_time
 from ..store.queries import Run, events, get_run, last_ts_ns, run_ranks
+from ..store.run_figures import RunTruth
+from ..store.run_model import load_run
 from ..store.sql_text import ENGINE_LINE, NVML_LINE, timed_line_sql
 from ..store.window import WindowRow, window_rows
 from ..store.window_text import window_text
@@ -151,10 +151,9 @@ def _with_ledger(
 
 def _truth(db: Database, info: Run) -> tuple[RunTruth, dict[int, int]]:
     """The run's shared quantities and each rank's last sample time: the last row carries the margin at the end."""
-    state = stored_run(db, info.run_id)
-    readings = stored_readings(db, info.run_id, state.summaries)
-    ends = {rank: r.last.ts_ns for rank, r in readings.items() if r.last is not None}
-    return run_truth(db, info.run_id, state=state, readings=readings), ends
+    model = load_run(db, info.run_id)
+    ends = {rank: tail[-1].ts_ns for rank, tail in model.tails.items() if tail}
+    return model.figures, ends
 
 
 def _write_json(rows: Iterator[tuple[WindowRow, LedgerTerms | None]]) -> None:

@@ -21,10 +21,10 @@ from memwatch.replay.calibrate import Calibration, calibrate
 from memwatch.replay.outcome import RankOutcome, run_outcome, store_rings
 from memwatch.replay.run import ReplayResult, Settings, engine_config, replay
 from memwatch.replay.workload import RecordedWorkload, recorded_workload
-from memwatch.report.run_facts import worst_rank
 from memwatch.store import open_store
 from memwatch.store.db import Database
 from memwatch.store.queries import events, get_run, samples
+from memwatch.store.run_figures import worst_rank
 
 SWEEPABLE = ("utilization", "load")
 

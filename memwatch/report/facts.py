@@ -11,7 +11,7 @@ from typing import Any
 
 from memwatch.ledger import kv_bytes_of
 from memwatch.report.run_data import RankData, RunData
-from memwatch.report.run_facts import non_torch_from
+from memwatch.store.run_figures import non_torch_from
 
 
 def _max(values: list[int | None]) -> int | None:

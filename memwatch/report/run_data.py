@@ -18,9 +18,9 @@ from memwatch.ledger import Ledger
 from memwatch.records import Event, Sample
 from memwatch.report.graphs import stored_graphs_outside_budget
 from memwatch.report.series import DEFAULT_BUCKETS, Series, peak_series
-from memwatch.report.stored import stored_run
 from memwatch.store import open_store
-from memwatch.store.queries import Run, events, get_run, run_ranks
+from memwatch.store.queries import Run, events, run_ranks
+from memwatch.store.run_model import load_run
 from memwatch.store.window import run_key
 
 if TYPE_CHECKING:
@@ -186,10 +186,10 @@ def _all_series(db: Database, run_id: str, ranks: list[int], buckets: int) -> li
 
 def load_run_data(db: Database, ref: str, buckets: int = DEFAULT_BUCKETS) -> RunData:
     """The run ``ref`` (id, unique prefix or ``latest``) ready to draw, at most ``buckets`` buckets per rank."""
-    run = get_run(db, ref)
-    state = stored_run(db, run.run_id)  # flags stored by a live sidecar, else replayed as check does
-    all_flags = state.flags
-    graphs = stored_graphs_outside_budget(db, run, state.summaries)
+    model = load_run(db, ref)  # flags stored by a live sidecar, else replayed as check does
+    run = model.run
+    all_flags = model.flags
+    graphs = stored_graphs_outside_budget(model)
     all_events = events(db, run.run_id)
     ranks_rows = {row["rank"]: row for row in run_ranks(db, run.run_id)}
     rank_ids = sorted(set(ranks_rows) | set(_sample_ranks(db, run.run_id)))
