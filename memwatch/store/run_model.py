@@ -241,11 +241,32 @@ class StoredRun:
         """The first and last sample time of the run (or one rank)."""
         return time_span(self.db, self.run_id, rank)
 
+    def drift_slope(self, rank: int) -> float | None:
+        """:func:`drift_slope` of one rank of this run."""
+        return drift_slope(self.db, self.run_id, rank)
+
     @cached_property
     def sample_ranks(self) -> tuple[int, ...]:
         """The ranks with samples (either resolution), one index probe each."""
         key = self.run_key
         return () if key is None else tuple(stored_ranks(self.db, key))
+
+
+def drift_slope(db: Database, run_id: str, rank: int) -> float | None:
+    """Least-squares slope of non-PyTorch memory (used − reserved) over serving steps, bytes per step."""
+    where = ("run_id = ? AND rank = ? AND phase = 'serve' AND driver_used_bytes IS NOT NULL"
+             " AND reserved_bytes IS NOT NULL")
+    n, mean_x, mean_y = db.execute(
+        f"SELECT count(*), avg(step), avg(driver_used_bytes - reserved_bytes) FROM samples WHERE {where}",
+        (run_id, rank),
+    ).fetchone()
+    if not n or n < 2:
+        return None
+    sxy, sxx = db.execute(
+        f"SELECT total((step - ?) * (driver_used_bytes - reserved_bytes - ?)), total((step - ?) * (step - ?))"
+        f" FROM samples WHERE {where}", (mean_x, mean_y, mean_x, mean_x, run_id, rank),
+    ).fetchone()
+    return None if not sxx else sxy / sxx
 
 
 def load_run(db: Database, ref: str, config: DetectorConfig | None = None) -> StoredRun:
