@@ -52,7 +52,7 @@ class Comparison:
 
 
 def worst(outcome: list[RankOutcome]) -> RankOutcome | None:
-    """The rank whose figures stand for the run (:func:`memwatch.report.run_facts.worst_rank`): the first to run
+    """The rank whose figures stand for the run (:func:`memwatch.store.run_figures.worst_rank`): the first to run
     out of memory, else the one with the lowest margin at its end."""
     chosen = worst_rank((rank.rank, rank.oom_step if rank.oom else None, rank.oom_margin_bytes) for rank in outcome)
     return next((rank for rank in outcome if rank.rank == chosen), None)

@@ -100,7 +100,7 @@ class RankCheck:
     budget_basis: str = "total × utilization"
     """What the budget is under the rank's sizing rule, in words (:attr:`memwatch.ledger.Sizing.budget_basis`)."""
     shared: RankTruth | None = None
-    """The rank's shared quantities (:mod:`memwatch.report.run_facts`), under their keys in ``--json``."""
+    """The rank's shared quantities (:mod:`memwatch.store.run_figures`), under their keys in ``--json``."""
 
     @classmethod
     def from_summary(cls, summary: RankSummary, truth: RunTruth | None = None, engine: str | None = None,
@@ -152,7 +152,7 @@ class CheckReport:
     readings: tuple[RankReadings, ...] = ()
     started_ns: int | None = None
     truth: RunTruth | None = None
-    """The quantities every command shares (:mod:`memwatch.report.run_facts`)."""
+    """The quantities every command shares (:mod:`memwatch.store.run_figures`)."""
 
     @property
     def ended_badly(self) -> bool:

@@ -12,18 +12,17 @@ from typing import TYPE_CHECKING
 from memwatch.detectors import interleave
 from memwatch.records import Event, Sample
 from memwatch.report.readings import RankReadings
-from memwatch.store.queries import Run, events, get_run, samples
-from memwatch.store.run_model import device_total
+from memwatch.store.queries import Run
+from memwatch.store.run_model import StoredRun, device_total, load_run
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database
-    from memwatch.store.run_model import StoredRun
 
 
 def stored_records(db: Database, ref: str) -> tuple[Run, list[Sample | Event]]:
     """The run ``ref`` (id, unique prefix or ``latest``) and its records, events first at equal times."""
-    run = get_run(db, ref)
-    return run, list(interleave(samples(db, run.run_id), events(db, run.run_id)))
+    model = load_run(db, ref)
+    return model.run, list(interleave(model.samples(), model.events))
 
 
 def stored_readings(model: StoredRun) -> dict[int, RankReadings]:
