@@ -128,3 +128,47 @@ def test_runs_are_listed_newest_first_without_reading_them(db: Database) -> None
     assert [m.run_id for m in models] == ["r3", "r2"]
     assert all(set(m.__dict__) == {"db", "run", "config"} for m in models)
     assert [m.run_id for m in load_runs(db, 1)] == ["r3"]
+
+
+def test_what_the_model_reads_of_events_rows_and_rolled_seconds(db: Database) -> None:
+    """cudagraph starts (the first per rank), preemptions counted (a count, else 1), a crashed rank's row, a CPU
+    run's note, a rolled-up second at the head of a tail, and each rank's non-PyTorch drift.
+
+    Drift, by hand: rank 0's non-PyTorch (used − reserved) is 0.5, 0.5, 1.5 GiB at steps 1, 2, 3: mean step 2,
+    mean 5/6 GiB, Σ(dx·dy) = 1 GiB, Σdx² = 2, so 0.5 GiB a step; rank 1's is flat: 0."""
+    _event(db, 0, 0, 130, "phase_start", {"phase": "cudagraph"})
+    _event(db, 0, 0, 120, "phase_start", {"phase": "cudagraph"})
+    _event(db, 1, 0, 110, "phase_start", {"phase": "compile"})
+    _event(db, 1, 2, 302, "preemption", {"count": 3})
+    _event(db, 1, 3, 303, "preemption", {})
+    db.execute("UPDATE ranks SET status = 'crashed' WHERE rank = 1")
+    [key] = db.execute("SELECT run_key FROM runs WHERE run_id = 'r2'").fetchone()
+    db.execute("INSERT INTO sample_seconds (run_key, rank, second, samples, first_ts_ns, last_ts_ns, first_step,"
+               " last_step, last_phase, last_driver_used_bytes, last_driver_free_bytes) VALUES (?, 0, 0, 5, 140, 150,"
+               " 0, 0, 'serve', ?, ?)", (key, 1 * GIB, 7 * GIB))
+    db.conn.commit()
+    model = load_run(db, "r2")
+    assert dict(model.capture_ns) == {0: 120}
+    assert model.preemptions == ((1, 4),)
+    assert model.dead_ranks == frozenset({1})
+    assert model.device_note is None
+    assert [(s.step, s.ts_ns) for s in model.tails[0]] == [(0, 150), (1, 201), (2, 202), (3, 203)]
+    rows = list(model.window(rank=0))
+    assert [row.rollup is not None for row in rows] == [True, False, False, False]
+    assert rows[0].rollup is not None and (rows[0].rollup.samples, rows[0].rollup.first_ts_ns) == (5, 140)
+    assert model.time_span(0) == (140, 203)
+    assert model.drift_slope(0) == 0.5 * GIB and model.drift_slope(1) == 0
+    assert model.drift_slope(7) is None  # no samples: no slope
+    assert [e.kind for e in model.rank_events(1)] == ["kv_allocated", "phase_start", "preemption", "preemption", "oom"]
+    assert [e.ts_ns for e in model.rank_events(1, ("preemption",), until_ns=302)] == [302]
+    db.execute("UPDATE ranks SET gpu_name = 'CPU', probe_unavailable = 'no CUDA device' WHERE rank = 0")
+    db.conn.commit()
+    assert load_run(db, "r2").device_note == "no CUDA device"
+
+
+def test_a_run_without_samples_reads_empty(db: Database) -> None:
+    db.execute(ENSURE_RUN, ("bare", "bare"))
+    db.conn.commit()
+    model = load_run(db, "bare")
+    assert model.ranks == () and model.tails == {} and model.sample_ranks == () and list(model.window()) == []
+    assert model.figures.to_dict()["worst_rank"] is None and model.time_span() == (None, None)
