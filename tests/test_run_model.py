@@ -172,3 +172,30 @@ def test_a_run_without_samples_reads_empty(db: Database) -> None:
     model = load_run(db, "bare")
     assert model.ranks == () and model.tails == {} and model.sample_ranks == () and list(model.window()) == []
     assert model.figures.to_dict()["worst_rank"] is None and model.time_span() == (None, None)
+
+
+def test_drift_needs_two_serving_samples_at_two_steps_and_windows_keep_to_their_rank(db: Database) -> None:
+    """Rank 2: non-PyTorch 1 GiB at step 4 and 2 GiB at step 6, so 0.5 GiB a step from two samples; rank 3: two
+    samples at one step give no slope (no spread of steps to divide by); rank 4: one sample gives none."""
+    for rank, step, free in ((2, 4, 5632 * MIB), (2, 6, 4608 * MIB), (3, 5, 4 * GIB), (3, 5, 3 * GIB),
+                             (4, 1, 4 * GIB)):
+        db.execute("INSERT INTO samples (run_id, rank, step, ts_ns, phase, allocated_bytes, reserved_bytes,"
+                   " driver_used_bytes, driver_free_bytes) VALUES ('r2', ?, ?, ?, 'serve', ?, ?, ?, ?)",
+                   (rank, step, 500 + step + free // MIB, 1536 * MIB, 1536 * MIB, 8 * GIB - free, free))
+    db.conn.commit()
+    model = load_run(db, "r2")
+    assert model.drift_slope(2) == 0.5 * GIB
+    assert model.drift_slope(3) is None and model.drift_slope(4) is None
+    assert [(s.rank, s.step) for s in model.samples(rank=0)] == [(0, 1), (0, 2), (0, 3)]
+    assert [e.kind for e in model.ledger_events(1, 400)] == ["kv_allocated"]  # the oom changes no ledger term
+    listed = {m.run_id: m for m in load_runs(db)}
+    assert listed["r2"].figures.to_dict() == model.figures.to_dict()
+
+
+def test_the_device_size_needs_both_driver_readings(db: Database) -> None:
+    from memwatch.store.run_model import device_total
+
+    [sample] = load_run(db, "r2").samples(rank=0, until_ns=201)
+    assert device_total(sample) == 8 * GIB and device_total(None) is None
+    assert device_total(sample._replace(driver_used_bytes=None)) is None
+    assert device_total(sample._replace(driver_free_bytes=None)) is None

