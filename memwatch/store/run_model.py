@@ -4,9 +4,10 @@
 read the same object, so that a run has one value per quantity whoever prints it. Loading costs one row (the
 run); each part is read the first time it is asked for and kept:
 
-- the run's ``ranks`` rows, its events (few, whatever the run's length) and the per-rank summaries with their
-  flags: the summaries the sidecar stored when they are complete and used these thresholds (a few rows),
-  else a replay of the run through the detectors as a stream (memory stays bounded; time grows with the run);
+- the run's ``ranks`` rows, its events (read whole, as the reading commands always read them) and the per-rank
+  summaries with their flags: the summaries the sidecar stored when they are complete and used these thresholds
+  (a few rows), else a replay of the run through the detectors as a stream (memory stays bounded; time grows
+  with the run);
 - each rank's last :data:`WINDOW_STEPS` samples (one indexed read per rank), what a crash is judged by;
 - :attr:`StoredRun.figures`, the shared quantities (:mod:`memwatch.store.run_figures`): the run's, with its
   worst rank named, and each rank's;
