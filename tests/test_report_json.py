@@ -8,7 +8,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from memwatch.cli import main
-from memwatch.report.run_facts import SHARED_KEYS
+from memwatch.store.run_figures import SHARED_KEYS
 
 from stored_runs import store_scenario
 
@@ -67,7 +67,7 @@ def test_a_rank_without_shared_quantities_has_no_margin() -> None:
     rank's."""
     from memwatch.report.facts import RankFacts
     from memwatch.report.numbers import rank_numbers
-    from memwatch.report.run_facts import RankTruth, RunTruth
+    from memwatch.store.run_figures import RankTruth, RunTruth
 
     facts = RankFacts(rank=1, status="ok", samples=3, last_step=2, weights_bytes=None, torch_other_bytes=None,
                       activation_reserve_bytes=None, non_pytorch_bytes=None, num_blocks=None, block_bytes=None,

@@ -11,7 +11,7 @@ from typing import Any
 
 from memwatch.ledger import kv_bytes_of
 from memwatch.report.run_data import RankData, RunData
-from memwatch.report.run_facts import non_torch_from
+from memwatch.store.run_figures import non_torch_from
 
 
 def _max(values: list[int | None]) -> int | None:
@@ -35,7 +35,7 @@ class RankFacts:
     activation_reserve_bytes: int | None
     """Warmup's peak − current at sizing."""
     non_pytorch_bytes: int | None
-    """Non-PyTorch at sizing, defined once in :func:`memwatch.report.run_facts.non_torch_at_sizing`:
+    """Non-PyTorch at sizing, defined once in :func:`memwatch.store.run_figures.non_torch_at_sizing`:
     ``used − reserved`` (the engine's ``used − current`` also holds the cache slack)."""
     num_blocks: int | None
     block_bytes: int | None
