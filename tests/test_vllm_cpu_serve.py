@@ -269,3 +269,9 @@ def test_check_and_explain_say_the_device_is_a_cpu_instead_of_unknowns(served: S
         assert "the device is a CPU" in text and "unknown" not in text, text
         if command == "check":  # the worker's sizing, vLLM's 17 blocks, heads its rank
             assert "rank 0: " in text and f", {BLOCKS} KV blocks" in text, text
+    page = served.db.parent / "cpu-report.html"
+    made = subprocess.run([sys.executable, "-m", "memwatch", "--db", str(served.db), "report", run_id, "--output",
+                           str(page)], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    said = page.read_text()
+    assert said.count("This run's device is a CPU: it has no allocator reserve") == 1, said[:2000]
