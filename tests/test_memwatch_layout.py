@@ -23,7 +23,7 @@ TOP = {
 SIDECAR = {
     "daemon", "collector", "live", "ring_state", "pacing", "stop_flag", "liveness", "rejected_rings", "health",
     "record_checks", "run_rows", "refused_names", "ring_finder", "sidecar_files", "log_limit",
-    "shipping", "discovery", "dir_watch", "writer_cgroup", "refused_cleanup", "drain_batch",
+    "shipping", "discovery", "dir_watch", "writer_cgroup", "refused_cleanup", "drain_batch", "claim",
 }
 
 
