@@ -7,6 +7,7 @@ kept whole; these tests drive the streams directly with sizes chosen at each bou
 from __future__ import annotations
 
 import io
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,6 +70,10 @@ def test_a_local_file_is_read_through_the_cap_and_a_larger_one_refused_before_re
         stream = bundle_open.open_source(ref)
         assert stream.read() == b"y" * 100
         stream.close()
+    monkeypatch.setattr(bundle_open, "MAX_BUNDLE_BYTES", 100)  # exactly at the cap: read
+    stream = bundle_open.open_source(str(path))
+    assert stream.read() == b"y" * 100
+    stream.close()
     monkeypatch.setattr(bundle_open, "MAX_BUNDLE_BYTES", 99)
     with pytest.raises(BundleError, match="is over 99 bytes; not a memwatch bundle"):
         bundle_open.open_source(str(path))
@@ -127,3 +132,28 @@ def _held_names() -> Iterator[str]:
     from memwatch.store import db
 
     yield from db._IN_MEMORY
+
+
+def test_a_fifo_named_like_a_bundle_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    """Opened without O_NONBLOCK, a FIFO with no writer would hold the command for ever."""
+    import threading
+
+    fifo = tmp_path / "memwatch-incident-fifo.tar.gz"
+    os.mkfifo(fifo)
+    said: list[BaseException] = []
+
+    def open_it() -> None:
+        try:
+            bundle_open.open_source(str(fifo))
+        except UsageError as exc:
+            said.append(exc)
+
+    opener = threading.Thread(target=open_it, daemon=True)
+    opener.start()
+    opener.join(10)
+    if opener.is_alive():  # let the blocked open go, so the test ends either way
+        with open(fifo, "wb"):
+            pass
+        opener.join(10)
+        pytest.fail("opening a FIFO waited for a writer")
+    assert "is not a regular file" in str(said[0])
