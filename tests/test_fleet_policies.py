@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
 from memwatch.errors import UsageError
-from memwatch.sim.fleet.engine import FleetRequest
+from memwatch.sim.fleet.engine import FleetEngine, FleetRequest
 from memwatch.sim.fleet.policies import (
     POLICIES,
     EngineView,
@@ -20,6 +21,7 @@ from memwatch.sim.fleet.policies import (
 from memwatch.sim.fleet.results import PolicyResult, percentile, render_table, summarize, versus_best
 from memwatch.sim.fleet.scrape import keep_families, parse
 from memwatch.sim.fleet.traces import from_text, parse_shape
+from memwatch_engine.ring_reader import RingReader
 
 
 def exposition(run: str, *, used: int, total: int = 100, waiting: int = 0, valid: int = 1,
@@ -265,3 +267,58 @@ def test_the_scrape_keeps_whole_families_by_exact_name() -> None:
     assert kept.splitlines() == [line for line in text.splitlines() if "_used_total" not in line]
     scrape = parse(text, frozenset({"memwatch_kv_blocks_used"}))
     assert dict(scrape.samples) == {"memwatch_kv_blocks_used": [({"run_id": "a"}, 7.0)]}
+
+
+def test_no_policy_is_told_where_an_output_stops() -> None:
+    """Every policy decides on a request's prompt and ``max_tokens``: the same scrapes and draws give the same
+    choices whether the request stops after one output, runs to its ``max_tokens`` or does not say."""
+    rng = random.Random(7)
+    for name in POLICIES:
+        for trial in range(40):
+            texts = [exposition(f"r{i}", used=rng.randint(0, 100), waiting=rng.randint(0, 6), committed=rng.random(),
+                                free_tokens=rng.randint(0, 9000), safe=rng.randint(0, 9000)) for i in range(3)]
+            prompt, output = rng.randint(1, 4000), rng.randint(1, 2000)
+            choices = set()
+            for stop in (None, 1, output):
+                views = [view(i, text) for i, text in enumerate(texts)]
+                views[0].sent = [FleetRequest(9, 700, 300, 0, stop)]
+                choices.add(make_policy(name, random.Random(trial)).choose(FleetRequest(0, prompt, output, 0, stop),
+                                                                             views))
+            assert len(choices) == 1, (name, trial, choices)
+
+
+def test_an_engine_records_a_request_s_max_tokens_never_its_stop(tmp_path: Path) -> None:
+    """What the sidecar (and through it the router) learns of a request is its prompt and ``max_tokens``: the
+    stop shows only as the request finishing."""
+    trace = from_text(STOPPING, source="stopping.toml")
+    engine = FleetEngine(0, trace.scenario, (), tmp_path, 1_700_000_000_000_000_000, "stops0001")
+    engine.start()
+    ring = RingReader(engine.ring_paths[0])
+    try:
+        start = engine.clock.now_ns()
+        engine.submit(FleetRequest(0, 300, 100, 0, stop_tokens=3), start)
+        engine.advance_to(start + 2_000_000_000)
+        events = [(kind, data) for _seq, _step, _ts, kind, data in ring.drain(0).events
+                  if kind in ("request_arrived", "request_finished")]
+        assert events == [("request_arrived", {"request_id": 0, "prompt_tokens": 300, "max_tokens": 100}),
+                          ("request_finished", {"request_id": 0, "output_tokens": 3})]
+    finally:
+        ring.close()
+        engine.close()
+
+
+STOPPING = """
+name = "stopping"
+model = "Qwen3-0.6B"
+[gpu]
+total_bytes = 8_589_934_592
+[engine]
+max_num_batched_tokens = 4096
+max_model_len = 8192
+[workload.random]
+count = 1
+prompt_tokens_min = 300
+prompt_tokens_max = 300
+output_tokens_min = 100
+output_tokens_max = 100
+"""
