@@ -322,3 +322,29 @@ prompt_tokens_max = 300
 output_tokens_min = 100
 output_tokens_max = 100
 """
+
+
+def test_every_shipped_trace_stops_outputs_before_max_tokens() -> None:
+    """Each trace draws where its outputs stop (``stop_fraction_min``): most end before their ``max_tokens``."""
+    from memwatch.sim.fleet import load_trace
+    from memwatch.sim.fleet.traces import shipped_traces
+
+    for name in shipped_traces():
+        stopping = [r for r in load_trace(name).requests(1) if r.stop_tokens is not None]
+        assert sum(r.stop_tokens < r.output_tokens for r in stopping) > len(stopping) / 2, name  # type: ignore[operator]
+
+
+def test_the_original_traces_stop_within_their_stated_shares() -> None:
+    from memwatch.sim.fleet import load_trace
+
+    # Bursty long context: every output stops after 50 to 100 % of its max_tokens, 75 % on average.
+    requests = load_trace("fleet_bursty_long_context").requests(1)
+    shares = [r.stop_tokens / r.output_tokens for r in requests if r.stop_tokens is not None]
+    assert len(shares) == len(requests) == 60
+    assert min(shares) >= 0.5 and max(shares) <= 1.0 and 0.65 < sum(shares) / 60 < 0.85
+    # Long prefill: the 80 chat requests stop after 20 to 100 %, 60 % on average; the 8 documents run to 64.
+    requests = load_trace("fleet_long_prefill").requests(1)
+    documents = [r for r in requests if r.prompt_tokens == 9000]
+    assert len(documents) == 8 and all(r.stop_tokens is None and r.generated_tokens == 64 for r in documents)
+    shares = [r.stop_tokens / r.output_tokens for r in requests if r.stop_tokens is not None]
+    assert len(shares) == 80 and min(shares) >= 0.2 and 0.5 < sum(shares) / 80 < 0.7
