@@ -274,3 +274,44 @@ def test_a_reader_closed_before_it_read_knows_no_time(runtime_dir: Path) -> None
     ring.latest.moved()
     assert ring.latest.seen_at is None
     ring.close()
+
+
+def test_a_ring_of_four_slots_keeps_no_margin(runtime_dir: Path) -> None:
+    ring = _Ring(runtime_dir, 4)  # an eighth of 4 slots is 0: all 4 are read
+    ring.sample(1)
+    ring.events(3)
+    found = ring.latest.read()
+    assert found is not None and found.kv_used == 1
+    ring.close()
+
+
+def test_a_reader_on_descriptor_0_reads_and_closes_it(runtime_dir: Path) -> None:
+    """A sidecar started with stdin closed gets descriptor 0 for a ring: it is a descriptor like any other."""
+    ring = _Ring(runtime_dir, 16)
+    ring.latest.close()
+    saved = os.dup(0)
+    os.close(0)
+    try:
+        ring.latest = LatestSample(ring.reader.fileno(), 16, clock=lambda: ring.now, wall=lambda: ring.wall)
+        assert _open(0)  # the reader's own copy took descriptor 0
+        ring.sample(7)
+        found = ring.latest.read()
+        assert found is not None and found.kv_used == 7 and ring.latest.seen_at == 100.0
+        ring.sample(8)
+        ring.now = 101.0
+        ring.latest.moved()
+        assert ring.latest.seen_at == 101.0
+        ring.latest.close()
+        assert not _open(0)
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+        ring.close()
+
+
+def _open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
