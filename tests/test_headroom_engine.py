@@ -237,7 +237,8 @@ def test_shapes_and_quantiles_are_checked() -> None:
             parse_shape(bad)
     assert parse_quantile(1.0) == 1.0 and parse_quantile(0.01) == 0.01
     for bad in (0.0, -0.5, 1.01):
-        with pytest.raises(UsageError, match="not above 0 and at most 1"):
+        with pytest.raises(UsageError, match=r"not above 0 and at most 1; give e\.g\. 0\.9 \(one finished "
+                                             r"request in ten ran further than the expected commitment assumes\)$"):
             parse_quantile(bad)
 
 
@@ -299,6 +300,10 @@ def test_a_scrape_refreshes_the_inputs_from_the_ring_s_newest_sample(runtime_dir
     monitor.step("decode", num_seqs=1, num_tokens=1, requests_running=2)  # the rest unknown: they stand
     inputs.refresh()
     assert (inputs.kv_used, inputs.kv_total, inputs.running, inputs.waiting, inputs.needed) == (7, 90, 1, 3, 8)
+    monitor.step("decode", num_seqs=1, num_tokens=1, kv_blocks_total=95, requests_running=2, requests_waiting=0,
+                 kv_blocks_needed=1)  # the total without what is used: not a KV view
+    inputs.refresh()
+    assert (inputs.kv_used, inputs.kv_total, inputs.running) == (7, 90, 2)
     worker = RankInputs(latest=LatestSample(reader.fileno(), reader.header.capacity, clock=lambda: 60.0,
                                             wall=lambda: wall[0] + 2 * 10**9), reports=False)
     worker.refresh()  # a rank without a KV view or load: only when it wrote
@@ -307,3 +312,129 @@ def test_a_scrape_refreshes_the_inputs_from_the_ring_s_newest_sample(runtime_dir
         latest.close()
     reader.close()
     monitor.close()
+
+
+def _prefill_row(tokens: int, allocated: int, peak: int, kind: int = 1, flags: int = 1) -> tuple[int, ...]:
+    """A drained sample tuple (``SAMPLE_FIELDS``): flags 2, kind 4, allocated 7, peak 8, tokens 12, no KV view."""
+    row = [0] * 21
+    row[2], row[4], row[7], row[8], row[12], row[14] = flags, kind, allocated, peak, tokens, -1
+    return tuple(row)
+
+
+@pytest.mark.parametrize(("row", "taken"), [
+    (_prefill_row(100, GiB, 2 * GiB), (100, GiB)),
+    (_prefill_row(1, 0, 5), (1, 5)),  # one token; nothing stayed allocated
+    (_prefill_row(100, GiB, GiB), (100, 0)),  # a peak no higher than what stayed: a rise of 0
+    (_prefill_row(100, GiB, 2 * GiB, kind=2), (0, 0)),  # a decode
+    (_prefill_row(100, GiB, 2 * GiB, flags=0), (0, 0)),  # its peak is not its own
+    (_prefill_row(100, GiB, 2 * GiB, flags=2), (0, 0)),  # the load flag only
+    (_prefill_row(0, GiB, 2 * GiB), (0, 0)),  # no tokens
+    (_prefill_row(100, 2 * GiB, GiB), (0, 0)),  # a peak below what stayed allocated
+    (_prefill_row(100, -1, GiB), (0, 0)),  # allocated unknown
+])
+def test_a_drained_prefill_counts_only_with_its_own_peak_and_tokens(row: tuple[int, ...],
+                                                                    taken: tuple[int, int]) -> None:
+    inputs = RankInputs()
+    inputs.take_rows([row], b"", now=1.0)
+    assert inputs.largest_prefill == taken
+
+
+def test_a_drain_from_the_middle_of_the_ring_gives_the_kv_view_the_load_and_the_steps(runtime_dir: Path) -> None:
+    clock = [10**12]
+    monitor = Monitor(engine="t", runtime_dir=runtime_dir, probe=Probe(), run_id="middle", spawn_sidecar=False,
+                      close_at_exit=False, clock=lambda: clock[0])
+    reader = RingReader(monitor.ring_path)
+    inputs = RankInputs()
+
+    def step(after_ms: int, kind: str = "decode", tokens: int = 1, **load: int) -> None:
+        clock[0] += after_ms * 1_000_000
+        monitor.step(kind, num_seqs=1, num_tokens=tokens, **load)
+
+    def drain() -> None:
+        drained = reader.drain(cursor[0])
+        cursor[0] = drained.next_cursor
+        inputs.take_rows(drained.samples, drained.slots, 1.0, drained.events)
+
+    cursor = [0]
+    step(0, kv_blocks_used=0, kv_blocks_total=0, requests_running=1, requests_waiting=0, kv_blocks_needed=0)
+    drain()
+    assert (inputs.kv_used, inputs.kv_total, inputs.reports) == (0, 0, True)  # a KV view of 0 blocks is one
+    assert (inputs.running, inputs.waiting, inputs.needed) == (1, 0, 0)
+    step(50, kv_blocks_used=3, kv_blocks_total=90, requests_running=2, requests_waiting=0, kv_blocks_needed=5)
+    drain()  # one slot, from the middle of the ring
+    assert (inputs.kv_used, inputs.kv_total, inputs.running, inputs.waiting, inputs.needed) == (3, 90, 2, 0, 5)
+    assert inputs.steps.expected_s(0, None) == 0.05
+    step(20, requests_running=0, requests_waiting=1, kv_blocks_needed=0)  # a request waits, none runs
+    monitor.sample()  # a reading between steps
+    step(100, "prefill", 2000, requests_running=1, requests_waiting=1, kv_blocks_needed=2)
+    drain()
+    assert (inputs.kv_used, inputs.kv_total) == (3, 90)  # the load alone: the KV view stands
+    assert (inputs.running, inputs.waiting, inputs.needed) == (1, 1, 2)
+    # The prefill followed a step with a request waiting: timed, 0.1 s for 2,000 tokens; a batch of 4,000: 0.2 s.
+    assert inputs.steps.expected_s(0, None) == 0.1 and inputs.steps.expected_s(1, 4000) == 0.2
+    fresh = RankInputs()
+    step(10, requests_running=1, requests_waiting=0, kv_blocks_needed=1)
+    drained = reader.drain(cursor[0])
+    fresh.take_rows(drained.samples, drained.slots, 1.0, drained.events)
+    assert fresh.reports is True and fresh.kv_total is None and fresh.running == 1
+    reader.close()
+    monitor.close()
+
+
+def test_requests_that_finished_in_a_step_are_gone_after_it_whatever_finished_before(runtime_dir: Path) -> None:
+    clock = [10**12]
+    monitor = Monitor(engine="t", runtime_dir=runtime_dir, probe=Probe(), run_id="gone", spawn_sidecar=False,
+                      close_at_exit=False, clock=lambda: clock[0])
+
+    def step(after_ms: int, running: int) -> None:
+        clock[0] += after_ms * 1_000_000
+        monitor.step("decode", num_seqs=1, num_tokens=1, requests_running=running, requests_waiting=0,
+                     kv_blocks_needed=1)
+
+    step(0, 2)
+    monitor.request_finished("a", 5)
+    step(30, 2)  # one of the two finished in it: one left
+    step(40, 1)  # 40 ms, timed: the earlier finish is not this step's
+    monitor.request_finished("b", 5)
+    step(20, 1)  # the last finished in it: idle after
+    step(5000, 1)  # after an idle spell: not timed
+    drained = RingReader(monitor.ring_path).drain(0)
+    inputs = RankInputs()
+    inputs.take_rows(drained.samples, drained.slots, 1.0, drained.events)
+    assert inputs.steps.expected_s(0, None) == 0.04
+    monitor.close()
+
+
+def test_more_hand_worked_edges() -> None:
+    # One-token prefill and a one-byte reserve are measures like any other.
+    assert RankInputs(largest_prefill=(1, 100)).activation_per_token(None) == 100
+    assert RankInputs(max_batched_tokens=4).activation_per_token(1) == 0.25
+    inputs = RankInputs()
+    inputs.take_event("kv_allocated", {"block_size": 1, "max_num_batched_tokens": 0})
+    assert (inputs.block_size, inputs.max_batched_tokens) == (1, None)
+    # A rank that never wrote beside one that did: no age, invalid.
+    never = one(series(0, busy()), series(1, busy(seen_at=None)))
+    assert never.age_seconds is None and not never.valid
+    # A one-block shape on a full cache: no spare block, none admissible.
+    full = one(series(0, busy(kv_used=1000, needed=0, waiting=0)), config=HeadroomConfig(shapes=((1, 0),)))
+    assert full.admissible == {"1:0": 0}
+    # The share is exported with the expected usage only.
+    unsized = busy(block_size=None)
+    finish(unsized, [50] * 20)
+    engine = one(series(0, unsized))
+    assert engine.expected_usage_ratio is None and engine.expected_output_share is None
+    # Under a byte a token (a prefill whose rise was below its tokens): no room still fits no token.
+    assert one(series(0, busy(largest_prefill=(4, 0)), ledger=terms(-3 * GiB, 2 * GiB))).max_safe_prefill_tokens == 0
+    # Each rank with its own measure uses it: 0.75 x 8 GiB / 1 MiB and 0.75 x 2 GiB / 256 KiB, 6,144 both.
+    heavy, light = busy(largest_prefill=(1024, GiB)), busy(largest_prefill=(4096, GiB))
+    assert one(series(0, heavy, ledger=terms(6 * GiB, 2 * GiB)), series(1, light, ledger=terms(0, 2 * GiB))
+               ).max_safe_prefill_tokens == 6144
+
+
+def test_the_expected_usage_and_share_are_exported_when_known() -> None:
+    inputs = busy()
+    finish(inputs, [90] * 20)
+    engine = one(series(0, inputs))
+    lines = render_headroom([engine], lambda labels: 'run_id="e"', str)
+    assert 'memwatch_kv_expected_usage_ratio{run_id="e"} 0.29' in lines
+    assert 'memwatch_expected_output_share{run_id="e"} 0.9' in lines

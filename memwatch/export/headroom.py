@@ -111,7 +111,7 @@ def parse_shape(text: str) -> tuple[int, int]:
     try:
         shape = (int(prompt), int(output))
     except ValueError:
-        shape = (0, -1)
+        shape = (0, -1)  # pragma: no mutate (any shape outside the ranges below is refused alike)
     if not sep or not 1 <= shape[0] <= _MAX_TOKENS or not 0 <= shape[1] <= _MAX_TOKENS:
         raise UsageError(f"--admission-shape {text!r} is not PROMPT:OUTPUT tokens (1 to {_MAX_TOKENS} and 0 to "
                          f"{_MAX_TOKENS}); give e.g. 2048:512")
