@@ -396,13 +396,21 @@ def test_requests_that_finished_in_a_step_are_gone_after_it_whatever_finished_be
     step(30, 2)  # one of the two finished in it: one left
     step(40, 1)  # 40 ms, timed: the earlier finish is not this step's
     monitor.request_finished("b", 5)
-    step(20, 1)  # the last finished in it: idle after
+    step(60, 1)  # 60 ms, timed; the last finished in it: idle after
     step(5000, 1)  # after an idle spell: not timed
     drained = RingReader(monitor.ring_path).drain(0)
     inputs = RankInputs()
     inputs.take_rows(drained.samples, drained.slots, 1.0, drained.events)
-    assert inputs.steps.expected_s(0, None) == 0.04
+    assert inputs.steps.expected_s(0, None) == 0.06
     monitor.close()
+
+
+def test_a_drained_kv_view_without_a_load_still_reports() -> None:
+    row = list(_prefill_row(1, 0, 0, kind=2))
+    row[13], row[14] = 3, 90
+    inputs = RankInputs()
+    inputs.take_rows([tuple(row)], b"", now=1.0)
+    assert (inputs.kv_used, inputs.kv_total, inputs.reports, inputs.running) == (3, 90, True, None)
 
 
 def test_more_hand_worked_edges() -> None:
