@@ -36,7 +36,7 @@ def test_a_step_is_timed_from_the_busy_sample_before_it() -> None:
     times.take(4, 9_000 * MS, PREFILL, 500, True)  # after an idle spell: its start is unknown, not timed
     assert times.expected_s(0, 4096) == 0.06
     times.take(6, 9_500 * MS, DECODE, 1, True)  # step 5's sample was lost: not timed
-    times.take(7, 9_500 * MS, DECODE, 1, True)  # no time passed on the clock: not timed
+    times.take(7, 9_500 * MS, PREFILL, 5000, True)  # no time passed on the clock: not timed
     assert times.expected_s(0, 4096) == 0.06
     times.take(8, 9_750 * MS, PREFILL, 1000, True)  # 250 ms for 1,000 tokens: 0.25 ms a token
     assert times.expected_s(0, 4096) == 0.25  # nothing waits: the longest step
@@ -45,6 +45,13 @@ def test_a_step_is_timed_from_the_busy_sample_before_it() -> None:
     # A batch of 16,384 tokens would take 4.096 s: bounded by 4 x the longest step, 1 s.
     assert times.expected_s(2, 16384) == STEP_GRACE_FACTOR * 0.25 == 1.0
     assert times.expected_s(2, None) == 0.25  # no batch size known: the longest step
+
+
+def test_a_prefill_of_one_token_is_a_prefill() -> None:
+    times = StepTimes()
+    times.take(0, 0, DECODE, 1, True)
+    times.take(1, 10 * MS, PREFILL, 1, True)  # 10 ms a token: a batch of 10 is 0.1 s, bounded by 4 x 10 ms
+    assert times.expected_s(0, 10) == 0.01 and times.expected_s(1, 10) == 0.04
 
 
 def test_the_prefill_rate_is_the_largest_timed_prefill_s_and_old_steps_leave_the_window() -> None:
