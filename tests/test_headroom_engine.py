@@ -391,6 +391,7 @@ def test_requests_that_finished_in_a_step_are_gone_after_it_whatever_finished_be
         monitor.step("decode", num_seqs=1, num_tokens=1, requests_running=running, requests_waiting=0,
                      kv_blocks_needed=1)
 
+    monitor.event("kv_evictable", {"evictable_tokens": 1})  # sequence numbers that are not step counts
     step(0, 2)
     monitor.request_finished("a", 5)
     step(30, 2)  # one of the two finished in it: one left
