@@ -282,6 +282,10 @@ def test_an_engine_whose_requests_all_finished_is_idle_though_its_last_step_coun
             gauges = _gauges(_scrape(port), "drained")
             assert gauges["memwatch_requests_running"] == 1  # what the last step read, unchanged
             assert gauges["memwatch_signal_valid"] == 1 and gauges["memwatch_signal_age_seconds"] > 1.5
+            engine.kill()  # idle, but its process is gone: the writer's lock on its ring went with it
+            engine.wait(timeout=30)
+            wait_for(lambda: _gauges(_scrape(port), "drained")["memwatch_signal_valid"] == 0, timeout=10,
+                     what="the killed idle engine's signal to turn invalid")
         finally:
             engine.kill()
             engine.wait(timeout=30)
