@@ -210,6 +210,7 @@ def test_the_exposition_lines() -> None:
     base = 'run_id="e",host="h"'
     assert lines[:3] == [f"# HELP memwatch_kv_free_tokens {HELP['memwatch_kv_free_tokens']}",
                          "# TYPE memwatch_kv_free_tokens gauge", f"memwatch_kv_free_tokens{{{base}}} 12800"]
+    assert f"memwatch_kv_capacity_tokens{{{base}}} {1000 * 16}" in lines  # the free tokens' sample: T × B
     assert f"memwatch_kv_committed_usage_ratio{{{base}}} 0.3" in lines
     assert not any(line.startswith("memwatch_kv_expected_usage_ratio{") for line in lines)  # not known: left out
     assert "# TYPE memwatch_kv_expected_usage_ratio gauge" in lines
@@ -221,7 +222,7 @@ def test_the_exposition_lines() -> None:
                           f'memwatch_admissible_requests{{{base},shape="8192:1024"}} 0']
     assert lines[-5] == "# HELP memwatch_admissible_requests " + HELP["memwatch_admissible_requests"]
     assert lines[-4] == "# TYPE memwatch_admissible_requests gauge"
-    assert len(lines) == 2 * 10 + 7 + 3  # HELP and TYPE each; 7 values (no expected ratio or share); 3 shapes
+    assert len(lines) == 2 * 11 + 8 + 3  # HELP and TYPE each; 8 values (no expected ratio or share); 3 shapes
     invalid = one(series(0, busy(seen_at=None)))
     lines = render_headroom([invalid], lambda labels: 'run_id="e"', str)
     assert 'memwatch_signal_valid{run_id="e"} 0' in lines

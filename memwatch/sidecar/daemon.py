@@ -1,11 +1,11 @@
 """``memwatch serve``: the sidecar process — lock, collector loop, writer thread, clean shutdown.
 
-One sidecar per runtime directory, guarded by a lock on ``sidecar.lock`` in its private state
-directory (:mod:`memwatch.sidecar.claim`, :mod:`memwatch.sidecar.sidecar_files`), held for the process's life (the kernel drops it if the
-process dies, so a stale lock cannot block the next one). SIGTERM/SIGINT stop the loop; before
-exiting it drains every ring one last time and waits for the writer, so nothing already in a ring is
-lost by stopping the sidecar. Every ``retention_interval`` seconds it queues, through the writer like
-any batch, the roll-up of the old samples of the runs it stores (:mod:`memwatch.store.retention`).
+One sidecar per runtime directory, guarded by a lock on ``sidecar.lock`` in its private state directory
+(:mod:`memwatch.sidecar.claim`, :mod:`memwatch.sidecar.sidecar_files`), held for the process's life (the kernel
+drops it if the process dies, so a stale lock cannot block the next one). SIGTERM/SIGINT stop the loop; before
+exiting it drains every ring one last time and waits for the writer, so nothing already in a ring is lost by
+stopping the sidecar. Every ``retention_interval`` seconds it queues, through the writer like any batch, the
+roll-up of the old samples of the runs it stores (:mod:`memwatch.store.retention`).
 """
 
 from __future__ import annotations
