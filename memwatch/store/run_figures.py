@@ -32,12 +32,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memwatch.detectors.summary import RankSummary
 from memwatch.flags import OOM, Flag
 from memwatch.ledger import KV_ALLOCATED, WEIGHTS_LOADED, Ledger, Sizing
 from memwatch.records import Event
+
+if TYPE_CHECKING:
+    from memwatch.detectors.summary import RankSummary
 
 SHARED_KEYS: tuple[str, ...] = (
     "oom_step", "non_torch_at_sizing_bytes", "oom_margin_bytes", "weights_bytes", "kv_cache_bytes", "flag_counts",

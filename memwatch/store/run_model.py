@@ -25,17 +25,16 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from memwatch.detectors import DetectorConfig, interleave, replay
-from memwatch.detectors.summary import RankSummary
 from memwatch.flags import OOM, Flag
 from memwatch.ledger import KV_ALLOCATED, PHASE_END, WEIGHTS_LOADED, Sizing
 from memwatch.records import Event, Sample
 from memwatch.store.queries import Run, events, get_run, list_runs, run_ranks
 from memwatch.store.run_figures import RankTruth, RunTruth, truth_from
-from memwatch.store.summaries import load_summaries, stored_flags
 from memwatch.store.window import RAW_SELECT, ROLLED_SELECT, WindowRow, run_key, stored_ranks, time_span, window_rows
 
 if TYPE_CHECKING:
+    from memwatch.detectors import DetectorConfig
+    from memwatch.detectors.summary import RankSummary
     from memwatch.store.db import Database
 
 WINDOW_STEPS = 100
@@ -112,6 +111,10 @@ class StoredRun:
 
     @cached_property
     def _detected(self) -> tuple[Mapping[int, RankSummary], tuple[Flag, ...], bool]:
+        # the detectors load only when a command reads a run's findings: `runs` lists without them
+        from memwatch.detectors import interleave, replay
+        from memwatch.store.summaries import load_summaries, stored_flags
+
         summaries = load_summaries(self.db, self.run_id, self.config)
         if summaries is not None:
             return MappingProxyType(summaries), tuple(stored_flags(self.db, self.run_id)), True
