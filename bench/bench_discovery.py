@@ -18,18 +18,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-GROUP, ATTACKER, ENGINE = 50000, 50001, 65534
+from flooded_dir import ENGINE, GROUP, HealthProbe, as_uid, flood, free_port, refused, shared_rings, stop, toggler
+
 OPEN_WITHIN_S = 2.0
 RING = """
 import sys, time
@@ -42,43 +39,6 @@ w.write_sample(0, 10**18, 5, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
 time.sleep(1.0)
 w.close()
 """
-FLOOD = """
-import os, sys
-d = os.open(".", os.O_RDONLY)
-for i in range(int(sys.argv[1])):
-    os.close(os.open(f"junk{i:07d}.ring", os.O_CREAT | os.O_WRONLY, 0o640, dir_fd=d))
-"""
-TOGGLE = """
-import os, time
-while True:
-    os.close(os.open("toggle.ring", os.O_CREAT | os.O_WRONLY, 0o640))
-    time.sleep(0.25)
-    os.unlink("toggle.ring")
-    time.sleep(0.25)
-"""
-
-
-def _as(uid: int, code: str, *args: str, cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={GROUP}", f"--groups={GROUP}", sys.executable,
-                             "-c", code, *args], cwd=cwd, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _probe(port: int, answers: list[str], done: threading.Event) -> None:
-    while not done.wait(0.2):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1.0) as reply:
-                answers.append(str(reply.status))
-        except urllib.error.HTTPError as exc:
-            answers.append(str(exc.code))
-        except OSError:
-            answers.append("no answer within 1 s")
 
 
 def _wait_line(log: Path, text: str, timeout: float) -> float | None:
@@ -94,19 +54,14 @@ def measure(count: int, rings_made: int) -> dict[str, Any]:
     """One sidecar on a fresh directory of ``count`` names with toggling: ring open times and /healthz answers."""
     base = Path(tempfile.mkdtemp(prefix="memwatch-discovery-", dir="/tmp"))
     procs: list[subprocess.Popen[Any]] = []
+    probe: HealthProbe | None = None
     try:
-        base.chmod(0o711)
-        rings = base / "rings"
-        rings.mkdir()
-        os.chown(rings, 0, GROUP)
-        rings.chmod(0o3770)
+        rings = shared_rings(base)
         (base / "db").mkdir(mode=0o700)
         began = time.monotonic()
-        flood = _as(ATTACKER, FLOOD, str(count), cwd=rings)
-        procs.append(flood)
-        flood.wait(timeout=1800)
+        flood(rings, count)
         made = time.monotonic() - began
-        log, port = base / "serve.log", _free_port()
+        log, port = base / "serve.log", free_port()
         env = {**os.environ, "MEMWATCH_SPAWN": "0", "PYTHONUNBUFFERED": "1"}
         with open(log, "wb") as out:
             sidecar = subprocess.Popen(
@@ -114,17 +69,15 @@ def measure(count: int, rings_made: int) -> dict[str, Any]:
                  str(base / "db" / "memwatch.db"), "--runtime-group", str(GROUP), "--trust-uid", str(ENGINE),
                  "--health", str(port)], env=env, stdout=out, stderr=out)
         procs.append(sidecar)
-        procs.append(_as(ATTACKER, TOGGLE, cwd=rings))
-        answers: list[str] = []
-        done = threading.Event()
-        prober = threading.Thread(target=_probe, args=(port, answers, done), daemon=True)
+        procs.append(toggler(rings))
         if _wait_line(log, "memwatch serve: health on", 120) is None:
             raise SystemExit(f"the sidecar did not start: {log.read_text(errors='replace')[-2000:]}")
-        prober.start()
+        probe = HealthProbe(port)
+        probe.start()
         opened: list[float | None] = []
         for i in range(rings_made):
             # Not started in the flooded directory: Python lists its working directory to import from it.
-            engine = _as(ENGINE, RING, str(rings / f"ring{i}"), cwd=base)
+            engine = as_uid(ENGINE, RING, str(rings / f"ring{i}"), cwd=base)
             procs.append(engine)
             assert engine.stdout is not None
             arrived = float(engine.stdout.readline())
@@ -133,8 +86,7 @@ def measure(count: int, rings_made: int) -> dict[str, Any]:
             engine.wait(timeout=30)
             time.sleep(0.5)
         time.sleep(1.0)
-        done.set()
-        prober.join(timeout=5)
+        answers = probe.stop()
         sidecar.send_signal(signal.SIGTERM)
         sidecar.wait(timeout=120)
         return {"names": count, "made_s": round(made, 1), "opened_s": [None if t is None else round(t, 3)
@@ -142,12 +94,10 @@ def measure(count: int, rings_made: int) -> dict[str, Any]:
                 "healthz": len(answers), "healthz_200": answers.count("200"),
                 "healthz_other": sorted({a for a in answers if a != "200"})}
     finally:
+        if probe is not None:
+            probe.stop()
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=30)
-            if proc.stdout is not None:
-                proc.stdout.close()
+            stop(proc)
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -157,8 +107,8 @@ def main() -> int:
     parser.add_argument("--rings", type=int, default=5, help="trusted rings made one after another, per count")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if os.getuid() != 0 or shutil.which("setpriv") is None:
-        print("needs root and setpriv (util-linux)")
+    if refused() is not None:
+        print(refused())
         return 1
     counts = args.counts if 0 in args.counts else [0, *args.counts]  # the baseline, in the same run
     results = [measure(count, args.rings) for count in counts]

@@ -185,7 +185,9 @@ def render_costs(renders: int) -> tuple[list[float], list[float], list[float], i
             render(state, headroom=False)
             without.append((time.perf_counter() - start) * 1000)
         series = sum(1 for line in lines if not line.startswith("#"))
-        assert "memwatch_signal_valid{" in page and series == 8 * (7 + len(config.shapes)), series
+        # per engine: free and capacity tokens, committed usage, the safe prefill, waiting, running, validity, age
+        # and one admissible count per shape (no request has finished: no output share, no expected usage)
+        assert "memwatch_signal_valid{" in page and series == 8 * (8 + len(config.shapes)), series
         for monitor in monitors:
             monitor.close()
         for reader in readers:

@@ -19,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-GROUP, ATTACKER, ENGINE = 50000, 50001, 65534
+from flooded_dir import ATTACKER, ENGINE, GROUP, as_uid, flood, refused, shared_rings, stop
+
 RING = """
 import sys
 from memwatch_engine.ring import RingWriter
@@ -30,17 +31,16 @@ for i in range(5):
     w.write_sample(i, 10**18 + i, 5, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
 w.close()
 """
-FLOOD = """
-import os, sys
-d = os.open(".", os.O_RDONLY)
-for i in range(int(sys.argv[1])):
-    os.close(os.open(f"junk{i:07d}.ring", os.O_CREAT | os.O_WRONLY, 0o640, dir_fd=d))
-"""
 
 
-def _as(uid: int, code: str, *args: str, cwd: Path) -> None:
-    subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={GROUP}", f"--groups={GROUP}", sys.executable, "-c",
-                    code, *args], cwd=cwd, check=True, timeout=600)
+def _engine(rings: Path, run_id: str) -> None:
+    """A trusted engine's ring of 5 samples, written and closed."""
+    writer = as_uid(ENGINE, RING, run_id, cwd=rings)
+    try:
+        if writer.wait(timeout=600) != 0:
+            raise SystemExit(f"the ring {run_id} was not written")
+    finally:
+        stop(writer)
 
 
 def _rss_mib(pid: int) -> float:
@@ -69,16 +69,12 @@ def _wait_stored(db: Path, run_id: str, timeout: float = 300.0) -> float:
 
 def main() -> int:
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 500_000
-    if os.getuid() != 0 or shutil.which("setpriv") is None:
-        print("needs root and setpriv (util-linux)")
+    if refused() is not None:
+        print(refused())
         return 1
     base = Path(tempfile.mkdtemp(prefix="memwatch-flood-", dir="/tmp"))
     try:
-        base.chmod(0o711)
-        rings = base / "rings"
-        rings.mkdir()
-        os.chown(rings, 0, GROUP)
-        rings.chmod(0o3770)
+        rings = shared_rings(base)
         db, log = base / "memwatch.db", base / "sidecar.log"
         env = {**os.environ, "MEMWATCH_SPAWN": "0"}
         with open(log, "wb") as out:
@@ -86,13 +82,13 @@ def main() -> int:
                 [sys.executable, "-m", "memwatch", "serve", "--runtime-dir", str(rings), "--db", str(db),
                  "--runtime-group", str(GROUP), "--trust-uid", str(ENGINE)], env=env, stdout=out, stderr=out)
         try:
-            _as(ENGINE, RING, "before", cwd=rings)
+            _engine(rings, "before")
             _wait_stored(db, "before")
             before = _rss_mib(sidecar.pid)
             began = time.monotonic()
-            _as(ATTACKER, FLOOD, str(count), cwd=rings)
+            flood(rings, count)
             made = time.monotonic() - began
-            _as(ENGINE, RING, "after", cwd=rings)
+            _engine(rings, "after")
             took = _wait_stored(db, "after")
             time.sleep(10.0)  # several more scans of the flooded directory
             after = _rss_mib(sidecar.pid)

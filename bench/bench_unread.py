@@ -15,47 +15,12 @@ import json
 import socket
 import subprocess
 import sys
-import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
-SERVE = textwrap.dedent("""
-    import sys, time
-    from memwatch.export.http_serving import HttpListener, Reply
-    BODY = b"# a scrape\\n" * (64 * 1024 // 11)
-    renders = [0]
-    def render(path):
-        renders[0] += 1
-        time.sleep(0.01)
-        return Reply(200, BODY)
-    served = HttpListener("127.0.0.1", 0, render, name="memwatch-bench-http", option="--bench", offload=("/metrics",))
-    served.start()
-    print(served.port, flush=True)
-    sys.stdin.read()
-    print(renders[0], served.refused, flush=True)
-""")
-UNREAD = textwrap.dedent("""
-    import selectors, socket, sys, time
-    port, count, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    selector = selectors.DefaultSelector()
-    opened = 0
-    def open_one():
-        global opened
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.sendall(b"GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
-        selector.register(sock, selectors.EVENT_READ)
-        opened += 1
-    for _ in range(count):
-        open_one()
-    print("ready", flush=True)
-    stop = time.monotonic() + seconds
-    while time.monotonic() < stop:
-        for key, _ in selector.select(timeout=0.1):
-            selector.unregister(key.fileobj)
-            key.fileobj.close()
-            open_one()
-    print(opened, flush=True)
-""")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from unread_flood import SLOW_LISTENER, UNREAD
 
 
 def _scrape(port: int, timeout: float = 5.0) -> tuple[int | None, float]:
@@ -97,7 +62,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    server = subprocess.Popen([sys.executable, "-c", SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, "-c", SLOW_LISTENER, "memwatch-bench-http"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
     assert server.stdin is not None and server.stdout is not None
     flood: subprocess.Popen[str] | None = None
     try:

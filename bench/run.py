@@ -14,7 +14,7 @@ BENCHMARKS = ("bench_plugin.py", "bench_ingest.py", "bench_detectors.py", "bench
               "bench_report.py", "bench_export.py", "bench_postmortem.py", "bench_retention.py",
               "bench_inject.py", "bench_reliability.py", "bench_vllm_requests.py", "bench_snapshot.py",
               "bench_listener.py", "bench_unread.py", "bench_name_flood.py", "bench_discovery.py", "bench_bundle.py",
-              "bench_headroom.py", "bench_fleet.py", "bench_vllm_cpu.py")
+              "bench_headroom.py", "bench_fleet.py", "bench_vllm_cpu.py", "bench_real_fleet.py")
 AS_ROOT = ("bench_listener.py", "bench_name_flood.py", "bench_discovery.py")
 """These flood the sidecar as another uid (``setpriv``): run as root, else skipped with a line that says so."""
 

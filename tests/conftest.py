@@ -7,9 +7,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import pytest
+
+if TYPE_CHECKING:
+    from podman.fixtures import Setup
 
 
 @pytest.fixture
@@ -86,3 +90,16 @@ class ShippedRuns:
 def shipped_runs(tmp_path_factory: pytest.TempPathFactory) -> ShippedRuns:
     """Every shipped scenario's stored run, simulated once for the whole session."""
     return ShippedRuns(tmp_path_factory.mktemp("shipped"))
+
+
+@pytest.fixture(scope="module")
+def built() -> Iterator[Setup]:
+    """The podman images the container tests run (built once per test run); skipped, saying why, where podman
+    cannot run containers."""
+    from podman.fixtures import setup, write_timings
+
+    made = setup()
+    if isinstance(made, str):
+        pytest.skip(made)
+    yield made
+    write_timings()

@@ -101,3 +101,58 @@ def crash_an_engine(runtime_dir: Path, db_path: Path) -> str:
 def bundles_in(folder: Path) -> list[str]:
     return sorted(name for name in os.listdir(folder) if name.startswith("memwatch-incident-")) \
         if folder.exists() else []
+
+
+ERROR_RUNS = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from probes import ScriptedProbe
+from memwatch_engine import Monitor
+
+for run_id in {run_ids!r}:
+    monitor = Monitor(engine="script", model="tiny", probe=ScriptedProbe(), spawn_sidecar=False, run_id=run_id)
+    assert monitor.enabled, "monitor off"
+    with monitor.phase("serve"):
+        for _ in range({steps}):
+            monitor.step("decode", num_seqs=1, num_tokens=1)
+    monitor.close({ending!r})
+    time.sleep({pause})
+"""
+
+SERVING = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from probes import ScriptedProbe
+from memwatch_engine import Monitor
+
+monitor = Monitor(engine="script", model="tiny", probe=ScriptedProbe(), spawn_sidecar=False, run_id={run_id!r})
+assert monitor.enabled, "monitor off"
+with monitor.phase("serve"):
+    for _ in range(12000):  # at most two minutes; killed long before
+        monitor.step("decode", num_seqs=1, num_tokens=1)
+        time.sleep(0.01)
+"""
+
+
+def end_runs_in_error(runtime_dir: Path, db_path: Path, run_ids: list[str], *, steps: int = 50,
+                      pause_s: float = 0.0) -> None:
+    """One engine process (the test's uid) that writes ``run_ids`` one after the other, each ``steps`` decode steps
+    long and closed ``error``; returns once the sidecar has stored every ending."""
+    script = ERROR_RUNS.format(tests=str(Path(__file__).parent), run_ids=run_ids, steps=steps, ending="error",
+                               pause=pause_s)
+    done = subprocess.run([sys.executable, "-c", script], env=memwatch_env(runtime_dir, db_path, MEMWATCH="1"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    marks = ",".join("?" * len(run_ids))
+    wait_for(lambda: query(db_path, f"SELECT count(*) FROM runs WHERE status = 'error' AND run_id IN ({marks})",
+                           tuple(run_ids))[0][0] == len(run_ids), timeout=60, what="the runs' error endings")
+
+
+def serving_engine(runtime_dir: Path, db_path: Path, run_id: str) -> subprocess.Popen[bytes]:
+    """An engine process whose run ``run_id`` is still being served (stepping every 10 ms), once it is stored."""
+    script = SERVING.format(tests=str(Path(__file__).parent), run_id=run_id)
+    engine = subprocess.Popen([sys.executable, "-c", script], env=memwatch_env(runtime_dir, db_path, MEMWATCH="1"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: query(db_path, "SELECT 1 FROM samples WHERE run_id = ? LIMIT 1", (run_id,)), timeout=60,
+             what=f"run {run_id} stored")
+    return engine

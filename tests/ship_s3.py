@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from contextlib import closing
+from typing import Any
 
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 from werkzeug.serving import make_server
@@ -27,11 +29,14 @@ def free_port() -> int:
 
 
 class S3Server:
-    """moto's S3 on 127.0.0.1:port, started and stopped within bounded waits."""
+    """moto's S3 on host:port (loopback unless told; a container reaches a bridge's gateway address), started and
+    stopped within bounded waits."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.endpoint = f"http://127.0.0.1:{port}"
+    def __init__(self, port: int, host: str = "127.0.0.1", wrap: Callable[[Any], Any] | None = None) -> None:
+        self.port, self.host = port, host
+        self.wrap = wrap
+        """Wraps moto's WSGI application (a fault of the test's in front of the real store)."""
+        self.endpoint = f"http://{host}:{port}"
         self._server = None
         self._thread: threading.Thread | None = None
 
@@ -40,7 +45,8 @@ class S3Server:
         return {**CREDENTIALS, "AWS_ENDPOINT_URL": self.endpoint}
 
     def start(self) -> S3Server:
-        self._server = make_server("127.0.0.1", self.port, DomainDispatcherApplication(create_backend_app), True,
+        app = DomainDispatcherApplication(create_backend_app)
+        self._server = make_server(self.host, self.port, app if self.wrap is None else self.wrap(app), True,
                                    request_handler=MotoRequestHandler)
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="moto-s3", daemon=True)

@@ -182,9 +182,16 @@ def test_the_events_bound_covers_what_the_build_writes() -> None:
 def test_a_database_that_is_not_sqlite_is_refused() -> None:
     from memwatch.incident import bundle_db
 
-    for data in (b"", b"SQLite format 3\x00" + bytes(50), b"not a database" * 100):
-        with pytest.raises(m.BundleError, match="is not a SQLite database"):
+    for data in (b"", b"SQLite format 3\x00" + bytes(83), b"not a database" * 100):  # 99 bytes: one short
+        with pytest.raises(m.BundleError, match=r"^its run\.db is not a SQLite database, so not a memwatch database$"):
             bundle_db.check_header(bytearray(data))
+
+
+def test_a_header_of_exactly_100_bytes_is_enough_to_judge(real: tuple[str, dict[str, bytes]]) -> None:
+    """SQLite's database header is the file's first 100 bytes: all the header check reads."""
+    from memwatch.incident import bundle_db
+
+    bundle_db.check_header(bytearray(real[1][m.DATABASE][:100]))
 
 
 def _memdb(name: str) -> sqlite3.Connection:
@@ -311,3 +318,26 @@ def test_events_past_their_bound_are_refused_in_process(real: tuple[str, dict[st
     with pytest.raises(m.BundleError, match=r"the bundle's events\.jsonl is 1,048,576 bytes, more than memwatch "
                                             r"writes for its run\.db \(at most [0-9,]+\); refusing it"):
         load(bomb(real[1], 1 << 20))
+
+
+def test_a_held_bundle_is_read_from_another_thread(real: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    """A reading command may open the bundle on one thread and read it on another (the report's workers)."""
+    from memwatch.incident.open import open_bundle
+    from memwatch.store.db import connect_readonly
+
+    path = tmp_path / "memwatch-incident-real.tar.gz"
+    path.write_bytes(pack(real[1]))
+    opened = open_bundle(str(path))
+    try:
+        conn = connect_readonly(opened.db_path)
+        got: list[object] = []
+        reader = threading.Thread(target=lambda: got.append(conn.execute("SELECT count(*) FROM runs").fetchone()))
+        reader.start()
+        reader.join(10)
+        assert got == [(1,)]
+        conn.close()
+    finally:  # let go of by another thread (a finalizer's, a worker's) than the one that opened it
+        closer = threading.Thread(target=lambda: (opened.close(), got.append("closed")))
+        closer.start()
+        closer.join(10)
+    assert got == [(1,), "closed"]

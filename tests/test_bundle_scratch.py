@@ -126,8 +126,11 @@ def test_a_leftover_that_cannot_be_removed_is_named_and_the_rest_still_go(out, c
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(scratch.shutil, "rmtree", refuse)
+    listed = os.listdir(fd)
+    monkeypatch.setattr(scratch.os, "listdir", lambda _: sorted(listed, reverse=True))  # the one refused first
     with caplog.at_level(logging.WARNING, logger="memwatch.incident"):
         assert remove_leftovers(fd) == [".building-a.part"]
+    monkeypatch.undo()
     assert (folder / ".work-1-x").is_dir() and not (folder / ".building-a.part").exists()
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["cannot remove .work-1-x, left by a bundle build cut short: Permission denied",

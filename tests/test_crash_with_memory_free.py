@@ -17,7 +17,8 @@ from click.testing import CliRunner
 
 from memwatch.cli import main
 from memwatch.store import open_store
-from tests.stored_runs import store_scenario
+
+from stored_runs import store_scenario
 
 MIB = 1 << 20
 TOTAL = 8 << 30

@@ -163,3 +163,26 @@ def test_vocabulary_and_wording() -> None:
     assert format_bytes(-2 * MiB) == "-2.0 MiB"
     assert format_count(1_200) == "1,200"
     assert [format_duration_ns(s * 10**9) for s in (41, 210, 7_200)] == ["41 s", "3.5 min", "2.0 h"]
+
+
+def test_kv_pressure_is_judged_on_a_rank_without_sizing_where_the_scheduler_counts_blocks() -> None:
+    """vLLM's scheduler rank counts KV blocks and preempts; the worker rank sized the cache. 16 of 16 blocks in use
+    (≥ 0.95 of them) with one preemption within the window: the default config's kv_pressure, on the scheduler."""
+    detectors = DetectorSet()
+    detectors.on_event(sizing_event(rank=0))
+    flags = []
+    for step in range(1, 6):
+        flags += detectors.on_sample(Sample("run", 1, step, step * 10, None, None, None, None, None, None,
+                                            kv_blocks_used=16 if step >= 3 else 8, kv_blocks_total=16))
+        if step == 2:
+            flags += detectors.on_event(Event("run", 1, 2, 21, "preemption", {"count": 1}))
+    assert [(flag.kind, flag.rank, flag.step) for flag in flags] == [("kv_pressure", 1, 3)]
+
+
+def test_a_rank_without_sizing_and_free_blocks_raises_nothing() -> None:
+    detectors = DetectorSet()
+    flags = list(detectors.on_event(Event("run", 1, 1, 1, "preemption", {"count": 3})))
+    for step in range(2, 50):
+        flags += detectors.on_sample(Sample("run", 1, step, step, None, None, None, None, None, None,
+                                            kv_blocks_used=10, kv_blocks_total=16))
+    assert flags == []

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from memwatch.cli import main
-from memwatch.report.diff import drift_slope
 from memwatch.store import open_store
+from memwatch.store.run_model import drift_slope
 from memwatch.store.writer import INSERT_SAMPLE
 
 from processes import query

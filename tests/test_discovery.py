@@ -6,9 +6,11 @@ Real files in a private runtime directory, a real inotify watch, the thread itse
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,7 +28,7 @@ from memwatch.sidecar.dir_watch import (
     DirWatch,
     watch_dir,
 )
-from memwatch.sidecar.discovery import Discovery
+from memwatch.sidecar.discovery import MAX_PENDING, Discovery
 from memwatch.sidecar.ring_finder import RingFinder
 
 
@@ -81,7 +83,7 @@ def test_the_kernel_reports_names_made_and_removed_and_says_when_it_dropped_some
     runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(runtime_dir, os.O_RDONLY | os.O_DIRECTORY)
     watch = watch_dir(fd)
-    assert isinstance(watch, DirWatch)
+    assert isinstance(watch, DirWatch) and not os.get_blocking(watch.fileno())  # else changes() would wait
     try:
         os.close(os.open(runtime_dir / "a-r0.ring", os.O_CREAT | os.O_WRONLY, 0o600))
         os.chmod(runtime_dir / "a-r0.ring", 0o644)  # a change of mode: judged again
@@ -182,3 +184,104 @@ except OSError:
     pass
 print(watch_dir(fd))
 """
+
+
+def _descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_discovery_is_a_named_daemon_thread_watching_by_default_and_leaves_no_descriptor(
+        finder: RingFinder) -> None:
+    before = _descriptors()
+    discovery = Discovery(finder, interval=0.05)
+    assert discovery.watching and not discovery.running and not discovery.pending
+    discovery.start()
+    try:
+        _until(lambda: discovery.listings == 1)
+        threads = [t for t in threading.enumerate() if t.name == "memwatch-discovery"]
+        assert len(threads) == 1 and threads[0].daemon  # a stuck one never holds the sidecar's exit
+        assert discovery.running
+    finally:
+        discovery.stop()
+    assert not discovery.running and _descriptors() == before  # the watch closed with the thread
+
+
+def test_found_names_wait_for_the_loop_4096_at_most_and_the_rest_are_found_by_a_listing_once_taken(
+        finder: RingFinder, runtime_dir: Path) -> None:
+    names = {f"{i:05d}-r0.ring" for i in range(MAX_PENDING + 4)}
+    for name in names:
+        _make(runtime_dir, name)
+    handed = []
+    discovery = Discovery(finder, interval=0.05, on_found=lambda: handed.append(1))
+    discovery.start()
+    try:
+        _until(lambda: len(handed) == MAX_PENDING)
+        time.sleep(0.3)  # several waits: nothing more is handed while the loop has not taken these
+        assert len(handed) == MAX_PENDING and discovery.pending
+        first = discovery.take()
+        assert len(first) == MAX_PENDING and len(set(first)) == MAX_PENDING and not discovery.pending
+        taken = set(first)
+        _until(lambda: taken.update(discovery.take()) or taken == names, timeout=20)  # the loop taking as it runs
+    finally:
+        discovery.stop()
+    assert discovery.listings >= 2  # listed again for the names past the bound
+
+
+def test_the_directory_moved_is_listed_again_and_still_watched(finder: RingFinder, runtime_dir: Path) -> None:
+    discovery = Discovery(finder, interval=0.05)
+    discovery.start()
+    moved = runtime_dir.with_name("moved")
+    try:
+        _until(lambda: discovery.listings == 1)
+        runtime_dir.rename(moved)
+        _until(lambda: discovery.listings == 2)
+        _make(moved, "late-r0.ring")
+        taken: list[str] = []
+        _until(lambda: taken.extend(discovery.take()) or "late-r0.ring" in taken)
+        time.sleep(0.2)
+        assert discovery.listings == 2  # once for the move, not at every wait
+    finally:
+        discovery.stop()
+        moved.rename(runtime_dir)
+
+
+def test_a_failure_in_the_thread_is_said_once_and_ends_it(finder: RingFinder, runtime_dir: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> None:
+        raise RuntimeError("the loop's wake-up failed")
+
+    _make(runtime_dir, "a-r0.ring")
+    discovery = Discovery(finder, interval=0.05, on_found=broken)
+    discovery.start()
+    try:
+        _until(lambda: not discovery.running)
+    finally:
+        discovery.stop()
+    failed = [r for r in caplog.records if r.name == "memwatch.collector" and r.levelno == logging.ERROR]
+    assert [r.getMessage() for r in failed] == [
+        "finding rings failed; new rings are no longer opened until the sidecar restarts"]
+    assert failed[0].exc_info is not None and "the loop's wake-up failed" in str(failed[0].exc_info[1])
+    assert discovery.take() == ["a-r0.ring"]  # handed before the failure
+
+
+def test_a_ring_made_during_a_long_listing_is_handed_before_the_listing_ends(finder: RingFinder,
+                                                                              runtime_dir: Path) -> None:
+    for i in range(3000):
+        _make(runtime_dir, f"{i:05d}-r0.ring")
+    handed: list[int] = []
+
+    def found() -> None:  # in the discovery thread, at its listing's first name
+        if not handed:
+            _make(runtime_dir, "new-r0.ring")
+        handed.append(1)
+
+    discovery = Discovery(finder, interval=0.05, on_found=found)
+    discovery.start()
+    try:
+        _until(lambda: discovery.listings == 1 and len(handed) >= 3001)
+        time.sleep(0.3)
+        names = discovery.take()
+    finally:
+        discovery.stop()
+    assert len(set(names)) == len(names) == 3001  # found twice (by the kernel, then the listing): handed once
+    assert names.index("new-r0.ring") <= 1024 + 1  # judged at the listing's next slice, not after 3,000 names

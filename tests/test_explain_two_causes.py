@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from memwatch.cli import main
 from memwatch.detectors.wording import format_bytes
-from tests.stored_runs import store_scenario
+
+from stored_runs import store_scenario
 
 MIB = 1 << 20
 GIB = 1 << 30

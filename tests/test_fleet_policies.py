@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
 from memwatch.errors import UsageError
-from memwatch.sim.fleet.engine import FleetRequest
+from memwatch.sim.fleet.engine import FleetEngine, FleetRequest
 from memwatch.sim.fleet.policies import (
     POLICIES,
     EngineView,
@@ -20,11 +21,13 @@ from memwatch.sim.fleet.policies import (
 from memwatch.sim.fleet.results import PolicyResult, percentile, render_table, summarize, versus_best
 from memwatch.sim.fleet.scrape import keep_families, parse
 from memwatch.sim.fleet.traces import from_text, parse_shape
+from memwatch_engine.ring_reader import RingReader
 
 
 def exposition(run: str, *, used: int, total: int = 100, waiting: int = 0, valid: int = 1,
                committed: float | None = None, admissible: dict[str, int] | None = None,
-               safe: int | None = None, free_tokens: int | None = None, ranks: int = 1) -> str:
+               safe: int | None = None, free_tokens: int | None = None, capacity: int | None = None,
+               ranks: int = 1) -> str:
     """A sidecar's text for one engine: the KV gauges per rank, the headroom gauges per engine."""
     lines = ["# HELP memwatch_kv_blocks_used KV cache blocks in use", "# TYPE memwatch_kv_blocks_used gauge"]
     lines += [f'memwatch_kv_blocks_used{{run_id="{run}",rank="{r}"}} {used + r}' for r in range(ranks)]
@@ -40,6 +43,9 @@ def exposition(run: str, *, used: int, total: int = 100, waiting: int = 0, valid
                   f'memwatch_max_safe_prefill_tokens{{run_id="{run}"}} {safe}']
     if free_tokens is not None:
         lines += ["# TYPE memwatch_kv_free_tokens gauge", f'memwatch_kv_free_tokens{{run_id="{run}"}} {free_tokens}']
+    if capacity is not None:
+        lines += ["# TYPE memwatch_kv_capacity_tokens gauge",
+                  f'memwatch_kv_capacity_tokens{{run_id="{run}"}} {capacity}']
     lines += ["# TYPE memwatch_admissible_requests gauge"]
     lines += [f'memwatch_admissible_requests{{run_id="{run}",shape="{shape}"}} {n}'
               for shape, n in (admissible or {}).items()]
@@ -191,6 +197,23 @@ def test_memwatch_checks_each_request_on_its_own_size() -> None:
     assert policy.choose(request(5000, 1000), [view(3, exposition("r3", used=50, committed=0.9))]) == 3
 
 
+def test_memwatch_sizes_the_cache_from_the_sample_its_free_tokens_come_from() -> None:
+    """An engine that just emptied: its newest sample has all 6,272 tokens free (49 blocks of 128), while the
+    stored sample behind ``memwatch_kv_blocks_used`` still says 36 of 49 blocks used. Free tokens over the free
+    fraction make a cache of 6,272 / (13 / 49) = 23,641 tokens; the capacity gauge says 6,272. Committed 0.5:
+    3,136 tokens neither used nor promised, so one request of 2,000 fits and a second sent after it does not."""
+    policy = MemwatchHeadroom(random.Random(0))
+    stale = exposition("r0", used=36, total=49, committed=0.5, free_tokens=6272, capacity=6272)
+    engine = view(0, stale)
+    assert policy.choose(request(1500, 500), [engine]) == 0
+    engine.sent = [request(1500, 500)]
+    assert policy.choose(request(1500, 500), [engine]) is None  # 2,000 + 2,000 > 3,136
+    # Without the capacity gauge (an older sidecar), the mixed estimate: 23,641 × 0.5 = 11,820 tokens, admitted.
+    older = view(0, exposition("r0", used=36, total=49, committed=0.5, free_tokens=6272))
+    older.sent = [request(1500, 500)]
+    assert policy.choose(request(1500, 500), [older]) == 0
+
+
 def test_memwatch_without_a_valid_signal_routes_as_kv_usage() -> None:
     policy = MemwatchHeadroom(random.Random(0))
     views = [view(0, exposition("r0", used=50, valid=0, committed=0.0, free_tokens=9999)),
@@ -265,3 +288,84 @@ def test_the_scrape_keeps_whole_families_by_exact_name() -> None:
     assert kept.splitlines() == [line for line in text.splitlines() if "_used_total" not in line]
     scrape = parse(text, frozenset({"memwatch_kv_blocks_used"}))
     assert dict(scrape.samples) == {"memwatch_kv_blocks_used": [({"run_id": "a"}, 7.0)]}
+
+
+def test_no_policy_is_told_where_an_output_stops() -> None:
+    """Every policy decides on a request's prompt and ``max_tokens``: the same scrapes and draws give the same
+    choices whether the request stops after one output, runs to its ``max_tokens`` or does not say."""
+    rng = random.Random(7)
+    for name in POLICIES:
+        for trial in range(40):
+            texts = [exposition(f"r{i}", used=rng.randint(0, 100), waiting=rng.randint(0, 6), committed=rng.random(),
+                                free_tokens=rng.randint(0, 9000), safe=rng.randint(0, 9000)) for i in range(3)]
+            prompt, output = rng.randint(1, 4000), rng.randint(1, 2000)
+            choices = set()
+            for stop in (None, 1, output):
+                views = [view(i, text) for i, text in enumerate(texts)]
+                views[0].sent = [FleetRequest(9, 700, 300, 0, stop)]
+                choices.add(make_policy(name, random.Random(trial)).choose(FleetRequest(0, prompt, output, 0, stop),
+                                                                             views))
+            assert len(choices) == 1, (name, trial, choices)
+
+
+def test_an_engine_records_a_request_s_max_tokens_never_its_stop(tmp_path: Path) -> None:
+    """What the sidecar (and through it the router) learns of a request is its prompt and ``max_tokens``: the
+    stop shows only as the request finishing."""
+    trace = from_text(STOPPING, source="stopping.toml")
+    engine = FleetEngine(0, trace.scenario, (), tmp_path, 1_700_000_000_000_000_000, "stops0001")
+    engine.start()
+    ring = RingReader(engine.ring_paths[0])
+    try:
+        start = engine.clock.now_ns()
+        engine.submit(FleetRequest(0, 300, 100, 0, stop_tokens=3), start)
+        engine.advance_to(start + 2_000_000_000)
+        events = [(kind, data) for _seq, _step, _ts, kind, data in ring.drain(0).events
+                  if kind in ("request_arrived", "request_finished")]
+        assert events == [("request_arrived", {"request_id": 0, "prompt_tokens": 300, "max_tokens": 100}),
+                          ("request_finished", {"request_id": 0, "output_tokens": 3})]
+    finally:
+        ring.close()
+        engine.close()
+
+
+STOPPING = """
+name = "stopping"
+model = "Qwen3-0.6B"
+[gpu]
+total_bytes = 8_589_934_592
+[engine]
+max_num_batched_tokens = 4096
+max_model_len = 8192
+[workload.random]
+count = 1
+prompt_tokens_min = 300
+prompt_tokens_max = 300
+output_tokens_min = 100
+output_tokens_max = 100
+"""
+
+
+def test_every_shipped_trace_stops_outputs_before_max_tokens() -> None:
+    """Each trace draws where its outputs stop (``stop_fraction_min``): most end before their ``max_tokens``."""
+    from memwatch.sim.fleet import load_trace
+    from memwatch.sim.fleet.traces import shipped_traces
+
+    for name in shipped_traces():
+        stopping = [r for r in load_trace(name).requests(1) if r.stop_tokens is not None]
+        assert sum(r.stop_tokens < r.output_tokens for r in stopping) > len(stopping) / 2, name  # type: ignore[operator]
+
+
+def test_the_original_traces_stop_within_their_stated_shares() -> None:
+    from memwatch.sim.fleet import load_trace
+
+    # Bursty long context: every output stops after 50 to 100 % of its max_tokens, 75 % on average.
+    requests = load_trace("fleet_bursty_long_context").requests(1)
+    shares = [r.stop_tokens / r.output_tokens for r in requests if r.stop_tokens is not None]
+    assert len(shares) == len(requests) == 60
+    assert min(shares) >= 0.5 and max(shares) <= 1.0 and 0.65 < sum(shares) / 60 < 0.85
+    # Long prefill: the 80 chat requests stop after 20 to 100 %, 60 % on average; the 8 documents run to 64.
+    requests = load_trace("fleet_long_prefill").requests(1)
+    documents = [r for r in requests if r.prompt_tokens == 9000]
+    assert len(documents) == 8 and all(r.stop_tokens is None and r.generated_tokens == 64 for r in documents)
+    shares = [r.stop_tokens / r.output_tokens for r in requests if r.stop_tokens is not None]
+    assert len(shares) == 80 and min(shares) >= 0.2 and 0.5 < sum(shares) / 80 < 0.7

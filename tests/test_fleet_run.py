@@ -54,13 +54,16 @@ def small_trace(tmp_path: Path) -> Path:
 
 def test_each_scrape_shows_the_engine_as_of_its_last_step(tmp_path: Path) -> None:
     """After ``wait_drained`` the sidecar's /metrics counts every sample the engine wrote and shows the KV
-    blocks of the last one: the router's view at a tick is the engine at that tick, however slow the machine."""
+    blocks of the last one: the router's view at a tick is the engine at that tick, however slow the machine.
+    The engine's clock is years behind this host's, but its records carry the wall clock they were written
+    at, so the sidecar, with a deployment's default staleness, shows the busy engine's signal fresh."""
     trace = from_text(SMALL, source="small.toml")
     sidecar = FleetSidecar(tmp_path / "engine0")
     sidecar.start()
     engine = None
     try:
         sidecar.wait_listening(time.monotonic() + START_TIMEOUT_S)
+        written_from = time.time_ns()
         engine = FleetEngine(0, trace.scenario, (), sidecar.runtime_dir, 1_700_000_000_000_000_000, "fleet0001")
         engine.start()
         sidecar.watch(engine.ring_paths)
@@ -78,7 +81,11 @@ def test_each_scrape_shows_the_engine_as_of_its_last_step(tmp_path: Path) -> Non
                 scraped = scrape(sidecar.url)
                 assert scraped.values("memwatch_samples_total", run_id="fleet0001") == [len(samples)]
                 assert scraped.values("memwatch_kv_blocks_used", run_id="fleet0001") == [last_kv[KV_USED]]
+                assert scraped.values("memwatch_signal_valid", run_id="fleet0001") == [1]
+                assert scraped.values("memwatch_signal_age_seconds", run_id="fleet0001")[0] < 1.5
                 kv_seen.add(last_kv[KV_USED])
+            stamps = [s[6] for s in ring.drain(0).samples]  # ts_ns of every sample
+            assert written_from <= min(stamps) and max(stamps) <= time.time_ns()
         finally:
             ring.close()
         assert len(kv_seen) > 3  # the KV use moved while it was watched: the check saw more than one state

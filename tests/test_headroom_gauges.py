@@ -96,6 +96,7 @@ def test_each_gauge_is_the_value_worked_out_by_hand(runtime_dir: Path, db_path: 
         gauges = _gauges(text, "hand")
         # KV: 1,000 blocks of 16 tokens, 200 used, 100 more promised to the 4 running requests, 2 waiting.
         assert gauges["memwatch_kv_free_tokens"] == (1000 - 200) * 16 == 12800
+        assert gauges["memwatch_kv_capacity_tokens"] == 1000 * 16
         assert gauges["memwatch_kv_committed_usage_ratio"] == (200 + 100) / 1000
         assert gauges["memwatch_requests_running"] == 4 and gauges["memwatch_requests_waiting"] == 2
         # Activation: the prefill of 4,096 tokens rose 1 GiB above what stayed allocated: 256 KiB a token.
@@ -113,8 +114,10 @@ def test_each_gauge_is_the_value_worked_out_by_hand(runtime_dir: Path, db_path: 
         # A step the sidecar has not drained yet is what the next scrape shows (read from the ring's newest slot).
         engine.step("decode", num_seqs=4, num_tokens=4, kv_blocks_used=216, kv_blocks_total=1000,
                     requests_running=4, requests_waiting=1, kv_blocks_needed=99)
-        gauges = _gauges(_scrape(port), "hand")
+        text = _scrape(port)
+        gauges = _gauges(text, "hand")
         assert gauges["memwatch_kv_free_tokens"] == (1000 - 216) * 16
+        assert gauges["memwatch_kv_capacity_tokens"] == 1000 * 16  # the same sample's, whatever was stored
         assert gauges["memwatch_kv_committed_usage_ratio"] == (216 + 99) / 1000
         assert gauges["memwatch_admissible_requests{2048:512}"] == min((1000 - 216 - 99) // 160 - 1, 4) == 3
         assert gauges["memwatch_admissible_requests{512:256}"] == min(685 // 48 - 1, 18) == 13
@@ -279,6 +282,10 @@ def test_an_engine_whose_requests_all_finished_is_idle_though_its_last_step_coun
             gauges = _gauges(_scrape(port), "drained")
             assert gauges["memwatch_requests_running"] == 1  # what the last step read, unchanged
             assert gauges["memwatch_signal_valid"] == 1 and gauges["memwatch_signal_age_seconds"] > 1.5
+            engine.kill()  # idle, but its process is gone: the writer's lock on its ring went with it
+            engine.wait(timeout=30)
+            wait_for(lambda: _gauges(_scrape(port), "drained")["memwatch_signal_valid"] == 0, timeout=10,
+                     what="the killed idle engine's signal to turn invalid")
         finally:
             engine.kill()
             engine.wait(timeout=30)

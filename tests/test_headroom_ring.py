@@ -167,3 +167,151 @@ def test_the_activation_per_token_is_the_largest_prefill_s_else_the_warmup_s() -
     inputs.take_rows([prefill(100, 60 << 20), prefill(4000, 1000 << 20)], b"", now=1.0)
     assert inputs.activation_per_token(2 << 30) == (1000 << 20) / 4000
     assert inputs.seen_at == 1.0 and inputs.reports is False  # no KV view, no load in those rows
+
+
+class _Ring:
+    """A ring written record by record (samples and one-slot events), stamped ``ts`` ns apart, and a reader of
+    its newest sample whose ``clock`` can make the writer write while a read is under way."""
+
+    def __init__(self, runtime_dir: Path, capacity: int) -> None:
+        from memwatch_engine.ring import RingWriter
+
+        self.writer = RingWriter(runtime_dir / "ring.bin", run_id="slots", capacity=capacity)
+        self.reader = RingReader(runtime_dir / "ring.bin")
+        self.now, self.wall, self.during_read = 100.0, 5_000 * 10**9, 0
+        self.latest = LatestSample(self.reader.fileno(), capacity, clock=self._clock, wall=lambda: self.wall)
+
+    def _clock(self) -> float:
+        if self.during_read:  # the writer moves on between the read of ``published`` and the copy of the slots
+            writes, self.during_read = self.during_read, 0
+            self.events(writes)
+        return self.now
+
+    def sample(self, kv_used: int) -> None:
+        self.writer.write_sample(1, self.wall, 5, 2, 0, 0, 0, 0, 0, 0, 1, kv_used, 100, 1, -1, -1, -1, -1, -1,
+                                 1, 0, 3)
+
+    def events(self, count: int) -> None:
+        for _ in range(count):
+            self.writer.write_event(1, self.wall, "x", {})
+
+    def close(self) -> None:
+        self.latest.close()
+        self.reader.close()
+        self.writer.close()
+
+
+def test_the_newest_sample_is_found_at_any_offset_and_wrap_of_the_ring(runtime_dir: Path) -> None:
+    ring = _Ring(runtime_dir, 64)
+    for used in range(20):  # 20 slots: the last 16 start at slot 4, no wrap
+        ring.sample(used)
+    found = ring.latest.read()
+    assert found is not None and (found.seq, found.kv_used) == (19, 19)
+    for used in range(20, 63):
+        ring.sample(used)
+    found = ring.latest.read()  # 63 written: the last 16 are slots 47 to 62, up to one short of the end
+    assert found is not None and (found.seq, found.kv_used) == (62, 62)
+    ring.sample(63)
+    ring.sample(64)  # 65 written: slots 49 to 63 and then slot 0
+    found = ring.latest.read()
+    assert found is not None and (found.seq, found.kv_used) == (64, 64)
+    ring.sample(65)
+    ring.events(1)  # one slot after the newest sample
+    found = ring.latest.read()
+    assert found is not None and (found.seq, found.kv_used) == (65, 65)
+    ring.close()
+
+
+def test_slots_the_writer_may_reach_are_not_read(runtime_dir: Path) -> None:
+    # 16 slots: 2 kept clear for an event's chunks being written, so of the last 16 only the newest 14 count.
+    ring = _Ring(runtime_dir, 16)
+    ring.sample(1)
+    ring.events(13)
+    found = ring.latest.read()
+    assert found is not None and found.kv_used == 1  # 14th newest: read
+    ring.sample(2)
+    ring.events(14)
+    assert ring.latest.read() is None  # 15th newest: within the writer's reach
+    ring.close()
+
+
+def test_a_read_the_writer_overtakes_takes_neither_its_slots_nor_their_stamps(runtime_dir: Path) -> None:
+    ring = _Ring(runtime_dir, 16)
+    ring.sample(1)
+    ring.wall += 2 * 10**9  # read 2 s after the write
+    ring.during_read = 13  # 13 records written meanwhile: the newest copied slot is the oldest still safe
+    found = ring.latest.read()
+    assert found is not None and found.kv_used == 1 and ring.latest.seen_at == 98.0
+    ring.sample(2)
+    ring.wall += 2 * 10**9
+    ring.during_read = 14  # one more: even the newest copied slot may be a torn copy
+    assert ring.latest.read() is None and ring.latest.seen_at == 100.0  # when the scrape saw it move
+    ring.close()
+
+
+def test_an_unmoved_or_empty_ring_and_a_closed_reader_say_nothing_new(runtime_dir: Path) -> None:
+    ring = _Ring(runtime_dir, 16)
+    ring.latest.moved()  # nothing written yet
+    assert ring.latest.seen_at is None
+    ring.sample(1)
+    ring.latest.moved()
+    assert ring.latest.seen_at == 100.0
+    ring.now = 101.0
+    ring.latest.moved()  # the count did not move: when it was written stands
+    assert ring.latest.seen_at == 100.0
+    assert ring.latest.read() is None  # moved() took this count: nothing new, and no sample read before
+    ring.close()
+    assert ring.latest.read() is None and ring.latest.seen_at == 100.0
+    ring.latest.close()  # twice: harmless, and no other descriptor of this process is closed
+    os.fstat(1)
+
+
+def test_a_reader_closed_before_it_read_knows_no_time(runtime_dir: Path) -> None:
+    ring = _Ring(runtime_dir, 16)
+    ring.sample(1)
+    ring.latest.close()
+    assert ring.latest.read() is None and ring.latest.seen_at is None
+    ring.latest.moved()
+    assert ring.latest.seen_at is None
+    ring.close()
+
+
+def test_a_ring_of_four_slots_keeps_no_margin(runtime_dir: Path) -> None:
+    ring = _Ring(runtime_dir, 4)  # an eighth of 4 slots is 0: all 4 are read
+    ring.sample(1)
+    ring.events(3)
+    found = ring.latest.read()
+    assert found is not None and found.kv_used == 1
+    ring.close()
+
+
+def test_a_reader_on_descriptor_0_reads_and_closes_it(runtime_dir: Path) -> None:
+    """A sidecar started with stdin closed gets descriptor 0 for a ring: it is a descriptor like any other."""
+    ring = _Ring(runtime_dir, 16)
+    ring.latest.close()
+    saved = os.dup(0)
+    os.close(0)
+    try:
+        ring.latest = LatestSample(ring.reader.fileno(), 16, clock=lambda: ring.now, wall=lambda: ring.wall)
+        assert _open(0)  # the reader's own copy took descriptor 0
+        ring.sample(7)
+        found = ring.latest.read()
+        assert found is not None and found.kv_used == 7 and ring.latest.seen_at == 100.0
+        ring.sample(8)
+        ring.now = 101.0
+        ring.latest.moved()
+        assert ring.latest.seen_at == 101.0
+        ring.latest.close()
+        assert not _open(0)
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+        ring.close()
+
+
+def _open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True

@@ -100,7 +100,8 @@ def test_bundle_facts_reads_the_manifest(tmp_path):
 @pytest.mark.parametrize("kind", ["file", "memory"])
 def test_ships_to_a_folder_and_to_memory_then_empties_the_spool(kind, state, tmp_path):
     fd, shown = state
-    dest = f"file://{tmp_path}/shipped" if kind == "file" else f"memory:///{tmp_path.name}"
+    # The memory store is the process's: a prefix of its own, so a second session in one process (mutmut) starts empty.
+    dest = f"file://{tmp_path}/shipped" if kind == "file" else f"memory:///{uuid.uuid4().hex}"
     box = spool.Spool(fd, shown)
     seen: list[Shipped] = []
     shipper = Shipper(dest, box, [seen.append])

@@ -8,7 +8,10 @@ these same rules are in test_incident_triggers.py and test_incident_write_ahead.
 
 from __future__ import annotations
 
+import logging
+import os
 import sqlite3
+import stat
 import time
 from pathlib import Path
 
@@ -192,3 +195,182 @@ def test_the_buckets_are_bounded_forgetting_the_fullest() -> None:
     assert not limit.allow(spent)  # the spent bucket is the one kept
     one = PerUid(per_hour=1, clock=lambda: now[0])
     assert one.allow(5) and not one.allow(5)  # one an hour is a limit too
+
+
+class Fixed:
+    """A clock that moves only by hand (ns)."""
+
+    def __init__(self) -> None:
+        self.now = time.time_ns()
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def _one_owed(db_path: Path, run_id: str, trigger: str, state: str = "owed", bundle: str | None = None) -> None:
+    _sql(db_path, "DELETE FROM incidents")
+    _sql(db_path, "INSERT INTO incidents (run_id, trigger, decided_ns, state, bundle) VALUES (?, ?, 1, ?, ?)",
+         (run_id, trigger, state, bundle))
+
+
+def test_a_build_that_fails_is_tried_again_after_1_2_4_s_up_to_30_s(db: tuple[Path, str], tmp_path: Path) -> None:
+    db_path, run_id = db
+    name = "memwatch-incident-20261204T000000.000Z-pod-a-resumed.tar.gz"
+    _one_owed(db_path, run_id, "oom", state="building", bundle=name)  # named before a restart
+    out = tmp_path / "out"
+    (out / name).mkdir(parents=True)  # in the way: the bundle cannot be published under its name
+    spent = PerUid(per_hour=1)
+    assert spent.allow(1000)  # uid 1000 has no bundle left this hour: a build begun before is still finished
+    clock = Fixed()
+    triggers = IncidentTriggers(db_path, out, limiter=spent, clock=clock, poll_s=100.0, start=False)
+    triggers(_header(run_id, uid=1000), [])
+    for tries, backoff in enumerate((1, 2, 4, 8, 16, 30, 30), start=1):
+        triggers._round()
+        assert triggers.counts == {"built": 0, "failed": tries, "dropped": 0}
+        clock.now += int((backoff - 0.25) * 1e9)
+        assert triggers._round() == pytest.approx(0.25)  # not yet due: not tried
+        assert triggers.counts["failed"] == tries
+        clock.now += int(0.25e9)
+    (out / name).rmdir()
+    assert triggers._round() == pytest.approx(100.0)  # built: nothing left to wait for but the next poll
+    assert triggers.counts == {"built": 1, "failed": 7, "dropped": 0} and triggers.built == [out / name]
+    assert _sql(db_path, "SELECT state, bundle FROM incidents") == [("built", name)]
+    assert triggers._round() == pytest.approx(100.0) and triggers.counts["built"] == 1  # once
+    triggers.close()
+
+
+def test_a_run_of_no_known_uid_shares_its_bucket_and_each_refusal_is_its_runs_event(db: tuple[Path, str],
+                                                                                     tmp_path: Path) -> None:
+    db_path, run_id = db
+    _one_owed(db_path, run_id, "oom")
+    _sql(db_path, "INSERT INTO incidents (run_id, trigger, decided_ns) VALUES (?, 'torch_drift', 2)", (run_id,))
+    _sql(db_path, "UPDATE runs SET status = 'ok'")  # the flag's bundle is its own, not merged into an ending
+    clock = Fixed()
+    clock.now += int(60e9)
+    triggers = IncidentTriggers(db_path, tmp_path / "out", limiter=PerUid(per_hour=1), clock=clock, start=False)
+    triggers.shutdown([])  # its ring never seen by this sidecar: uid unknown
+    why = "over the limit of 1 bundles an hour for uid unknown"
+    assert _sql(db_path, "SELECT trigger, state, note FROM incidents ORDER BY decided_ns") == [
+        ("oom", "built", None), ("torch_drift", "dropped", why)]  # the older decision took the one token
+    assert _sql(db_path, "SELECT run_id, rank, step, ts_ns, data FROM events WHERE kind = 'bundle_dropped'") == [
+        (run_id, None, None, clock.now, f'{{"trigger": "torch_drift", "why": "{why}"}}')]
+    assert triggers.counts == {"built": 1, "failed": 0, "dropped": 1}
+    triggers.close()
+
+
+def test_a_bundle_already_spooled_is_not_built_again_and_one_not_handed_on_is_tried_next_round(
+        db: tuple[Path, str], tmp_path: Path) -> None:
+    db_path, run_id = db
+    name = "memwatch-incident-20261204T000000.000Z-pod-a-spooled.tar.gz"
+    _one_owed(db_path, run_id, "oom", state="building", bundle=name)
+    handed: list[str] = []
+    refuse = [True]
+
+    def on_bundle(dir_fd: int, given: str) -> None:
+        if refuse[0]:
+            raise OSError("the spool is not there yet")
+        os.unlink(given, dir_fd=dir_fd)
+        handed.append(given)
+
+    spooled = IncidentTriggers(db_path, tmp_path / "a", in_spool=lambda n: n == name, on_bundle=on_bundle,
+                               start=False)
+    spooled.shutdown([])
+    assert spooled.counts["built"] == 0 and spooled.built == [] and _states(db_path) == {"oom": "built"}
+    spooled.close()
+
+    _one_owed(db_path, run_id, "oom")
+    out = tmp_path / "b"
+    triggers = IncidentTriggers(db_path, out, on_bundle=on_bundle, start=False)
+    triggers.shutdown([])
+    [built] = triggers.built
+    assert built.exists() and handed == []  # the hand-on failed: the bundle waits in the build folder
+    refuse[0] = False
+    triggers.shutdown([])
+    assert handed == [built.name] and not built.exists() and triggers.counts["built"] == 1
+    triggers.close()
+
+
+def test_a_shutdown_past_its_deadline_leaves_the_bundles_owed(db: tuple[Path, str], tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    db_path, run_id = db
+    _sql(db_path, "DELETE FROM incidents")
+    triggers = IncidentTriggers(db_path, tmp_path / "out", start=False)
+    assert triggers.shutdown([run_id], deadline=time.monotonic() - 1) == []
+    assert _states(db_path) == {"shutdown": "owed"} and triggers.oldest_owed is not None
+    assert "the grace period is spent" in caplog.text
+    assert triggers.shutdown([run_id], deadline=time.monotonic() + 60) != []  # the next start's round
+    assert _states(db_path) == {"shutdown": "built"} and triggers.oldest_owed is None
+    triggers.close()
+
+
+def test_the_log_tail_keeps_its_last_lines_each_cut_and_leaves_with_close(db: tuple[Path, str],
+                                                                          tmp_path: Path) -> None:
+    from memwatch.incident.triggers import LogTail
+
+    tail = LogTail(lines=2)
+    logger = logging.getLogger("memwatch-test-tail")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(tail)
+    try:
+        for text in ("first", "second", "x" * 5000):
+            logger.warning(text)
+        logger.debug("debug")  # below INFO: not kept
+    finally:
+        logger.removeHandler(tail)
+    lines = tail.tail().decode().splitlines()
+    assert len(lines) == 2 and lines[0].endswith("second") and len(lines[1]) == 4096
+    triggers = IncidentTriggers(tmp_path / "none.db", tmp_path / "out", start=False)
+    assert triggers.log_tail in logging.getLogger("memwatch").handlers
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o700
+    for i in range(4100):
+        triggers(_header(f"run-{i}"), [])
+    assert len(triggers._meta) == 4096  # bounded
+    triggers.close()
+    assert triggers.log_tail not in logging.getLogger("memwatch").handlers and triggers.dir_fd == -1
+
+
+def test_a_spool_drop_is_counted_and_recorded_and_a_uid_is_named_from_the_ring(
+        db: tuple[Path, str], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    db_path, run_id = db
+    name = "memwatch-incident-20261204T000000.000Z-pod-a-dropped.tar.gz"
+    _one_owed(db_path, run_id, "oom", state="built", bundle=name)
+    triggers = IncidentTriggers(db_path, tmp_path / "out", start=False)
+    before = time.time_ns()
+    triggers.bundle_dropped(name, 1234, "the spool is full")
+    assert triggers.counts == {"built": 0, "failed": 0, "dropped": 1}
+    assert _sql(db_path, "SELECT state, note FROM incidents") == [("dropped", "the spool is full")]
+    [(ts, data)] = _sql(db_path, "SELECT ts_ns, data FROM events WHERE kind = 'bundle_dropped'")
+    assert before <= ts <= time.time_ns()
+    assert data == f'{{"bundle": "{name}", "bytes": 1234, "why": "the spool is full"}}'
+    triggers.close()
+
+    _one_owed(db_path, run_id, "oom")
+    _sql(db_path, "INSERT INTO incidents (run_id, trigger, decided_ns) VALUES (?, 'shutdown', 2)", (run_id,))
+    limited = IncidentTriggers(db_path, tmp_path / "out2", limiter=PerUid(per_hour=1), start=False)
+    limited(_header(run_id, uid=4242), [])
+    limited.shutdown([])
+    why = "over the limit of 1 bundles an hour for uid 4242"
+    assert _sql(db_path, "SELECT trigger, state, note FROM incidents ORDER BY decided_ns") == [
+        ("oom", "built", None), ("shutdown", "dropped", why)]
+    assert f"run {run_id}: the shutdown incident bundle is dropped: {why}" in caplog.text
+    assert limited.counts == {"built": 1, "failed": 0, "dropped": 1}
+    limited.close()
+
+
+def test_only_a_critical_flag_wakes_the_builder(db: tuple[Path, str], tmp_path: Path) -> None:
+    from memwatch.flags import Flag
+
+    db_path, run_id = db
+    _sql(db_path, "DELETE FROM incidents")
+    triggers = IncidentTriggers(db_path, tmp_path / "out", poll_s=60.0)  # its own thread, looking once a minute
+    time.sleep(0.5)  # its first round: nothing owed
+    _one_owed(db_path, run_id, "oom")  # the run's ending, decided with its commit
+    triggers.on_flag(Flag(run_id, 0, 1, 1, "fragmentation", "warning", "words", {}))
+    time.sleep(1.0)
+    assert triggers.built == []  # a warning wakes nobody
+    triggers.on_flag(Flag(run_id, 0, 1, 1, "oom", "critical", "words", {}))
+    deadline = time.monotonic() + 30
+    while not triggers.built and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(triggers.built) == 1
+    triggers.close()

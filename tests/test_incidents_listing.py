@@ -15,6 +15,7 @@ import re
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ from bundle_forge import pack, real_members, reseal, run_memwatch
 from click.testing import CliRunner
 
 from memwatch.cli import main
+from memwatch.errors import NotFoundError, UsageError
 from memwatch.incident import manifest as m
+from memwatch.incident.listing import Listed, list_bundles, list_names
 
 from ship_s3 import S3Server, free_port
 
@@ -129,10 +132,21 @@ def test_listing_over_s3_reads_only_each_manifest(members: dict[str, bytes], tmp
         server.stop()
 
 
-def test_every_bad_entry_in_a_folder_is_one_refused_line(members: dict[str, bytes], tmp_path: Path) -> None:
+NAME = "memwatch-incident-2030010{}T000000.000Z-{}-x.tar.gz"
+REFUSED = {"folder": "a folder, not a bundle file; not read",
+           "fifo": "a FIFO, not a bundle file; not read",
+           "link": "a symbolic link, not a bundle; not followed",
+           "damaged": "not a readable tar.gz",
+           "notjson": "the bundle's manifest.json is not JSON",
+           "bomb": "the bundle's manifest declares events.jsonl at 1,900,000,000 bytes",
+           "first": "starts with 'run.db', not manifest.json"}
+
+
+def _bad_folder(members: dict[str, bytes], tmp_path: Path) -> Path:
+    """Two good bundles (one with a manifest large enough for a second read) among seven bad entries."""
     folder = tmp_path / "incidents"
     folder.mkdir()
-    name = "memwatch-incident-2030010{}T000000.000Z-{}-x.tar.gz"
+    name = NAME
     (folder / name.format(1, "good")).write_bytes(pack(members))
     raw = json.loads(members[m.MANIFEST])
     raw["padding"] = os.urandom(100_000).hex()  # 200 KB that compresses to ~100 KB: a second read
@@ -146,20 +160,18 @@ def test_every_bad_entry_in_a_folder_is_one_refused_line(members: dict[str, byte
     declared = {**raw, "files": {**raw["files"], m.EVENTS: {"sha256": "0" * 64, "bytes": 1_900_000_000}}}
     (folder / name.format(8, "bomb")).write_bytes(_manifest_only(json.dumps(declared).encode()))
     (folder / name.format(9, "first")).write_bytes(pack({m.DATABASE: members[m.DATABASE]}))
+    return folder
+
+
+def test_every_bad_entry_in_a_folder_is_one_refused_line(members: dict[str, bytes], tmp_path: Path) -> None:
+    folder = _bad_folder(members, tmp_path)
     code, out, seconds, rss_mib = run_memwatch("incidents", str(folder), timeout=30)
     lines = out.strip().splitlines()
     assert code == 6 and len(lines) == 11, out  # the header, nine entries, the error
     rows = {line.split()[-1].split("-")[3]: line for line in lines[1:-1]}
     assert "REFUSED" not in rows["good"] + rows["big"]
-    expected = {"folder": "REFUSED: a folder, not a bundle file; not read",
-                "fifo": "REFUSED: a FIFO, not a bundle file; not read",
-                "link": "REFUSED: a symbolic link, not a bundle; not followed",
-                "damaged": "REFUSED: not a readable tar.gz",
-                "notjson": "REFUSED: the bundle's manifest.json is not JSON",
-                "bomb": "REFUSED: the bundle's manifest declares events.jsonl at 1,900,000,000 bytes",
-                "first": "REFUSED: starts with 'run.db', not manifest.json"}
-    for key, said in expected.items():
-        assert said in rows[key], (key, rows[key])
+    for key, said in REFUSED.items():
+        assert f"REFUSED: {said}" in rows[key], (key, rows[key])
     assert lines[-1] == (f"error: 7 of 9 entries under {folder} were refused (not a bundle, or its manifest failed "
                          "its checks)")
     assert seconds < 20 and rss_mib < 128, (seconds, rss_mib)
@@ -184,3 +196,82 @@ def test_the_manifest_read_is_bounded_whatever_the_file(members: dict[str, bytes
     asked.clear()
     assert read_manifest(read).run_id == raw["run_id"]
     assert len(asked) == 2 and sum(length for _, length in asked) == MAX_READ_BYTES
+
+
+def _key(listed: Listed) -> str:
+    return Path(listed.uri).name.split("-")[3]
+
+
+def test_in_process_each_bad_entry_costs_only_itself_and_the_good_come_first(members: dict[str, bytes],
+                                                                              tmp_path: Path) -> None:
+    folder = _bad_folder(members, tmp_path)
+    listed = list_bundles(str(folder))
+    assert [_key(item) for item in listed] == ["good", "big", "folder", "fifo", "link", "damaged", "notjson",
+                                               "bomb", "first"]  # same creation: by name; the refused last
+    for item in listed[2:]:
+        assert item.manifest is None and REFUSED[_key(item)] in (item.error or ""), (_key(item), item.error)
+    raw = json.loads(members[m.MANIFEST])
+    good = listed[0].to_dict()
+    assert good == {"uri": f"{folder}/{NAME.format(1, 'good')}", "refused": False, "error": None,
+                    "created_ns": raw["created_ns"], "run_id": raw["run_id"],
+                    "pod": raw.get("k8s_pod") or raw["hostname"], "model": raw["model"], "verdict": raw["verdict"],
+                    "trigger": raw["trigger"]}
+    refused = listed[-1].to_dict()
+    assert refused["refused"] is True and refused["error"] == listed[-1].error
+    assert all(refused[key] is None for key in ("created_ns", "run_id", "pod", "model", "verdict", "trigger"))
+
+
+def test_the_newest_by_name_are_listed_up_to_the_limit(members: dict[str, bytes], tmp_path: Path) -> None:
+    folder = _bad_folder(members, tmp_path)
+    assert [_key(item) for item in list_bundles(str(folder), limit=3)] == ["notjson", "bomb", "first"]
+    assert [_key(item) for item in list_bundles(f"file://{folder}/", limit=2)] == ["bomb", "first"]
+
+
+def test_bundles_are_named_files_under_the_folder_and_nothing_else(members: dict[str, bytes], tmp_path: Path) -> None:
+    folder = tmp_path / "a b"
+    folder.mkdir()
+    for name in ("memwatch-incident-1.tar.gz", "memwatch-incident-2.tar.gz", "memwatch-incident-3.tar",
+                 "other.tar.gz", "x-memwatch-incident-4.tar.gz"):
+        (folder / name).write_bytes(b"")
+    expected = ["memwatch-incident-1.tar.gz", "memwatch-incident-2.tar.gz"]
+    assert list_names(str(folder)) == [f"{folder}/{name}" for name in expected]
+    assert list_names(f"{folder}//") == [f"{folder}/{name}" for name in expected]
+    url = "FILE://" + str(folder).replace(" ", "%20")
+    assert list_names(url) == [f"{url}/{name}" for name in expected]
+    with pytest.raises(NotFoundError, match=f"no folder {tmp_path}/missing; pass the folder or URL"):
+        list_names(str(tmp_path / "missing"))
+    with pytest.raises(UsageError, match="is not a folder; pass the folder bundles are written to"):
+        list_names(str(folder / "other.tar.gz"))
+
+
+def test_object_store_names_are_filtered_like_a_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = S3Server(free_port()).start()
+    try:
+        bucket = f"names-{uuid.uuid4().hex[:12]}"
+        server.client().create_bucket(Bucket=bucket)
+        for key in ("p/memwatch-incident-1.tar.gz", "p/memwatch-incident-2.json", "p/other.tar.gz"):
+            server.client().put_object(Bucket=bucket, Key=key, Body=b"")
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        assert list_names(f"s3://{bucket}/p/") == [f"s3://{bucket}/p/memwatch-incident-1.tar.gz"]
+        [item] = list_bundles(f"s3://{bucket}/p/")
+        assert item.manifest is None and "not a readable tar.gz" in (item.error or "")  # an empty object: S3's 416
+    finally:
+        server.stop()
+
+
+def test_a_manifest_member_over_its_bound_or_cut_short_is_refused(members: dict[str, bytes]) -> None:
+    from memwatch.incident.listing import read_manifest
+
+    def reader(data: bytes) -> Callable[[int, int], bytes]:
+        return lambda start, length: data[start:start + length]
+
+    with pytest.raises(m.BundleError, match="an empty tar; not a memwatch bundle"):
+        read_manifest(reader(pack({})))
+    huge = b"{" + b" " * m.MAX_MANIFEST_BYTES + b"}"
+    with pytest.raises(m.BundleError, match=f"its manifest.json is {len(huge):,} bytes, over its limit"):
+        read_manifest(reader(pack({m.MANIFEST: huge})))
+    cut = pack({m.MANIFEST: base64.b64encode(os.urandom(90_000))})
+    with pytest.raises(m.BundleError, match=r"not a readable tar\.gz \(unexpected end of data\); it is damaged"):
+        read_manifest(reader(cut[:len(cut) // 2]))
+    assert read_manifest(reader(pack(members))).run_id == json.loads(members[m.MANIFEST])["run_id"]

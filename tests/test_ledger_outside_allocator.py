@@ -14,8 +14,8 @@ from memwatch.records import Event, Sample
 from memwatch.report import check_records, render_check
 from memwatch.report.facts import rank_facts
 from memwatch.report.run_data import Points, RankData
-from memwatch.report.run_facts import non_torch_at_sizing, non_torch_from
 from memwatch.report.series import Series
+from memwatch.store.run_figures import non_torch_at_sizing, non_torch_from
 
 MiB = 1 << 20
 GiB = 1 << 30

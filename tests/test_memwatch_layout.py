@@ -16,14 +16,14 @@ PKG = ROOT / "memwatch"
 
 # The modules kept at the top of memwatch/, each read by several parts (or an entry point).
 TOP = {
-    "__init__", "__main__", "errors", "flags", "identity", "ledger", "losses", "nvml", "records", "ring_records",
-    "sglang_rule", "terminal", "units", "log_lines",
+    "__init__", "__main__", "errors", "flags", "identity", "kv_sizing", "ledger", "losses", "nvml", "records",
+    "ring_records", "sglang_rule", "terminal", "units", "log_lines",
 }
 # The sidecar's own modules (memwatch serve: its loop, its rings' state, liveness, checks).
 SIDECAR = {
     "daemon", "collector", "live", "ring_state", "pacing", "stop_flag", "liveness", "rejected_rings", "health",
     "record_checks", "run_rows", "refused_names", "ring_finder", "sidecar_files", "log_limit",
-    "shipping", "discovery", "dir_watch", "writer_cgroup", "refused_cleanup",
+    "shipping", "discovery", "dir_watch", "writer_cgroup", "refused_cleanup", "drain_batch", "claim",
 }
 
 
@@ -91,3 +91,39 @@ def test_no_module_at_the_top_belongs_to_one_part():
 def test_the_sidecar_package_loads_nothing_by_itself():
     # attach and the snapshot importer each take one module of it; importing the package must not load the rest.
     assert _imported(PKG / "sidecar" / "__init__.py") == set()
+
+
+# The parts that print or act on a stored run; the store they read from imports none of them.
+ABOVE_THE_STORE = ("report", "replay", "cli", "incident", "export", "plan", "sim", "sidecar", "attach", "snapshot")
+# The readers that read a stored run through its one model (memwatch/store/run_model.py), never assembling their own.
+READ_MODEL_READERS = (
+    "report/check.py", "report/explain.py", "report/numbers.py", "report/run_data.py", "report/graphs.py",
+    "report/stored.py", "report/diff.py", "replay/compare.py", "replay/outcome.py", "cli/check.py", "cli/explain.py",
+    "cli/plan.py", "plan/runs.py", "cli/timeline.py", "cli/runs.py", "incident/bundle.py",
+)
+# Readers that take the run from one of those (diff's command prints what report/diff.py read).
+THROUGH_A_READER = ("cli/diff.py", "cli/report.py", "report/output.py", "report/page.py", "report/facts.py")
+OWN_READS = {"memwatch.store.queries.get_run", "memwatch.store.queries.events", "memwatch.store.queries.list_runs",
+             "memwatch.store.queries.samples", "memwatch.store.queries.run_ranks", "memwatch.store.summaries",
+             "memwatch.store.window.window_rows", "memwatch.store.window.window_samples",
+             "memwatch.store.window.time_span", "memwatch.store.queries.last_ts_ns"}
+"""What reading a run's rows, events, summaries, flags or samples took before the model held them."""
+
+
+def test_a_stored_run_is_read_downhill():
+    # store/ reads the database and hands the run up; the detectors it replays through read nothing of the store.
+    for path in (PKG / "store").glob("*.py"):
+        climbs = {name for name in _imported(path) if _part(name).removeprefix("memwatch.") in ABOVE_THE_STORE}
+        assert not climbs, f"{path.name} imports {sorted(climbs)}: the store must not read what prints it"
+    for path in (PKG / "detectors").glob("*.py"):
+        assert not {name for name in _imported(path) if _part(name) == "memwatch.store"}, path.name
+
+
+def test_every_reader_reads_the_one_model_of_a_run():
+    for reader in (*READ_MODEL_READERS, *THROUGH_A_READER):
+        imported = _imported(PKG / reader)
+        if reader in READ_MODEL_READERS:
+            assert "memwatch.store.run_model" in imported, f"{reader} does not read memwatch.store.run_model"
+        # the run's rows, events, summaries, flags and samples come from the model, not from the reader's queries
+        assert not imported & OWN_READS, f"{reader} reads {sorted(imported & OWN_READS)} itself"
+    assert not (PKG / "report" / "run_facts.py").exists()  # the shared quantities live in store/run_figures.py

@@ -16,7 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from memwatch.cli import main
-from tests.stored_runs import store_scenario
+
+from stored_runs import store_scenario
 
 CONFIGS = Path(__file__).resolve().parent.parent / "memwatch" / "models" / "configs"
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from memwatch.identity import place_from_meta
-from memwatch.log_lines import OneLineFormatter
+from memwatch.log_lines import OneLineFormatter, configure
 from memwatch_engine.identity import valid_name
 from memwatch_engine.ring import RUN_ID_PATTERN, RingWriter
 
@@ -51,6 +52,27 @@ def test_the_formatter_writes_a_quoted_newline_as_an_escape_and_indents_a_traceb
     lines = OneLineFormatter("%(levelname)s %(message)s").format(failed).split("\n")
     assert lines[0] == "ERROR failed"
     assert all(line.startswith("    ") for line in lines[1:]) and lines[-1] == f"    {FORGED}"
+    traceback = logging.Formatter().formatException(failed.exc_info).split("\n")  # type: ignore[arg-type]
+    assert lines[1:] == [f"    {line}" for line in traceback]  # each line whole, indented, nothing between
+
+
+def test_every_command_logs_one_timestamped_line_per_record_to_stderr_at_its_level() -> None:
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    root.handlers[:] = []  # as in a fresh process: basicConfig does nothing where the root has a handler
+    try:
+        configure(logging.INFO)
+        handlers = root.handlers[:]
+        said = root.level
+    finally:
+        root.handlers[:] = saved
+        root.setLevel(level)
+    assert said == logging.INFO and len(handlers) == 1 and type(handlers[0]) is logging.StreamHandler
+    assert handlers[0].stream is sys.stderr
+    record = logging.LogRecord("memwatch.serve", logging.INFO, __file__, 1, "run %s stored", (f"r1\n{FORGED}",),
+                               None)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} memwatch\.serve INFO run r1\\x0a" + re.escape(FORGED)
+                        + " stored", handlers[0].format(record)), handlers[0].format(record)
 
 
 def test_the_log_tail_a_bundle_carries_is_one_line_per_record() -> None:

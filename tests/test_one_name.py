@@ -9,7 +9,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from memwatch.cli import main
-from tests.stored_runs import store_scenario
+
+from stored_runs import store_scenario
 
 
 def test_plan_that_does_not_fit_names_the_budget_its_table_ends_with() -> None:

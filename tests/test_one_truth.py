@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from test_crash_with_memory_free import SCENARIO as CRASH_WITH_MEMORY_FREE
 
 from memwatch.cli import main
-from memwatch.report.run_facts import RANK_KEYS, SHARED_KEYS, worst_rank
 from memwatch.sim.scenario import shipped_scenarios
-from tests.stored_runs import store_scenario
-from tests.test_crash_with_memory_free import SCENARIO as CRASH_WITH_MEMORY_FREE
+from memwatch.store.run_figures import RANK_KEYS, SHARED_KEYS, worst_rank
+
+from stored_runs import store_scenario
 
 SCENARIOS = ("demo", "warmup_decode", "non_torch_leak", "torch_leak", "fragmentation", "other_process_oom")
 """Those whose numbers are checked by hand below."""
@@ -208,3 +209,29 @@ def test_replay_original_side_agrees(stored: Any) -> None:
     replay = data["replay"]
     if replay["oom"]:
         assert replay["tightest_oom_margin_bytes"] <= 0 and replay["oom_margin_bytes"] <= 0
+
+
+@pytest.mark.parametrize("name", [*shipped_scenarios(), CRASH_FILE])
+def test_the_bundles_ledger_gives_the_numbers_check_gives(stored: Any, name: str, tmp_path: Path) -> None:
+    """An incident bundle's ``ledger.json`` holds the run's shared quantities (``run``), each rank's (``ranks``) and
+    the check (``check``): the same values ``check --json`` prints, worst rank included."""
+    from memwatch.incident import manifest as m
+    from memwatch.incident.bundle import build_bundle
+    from memwatch.incident.open import load
+    from memwatch.store import open_store
+
+    db, run_id = stored[name]
+    reader = open_store(db, readonly=True)
+    try:
+        bundle = build_bundle(reader, run_id, "manual", tmp_path)
+    finally:
+        reader.conn.close()
+    _manifest, members = load(bundle.read_bytes())
+    ledger = json.loads(members[m.LEDGER])
+    check = _json(db, "check", run_id)
+    assert _shared(ledger["run"]) == _shared(check) and set(_shared(check)) == set(SHARED_KEYS)
+    assert ledger["run"]["worst_rank"] == check["worst_rank"]
+    assert [_shared(rank, ("rank", *RANK_KEYS)) for rank in ledger["ranks"]] == [
+        _shared(rank, ("rank", *RANK_KEYS)) for rank in check["ranks"]]
+    assert ledger["check"] == json.loads(json.dumps({key: check[key] for key in ledger["check"]}))
+    assert json.loads(members[m.EXPLAIN])["outcome"] == _json(db, "explain", run_id)["outcome"]

@@ -7,69 +7,30 @@ vllm/vllm-openai's ENTRYPOINT with a simulated engine writing rings through the 
 
 from __future__ import annotations
 
-import copy
 import re
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from podman.fixtures import Setup, as_uid, engine_spec, manifest, query, set_env, setup, write_timings
+from podman.fixtures import Setup, query
+from podman.node import Node
 from podman.pods import Played, http_get, wait_for
 from podman.runtime import timings
-from podman.transforms import Doc, playable
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))  # the flood, shared with the benches
+from flooded_dir import HealthProbe, flood, refused, toggler
+from flooded_dir import stop as stop_process
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = 2000
 HEALTH, METRICS = 8081, 9400
-
-
-@pytest.fixture(scope="module")
-def built() -> Iterator[Setup]:
-    made = setup()
-    if isinstance(made, str):
-        pytest.skip(made)
-    yield made
-    write_timings()
-
-
-class Node:
-    """A temporary node directory with the agent's pod up, and the engine pods played on it."""
-
-    def __init__(self, built: Setup, root: Path) -> None:
-        self.built, self.root = built, root
-        self.plays: list[Played] = []
-        docs, self.ports = playable(manifest("daemonset", "memwatch-agent.yaml"), built.by_role, root)
-        self.agent = self.play(docs, "agent")
-        self.rings = root / "var/run/memwatch/rings"
-        self.db = root / "var/lib/memwatch/memwatch.db"
-
-    def play(self, docs: list[Doc], name: str) -> Played:
-        played = Played(self.built.podman, docs, self.root, name)
-        self.plays.append(played)
-        return played
-
-    def engines(self, uids: dict[int, str], **env: str) -> Played:
-        """Engine pods of the manifest's vllm-pod.yaml, one per uid, as one play."""
-        wait_for(self.rings.is_dir, 30, "the agent's rings directory")
-        base = manifest("daemonset", "vllm-pod.yaml")
-        docs: list[Doc] = []
-        for uid, name in uids.items():
-            for doc in copy.deepcopy(base):
-                if doc.get("kind") == "Pod":
-                    doc = as_uid(doc, uid, name)
-                    set_env(engine_spec(doc), **env)
-                docs.append(doc)
-        played, _ = playable(docs, self.built.by_role, self.root)
-        return self.play(played, f"engines-{'-'.join(map(str, uids))}")
-
-    def close(self) -> None:
-        for played in reversed(self.plays):
-            try:
-                played.down()
-            except Exception:  # one pod's failure to stop must not leave the others running
-                pass
+FLOOD_NAMES = 200_000
+NEIGHBOUR = 50001  # a member of the rings directory's group that no --trust-uid names
+STORED_WITHIN_S = 3.0
 
 
 @pytest.fixture
@@ -159,3 +120,75 @@ def test_an_engine_that_returns_from_main_is_stored_as_a_clean_exit(node: Node) 
     first = wait_for(lambda: (r := query(node.db, "SELECT status FROM runs ORDER BY started_ns LIMIT 1"))
                      and r[0][0] != "running" and r[0][0], 30, "the first run to end")
     assert first == "ok"
+
+
+class Liveness(threading.Thread):
+    """The manifest's livenessProbe run by podman every ``every`` seconds (podman's own timers need systemd):
+    each run's exit status, 0 for healthy."""
+
+    def __init__(self, played: Played, container: str, every: float = 3.0) -> None:
+        super().__init__(name="liveness", daemon=True)
+        self.played, self.container, self.every = played, container, every
+        self.results: list[int] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.every):
+            self.results.append(self.played.healthcheck(self.container))
+
+    def stop(self) -> list[int]:
+        self.done.set()
+        self.join(timeout=90)
+        return self.results
+
+
+def _samples(db: Path, run_id: str) -> int:
+    rows = query(db, "SELECT count(*) FROM samples WHERE run_id = ? AND step_kind = 'decode'", (run_id,))
+    return int(rows[0][0]) if rows else 0
+
+
+@pytest.mark.skipif(refused() is not None, reason=str(refused()))
+def test_the_agent_under_a_names_flood_stays_live_and_stores_a_trusted_ring_within_seconds(node: Node) -> None:
+    """A neighbour in the rings directory's group floods it (from the node, as another pod mounting it would)
+    with 200,000 empty ``*.ring`` names while the agent runs, then toggles one more every 0.5 s; two trusted
+    engine pods started then, one after the other, have their rings' first samples stored within 3 s of the ring
+    appearing, /healthz answers 200 within 1 s every 0.2 s throughout, the liveness probe never fails and the
+    agent never restarts."""
+    agent = node.agent.one("memwatch")
+    wait_for(lambda: http_get(node.ports[HEALTH], "/healthz")[0] == 200, 30, "the agent's /healthz")
+    node.root.chmod(0o711)  # the node's own directories are passable by every uid, the rings directory is not
+    group = node.rings.stat().st_gid
+    probe, liveness = HealthProbe(node.ports[HEALTH]), Liveness(node.agent, agent)
+    probe.start()
+    liveness.start()
+    toggling, stored = None, list[float]()
+    try:
+        began = time.monotonic()
+        flood(node.rings, FLOOD_NAMES, uid=NEIGHBOUR, group=group, timeout=150)
+        timings["flood of names made"] = round(time.monotonic() - began, 1)
+        toggling = toggler(node.rings, uid=NEIGHBOUR, group=group)
+        for uid in (1000, 65534):  # one after another: each arrives at its own point of any listing's pace
+            run = f"flooded{uid}"
+            ring = node.rings / f"{run}-r0.ring"
+            node.engines({uid: f"engine-{run}"}, STANDIN_STEPS="300", STANDIN_WAIT="1", MEMWATCH_RUN_ID=run)
+            wait_for(ring.exists, 60, f"the trusted engine's ring {ring.name}", pause=0.02)
+            appeared = time.monotonic()
+            wait_for(lambda run=run: _samples(node.db, run) > 0, 60, f"{run}'s samples", pause=0.05)
+            stored.append(round(time.monotonic() - appeared, 2))
+            wait_for(lambda run=run: _samples(node.db, run) == 300, 30, f"all 300 of {run}'s samples", pause=0.2)
+        timings["trusted rings stored after they appeared, under the flood"] = max(stored)
+        time.sleep(5)  # the agent keeps turning while the toggling goes on
+    finally:
+        answers, checks = probe.stop(), liveness.stop()
+        if toggling is not None:
+            stop_process(toggling)
+    logs = node.agent.logs(agent)
+    status, code, restarts = node.agent.state(agent)
+    late = [a for a in answers if a != "200"]
+    print(f"{FLOOD_NAMES:,} names + toggling: rings stored {stored} s after they appeared; /healthz not 200 on "
+          f"{len(late)} of {len(answers)} ({late[:3]}); liveness {checks}; restarts {restarts}")
+    assert (status, restarts) == ("running", 0), (code, logs[-3000:])
+    assert stored and max(stored) < STORED_WITHIN_S, (stored, logs[-3000:])
+    assert len(answers) >= 50 and not late, late[:5]
+    assert len(checks) >= 5 and set(checks) == {0}, checks
+    assert len(logs) < 64 * 1024, len(logs)  # 200,000 refused names are not 200,000 log lines

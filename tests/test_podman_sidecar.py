@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from podman.fixtures import Setup, engine_spec, manifest, set_env, setup, write_timings
+from podman.fixtures import Setup, engine_spec, manifest, set_env
 from podman.pods import Played, http_get, wait_for
 from podman.transforms import containers, playable, role
 
@@ -21,15 +21,6 @@ HEALTH = 8081
 DB = "/var/lib/memwatch/memwatch.db"
 LOCK = ("import sqlite3, sys, time; c = sqlite3.connect(sys.argv[1], timeout=1, isolation_level=None); "
         "c.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); time.sleep(float(sys.argv[2]))")
-
-
-@pytest.fixture(scope="module")
-def built() -> Iterator[Setup]:
-    made = setup()
-    if isinstance(made, str):
-        pytest.skip(made)
-    yield made
-    write_timings()
 
 
 @pytest.fixture

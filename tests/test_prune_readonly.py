@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.stored_runs import store_scenario
+from stored_runs import store_scenario
 
 
 def _digest(folder: Path) -> dict[str, str]:

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from memwatch.cli import main
 from memwatch.store import open_store
-from tests.stored_runs import store_scenario
+
+from stored_runs import store_scenario
 
 
 def _json(db: Path, *args: str) -> Any:
@@ -55,7 +56,7 @@ def test_the_top_level_is_the_rank_that_ran_out(tmp_path: Path, name: str, oom_r
 
 
 def test_worst_rank_rule() -> None:
-    from memwatch.report.run_facts import worst_rank
+    from memwatch.store.run_figures import worst_rank
 
     # the first to run out wins over a lower margin elsewhere; ties go to the lower rank
     assert worst_rank([(0, None, -5), (1, 200, 0), (2, 100, 0)]) == 2

@@ -8,8 +8,9 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from memwatch.cli import main
-from memwatch.report.run_facts import SHARED_KEYS
-from tests.stored_runs import store_scenario
+from memwatch.store.run_figures import SHARED_KEYS
+
+from stored_runs import store_scenario
 
 QWEN3_06B_WEIGHTS = 2 * 596_049_920
 """Qwen3-0.6B's parameters in bf16, unsharded."""
@@ -66,7 +67,7 @@ def test_a_rank_without_shared_quantities_has_no_margin() -> None:
     rank's."""
     from memwatch.report.facts import RankFacts
     from memwatch.report.numbers import rank_numbers
-    from memwatch.report.run_facts import RankTruth, RunTruth
+    from memwatch.store.run_figures import RankTruth, RunTruth
 
     facts = RankFacts(rank=1, status="ok", samples=3, last_step=2, weights_bytes=None, torch_other_bytes=None,
                       activation_reserve_bytes=None, non_pytorch_bytes=None, num_blocks=None, block_bytes=None,
@@ -76,3 +77,27 @@ def test_a_rank_without_shared_quantities_has_no_margin() -> None:
     row = rank_numbers(facts, truth)
     assert row["oom_margin_bytes"] is None and row["flag_counts"] == {} and "flags" not in row
     assert rank_numbers(RankFacts(**{**facts.to_dict(), "rank": 0}), truth)["oom_margin_bytes"] == 5
+
+
+def test_the_html_report_of_a_cpu_run_says_once_why_its_rows_are_empty(tmp_path: Path) -> None:
+    """A run whose ranks record the CPU device (as vLLM's CPU build's do, with the CPU probe's note): the page says
+    once which terms a CPU leaves unmeasured; a GPU run's page says nothing of the kind."""
+    import sqlite3
+
+    from memwatch_engine.probes.cpu import CPU_DEVICE
+
+    db, run_id = _stored(tmp_path, "demo")
+    gpu_page = tmp_path / "gpu.html"
+    assert CliRunner().invoke(main, ["--db", str(db), "report", run_id, "-o", str(gpu_page)]).exit_code == 0
+    assert "id='device'" not in gpu_page.read_text()
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE ranks SET gpu_name = 'CPU', probe_unavailable = ? WHERE run_id = ?", (CPU_DEVICE, run_id))
+    conn.commit()
+    conn.close()
+    page = tmp_path / "cpu.html"
+    result = CliRunner().invoke(main, ["--db", str(db), "report", run_id, "-o", str(page)])
+    assert result.exit_code == 0, result.output
+    text = page.read_text()
+    assert text.count("<p id='device'>This run's device is a CPU: it has no allocator reserve, driver used and free"
+                      ) == 1
+    assert "are the engine&#x27;s own. The table's empty rows are why, not unknowns.</p>" in text

@@ -6,7 +6,7 @@ from memwatch.detectors.summary import RankSummary
 from memwatch.flags import Flag
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Event
-from memwatch.report.run_facts import end_margin, ran_dry, truth_from, worst_rank
+from memwatch.store.run_figures import end_margin, ran_dry, truth_from, worst_rank
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -90,7 +90,7 @@ def test_truth_from_an_out_of_memory_on_one_rank() -> None:
 
 def test_what_a_rank_did_not_record() -> None:
     """A rank with samples but no sizing, one with only an out-of-memory, a weights event without a number."""
-    from memwatch.report.run_facts import non_torch_from
+    from memwatch.store.run_figures import non_torch_from
 
     assert non_torch_from(2 * GIB, None, 1 * GIB) == 1 * GIB  # no reserved at sizing: used − current
     assert non_torch_from(2 * GIB, 1536 * MIB, 1 * GIB) == 512 * MIB

@@ -9,9 +9,10 @@ import pytest
 
 from memwatch.detectors import DetectorConfig
 from memwatch.report import check_records, check_run, explain_records, explain_run
-from memwatch.report.stored import stored_records, stored_run
+from memwatch.report.stored import stored_records
 from memwatch.store import open_store
 from memwatch.store.retention import Retention, apply_retention
+from memwatch.store.run_model import load_run as stored_run
 
 from stored_runs import store_scenario
 

@@ -12,60 +12,20 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
 from http_flood import probe
+from unread_flood import SLOW_LISTENER, UNREAD
 
 from memwatch.export.http_serving import HttpListener, Reply
 
 CONNECTIONS = 2000
-UNREAD = textwrap.dedent("""
-    import selectors, socket, sys, time
-    port, count, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    selector = selectors.DefaultSelector()
-    opened = 0
-    def open_one():
-        global opened
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.sendall(b"GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")  # complete; the answer is never read
-        selector.register(sock, selectors.EVENT_READ)
-        opened += 1
-    for _ in range(count):
-        open_one()
-    print("ready", flush=True)
-    stop = time.monotonic() + seconds
-    while time.monotonic() < stop:
-        for key, _ in selector.select(timeout=0.1):  # answered (or cut): closed unread, and another sent
-            selector.unregister(key.fileobj)
-            key.fileobj.close()
-            open_one()
-    print(opened, flush=True)
-""")
-
-
-SERVE = textwrap.dedent("""
-    import sys, time
-    from memwatch.export.http_serving import HttpListener, Reply
-    BODY = b"# a scrape\\n" * (64 * 1024 // 11)
-    renders = [0]
-    def render(path):
-        renders[0] += 1
-        time.sleep(0.01)
-        return Reply(200, BODY)
-    served = HttpListener("127.0.0.1", 0, render, name="memwatch-test-http", option="--test", offload=("/metrics",))
-    served.start()
-    print(served.port, flush=True)
-    sys.stdin.read()
-    print(renders[0], served.refused, flush=True)
-""")
-"""A listener in a process of its own, as in the sidecar (the scrapes come from another): a render costs 10 ms
-and 64 KiB, as a sidecar storing a few ranks does."""
 
 
 def test_scrapes_are_answered_beside_2000_requests_whose_answers_are_never_read() -> None:
-    server = subprocess.Popen([sys.executable, "-c", SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, "-c", SLOW_LISTENER, "memwatch-test-http"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
     assert server.stdin is not None and server.stdout is not None
     port = int(server.stdout.readline())
     flood = subprocess.Popen([sys.executable, "-c", UNREAD, str(port), str(CONNECTIONS), "8"],

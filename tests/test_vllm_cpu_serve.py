@@ -134,6 +134,10 @@ def test_steps_preemptions_and_headroom_match_vllms_metrics(served: Served) -> N
     assert mine["memwatch_kv_free_tokens"] == USABLE * BLOCK_SIZE
     # vLLM preempts only when a step finds no free block: some step held all 16.
     assert max(n for n, _ in steps) == USABLE
+    # All 16 in use (≥ 0.95) with a preemption within 100 steps: kv_pressure on the scheduler's rank, where vLLM
+    # counts the blocks and preempts (the worker's rank sized the cache and sees neither).
+    pressure = query(served.db, "SELECT DISTINCT rank FROM flags WHERE kind = 'kv_pressure'")
+    assert [tuple(row) for row in pressure] == [(1,)]
 
 
 def test_vllm_and_memwatch_agree_while_vllm_holds_its_requests_paused(served: Served) -> None:
@@ -265,3 +269,9 @@ def test_check_and_explain_say_the_device_is_a_cpu_instead_of_unknowns(served: S
         assert "the device is a CPU" in text and "unknown" not in text, text
         if command == "check":  # the worker's sizing, vLLM's 17 blocks, heads its rank
             assert "rank 0: " in text and f", {BLOCKS} KV blocks" in text, text
+    page = served.db.parent / "cpu-report.html"
+    made = subprocess.run([sys.executable, "-m", "memwatch", "--db", str(served.db), "report", run_id, "--output",
+                           str(page)], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    said = page.read_text()
+    assert said.count("This run's device is a CPU: it has no allocator reserve") == 1, said[:2000]

@@ -7,9 +7,10 @@ from pathlib import Path
 import click
 
 from ..detectors import DetectorConfig
-from ..report import check_run, render_check
+from ..report import render_check
+from ..report.check import check_stored
 from ..store import open_store
-from ..store.queries import get_run
+from ..store.run_model import load_run
 from .options import db_option, json_option, run_argument, thresholds_option
 from .output import echo_report
 
@@ -27,8 +28,8 @@ def command(run: str, db_path: Path | None, as_json: bool, detector_config: Dete
     worse, 1 otherwise.
     """
     db = open_store(db_path, readonly=True)
-    report = check_run(db, run, detector_config)
-    info = get_run(db, run)
+    model = load_run(db, run, detector_config)
+    report, info = check_stored(model), model.run
     echo_report(db, info.run_id, info.started_ns, report.to_dict(), render_check(report), as_json)
     if report.failed:
         raise SystemExit(1)

@@ -8,7 +8,6 @@ from pathlib import Path
 import click
 
 from ..report.diff import diff_runs, render_diff
-from ..report.run_facts import run_truth
 from ..store import open_store
 from .options import RUN_REF, db_option, json_option
 
@@ -32,7 +31,4 @@ def command(run_a: str, run_b: str, db_path: Path | None, as_json: bool) -> None
     if not as_json:
         click.echo(render_diff(diff))
         return
-    data = diff.to_dict()
-    for side, info in (("a", diff.a), ("b", diff.b)):  # each run's shared quantities beside its row
-        data[side].update(run_truth(db, info.run_id).to_dict())
-    click.echo(json.dumps(data, indent=2, default=str))
+    click.echo(json.dumps(diff.to_dict(), indent=2, default=str))  # each run's shared quantities beside its row

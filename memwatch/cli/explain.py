@@ -8,10 +8,10 @@ import click
 
 from ..detectors import DetectorConfig
 from ..identity import describe, stored_places
-from ..report import explain_run, render_explanation
-from ..report.run_facts import run_truth
+from ..report import render_explanation
+from ..report.explain import explain_stored
 from ..store import open_store
-from ..store.queries import get_run
+from ..store.run_model import load_run
 from ..terminal import printable
 from .options import db_option, json_option, run_argument, thresholds_option
 from .output import echo_report
@@ -31,10 +31,10 @@ def command(run: str, db_path: Path | None, as_json: bool, detector_config: Dete
     (the source of truth); --json carries every number under stable keys.
     """
     db = open_store(db_path, readonly=True)
-    explanation = explain_run(db, run, detector_config)
-    info = get_run(db, run)
+    model = load_run(db, run, detector_config)
+    explanation, info = explain_stored(model), model.run
     report, text = explanation.to_dict(), render_explanation(explanation)
-    report.update(run_truth(db, info.run_id, detector_config).to_dict())
+    report.update(model.figures.to_dict())
     place = stored_places(db, info.run_id).get(info.run_id)
     if place:  # which container and pod it was, for a fleet's post-mortem
         report["where"] = place

@@ -16,7 +16,9 @@ from ..plan.capacity import MAX_BLOCK_TOKENS, MAX_TARGET, PlanInputs, plan_capac
 from ..plan.engines import ENGINES, VLLM_VERSIONS
 from ..plan.observed import compare_run
 from ..plan.report import render_observed, render_plan
-from ..plan.runs import load_run
+from ..plan.runs import shaped
+from ..store import open_store
+from ..store.run_model import load_run as load_stored
 from ..units import GIB, parse_bytes
 from .options import RUN_REF, ModelRef, Text, db_option, finite_float, int_range, json_option
 
@@ -54,13 +56,14 @@ def _refuse_planning_options(ctx: click.Context) -> None:
 
 
 def _plan_run(db_path: Path | None, run: str, as_json: bool) -> None:
-    record, events = load_run(db_path, run)
+    db = open_store(db_path, readonly=True)
+    model = load_stored(db, run)
+    record, events = shaped(model)
     comparisons = compare_run(record, events)
     if as_json:
-        from ..report.run_facts import RANK_KEYS, run_truth
-        from ..store import open_store
+        from ..store.run_figures import RANK_KEYS
 
-        truth = run_truth(open_store(db_path, readonly=True), record["run_id"])
+        truth = model.figures
         rows = []
         for comparison in comparisons:  # each rank's shared quantities, as every command names them
             row, shared = comparison.to_dict(), truth.rank(comparison.rank)

@@ -13,7 +13,7 @@ from ..identity import describe, stored_places
 from ..losses import lost_per_run
 from ..sidecar.rejected_rings import set_aside_notes
 from ..store import open_store
-from ..store.queries import list_runs
+from ..store.run_model import load_runs
 from ..terminal import printable
 from .options import db_option, int_range, json_option
 
@@ -25,7 +25,7 @@ from .options import db_option, int_range, json_option
 def command(db_path: Path | None, as_json: bool, limit: int) -> None:
     """List recorded runs: id, engine, model, ranks, status, start and GPU."""
     db = open_store(db_path, readonly=True)
-    runs = list_runs(db, limit)
+    runs = [model.run for model in load_runs(db, limit)]
     lost = lost_per_run(db)
     places = stored_places(db)
     if as_json:

@@ -12,7 +12,8 @@ from memwatch_engine.runtime import trusted_uids
 
 from ..detectors import DetectorConfig
 from ..incident.ship import TERMINATION_LOG
-from ..sidecar.daemon import NO_RING_AFTER_S, Sidecar, SidecarRunning
+from ..sidecar.claim import SidecarRunning
+from ..sidecar.daemon import NO_RING_AFTER_S, Sidecar
 from ..sidecar.shipping import BundleSettings
 from ..store.moments import parse_duration_ns
 from ..store.retention import DEFAULT_EVIDENCE_NS, DEFAULT_FULL_NS, DEFAULT_ROLLUPS_NS, Retention

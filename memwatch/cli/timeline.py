@@ -16,14 +16,14 @@ from ..errors import NotFoundError, UsageError
 from ..ledger import Ledger, LedgerTerms
 from ..losses import Gap, run_losses, span
 from ..records import SAMPLE_COLUMNS, Event, Sample
-from ..report.run_facts import RunTruth, run_truth
-from ..report.stored import stored_readings, stored_run
 from ..store import open_store
 from ..store.db import Database
 from ..store.moments import find_moment, parse_duration_ns, resolve_time
-from ..store.queries import Run, events, get_run, last_ts_ns, run_ranks
+from ..store.queries import Run
+from ..store.run_figures import RunTruth
+from ..store.run_model import StoredRun, load_run
 from ..store.sql_text import ENGINE_LINE, NVML_LINE, timed_line_sql
-from ..store.window import WindowRow, window_rows
+from ..store.window import WindowRow
 from ..store.window_text import window_text
 from ..terminal import printable
 from ..units import format_bytes, format_offset_s
@@ -77,12 +77,13 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: i
     if around is not None and (since or until or last):
         raise UsageError("--around sets the window itself; drop --since, --until and --last")
     db = open_store(db_path, readonly=True)
-    info = get_run(db, run)
+    model = load_run(db, run)
+    info = model.run
     if rank is not None:
-        _require_rank(db, info, rank)
+        _require_rank(model, rank)
     since_ns = until_ns = None
     if last is not None:
-        end = last_ts_ns(db, info.run_id)
+        end = model.time_span()[1]
         since_ns = None if end is None else end - parse_duration_ns(last)
     if since is not None:
         since_ns = resolve_time(db, info, since)
@@ -95,8 +96,8 @@ def command(run: str, db_path: Path | None, as_json: bool, as_csv: bool, rank: i
     if not (as_json or as_csv or ledger) and _write_lines(db, info, rank, since_ns, until_ns,
                                                          None if jobs == "auto" else int(jobs)):
         return
-    rows = window_rows(db, info.run_id, rank=rank, since_ns=since_ns, until_ns=until_ns)
-    with_terms = _with_ledger(db, info, rows, rank) if ledger else ((row, None) for row in rows)
+    rows = model.window(rank, since_ns, until_ns)
+    with_terms = _with_ledger(model, rows, rank) if ledger else ((row, None) for row in rows)
     if as_json:
         _write_json(with_terms)
     elif as_csv:
@@ -114,30 +115,30 @@ def _gaps(db: Database, info: Run, rank: int | None) -> list[Gap]:
     return [gap for gap in run_losses(db, info.run_id).gaps if rank is None or gap.rank == rank]
 
 
-def _require_rank(db: Database, info: Run, rank: int) -> None:
+def _require_rank(model: StoredRun, rank: int) -> None:
     """A rank the run never had is not found, rather than an empty window."""
-    ranks = sorted(row["rank"] for row in run_ranks(db, info.run_id))
+    ranks = sorted(row["rank"] for row in model.rank_rows)
     if ranks and rank not in ranks:
         have = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        raise NotFoundError(f"run {info.run_id} has no rank {rank} (it has {have}); drop --rank or pick one of those")
+        raise NotFoundError(f"run {model.run_id} has no rank {rank} (it has {have}); drop --rank or pick one of those")
 
 
 def _with_ledger(
-    db: Database, info: Run, rows: Iterator[WindowRow], rank: int | None
+    model: StoredRun, rows: Iterator[WindowRow], rank: int | None
 ) -> Iterator[tuple[WindowRow, LedgerTerms]]:
     """Each row with its ledger terms; the run's events (the sizing) go in before the samples they precede."""
     from ..detectors import interleave
 
     ledgers: dict[int, Ledger] = {}
     pending: deque[WindowRow] = deque()
-    truth, ends = _truth(db, info)
+    truth, ends = _truth(model)
 
     def samples() -> Iterator[Sample]:
         for row in rows:
             pending.append(row)
             yield row.sample
 
-    for record in interleave(samples(), events(db, info.run_id, rank=rank)):
+    for record in interleave(samples(), model.events if rank is None else model.rank_events(rank)):
         book = ledgers.setdefault(record.rank, Ledger())
         if isinstance(record, Event):
             book.on_event(record)
@@ -149,12 +150,10 @@ def _with_ledger(
             yield pending.popleft(), terms
 
 
-def _truth(db: Database, info: Run) -> tuple[RunTruth, dict[int, int]]:
+def _truth(model: StoredRun) -> tuple[RunTruth, dict[int, int]]:
     """The run's shared quantities and each rank's last sample time: the last row carries the margin at the end."""
-    state = stored_run(db, info.run_id)
-    readings = stored_readings(db, info.run_id, state.summaries)
-    ends = {rank: r.last.ts_ns for rank, r in readings.items() if r.last is not None}
-    return run_truth(db, info.run_id, state=state, readings=readings), ends
+    ends = {rank: tail[-1].ts_ns for rank, tail in model.tails.items() if tail}
+    return model.figures, ends
 
 
 def _write_json(rows: Iterator[tuple[WindowRow, LedgerTerms | None]]) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from memwatch.detectors.base import make_flag
 from memwatch.detectors.wording import format_bytes, format_count
 from memwatch.flags import BLOCK_COUNT_MISMATCH, WARNING, Flag
-from memwatch.ledger import Sizing
+from memwatch.kv_sizing import Sizing
 from memwatch.records import Event
 
 

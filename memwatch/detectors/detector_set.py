@@ -101,6 +101,7 @@ class DetectorSet:
         state = self._ranks.get(record.rank)
         if state is None:
             state = self._ranks[record.rank] = _Rank()
+            state.detectors = self._unsized_detectors()
         return state
 
     def on_event(self, event: Event) -> tuple[Flag, ...]:
@@ -120,6 +121,13 @@ class DetectorSet:
         if event.kind == "rank_identity":
             self._block_counts.on_identity(event)
         return _NO_FLAGS
+
+    def _unsized_detectors(self) -> tuple[Detector, ...]:
+        """What judges a rank that has no KV sizing of its own: KV pressure, from the block counts and preemptions
+        its samples and events carry. vLLM's scheduler is such a rank (its engine core counts the blocks and
+        preempts; the worker sizes the cache), so pressure would otherwise never be judged where it is seen.
+        The rank's sizing, when one comes, replaces it with every detector."""
+        return (KvPressureDetector(self._config, None),)
 
     def _build_detectors(self, block_bytes: int | None) -> tuple[Detector, ...]:
         config = self._config

@@ -8,6 +8,9 @@ last drained sample. Definitions (``B`` block size in tokens, ``T`` KV blocks in
 
 ``memwatch_kv_free_tokens``
     ``(T − U) × B``: tokens that can be allocated now without preempting anyone.
+``memwatch_kv_capacity_tokens``
+    ``T × B``: the cache's tokens in all, of the same rank and sample as the free tokens, so a router can
+    weigh one against the other (``memwatch_kv_blocks_used`` is of the last stored sample, a moment older).
 ``memwatch_kv_committed_usage_ratio``
     ``(U + N) / T``, clamped to 0–1: the KV usage a router reads today, plus what is already promised.
 ``memwatch_kv_expected_usage_ratio``
@@ -37,7 +40,8 @@ last drained sample. Definitions (``B`` block size in tokens, ``T`` KV blocks in
 ``memwatch_requests_waiting``, ``memwatch_requests_running``
     the scheduler's queue and running requests after its last step (the llm-d router's other inputs).
 ``memwatch_signal_valid``
-    1 when every rank wrote within ``stale_after`` seconds (1.5 by default) and the KV view, block size and
+    1 when every rank wrote within ``stale_after`` seconds (1.5 by default) plus the time the step in progress
+    is expected to take (its recent steps', bounded: :mod:`.step_times`), and the KV view, block size and
     load are known; else 0 (a stopped engine, a missing input). A router should then ignore the other
     gauges. An engine idle since its last step (nothing running, nothing waiting; or every request it
     recorded arriving has finished, since a step reads its load before the requests it finished leave) stays
@@ -52,6 +56,7 @@ An engine whose run ended keeps its series, with ``memwatch_signal_valid`` 0, wh
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -63,6 +68,7 @@ from memwatch_engine.ring_format import RECORD_SIZE, sample_load
 from ..errors import UsageError
 from ..records import Sample
 from .output_lengths import DEFAULT_QUANTILE, OutputLengths
+from .step_times import StepTimes
 
 if TYPE_CHECKING:
     from .latest_sample import LatestSample
@@ -108,7 +114,7 @@ def parse_shape(text: str) -> tuple[int, int]:
     try:
         shape = (int(prompt), int(output))
     except ValueError:
-        shape = (0, -1)
+        shape = (0, -1)  # pragma: no mutate (any shape outside the ranges below is refused alike)
     if not sep or not 1 <= shape[0] <= _MAX_TOKENS or not 0 <= shape[1] <= _MAX_TOKENS:
         raise UsageError(f"--admission-shape {text!r} is not PROMPT:OUTPUT tokens (1 to {_MAX_TOKENS} and 0 to "
                          f"{_MAX_TOKENS}); give e.g. 2048:512")
@@ -146,6 +152,9 @@ class RankInputs:
     """Requests the engine recorded reaching it and finishing (rank 0's ``request_arrived``/``request_finished``):
     an engine whose requests have all finished is idle, though its last step read its load before the last of
     them left."""
+    steps: StepTimes = field(default_factory=StepTimes, repr=False)
+    """How long its recent steps took: how long a step in progress may leave it silent."""
+    _last_step_seq: int = field(default=-1, repr=False)
 
     def take_event(self, kind: str, data: Any) -> None:
         """The block size (KV sizing, config), the batch size the warmup forward ran at (config), and the
@@ -164,8 +173,10 @@ class RankInputs:
         if type(batched) is int and batched > 0:
             self.max_batched_tokens = batched
 
-    def take_rows(self, rows: list[tuple[Any, ...]], slots: bytes, now: float) -> None:
-        """A drain's sample tuples (``SAMPLE_FIELDS``, in order) and the slots they were copied from."""
+    def take_rows(self, rows: list[tuple[Any, ...]], slots: bytes, now: float,
+                  events: Iterable[tuple[Any, ...]] = ()) -> None:
+        """A drain's sample tuples (``SAMPLE_FIELDS``, in order), the slots they were copied from, and its event
+        tuples (seq, step, ts_ns, kind, data), which say which requests finished between two steps."""
         if not rows:
             return
         if self.latest is None:
@@ -173,6 +184,7 @@ class RankInputs:
         for row in rows:  # prefills whose peak is their own: (flags & 1, step kind 1)
             if row[4] == 1 and row[2] & 1 and row[12] > 0 and row[8] >= row[7] >= 0:
                 self._prefill(row[12], row[8] - row[7])
+        self._time_steps(rows, slots, [e[0] for e in events if e[3] == "request_finished"])
         for row in reversed(rows):
             if row[14] >= 0:
                 self.kv_used, self.kv_total = max(row[13], 0), row[14]
@@ -188,6 +200,19 @@ class RankInputs:
                 break
         if self.reports is None:
             self.reports = False
+
+    def _time_steps(self, rows: list[tuple[Any, ...]], slots: bytes, finished: list[int]) -> None:
+        """Each step with its load to :attr:`steps`: work remained after it when requests wait, or run beyond
+        those that finished in it (recorded between the previous step's sample and its own)."""
+        first = int.from_bytes(slots[:8], "little") if len(slots) >= RECORD_SIZE else 0
+        for row in rows:
+            at = row[0] - first
+            load = sample_load(slots, at) if 0 <= at < len(slots) // RECORD_SIZE else None
+            if load is None:
+                continue
+            left = bisect.bisect_left(finished, row[0]) - bisect.bisect_right(finished, self._last_step_seq)
+            self._last_step_seq = row[0]
+            self.steps.take(row[5], row[6], row[4], row[12], load[1] > 0 or load[0] - left > 0)
 
     def take_sample(self, sample: Sample, now: float) -> None:
         """A typed sample (a state fed records, not a ring's drain): the KV view and prefills; no load."""
@@ -236,6 +261,7 @@ class EngineHeadroom:
 
     labels: dict[str, Any]
     kv_free_tokens: int | None
+    kv_capacity_tokens: int | None
     committed_usage_ratio: float | None
     expected_usage_ratio: float | None
     expected_output_share: float | None
@@ -261,11 +287,12 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
     safe = _max_safe_prefill(ranks)
     shares = [share for s in ranks if (share := s.inputs.outputs.share(config.output_quantile)) is not None]
     share = max(shares) if shares else None  # rank 0 records the requests; the most cautious of any that do
-    free_tokens = ratio = expected = None
+    free_tokens = capacity = ratio = expected = None
     admissible: dict[str, int] = {}
     if tight is not None:
         total, used, size = tight.kv_total, tight.kv_used, sizes[0]
         free_tokens = max(total - used, 0) * size  # type: ignore[operator]
+        capacity = total * size  # type: ignore[operator]
         needed, waiting = tight.needed, tight.waiting
         if needed is not None and waiting is not None:
             ratio = min(max((used + needed) / total, 0.0), 1.0)  # type: ignore[operator]
@@ -281,10 +308,13 @@ def _engine(ranks: list[RankSeries], config: HeadroomConfig, now: float) -> Engi
     arrived = sum(s.inputs.arrived for s in ranks)
     all_finished = arrived > 0 and sum(s.inputs.finished for s in ranks) >= arrived
     idle = tight is not None and (all_finished or (tight.running == 0 and tight.waiting == 0))
-    valid = (age is not None and (age <= config.stale_after or idle) and ratio is not None
+    # A step in progress may keep the engine silent for as long as its recent steps say it takes.
+    batch = next((s.inputs.max_batched_tokens for s in ranks if s.inputs.max_batched_tokens), None)
+    step_s = max(s.inputs.steps.expected_s(None if tight is None else tight.waiting, batch) for s in ranks)
+    valid = (age is not None and (age <= config.stale_after + step_s or idle) and ratio is not None
              and all(s.ended_at is None for s in ranks))
-    return EngineHeadroom(labels, free_tokens, ratio, expected, None if expected is None else share, admissible,
-                          safe, None if load is None else load.waiting,
+    return EngineHeadroom(labels, free_tokens, capacity, ratio, expected, None if expected is None else share,
+                          admissible, safe, None if load is None else load.waiting,
                           None if load is None else load.running, valid, age)
 
 
@@ -322,6 +352,7 @@ def engine_headroom(ranks: Iterable[RankSeries], config: HeadroomConfig,
 
 HELP = {
     "memwatch_kv_free_tokens": "KV tokens that can be allocated now without preempting anyone (tightest rank)",
+    "memwatch_kv_capacity_tokens": "KV tokens the cache holds in all (the rank and sample of memwatch_kv_free_tokens)",
     "memwatch_kv_committed_usage_ratio": "KV blocks in use plus those running requests still need, over the total",
     "memwatch_kv_expected_usage_ratio": "Committed KV usage with running requests reaching the expected output share",
     "memwatch_expected_output_share": "The --output-quantile of finished requests' output tokens over max_tokens",
@@ -341,6 +372,7 @@ def render_headroom(engines: list[EngineHeadroom], labels_of: Callable[[dict[str
     base = [labels_of(engine.labels) for engine in engines]
     columns: list[tuple[str, Callable[[EngineHeadroom], float | int | None]]] = [
         ("memwatch_kv_free_tokens", lambda e: e.kv_free_tokens),
+        ("memwatch_kv_capacity_tokens", lambda e: e.kv_capacity_tokens),
         ("memwatch_kv_committed_usage_ratio", lambda e: e.committed_usage_ratio),
         ("memwatch_kv_expected_usage_ratio", lambda e: e.expected_usage_ratio),
         ("memwatch_expected_output_share", lambda e: e.expected_output_share),

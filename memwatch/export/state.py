@@ -246,7 +246,7 @@ class ExportState:
             inputs = self._series(header).inputs
             for event in drained.events:
                 inputs.take_event(event[3], event[4])
-            inputs.take_rows(drained.samples, drained.slots, now)
+            inputs.take_rows(drained.samples, drained.slots, now, drained.events)
 
     def _take_drain(self, header: RingHeader, drain: RingDrain) -> tuple[()]:
         """What :meth:`__call__` keeps of a drain, from its last samples and its events alone."""

@@ -2,7 +2,7 @@
 
 It holds ``manifest.json`` (:mod:`memwatch.incident.manifest`), ``run.db`` (the run's rows, full resolution and
 per-second roll-ups, in a memwatch database every reading command opens), ``ledger.json`` (the shared quantities of
-:mod:`memwatch.report.run_facts` and ``check``'s ledger), ``flags.json``, ``explain.json`` (``explain``'s account),
+:mod:`memwatch.store.run_figures` and ``check``'s ledger), ``flags.json``, ``explain.json`` (``explain``'s account),
 ``events.jsonl``, ``snapshot.json`` (the imported memory snapshot's events, when there is one: data, never a pickle)
 and ``sidecar.log`` (the log's tail, when the sidecar built it). Requests are stored as token counts and ids only:
 there is no request text to leave out.
@@ -31,8 +31,8 @@ from memwatch_engine.dirfd import create_exclusive, open_dir, open_regular
 
 from ..errors import MemwatchError
 from ..store.db import Database
-from ..store.queries import get_run
 from ..store.retention import NS
+from ..store.run_model import StoredRun, load_run
 from . import manifest as m
 from . import pgzip
 from .run_copy import copy_run, full_from, full_span, shorten
@@ -107,13 +107,14 @@ def build_at(db: Database, ref: str, trigger: str, dir_fd: int, shown: Path, *, 
     it raises ``FileExistsError`` (a decided incident has one name, whoever builds it).
     """
     started = time.monotonic()
-    run = get_run(db, ref)
+    model = load_run(db, ref, config)
+    run = model.run
     created = time.time_ns() if created_ns is None else created_ns
     place = _identity(db, run.run_id, identity)
     source = _source_path(db)
     with WorkDir(dir_fd) as work, ThreadPoolExecutor(pgzip.workers() + 1, thread_name_prefix="memwatch-bundle") as pool:
         database = work.path(m.DATABASE)
-        pending = pool.submit(_accounts, db, run.run_id, config)  # SQLite lets go of the GIL: both go at once
+        pending = pool.submit(_accounts, model)  # SQLite lets go of the GIL: both go at once
         copy_run(source, database, run.run_id)
         tail = (log_tail or b"")[-LOG_TAIL_BYTES:]
         dropped: list[str] = []
@@ -180,18 +181,16 @@ def _read(dir_fd: int, name: str) -> bytes:
         return f.read(info.st_size)
 
 
-def _accounts(db: Database, run_id: str, config: DetectorConfig | None) -> dict[str, bytes]:
+def _accounts(model: StoredRun) -> dict[str, bytes]:
     """The JSON files, from the database the bundle is built from: the same numbers ``check``, ``explain`` and
-    ``flags`` print for the run."""
-    from ..report.check import check_run
-    from ..report.explain import explain_run
-    from ..report.run_facts import run_truth
+    ``flags`` print for the run, read once through the run's model (:mod:`memwatch.store.run_model`)."""
+    from ..report.check import check_stored
+    from ..report.explain import explain_stored
     from ..snapshot.importer import SNAPSHOT_KINDS
-    from ..store.queries import events
-
-    truth = run_truth(db, run_id, config)
+    db, run_id = model.db, model.run_id
+    truth = model.figures
     ledger = {"run": truth.to_dict(), "ranks": [rank.to_dict() for rank in truth.ranks],
-              "check": check_run(db, run_id, config).to_dict()}
+              "check": check_stored(model).to_dict()}
     flags = [{"rank": rank, "step": step, "ts_ns": ts, "kind": kind, "severity": severity, "message": message,
               "data": _json(data)}
              for rank, step, ts, kind, severity, message, data in db.execute(
@@ -199,13 +198,12 @@ def _accounts(db: Database, run_id: str, config: DetectorConfig | None) -> dict[
                  " ORDER BY ts_ns, rowid", (run_id,))]
     lines = []
     snapshot = []
-    for event in events(db, run_id):
+    for event in model.events:
         row = {"rank": event.rank, "step": event.step, "ts_ns": event.ts_ns, "kind": event.kind, "data": event.data}
         lines.append(json.dumps(row, sort_keys=True))
         if event.kind in SNAPSHOT_KINDS:
             snapshot.append(row)
-    files = {m.LEDGER: _dump(ledger), m.FLAGS: _dump(flags), m.EXPLAIN: _dump(explain_run(db, run_id, config)
-                                                                             .to_dict()),
+    files = {m.LEDGER: _dump(ledger), m.FLAGS: _dump(flags), m.EXPLAIN: _dump(explain_stored(model).to_dict()),
              m.EVENTS: ("\n".join(lines) + "\n" if lines else "").encode("utf-8")}
     if snapshot:
         files[m.SNAPSHOT] = _dump(snapshot)

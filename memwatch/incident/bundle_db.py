@@ -20,6 +20,8 @@ bundle needs no writable folder: no ``$TMPDIR``, no working directory.
 ``events.jsonl`` is written from the ``events`` rows of ``run.db`` (one ``json.dumps`` line a row), so it can be at
 most :func:`events_bound` bytes: per row 172 bytes of keys, separators and numbers, and 6 bytes per byte of its
 text (``\\u00e9`` for ``é``: JSON's widest escape is 6 characters for one byte).
+
+SQL is written in triple-quoted blocks: SQLite reads keywords, names and pragmas in any case.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def reference_schema(version: int) -> frozenset[tuple[str, str, str, str | None]
         db = Database(conn)
         for step in MIGRATIONS[:version]:
             step(db)
-        return frozenset(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
+        return frozenset(conn.execute("""SELECT type, name, tbl_name, sql FROM sqlite_master"""))
     finally:
         conn.close()
 
@@ -69,9 +71,9 @@ def guard(conn: sqlite3.Connection, deadline: float) -> sqlite3.Connection:
     """``conn`` made safe to read a bundle with: nothing in its schema trusted, nothing written, nothing spilled to a
     temporary file, no statement run past ``deadline`` (``time.monotonic()``)."""
     conn.set_progress_handler(lambda: time.monotonic() > deadline, PROGRESS_STEPS)
-    conn.execute("PRAGMA trusted_schema=OFF")
-    conn.execute("PRAGMA query_only=ON")
-    conn.execute("PRAGMA temp_store=MEMORY")
+    conn.execute("""PRAGMA trusted_schema=OFF""")
+    conn.execute("""PRAGMA query_only=ON""")
+    conn.execute("""PRAGMA temp_store=MEMORY""")
     return conn
 
 
@@ -89,11 +91,11 @@ def check_header(data: bytes | bytearray) -> None:
 def check_schema(conn: sqlite3.Connection) -> int:
     """Its schema version, when ``sqlite_master`` is exactly memwatch's at that version: else :class:`BundleError`
     naming the first entry that differs."""
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    version = conn.execute("""PRAGMA user_version""").fetchone()[0]
     if not 1 <= version <= SCHEMA_VERSION:
         raise BundleError(f"its run.db is not a memwatch database (schema version {version}; memwatch's are 1 to "
                           f"{SCHEMA_VERSION})")
-    found = frozenset(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
+    found = frozenset(conn.execute("""SELECT type, name, tbl_name, sql FROM sqlite_master"""))
     expected = reference_schema(version)
     ours = {(kind, name) for kind, name, _, _ in expected}
     programs_first = {"view": 0, "trigger": 1}  # what would run is named before what merely is there
@@ -110,9 +112,13 @@ def check_schema(conn: sqlite3.Connection) -> int:
 
 def events_bound(conn: sqlite3.Connection) -> int:
     """The most bytes the build could write as ``events.jsonl`` from this database's ``events`` rows."""
-    text = " + ".join(f"coalesce(length(CAST({column} AS BLOB)), 0)"
-                      for column in ("rank", "step", "ts_ns", "kind", "data"))
-    rows, size = conn.execute(f"SELECT count(*), coalesce(sum({text}), 0) FROM events").fetchone()
+    rows, size = conn.execute("""
+        SELECT count(*), coalesce(sum(coalesce(length(CAST(rank AS BLOB)), 0)
+                                      + coalesce(length(CAST(step AS BLOB)), 0)
+                                      + coalesce(length(CAST(ts_ns AS BLOB)), 0)
+                                      + coalesce(length(CAST(kind AS BLOB)), 0)
+                                      + coalesce(length(CAST(data AS BLOB)), 0)), 0)
+        FROM events""").fetchone()
     return EVENT_ROW_BYTES * rows + EVENT_TEXT_FACTOR * size
 
 

@@ -18,6 +18,7 @@ or an object over the limit exit 2.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -234,7 +235,12 @@ def read_range(url: str, start: int, length: int) -> bytes:
     try:
         return bytes(_obstore().get_range(store, key, start=start, length=length))
     except Exception as exc:
+        if _RANGE_PAST_END.search(str(exc)):  # S3's answer for a range past the end (an empty object)
+            return b""
         raise _translate(exc, url) from None
+
+
+_RANGE_PAST_END = re.compile(r"\b416 Range Not Satisfiable\b")
 
 
 MAX_LISTED = 100_000

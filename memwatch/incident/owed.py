@@ -11,6 +11,8 @@ sidecar that starts finds every bundle still owed. A row's ``state``:
 * ``built``: published in the build folder (then handed to the spool);
 * ``merged`` (a flag's, folded into the bundle of the run's bad ending), ``dropped`` (rate limit, run no longer
   stored) or ``failed`` (a bundle that can never be built: over its cap): done, ``note`` says why.
+
+Statements are triple-quoted blocks: SQLite reads their keywords and names in any case.
 """
 
 from __future__ import annotations
@@ -66,37 +68,48 @@ class Ledger:
 
     def owed(self) -> list[Owed]:
         """The rows not yet built, oldest decision first."""
-        rows = self._run(
-            "SELECT i.run_id, i.trigger, i.decided_ns, i.state, i.bundle, r.status FROM incidents i"
-            " LEFT JOIN runs r ON r.run_id = i.run_id WHERE i.state IN (?, ?) ORDER BY i.decided_ns, i.run_id,"
-            " i.trigger LIMIT ?", (OWED, BUILDING, BATCH))
+        rows = self._run("""
+            SELECT i.run_id, i.trigger, i.decided_ns, i.state, i.bundle, r.status
+            FROM incidents i LEFT JOIN runs r ON r.run_id = i.run_id
+            WHERE i.state IN (?, ?) ORDER BY i.decided_ns, i.run_id, i.trigger LIMIT ?""", (OWED, BUILDING, BATCH))
         return [Owed(*row) for row in rows]  # type: ignore[arg-type]
 
     def decide(self, run_id: str, trigger: str, decided_ns: int) -> bool:
         """Record a bundle owed (a shutdown's); False when one for this run and trigger was already decided."""
-        return bool(self._run("INSERT OR IGNORE INTO incidents (run_id, trigger, decided_ns) VALUES (?, ?, ?)"
-                              " RETURNING 1", (run_id, trigger, decided_ns)))
+        return bool(self._run("""
+            INSERT OR IGNORE INTO incidents (run_id, trigger, decided_ns) VALUES (?, ?, ?) RETURNING 1""",
+                              (run_id, trigger, decided_ns)))
 
     def mark(self, row: Owed, state: str, bundle: str | None = None, note: str | None = None) -> None:
-        self._run("UPDATE incidents SET state = ?, bundle = coalesce(?, bundle), note = ? WHERE run_id = ?"
-                  " AND trigger = ?", (state, bundle, note, row.run_id, row.trigger))
+        self._run("""
+            UPDATE incidents SET state = ?, bundle = coalesce(?, bundle), note = ? WHERE run_id = ? AND trigger = ?""",
+                  (state, bundle, note, row.run_id, row.trigger))
 
     def taken(self, name: str) -> bool:
         """Whether a decided bundle already has the name ``name``."""
-        return bool(self._run("SELECT 1 FROM incidents WHERE bundle = ? LIMIT 1", (name,)))
+        return bool(self._run("""SELECT 1 FROM incidents WHERE bundle = ? LIMIT 1""", (name,)))
 
     def oldest_owed_ns(self) -> int | None:
         """When the oldest bundle still owed was decided (``None``: none is)."""
-        rows = self._run("SELECT min(decided_ns) FROM incidents WHERE state IN (?, ?)", (OWED, BUILDING))
+        rows = self._run("""SELECT min(decided_ns) FROM incidents WHERE state IN (?, ?)""", (OWED, BUILDING))
         value = rows[0][0] if rows else None
         return value if isinstance(value, int) else None
 
     def bundle_dropped(self, name: str, size: int, why: str, now_ns: int) -> None:
         """The spool dropped the bundle ``name``: its row says so, and its run gets a ``bundle_dropped`` event."""
         data = json.dumps({"bundle": name, "bytes": size, "why": why}, sort_keys=True)
-        self._run("INSERT INTO events (run_id, rank, step, ts_ns, kind, data) SELECT run_id, NULL, NULL, ?,"
-                  " 'bundle_dropped', ? FROM incidents WHERE bundle = ?", (now_ns, data, name))
-        self._run("UPDATE incidents SET state = ?, note = ? WHERE bundle = ?", (DROPPED, why, name))
+        self._run("""
+            INSERT INTO events (run_id, rank, step, ts_ns, kind, data)
+            SELECT run_id, NULL, NULL, ?, 'bundle_dropped', ? FROM incidents WHERE bundle = ?""", (now_ns, data, name))
+        self._run("""UPDATE incidents SET state = ?, note = ? WHERE bundle = ?""", (DROPPED, why, name))
+
+    def refused(self, row: Owed, why: str, now_ns: int) -> None:
+        """``row``'s bundle is not built (the per-uid rate): its run gets a ``bundle_dropped`` event saying why, as a
+        bundle dropped from the spool does, so the run's own events tell why it has no bundle."""
+        data = json.dumps({"trigger": row.trigger, "why": why}, sort_keys=True)
+        self._run("""
+            INSERT INTO events (run_id, rank, step, ts_ns, kind, data)
+            SELECT run_id, NULL, NULL, ?, 'bundle_dropped', ? FROM runs WHERE run_id = ?""", (now_ns, data, row.run_id))
 
     def close(self) -> None:
         with self._lock:

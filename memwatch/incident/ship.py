@@ -10,8 +10,10 @@ ships it again as "already there" and announces it again: at most one copy in th
 announcement.
 
 At shutdown, :meth:`Shipper.close` gives every bundle still spooled one last try within its budget (the pod's
-termination grace period, less what the sidecar's own shutdown takes); what does not make it stays in the spool
-for the next start.
+termination grace period, less what the sidecar's own shutdown takes), from the stopping thread: a try of the
+shipper's own still in flight (a store that hangs on one bundle) is left to finish or not, and never keeps the
+others, the pod's last bundle among them, from their try. What does not make it stays in the spool for the next
+start.
 """
 
 from __future__ import annotations
@@ -182,7 +184,9 @@ class Shipper:
         self._clock = clock
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._final_deadline: float | None = None
+        self._lock = threading.Lock()
+        """The shipper's thread and :meth:`close`'s last pass: which bundle each tries, and the counts."""
+        self._in_flight: set[str] = set()
         self._due: dict[str, tuple[float, float]] = {}
         """Bundle name → (when it may be tried again, the back-off after that try)."""
         self._refused: set[str] = set()
@@ -216,15 +220,13 @@ class Shipper:
                 wait = self.ship_due()
                 self._wake.wait(wait)
                 self._wake.clear()
-            deadline = self._final_deadline
-            if deadline is not None:
-                self.ship_due(deadline=deadline)
         except Exception:  # a bug here must cost the uploads, never the sidecar
             log.exception("the bundle shipper stopped; bundles stay in %s for the next start", self.spool.path)
 
     def ship_due(self, deadline: float | None = None) -> float:
-        """Try every spooled bundle whose back-off has run out (all of them, once each, when ``deadline`` is given);
-        the seconds until the next one is due (at most :data:`RESCAN_S`)."""
+        """Try every spooled bundle whose back-off has run out (all of them, once each, when ``deadline`` is given:
+        the last pass, which skips a try in flight on the shipper's thread); the seconds until the next one is due
+        (at most :data:`RESCAN_S`)."""
         now = self._clock()
         sizes = dict(self.spool.sizes())
         self._due = {name: self._due[name] for name in sizes if name in self._due}
@@ -239,13 +241,23 @@ class Shipper:
             if deadline is None and when > now:
                 next_due = min(next_due, when)
                 continue
+            budget = try_budget(sizes[name])
             if deadline is not None:
                 left = deadline - self._clock()
                 if left <= 0:
                     break
-                ok = self._ship_one(name, budget_s=min(left, try_budget(sizes[name])))
-            else:
-                ok = self._ship_one(name, budget_s=try_budget(sizes[name]))
+                budget = min(left, budget)
+            with self._lock:
+                if deadline is None and self._stop.is_set():
+                    break  # stopping: the last tries are :meth:`close`'s
+                if name in self._in_flight:
+                    continue
+                self._in_flight.add(name)
+            try:
+                ok = self._ship_one(name, budget_s=budget)
+            finally:
+                with self._lock:
+                    self._in_flight.discard(name)
             if not ok and name not in self._refused:
                 retry = self._clock() + backoff
                 self._due[name] = (retry, min(backoff * 2, self.max_backoff))
@@ -263,7 +275,8 @@ class Shipper:
             self._refused.add(name)
             return False
         url = self.url_of(name)
-        self.attempts += 1
+        with self._lock:
+            self.attempts += 1
         with os.fdopen(fd, "rb") as file:
             try:
                 objstore.put_file(url, file, info.st_size, budget_s=budget_s)
@@ -272,17 +285,19 @@ class Shipper:
                 self._refused.add(name)
                 return False
             except MemwatchError as exc:
-                self.failures += 1
-                if not self._failing:
+                with self._lock:
+                    self.failures += 1
+                    first, self._failing = not self._failing, True
+                if first:
                     log.warning("cannot ship bundles to %s yet (%s); retrying with back-off, nothing is lost",
                                 self.dest, exc)
-                self._failing = True
                 return False
             file.seek(0)
             verdict, trigger, run_id = bundle_facts(file)
-        if self._failing:
+        with self._lock:
+            again, self._failing = self._failing, False
+        if again:
             log.warning("shipping bundles to %s again", self.dest)
-            self._failing = False
         shipped = Shipped(name, url, verdict, run_id, info.st_size, trigger)
         log.warning("run %s: incident bundle shipped to %s (%s, %s)", run_id, url, verdict, trigger)
         for announce in self.announcers:
@@ -291,22 +306,28 @@ class Shipper:
             except Exception as exc:  # an announcement lost costs that announcement only
                 log.error("bundle %s shipped but not announced: %s", name, exc)
         self.spool.remove(name, identity(info))
-        self._due.pop(name, None)
-        self.shipped.append(shipped)
-        if len(self.shipped) > 1024:  # what tests and the last announcements look at; the count goes on
-            del self.shipped[:512]
-        self.shipped_count += 1
+        with self._lock:
+            self._due.pop(name, None)
+            self.shipped.append(shipped)
+            if len(self.shipped) > 1024:  # what tests and the last announcements look at; the count goes on
+                del self.shipped[:512]
+            self.shipped_count += 1
         return True
 
     def close(self, budget_s: float = SHUTDOWN_BUDGET_S) -> None:
-        """Stop the thread after one last try of every spooled bundle, all within ``budget_s``."""
-        self._final_deadline = self._clock() + budget_s
-        self._stop.set()
+        """Stop the thread and give every spooled bundle one last try, all within ``budget_s``.
+
+        The last pass runs here, not on the shipper's thread: that thread may be held for up to a whole
+        :func:`try_budget` by one bundle the store hangs on, which must not cost the others their try."""
+        deadline = self._clock() + budget_s
+        with self._lock:
+            self._stop.set()  # the thread begins no try after this; the one in flight, if any, is skipped below
         self._wake.set()
+        self.ship_due(deadline=deadline)
         if self._thread is not None:
-            self._thread.join(timeout=budget_s + 1.0)
+            self._thread.join(timeout=max(0.0, deadline - self._clock()))
             if self._thread.is_alive():
-                log.warning("the bundle shipper did not finish within %.0f s", budget_s)
+                log.warning("an upload try still in flight after %.0f s is given up; its bundle stays", budget_s)
         left = self.spool.pending()
         if left:
             log.warning("%d incident bundle(s) not shipped yet; they stay in %s and go at the next start",

@@ -262,8 +262,13 @@ class IncidentTriggers:
         key = (row.run_id, row.trigger)
         if row.state == owed.OWED and not self._limiter.allow(self._uids.get(row.run_id)):
             uid = self._uids.get(row.run_id)
-            self._settle(row, owed.DROPPED, f"over the limit of {self._limiter.per_hour} bundles an hour for uid "
-                                            f"{'unknown' if uid is None else uid}")
+            why = (f"over the limit of {self._limiter.per_hour} bundles an hour for uid "
+                   f"{'unknown' if uid is None else uid}")
+            try:
+                self._ledger.refused(row, why, self._clock())
+            except Exception as exc:  # the row below still says why
+                log.error("run %s: the refused bundle's event could not be stored: %s", row.run_id, exc)
+            self._settle(row, owed.DROPPED, why)
             return
         try:
             reader = open_store(self.db_path, readonly=True)

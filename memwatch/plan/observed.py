@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from decimal import Decimal
 from typing import Any
 
-from memwatch.ledger import is_startup_sizing
+from memwatch.kv_sizing import is_startup_sizing
 from memwatch.models.activation import forward_activation_bytes, warmup_batch
 from memwatch.models.spec import ModelSpec, canonical_dtype
 from memwatch.plan.capacity import (

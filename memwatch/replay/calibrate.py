@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from memwatch.errors import NotFoundError
-from memwatch.ledger import is_startup_sizing
+from memwatch.kv_sizing import is_startup_sizing
 from memwatch.records import Event, Sample
 from memwatch.replay.sglang_budget import SGLangSizing, sglang_sizing
 from memwatch.replay.transients import NO_TRANSIENTS, TransientSeries, transients

@@ -18,13 +18,13 @@ from typing import Any
 
 from memwatch.errors import UsageError
 from memwatch.replay.calibrate import Calibration, calibrate
-from memwatch.replay.outcome import RankOutcome, run_outcome, store_rings
+from memwatch.replay.outcome import RankOutcome, outcome_of, run_outcome, store_rings
 from memwatch.replay.run import ReplayResult, Settings, engine_config, replay
 from memwatch.replay.workload import RecordedWorkload, recorded_workload
-from memwatch.report.run_facts import worst_rank
 from memwatch.store import open_store
 from memwatch.store.db import Database
-from memwatch.store.queries import events, get_run, samples
+from memwatch.store.run_figures import worst_rank
+from memwatch.store.run_model import load_run
 
 SWEEPABLE = ("utilization", "load")
 
@@ -52,7 +52,7 @@ class Comparison:
 
 
 def worst(outcome: list[RankOutcome]) -> RankOutcome | None:
-    """The rank whose figures stand for the run (:func:`memwatch.report.run_facts.worst_rank`): the first to run
+    """The rank whose figures stand for the run (:func:`memwatch.store.run_figures.worst_rank`): the first to run
     out of memory, else the one with the lowest margin at its end."""
     chosen = worst_rank((rank.rank, rank.oom_step if rank.oom else None, rank.oom_margin_bytes) for rank in outcome)
     return next((rank for rank in outcome if rank.rank == chosen), None)
@@ -67,14 +67,14 @@ def _side(run_id: str, outcome: list[RankOutcome]) -> dict[str, Any]:
 
 def load_recording(db: Database, ref: str) -> Recording:
     """Calibration, workload and outcome of a stored run (``ref``: id, unique prefix or ``latest``)."""
-    run = get_run(db, ref)
-    run_events = events(db, run.run_id)
+    model = load_run(db, ref)
+    run, run_events = model.run, list(model.events)
     workload = recorded_workload(run_events, run.run_id)
     by_rank: dict[int, list[Any]] = {}
-    for sample in samples(db, run.run_id):
+    for sample in model.samples():
         by_rank.setdefault(sample.rank, []).append(sample)
     calibration = calibrate(run.run_id, run.model, run.gpu_name, run.config, run_events, by_rank)
-    return Recording(calibration, workload, run_outcome(db, run.run_id))
+    return Recording(calibration, workload, outcome_of(model))
 
 
 def replay_run(db_path: Path, ref: str, change: Settings, *, store_in: Path | None = None) -> Comparison:

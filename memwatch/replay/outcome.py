@@ -6,16 +6,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from memwatch.ledger import is_startup_sizing
+from memwatch.kv_sizing import is_startup_sizing
 from memwatch.records import Event
 from memwatch.replay.workload import ARRIVED, FINISHED, request_key, scheduler_ranks, workload_rank
-from memwatch.report.check import check_run
+from memwatch.report.check import check_stored
 from memwatch.sidecar.collector import Collector
 from memwatch.sidecar.live import LiveDetectors
 from memwatch.store import open_store
 from memwatch.store.db import Database
-from memwatch.store.queries import events as run_events
-from memwatch.store.queries import samples as run_samples
+from memwatch.store.run_model import StoredRun, load_run
 from memwatch.store.writer import StoreWriter
 
 STORE_TIMEOUT_S = 60.0
@@ -46,10 +45,15 @@ class RankOutcome:
 
 
 def run_outcome(db: Database, run_id: str) -> list[RankOutcome]:
-    """Every GPU rank's outcome of the stored run ``run_id`` (a vLLM scheduler's ring holds no GPU: its
-    preemptions and workload count, it has no row of its own)."""
-    events = run_events(db, run_id)
-    report = check_run(db, run_id)
+    """Every GPU rank's outcome of the stored run ``run_id``: :func:`outcome_of` its read model."""
+    return outcome_of(load_run(db, run_id))
+
+
+def outcome_of(model: StoredRun) -> list[RankOutcome]:
+    """Every GPU rank's outcome of a stored run, as its read model has it (a vLLM scheduler's ring holds no GPU:
+    its preemptions and workload count, it has no row of its own)."""
+    events = list(model.events)
+    report = check_stored(model)
     check = {rank.rank: rank for rank in report.ranks}
     truth = report.truth
     drain = _drain_s(events)
@@ -57,7 +61,7 @@ def run_outcome(db: Database, run_id: str) -> list[RankOutcome]:
     outcomes = []
     schedulers = scheduler_ranks(events)
     ranks = sorted(({e.rank for e in events} | set(check)) - set(schedulers))
-    batch, steps = _batch_and_steps(db, run_id, workload_rank(events))
+    batch, steps = _batch_and_steps(model, workload_rank(events))
     for rank in ranks:
         sizing = next((e.data for e in events if e.rank == rank and e.kind == "kv_allocated"
                        and is_startup_sizing(e.data)), None)
@@ -76,16 +80,16 @@ def run_outcome(db: Database, run_id: str) -> list[RankOutcome]:
     return outcomes
 
 
-def _batch_and_steps(db: Database, run_id: str, lead: int) -> tuple[int, int]:
+def _batch_and_steps(model: StoredRun, lead: int) -> tuple[int, int]:
     """The largest batch served and the last step, from rank 0's serving samples; when rank 0 served
     nothing here (its worker's process recorded no step), from the ring that holds the workload."""
     batch, steps = 0, 0
-    for sample in run_samples(db, run_id, rank=0):
+    for sample in model.samples(rank=0):
         if sample.phase == "serve" and sample.num_seqs is not None:
             batch = max(batch, sample.num_seqs)
         steps = max(steps, sample.step)
     if batch == 0 and lead != 0:
-        for sample in run_samples(db, run_id, rank=lead):
+        for sample in model.samples(rank=lead):
             batch = max(batch, sample.num_seqs or 0)
             steps = max(steps, sample.step)
     return batch, steps

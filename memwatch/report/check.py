@@ -19,8 +19,9 @@ from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
 from memwatch.report.ledger_text import render_lines, terms_lines
 from memwatch.report.readings import ENDED_BADLY, UNSIZED_SENTENCE, RankReadings, crash_sentences
-from memwatch.report.run_facts import RANK_KEYS, RankTruth, RunTruth, run_truth, truth_from
-from memwatch.report.stored import stored_readings, stored_run
+from memwatch.report.stored import stored_readings
+from memwatch.store.run_figures import RANK_KEYS, RankTruth, RunTruth, truth_from
+from memwatch.store.run_model import StoredRun, load_run
 from memwatch.units import format_bytes
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ class RankCheck:
     budget_basis: str = "total × utilization"
     """What the budget is under the rank's sizing rule, in words (:attr:`memwatch.ledger.Sizing.budget_basis`)."""
     shared: RankTruth | None = None
-    """The rank's shared quantities (:mod:`memwatch.report.run_facts`), under their keys in ``--json``."""
+    """The rank's shared quantities (:mod:`memwatch.store.run_figures`), under their keys in ``--json``."""
 
     @classmethod
     def from_summary(cls, summary: RankSummary, truth: RunTruth | None = None, engine: str | None = None,
@@ -151,7 +152,7 @@ class CheckReport:
     readings: tuple[RankReadings, ...] = ()
     started_ns: int | None = None
     truth: RunTruth | None = None
-    """The quantities every command shares (:mod:`memwatch.report.run_facts`)."""
+    """The quantities every command shares (:mod:`memwatch.store.run_figures`)."""
 
     @property
     def ended_badly(self) -> bool:
@@ -203,28 +204,21 @@ def check_records(records: Iterable[Sample | Event], config: DetectorConfig | No
 
 
 def check_run(db: Database, ref: str, config: DetectorConfig | None = None) -> CheckReport:
-    """The check of a stored run (``ref``: id, unique prefix or ``latest``).
+    """The check of a stored run (``ref``: id, unique prefix or ``latest``): :func:`check_stored` of it."""
+    return check_stored(load_run(db, ref, config))
 
-    Reads the summaries and flags the sidecar stored live when they cover the whole run with these
-    thresholds (a few rows, whatever the run's length); otherwise replays the run as a stream.
-    """
-    state = stored_run(db, ref, config)
-    run = state.run
-    readings = stored_readings(db, run.run_id, state.summaries)
-    truth = run_truth(db, run.run_id, config, state=state, readings=readings)
-    capture = stored_capture_ns(db, run.run_id) if run.engine in GRAPHS_OUTSIDE_BUDGET else {}
-    ranks = tuple(RankCheck.from_summary(summary, truth, run.engine,
+
+def check_stored(model: StoredRun) -> CheckReport:
+    """The check of a stored run as its read model has it (:mod:`memwatch.store.run_model`): the summaries and
+    flags the sidecar stored live when they cover the whole run with these thresholds, else a streamed replay's."""
+    run = model.run
+    readings = stored_readings(model)
+    capture = model.capture_ns if run.engine in GRAPHS_OUTSIDE_BUDGET else {}
+    ranks = tuple(RankCheck.from_summary(summary, model.figures, run.engine,
                                          graphs_captured_after_sizing(summary, capture.get(rank)))
-                  for rank, summary in sorted(state.summaries.items()))
-    return CheckReport(run.run_id, ranks, tuple(state.flags), run.status,
-                       tuple(readings[rank] for rank in sorted(readings)), run.started_ns, truth)
-
-
-def stored_capture_ns(db: Database, run_id: str) -> dict[int, int]:
-    """Each rank's first ``cudagraph`` phase start, from the stored events."""
-    rows = db.execute("SELECT rank, MIN(ts_ns) FROM events WHERE run_id = ? AND kind = 'phase_start'"
-                      " AND json_extract(data, '$.phase') = 'cudagraph' GROUP BY rank", (run_id,)).fetchall()
-    return {int(rank): int(ts) for rank, ts in rows if ts is not None}
+                  for rank, summary in sorted(model.summaries.items()))
+    return CheckReport(run.run_id, ranks, model.flags, run.status,
+                       tuple(readings[rank] for rank in sorted(readings)), run.started_ns, model.figures)
 
 
 def render_check(report: CheckReport) -> str:

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from memwatch.report.facts import RankFacts, rank_facts
-from memwatch.report.run_data import RunData, load_run_data
+from memwatch.report.run_data import RunData, run_data_of
 from memwatch.store.queries import Run
+from memwatch.store.run_figures import RunTruth
+from memwatch.store.run_model import load_run
 from memwatch.units import format_bytes
 
 if TYPE_CHECKING:
@@ -43,23 +45,6 @@ TERMS: tuple[tuple[str, str], ...] = (
     ("last_step", "last step"),
     ("flags", "flags"),
 )
-
-
-def drift_slope(db: Database, run_id: str, rank: int) -> float | None:
-    """Least-squares slope of non-PyTorch memory (used − reserved) over serving steps, bytes per step."""
-    where = ("run_id = ? AND rank = ? AND phase = 'serve' AND driver_used_bytes IS NOT NULL"
-             " AND reserved_bytes IS NOT NULL")
-    n, mean_x, mean_y = db.execute(
-        f"SELECT count(*), avg(step), avg(driver_used_bytes - reserved_bytes) FROM samples WHERE {where}",
-        (run_id, rank),
-    ).fetchone()
-    if not n or n < 2:
-        return None
-    sxy, sxx = db.execute(
-        f"SELECT total((step - ?) * (driver_used_bytes - reserved_bytes - ?)), total((step - ?) * (step - ?))"
-        f" FROM samples WHERE {where}", (mean_x, mean_y, mean_x, mean_x, run_id, rank),
-    ).fetchone()
-    return None if not sxx else sxy / sxx
 
 
 def _ended(run: Run, facts: RankFacts) -> str:
@@ -115,6 +100,9 @@ class RunDiff:
     ranks: tuple[RankDiff, ...]
     only_in_a: tuple[int, ...]
     only_in_b: tuple[int, ...]
+    figures_a: RunTruth | None = None
+    """Each run's shared quantities (:mod:`memwatch.store.run_figures`), beside its row in ``--json``."""
+    figures_b: RunTruth | None = None
 
     @property
     def changes(self) -> list[str]:
@@ -131,7 +119,8 @@ class RunDiff:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "a": self.a.to_dict(), "b": self.b.to_dict(),
+            "a": {**self.a.to_dict(), **({} if self.figures_a is None else self.figures_a.to_dict())},
+            "b": {**self.b.to_dict(), **({} if self.figures_b is None else self.figures_b.to_dict())},
             "config": {key: {"a": a, "b": b} for key, (a, b) in self.config.items()},
             "ranks": [{"rank": r.rank, "terms": {t.term: t.to_dict() for t in r.terms}} for r in self.ranks],
             "only_in_a": list(self.only_in_a), "only_in_b": list(self.only_in_b), "changes": self.changes,
@@ -144,23 +133,25 @@ def _config_changes(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any
             if key not in skip and a.get(key) != b.get(key)}
 
 
-def diff_data(db: Database, a: RunData, b: RunData) -> RunDiff:
-    """Compare two loaded runs (drift slopes are asked of ``db``)."""
+def diff_data(a: RunData, b: RunData) -> RunDiff:
+    """Compare two runs drawn from their read models (drift slopes and shared figures are the models')."""
+    assert a.model is not None and b.model is not None
     ranks_a = {rank.rank: rank for rank in a.ranks}
     ranks_b = {rank.rank: rank for rank in b.ranks}
     diffs = []
     for rank in sorted(set(ranks_a) & set(ranks_b)):
-        va = _values(a.run, rank_facts(ranks_a[rank]), drift_slope(db, a.run.run_id, rank))
-        vb = _values(b.run, rank_facts(ranks_b[rank]), drift_slope(db, b.run.run_id, rank))
+        va = _values(a.run, rank_facts(ranks_a[rank]), a.model.drift_slope(rank))
+        vb = _values(b.run, rank_facts(ranks_b[rank]), b.model.drift_slope(rank))
         diffs.append(RankDiff(rank, tuple(TermDiff(key, label, va[key], vb[key], _changed(key, va[key], vb[key]))
                                           for key, label in TERMS)))
     return RunDiff(a.run, b.run, _config_changes(a.run.config, b.run.config), tuple(diffs),
-                   tuple(sorted(set(ranks_a) - set(ranks_b))), tuple(sorted(set(ranks_b) - set(ranks_a))))
+                   tuple(sorted(set(ranks_a) - set(ranks_b))), tuple(sorted(set(ranks_b) - set(ranks_a))),
+                   a.model.figures, b.model.figures)
 
 
 def diff_runs(db: Database, ref_a: str, ref_b: str) -> RunDiff:
     """:func:`diff_data` on two stored runs (ids, unique prefixes or ``latest``)."""
-    return diff_data(db, load_run_data(db, ref_a, DIFF_BUCKETS), load_run_data(db, ref_b, DIFF_BUCKETS))
+    return diff_data(run_data_of(load_run(db, ref_a), DIFF_BUCKETS), run_data_of(load_run(db, ref_b), DIFF_BUCKETS))
 
 
 def _show(key: str, value: Any) -> str:

@@ -41,13 +41,13 @@ from memwatch.report.readings import (
     RankReadings,
     crash_ends,
     crash_sentences,
-    nearly_full,
     unseen_end_sentence,
 )
-from memwatch.report.run_facts import ran_dry
-from memwatch.report.stored import first_ooms, ledger_events, stored_readings, stored_run
+from memwatch.report.stored import stored_readings
 from memwatch.report.stored_points import StoredPoints
 from memwatch.report.tightest import Tightest, tightest_report
+from memwatch.store.run_figures import nearly_full, ran_dry
+from memwatch.store.run_model import StoredRun, load_run
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database
@@ -237,31 +237,29 @@ def explain_from(
 
 
 def explain_run(db: Database, ref: str, config: DetectorConfig | None = None) -> Explanation:
-    """How a stored run ended (``ref``: id, unique prefix or ``latest``), without loading its samples.
+    """How a stored run ended (``ref``: id, unique prefix or ``latest``): :func:`explain_stored` of it."""
+    return explain_stored(load_run(db, ref, config))
 
-    Per-rank summaries and flags come from the store (or a streamed replay); each out-of-memory rank
-    is then searched through the samples' index (:class:`memwatch.report.stored_points.StoredPoints`).
-    """
-    state = stored_run(db, ref, config)
-    run = state.run
-    ooms = first_ooms(db, run.run_id)
-    readings = stored_readings(db, run.run_id, state.summaries)
+
+def explain_stored(model: StoredRun) -> Explanation:
+    """How a stored run ended, as its read model has it (:mod:`memwatch.store.run_model`), without loading its
+    samples: each out-of-memory rank is searched through the samples' index
+    (:class:`memwatch.report.stored_points.StoredPoints`)."""
+    run, summaries = model.run, model.summaries
+    ooms = dict(model.first_ooms)
+    readings = stored_readings(model)
     if run.status == CRASHED and not ooms:
-        dead = {rank for (rank,) in db.execute("SELECT rank FROM ranks WHERE run_id = ? AND status = ?",
-                                               (run.run_id, CRASHED))}
-        ooms = crash_ends(readings, dead)
+        ooms = crash_ends(readings, set(model.dead_ranks))
     points: dict[int, Points] = {}
     for rank, oom in ooms.items():
-        summary = state.summaries.get(rank)
-        points[rank] = StoredPoints(db, run.run_id, rank, None if summary is None else summary.first_serving,
-                                    oom.ts_ns, ledger_events(db, run.run_id, rank, oom.ts_ns),
-                                    use_minutes=state.from_summaries)
-    explanation = explain_from(run.run_id, state.summaries, ooms, points, state.flags, config or DetectorConfig(),
-                               run.status, readings, run.started_ns, run.engine,
-                               stored_graphs_outside_budget(db, run, state.summaries))
-    preempted = db.execute("SELECT rank, SUM(coalesce(json_extract(data, '$.count'), 1)) FROM events WHERE run_id = ?"
-                           " AND kind = 'preemption' GROUP BY rank ORDER BY rank", (run.run_id,)).fetchall()
-    return replace(explanation, preemptions=tuple((int(rank), int(count)) for rank, count in preempted))
+        summary = summaries.get(rank)
+        points[rank] = StoredPoints(model.db, run.run_id, rank, None if summary is None else summary.first_serving,
+                                    oom.ts_ns, model.ledger_events(rank, oom.ts_ns),
+                                    use_minutes=model.from_summaries)
+    explanation = explain_from(run.run_id, dict(summaries), ooms, points, list(model.flags),
+                               model.config or DetectorConfig(), run.status, readings, run.started_ns, run.engine,
+                               stored_graphs_outside_budget(model))
+    return replace(explanation, preemptions=model.preemptions)
 
 
 def render_explanation(explanation: Explanation) -> str:

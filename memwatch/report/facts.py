@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from memwatch.ledger import kv_bytes_of, sizing_of
+from memwatch.kv_sizing import kv_bytes_of, sizing_of
 from memwatch.report.run_data import RankData, RunData
-from memwatch.report.run_facts import non_torch_at_sizing
+from memwatch.store.run_figures import non_torch_at_sizing
 
 
 def _max(values: list[int | None]) -> int | None:
@@ -35,8 +35,9 @@ class RankFacts:
     activation_reserve_bytes: int | None
     """Warmup's peak − current at sizing."""
     non_pytorch_bytes: int | None
-    """Non-PyTorch at sizing, defined once in :func:`memwatch.report.run_facts.non_torch_at_sizing`:
-    ``used − reserved`` (the engine's ``used − current`` also holds the cache slack)."""
+    """Non-PyTorch at sizing, defined once in :func:`memwatch.store.run_figures.non_torch_at_sizing`:
+    ``used − reserved`` less KV mapped outside the allocator (the engine's ``used − current`` also holds the cache
+    slack)."""
     num_blocks: int | None
     block_bytes: int | None
     kv_bytes: int | None

@@ -18,20 +18,19 @@ from memwatch.report.check import (
     capture_ns,
     graphs_captured_after_sizing,
     graphs_outside_budget,
-    stored_capture_ns,
 )
 
 if TYPE_CHECKING:
-    from memwatch.store.db import Database
-    from memwatch.store.queries import Run
+    from memwatch.store.run_model import StoredRun
 
 
-def stored_graphs_outside_budget(db: Database, run: Run, summaries: Mapping[int, RankSummary]) -> dict[int, int]:
-    """Per rank, the bytes of CUDA graphs captured after sizing that ``run``'s engine leaves out of its
+def stored_graphs_outside_budget(model: StoredRun) -> dict[int, int]:
+    """Per rank, the bytes of CUDA graphs captured after sizing that the run's engine leaves out of its
     budget; ranks without that finding are absent (an engine that counts its graphs has none)."""
-    if run.engine not in GRAPHS_OUTSIDE_BUDGET:
+    engine = model.run.engine
+    if engine not in GRAPHS_OUTSIDE_BUDGET:
         return {}
-    return graphs_per_rank(run.engine, summaries, stored_capture_ns(db, run.run_id))
+    return graphs_per_rank(engine, model.summaries, model.capture_ns)
 
 
 def replayed_graphs_outside_budget(engine: str | None, summaries: Mapping[int, RankSummary],

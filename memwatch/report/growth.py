@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
 from memwatch.records import Event
 from memwatch.report.points import Points
-from memwatch.report.run_facts import end_margin
+from memwatch.store.run_figures import end_margin
 
 MiB = 1 << 20
 WINDOW_STEPS = 100

@@ -1,6 +1,6 @@
 """``report --json``: the numbers the report shows, under the names every other command gives them.
 
-The run's shared quantities (:mod:`memwatch.report.run_facts`) at the top, under the same keys as ``check`` and
+The run's shared quantities (:mod:`memwatch.store.run_figures`) at the top, under the same keys as ``check`` and
 ``explain``; each rank's summary row (:mod:`memwatch.report.facts`) under ``ranks``, its shared quantities renamed
 to those keys (``non_pytorch_bytes`` is ``non_torch_at_sizing_bytes``, ``kv_bytes`` is ``kv_cache_bytes``,
 ``flags`` is ``flag_counts``) and its end margin beside them; and the explanation the page prints.
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from memwatch.report.explain import explain_run
+from memwatch.report.explain import explain_stored
 from memwatch.report.facts import RankFacts, run_facts
-from memwatch.report.run_data import load_run_data
-from memwatch.report.run_facts import RunTruth, run_truth
+from memwatch.report.run_data import run_data_of
+from memwatch.store.run_figures import RunTruth
+from memwatch.store.run_model import load_run
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database
@@ -35,10 +36,10 @@ def rank_numbers(facts: RankFacts, truth: RunTruth) -> dict[str, Any]:
 
 def report_numbers(db: Database, ref: str) -> dict[str, Any]:
     """The report of run ``ref`` as JSON: what the page's summary and explanation say, in numbers."""
-    data = load_run_data(db, ref, JSON_BUCKETS)
-    run = data.run
-    truth = run_truth(db, run.run_id)
-    explanation = explain_run(db, run.run_id)
+    model = load_run(db, ref)
+    data = run_data_of(model, JSON_BUCKETS)
+    run, truth = model.run, model.figures
+    explanation = explain_stored(model)
     return {
         "run_id": run.run_id, "status": run.status, "engine": run.engine, "model": run.model, "gpu": run.gpu_name,
         **truth.to_dict(),

@@ -75,13 +75,17 @@ def _summary_table(facts: list[RankFacts]) -> str:
 
 def _findings(data: RunData, facts: list[RankFacts]) -> str:
     """What the table's numbers mean when they look wrong but are not: CUDA graphs the engine's budget leaves
-    out put driver-used above the budget line on a healthy run."""
+    out put driver-used above the budget line on a healthy run; a CPU device has no allocator or driver rows
+    to fill (said once, not as a table of unknowns)."""
     engine = data.run.engine
     said = [f"<li>rank {f.rank}: {html.escape(graphs_sentence(engine, f.cuda_graphs_outside_budget_bytes))}.</li>"
             for f in facts if engine is not None and f.cuda_graphs_outside_budget_bytes is not None]
+    device = None if data.model is None else data.model.device_note
+    cpu = (f"<p id='device'>This run's {html.escape(str(device)).removeprefix('the ')}. The table's empty rows are "
+           "why, not unknowns.</p>") if device else ""
     if not said:
-        return ""
-    return ("<ul id='findings'>" + "".join(said) + "</ul><p>The timeline draws them above the budget line.</p>")
+        return cpu
+    return ("<ul id='findings'>" + "".join(said) + "</ul><p>The timeline draws them above the budget line.</p>" + cpu)
 
 
 def _flags_table(data: RunData) -> str:

@@ -17,11 +17,9 @@ from typing import Any
 from memwatch.detectors.detector_set import STARTUP_PHASES
 from memwatch.detectors.wording import format_bytes, format_count, format_duration_ns
 from memwatch.records import Event, Sample
+from memwatch.store.run_figures import nearly_full
+from memwatch.store.run_model import CRASHED, WINDOW_STEPS
 
-WINDOW_STEPS = 100
-"""The last window before a crash: this many samples."""
-
-CRASHED = "crashed"
 ENDED_BADLY = {CRASHED: "crashed", "error": "stopped with an error"}
 """Run statuses a post-mortem must lead with, and how they are said."""
 CRASH = "crash"
@@ -215,11 +213,6 @@ def unseen_end_sentence(status: str, ranks: list[RankReadings]) -> str:
                 "not recorded.")
     return (f"the process exited{where}; it was watched from outside, so its exit code is unknown (only its "
             "parent process can collect it).")
-
-
-def nearly_full(free_bytes: int, total_bytes: int) -> bool:
-    """Under 2 % of the device free: a failed allocation outside the ledger is then a likely cause of a crash."""
-    return free_bytes < total_bytes // 50
 
 
 def format_time(ts_ns: int) -> str:

@@ -18,10 +18,9 @@ from memwatch.ledger import Ledger
 from memwatch.records import Event, Sample
 from memwatch.report.graphs import stored_graphs_outside_budget
 from memwatch.report.series import DEFAULT_BUCKETS, Series, peak_series
-from memwatch.report.stored import stored_run
 from memwatch.store import open_store
-from memwatch.store.queries import Run, events, get_run, run_ranks
-from memwatch.store.window import run_key
+from memwatch.store.queries import Run
+from memwatch.store.run_model import StoredRun, load_run
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database
@@ -85,6 +84,8 @@ class RunData:
     start_ns: int
     end_ns: int
     ranks: list[RankData]
+    model: StoredRun | None = None
+    """The read model the data was drawn from (:mod:`memwatch.store.run_model`): the run's shared figures."""
 
 
 def _phases(rank_events: list[Event], end_ns: int) -> list[Phase]:
@@ -149,23 +150,6 @@ def _stack(points: Points, allocated: int, reserved: int | None, used: int | Non
         points.stack[key].append(value)
 
 
-def _sample_ranks(db: Database, run_id: str) -> list[int]:
-    """The ranks with samples, one index seek each (a DISTINCT would walk every sample)."""
-    key = run_key(db, run_id)
-    ranks: list[int] = []
-    if key is None:
-        return ranks
-    for table in ("sample_rows", "sample_seconds"):
-        rank = -1
-        while True:
-            row = db.execute(f"SELECT min(rank) FROM {table} WHERE run_key = ? AND rank > ?", (key, rank)).fetchone()
-            if row[0] is None:
-                break
-            rank = row[0]
-            ranks.append(rank)
-    return sorted(set(ranks))
-
-
 def _all_series(db: Database, run_id: str, ranks: list[int], buckets: int) -> list[Series]:
     """Each rank's series; ranks are read in parallel on their own read-only connections (SQLite runs
     without the GIL), since reading every sample of a long run is most of a report's time."""
@@ -186,13 +170,18 @@ def _all_series(db: Database, run_id: str, ranks: list[int], buckets: int) -> li
 
 def load_run_data(db: Database, ref: str, buckets: int = DEFAULT_BUCKETS) -> RunData:
     """The run ``ref`` (id, unique prefix or ``latest``) ready to draw, at most ``buckets`` buckets per rank."""
-    run = get_run(db, ref)
-    state = stored_run(db, run.run_id)  # flags stored by a live sidecar, else replayed as check does
-    all_flags = state.flags
-    graphs = stored_graphs_outside_budget(db, run, state.summaries)
-    all_events = events(db, run.run_id)
-    ranks_rows = {row["rank"]: row for row in run_ranks(db, run.run_id)}
-    rank_ids = sorted(set(ranks_rows) | set(_sample_ranks(db, run.run_id)))
+    return run_data_of(load_run(db, ref), buckets)
+
+
+def run_data_of(model: StoredRun, buckets: int = DEFAULT_BUCKETS) -> RunData:
+    """A stored run's read model ready to draw: its flags (stored by a live sidecar, else replayed as check does),
+    events and rows from the model, each rank's peak-keeping series read through the samples' index."""
+    db, run = model.db, model.run
+    all_flags = model.flags
+    graphs = stored_graphs_outside_budget(model)
+    all_events = model.events
+    ranks_rows = {row["rank"]: row for row in model.rank_rows}
+    rank_ids = sorted(set(ranks_rows) | {rank for rank in model.sample_ranks if rank >= 0})  # as ever drawn
     ranks: list[RankData] = []
     start = end = None
     for rank, series in zip(rank_ids, _all_series(db, run.run_id, rank_ids, buckets), strict=True):
@@ -216,4 +205,4 @@ def load_run_data(db: Database, ref: str, buckets: int = DEFAULT_BUCKETS) -> Run
         ))
     start = start if start is not None else run.started_ns or 0
     end = end if end is not None else run.ended_ns or start
-    return RunData(run, start, end, ranks)
+    return RunData(run, start, end, ranks, model)

@@ -14,15 +14,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from memwatch.detectors.summary import MINUTE_NS, STARTUP_PHASES, ServingPoint, serving_point
-from memwatch.ledger import KV_ALLOCATED, PHASE_END, WEIGHTS_LOADED, Ledger
+from memwatch.ledger import Ledger
 from memwatch.records import Event, Sample
 from memwatch.store.window import RAW_SELECT, ROLLED_SELECT, run_key
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database
 
-LEDGER_EVENTS = (KV_ALLOCATED, WEIGHTS_LOADED, PHASE_END)
-"""The events that change a rank's ledger terms."""
 _SKIP_STARTUP = f"NOT IN ({', '.join(repr(phase) for phase in sorted(STARTUP_PHASES))})"
 _TERMS = {
     "non_torch_bytes": "{p}driver_used_bytes - {p}reserved_bytes",

@@ -10,7 +10,6 @@ it wrote was an OOM).
 
 from __future__ import annotations
 
-import json
 import logging
 import sqlite3
 import struct
@@ -26,9 +25,9 @@ from memwatch_engine.ring_reader import RingHeader, RingReader
 from ..identity import VERIFIED
 from ..losses import reported_lost
 from ..records import Event, Sample
-from ..ring_records import RingDrain
 from ..store.writer import Batch, StoreWriter, WriterStalled
 from .discovery import Discovery
+from .drain_batch import drain_batch
 from .liveness import ring_writer_alive, writer_alive
 from .record_checks import check_meta, screen
 from .rejected_rings import set_aside_ring
@@ -280,7 +279,7 @@ class Collector:
         drained = screen(reader.drain(state.cursor, DRAIN_LIMIT))  # what fails its checks goes to drained.bad
         count = len(drained.samples) + len(drained.events)
         if count or drained.lost or drained.bad or drained.next_cursor != state.cursor:
-            batch = self._rows(state, drained)
+            batch = drain_batch(state, drained, self._run_key, self._observers)
             newly_lost = drained.lost + reported_lost(drained.events)
             lost = state.lost + newly_lost
             batch.statements.append(rank_progress(header, count, lost))
@@ -320,53 +319,6 @@ class Collector:
         state.saw_oom = False
         self._finish(state, closed=True, keep_file=True)
         self._finder.refused.add(state.path.name)
-
-    def _rows(self, state: RingState, drained: Any) -> Batch:
-        header = state.header
-        run_id, rank = header.run_id, header.rank
-        batch = Batch()
-        events = drained.events
-        # Events first: a phase_start teaches the reader a custom phase code used by later samples.
-        for _seq, step, ts_ns, kind, data in events:
-            batch.events.append((run_id, rank, step, ts_ns, kind, json.dumps(data)))
-            if kind == "config":
-                batch.statements.append(
-                    ("UPDATE runs SET config = json_patch(config, ?) WHERE run_id = ?", (json.dumps(data), run_id))
-                )
-            elif kind == "run_end":
-                state.end_status = str(data.get("status", "ok"))
-            elif kind == "oom":
-                state.saw_oom = True
-        for seq, ts_ns, why, raw in drained.bad:
-            batch.set_aside.append((run_id, rank, seq, ts_ns or None, why, raw))
-        if drained.lost:
-            first = (drained.samples[0][6] if drained.samples else events[0][2] if events else state.last_ts_ns)
-            batch.events.append((run_id, rank, drained.samples[0][5] if drained.samples else None, first,
-                                 "samples_lost", json.dumps({
-                                     "count": drained.lost, "from_ts_ns": state.last_ts_ns or None, "to_ts_ns": first,
-                                 })))
-        names = state.reader.phase_names
-        if drained.samples:
-            if state.run_key is None:
-                state.learn_run_key(self._run_key(run_id))
-            batch.ring_samples.append((state.sample_insert(drained.slots), drained.samples))
-        last_sample_ts = drained.samples[-1][6] if drained.samples else 0
-        last_event_ts = events[-1][2] if events else 0
-        state.last_ts_ns = max(state.last_ts_ns, last_sample_ts, last_event_ts)
-        if self._observers:
-            drain = RingDrain(run_id, rank, drained, names)  # typed records only for observers that want them
-            for observer in self._observers:
-                if getattr(observer, "takes_drain", False):
-                    given: Any = drain
-                elif getattr(observer, "events_only", False):
-                    given = drain.events
-                else:
-                    given = drain.records
-                batch.flags.extend(observer(header, given))
-                statements = getattr(observer, "statements", None)  # e.g. per-rank summaries kept live
-                if statements is not None:
-                    batch.statements.extend(statements(header))
-        return batch
 
     def _run_key(self, run_id: str) -> int | None:
         """The run's key, if the row registering it has committed (else the insert looks it up per row)."""

@@ -1,11 +1,11 @@
 """``memwatch serve``: the sidecar process — lock, collector loop, writer thread, clean shutdown.
 
-One sidecar per runtime directory, guarded by a lock on ``sidecar.lock`` in its private state
-directory (:mod:`memwatch.sidecar.sidecar_files`), held for the process's life (the kernel drops it if the
-process dies, so a stale lock cannot block the next one). SIGTERM/SIGINT stop the loop; before
-exiting it drains every ring one last time and waits for the writer, so nothing already in a ring is
-lost by stopping the sidecar. Every ``retention_interval`` seconds it queues, through the writer like
-any batch, the roll-up of the old samples of the runs it stores (:mod:`memwatch.store.retention`).
+One sidecar per runtime directory, guarded by a lock on ``sidecar.lock`` in its private state directory
+(:mod:`memwatch.sidecar.claim`, :mod:`memwatch.sidecar.sidecar_files`), held for the process's life (the kernel
+drops it if the process dies, so a stale lock cannot block the next one). SIGTERM/SIGINT stop the loop; before
+exiting it drains every ring one last time and waits for the writer, so nothing already in a ring is lost by
+stopping the sidecar. Every ``retention_interval`` seconds it queues, through the writer like any batch, the
+roll-up of the old samples of the runs it stores (:mod:`memwatch.store.retention`).
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ from ..store.db import default_db_path, open_store, quick_check
 from ..store.queries import events
 from ..store.retention import Retention, plan_run, plan_size_cap
 from ..store.writer import Batch, StoreWriter
+from .claim import claim
 from .collector import Collector, Observer
 from .live import LiveDetectors
 from .pacing import BATCH_TARGET, pace
 from .refused_names import REASONS
 from .shipping import BundleSettings, Incidents
-from .sidecar_files import PidFile, StateDir, default_state_dir, signal_sidecar
+from .sidecar_files import StateDir, default_state_dir
 from .stop_flag import StopFlag
 
 if TYPE_CHECKING:  # the exporters (OpenTelemetry) are imported only by a sidecar that runs them
@@ -43,15 +44,9 @@ if TYPE_CHECKING:  # the exporters (OpenTelemetry) are imported only by a sideca
 
 log = logging.getLogger("memwatch.serve")
 
-HANDOVER_WAIT_S = 30.0
-"""How long ``memwatch serve`` waits for an auto-started sidecar to stop: its last drain and commit."""
 NO_RING_AFTER_S = 60.0
 """With no ring this long after the start, the sidecar says so once (log, ``/readyz``): an engine whose runtime
 directory is another (a private ``/tmp``, another ``MEMWATCH_RUNTIME_DIR``) is otherwise silently not stored."""
-
-
-class SidecarRunning(UnavailableError):
-    """Another sidecar already serves this runtime directory."""
 
 
 class Sidecar:
@@ -180,54 +175,9 @@ class Sidecar:
         return None if self._state is None else self._state.fd
 
     def _take_lock(self) -> None:
-        """Take the lock in the state directory; a sidecar started by hand takes over from an auto-started one.
-
-        An auto-started sidecar (``exit_when_idle``) only stands in until someone runs ``memwatch serve``:
-        it is asked to stop (SIGTERM: its last drain and commit), and its lock is taken once it has gone.
-        The rings keep what it did not store, and their cursors say where to resume.
-        """
-        try:
-            state = StateDir(self.state_dir, self._runtime_fd)
-        except OSError as exc:
-            raise PermissionDeniedError(
-                f"cannot use {self.state_dir} as the sidecar's state directory: {exc.strerror or exc}; it must be a "
-                "directory of the sidecar's user, mode 0700 (pass another with --state-dir)") from None
-        try:
-            if not self._lock_or_take_over(state):
-                holder = state.read_pid()
-                raise SidecarRunning(
-                    f"a sidecar is already running for {self.runtime_dir}"
-                    + (f" (pid {holder.pid})" if holder else "") + "; stop it first or pass another --runtime-dir"
-                )
-            if state.another_serves_runtime_dir():
-                raise SidecarRunning(f"a sidecar with another state directory is already running for "
-                                     f"{self.runtime_dir}; stop it first or pass another --runtime-dir")
-            state.write_pid(auto=self.exit_when_idle is not None)
-            state.publish_presence()
-        except BaseException:
-            state.close()
-            raise
-        self._state = state
-
-    def _lock_or_take_over(self, state: StateDir) -> bool:
-        """Whether the lock was taken: at once, or after the auto-started holder stopped (bounded wait)."""
-        if state.try_lock():
-            return True
-        if self.exit_when_idle is not None:
-            return False  # an auto-started sidecar never displaces another
-        deadline = time.monotonic() + HANDOVER_WAIT_S
-        asked: PidFile | None = None
-        while time.monotonic() < deadline:
-            holder = state.read_pid()
-            if holder is not None and not holder.auto:
-                return False
-            if holder is not None and holder != asked and signal_sidecar(holder, signal.SIGTERM):
-                asked = holder  # a pid that is not that sidecar any more is never signalled: the lock decides
-            time.sleep(0.05)  # the holder may not have written its pid file yet
-            if state.try_lock():
-                self.took_over_from = None if asked is None else asked.pid
-                return True
-        return False
+        """Claim the runtime directory (:func:`memwatch.sidecar.claim.claim`)."""
+        self._state, self.took_over_from = claim(self.state_dir, self._runtime_fd, self.runtime_dir,
+                                                 auto=self.exit_when_idle is not None)
 
     def stop(self) -> None:
         self._stop.set()

@@ -62,14 +62,12 @@ class DirWatch:
         found: list[Change] = []
         for _ in range(max_reads):
             try:
-                data = os.read(self._fd, READ_BYTES)
+                data = os.read(self._fd, READ_BYTES)  # whole records; an empty queue is EAGAIN, never b""
             except BlockingIOError:
                 break
             except OSError as exc:
                 log.error("cannot read the runtime directory's changes: %s; listing it instead", exc.strerror)
                 self.overflowed = True
-                break
-            if not data:
                 break
             found.extend(self._parse(data))
         return found
@@ -77,9 +75,11 @@ class DirWatch:
     def _parse(self, data: bytes) -> list[Change]:
         found = []
         offset = 0
-        while offset + _EVENT.size <= len(data):
+        for _ in range(len(data) // _EVENT.size):  # no more records than headers fit: ends whatever lengths say
+            if offset + _EVENT.size > len(data):
+                break
             _wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)
-            raw = data[offset + _EVENT.size:offset + _EVENT.size + length].split(b"\0", 1)[0]
+            raw = data[offset + _EVENT.size:offset + _EVENT.size + length].partition(b"\0")[0]
             offset += _EVENT.size + length
             if mask & (IN_Q_OVERFLOW | IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF):
                 self.overflowed = True
@@ -94,21 +94,19 @@ class DirWatch:
 
 
 def watch_dir(dir_fd: int) -> DirWatch | None:
-    """A watch on the directory open as ``dir_fd``; None (one debug line) where inotify cannot be used."""
-    try:  # the C library is already in the process: no search for it (find_library runs ldconfig or a compiler)
-        libc = ctypes.CDLL(None, use_errno=True)
-        init, add = libc.inotify_init1, libc.inotify_add_watch
-    except (OSError, AttributeError) as exc:
-        log.debug("no inotify (%s): the runtime directory is listed at every scan", exc)
-        return None
+    """A watch on the directory open as ``dir_fd``; None (one warning) where inotify cannot be used."""
+    # The C library is already in the process: no search for it (find_library runs ldconfig or a compiler). Every
+    # Linux C library has the calls; a kernel or a seccomp profile without them makes them fail (ENOSYS), below.
+    libc = ctypes.CDLL(None, use_errno=True)
+    init, add = libc.inotify_init1, libc.inotify_add_watch
     init.argtypes, init.restype = [ctypes.c_int], ctypes.c_int
     add.argtypes, add.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32], ctypes.c_int
     fd = init(os.O_NONBLOCK | os.O_CLOEXEC)
-    if fd < 0:
+    if fd == -1:
         log.warning("cannot watch the runtime directory (%s): it is listed at every scan instead, which a flood "
                     "of names slows down", os.strerror(ctypes.get_errno()))
         return None
-    if add(fd, f"/proc/self/fd/{dir_fd}".encode(), WATCHED | IN_ONLYDIR) < 0:
+    if add(fd, f"/proc/self/fd/{dir_fd}".encode(), WATCHED | IN_ONLYDIR) == -1:
         err = ctypes.get_errno()
         os.close(fd)
         log.warning("cannot watch the runtime directory (%s%s): it is listed at every scan instead",

@@ -40,7 +40,7 @@ class _Stopped(Exception):
 class Discovery:
     """The thread that finds rings for the collector: :meth:`take` gives the loop what it found since."""
 
-    def __init__(self, finder: RingFinder, *, interval: float = 0.25, watch: bool = True,
+    def __init__(self, finder: RingFinder, *, interval: float, watch: bool = True,
                  on_found: Callable[[], None] | None = None) -> None:
         """``interval``: how often the directory is scanned where it cannot be watched (and how long a wait
         for changes lasts); ``watch=False`` scans even where it could be watched; ``on_found`` is called (in
@@ -87,7 +87,7 @@ class Discovery:
             if len(self._pending) >= MAX_PENDING:
                 self._relist = True  # found again by the next listing, once the loop took these
                 return
-            self._pending[name] = None
+            self._pending.setdefault(name)  # an ordered set: found twice, taken once
         if self._on_found is not None:
             self._on_found()
 
@@ -101,7 +101,7 @@ class Discovery:
                     self._stop.wait(self._interval)
                     continue
                 if self._relist or self._watch.overflowed:
-                    self._relist = self._watch.overflowed = False
+                    self._relist = self._watch.overflowed = False  # pragma: no mutate (None: as false)
                     self.listings += 1
                     for name in self._finder.listing(between=self._changes):
                         self._hand(name)
@@ -112,11 +112,8 @@ class Discovery:
             log.exception("finding rings failed; new rings are no longer opened until the sidecar restarts")
 
     def _wait_for_changes(self) -> None:
-        assert self._watch is not None
-        try:
-            ready, _, _ = select.select([self._watch], [], [], self._interval)
-        except (OSError, ValueError):  # closed under us: stopping
-            return
+        assert self._watch is not None  # open until this thread ended (:meth:`stop`)
+        ready, _, _ = select.select([self._watch], [], [], self._interval)
         if ready:
             self._changes()
         self._finder.limited.flush()

@@ -5,10 +5,15 @@ to take requests as a router hands them over and to run only up to a given insta
 engine and the router move in lock-step. :class:`FleetEngine` drives the same startup, scheduler, block
 manager, forwards and Monitor calls (it reuses ``SimulatedEngine._step``); it adds when each request was
 first scheduled and when it finished, and it ends the engine for good when its GPU runs out of memory.
+
+Its records are stamped on this host's wall clock, when the simulation writes them, as a real engine's are:
+its sidecar then ages them as it ages any engine's, with the staleness a deployment runs with. The simulated
+clock decides what happens and when (the schedule, the router's ticks, the results); it never reaches a ring.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -89,7 +94,7 @@ class FleetEngine:
             monitor = Monitor(engine=config.rules, model=spec.name, rank=rank,
                               world_size=config.tensor_parallel_size, run_id=run_id, probe=gpu,
                               runtime_dir=runtime_dir, config={"scenario": scenario.name, "fleet_engine": index},
-                              spawn_sidecar=False, clock=self.clock.now_ns, source="sim", close_at_exit=False)
+                              spawn_sidecar=False, clock=time.time_ns, source="sim", close_at_exit=False)
             if not monitor.enabled:
                 for runner in runners:
                     runner.monitor.close("error")

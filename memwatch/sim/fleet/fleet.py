@@ -36,8 +36,6 @@ SCRAPE_INTERVAL_NS = 50_000_000
 """The router scrapes every engine every 50 ms of the simulator's clock."""
 RETRY_TICKS = 5
 """Requests the router holds are offered to the policy again every 5 ticks (250 ms), with that tick's scrape."""
-SIGNAL_STALE_AFTER_S = 3600
-"""The sidecars' ``--signal-stale-after`` (its largest value): see :func:`_run`."""
 CATCH_UP_TICKS = 200
 """However long nothing is routed, the fleet waits for its sidecars every 200 ticks (10 s simulated), so a
 sidecar never falls a ring's length behind and loses records (which would change what it exports)."""
@@ -62,10 +60,9 @@ def run_fleet(trace: FleetTrace, engines: int, policies: list[str] | tuple[str, 
 
 
 def _run(trace: FleetTrace, engines: int, policies: list[str], seed: int, home: Path) -> list[PolicyResult]:
+    # The sidecars run with a deployment's settings: the default staleness, on the wall clock the engines'
+    # records are stamped with (:mod:`.engine`).
     args = tuple(arg for prompt, output in trace.shapes for arg in ("--admission-shape", f"{prompt}:{output}"))
-    # The drain wait before each scrape is what keeps the signal fresh here, in simulated time; staleness on
-    # the sidecar's wall clock would bring this machine's speed into the outcome, so it is set out of reach.
-    args += ("--signal-stale-after", str(SIGNAL_STALE_AFTER_S))
     sidecars = [FleetSidecar(home / f"engine{i}", args) for i in range(engines)]
     try:
         for sidecar in sidecars:

@@ -57,6 +57,7 @@ COMMITTED = "memwatch_kv_committed_usage_ratio"
 EXPECTED = "memwatch_kv_expected_usage_ratio"
 SHARE = "memwatch_expected_output_share"
 FREE_TOKENS = "memwatch_kv_free_tokens"
+CAPACITY_TOKENS = "memwatch_kv_capacity_tokens"
 SAMPLES = "memwatch_samples_total"
 READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, SAFE_PREFILL, COMMITTED, EXPECTED, SHARE, FREE_TOKENS, SAMPLES})
 """Every metric family a policy reads (and the sample count that shows how far the sidecar has drained)."""
@@ -198,31 +199,45 @@ def tokens_of(request: FleetRequest, share: float) -> float:
     return request.prompt_tokens + math.ceil(share * request.output_tokens)
 
 
+def cache_tokens(view: EngineView) -> float | None:
+    """The engine's KV cache in tokens: ``memwatch_kv_capacity_tokens``, of the sample the committed usage and free
+    tokens come from. A sidecar without it: free tokens over the free fraction of blocks, which mixes that sample
+    with the stored one ``memwatch_kv_blocks_used`` comes from (an engine that just emptied reads a stale usage
+    beside all its tokens free, and a cache several times its size). ``None``: it cannot be told."""
+    capacity = view.lowest(CAPACITY_TOKENS)
+    if capacity is not None:
+        return capacity if capacity > 0 else None
+    free_tokens, usage = view.lowest(FREE_TOKENS), view.kv_usage()
+    if free_tokens is None or usage is None or usage >= 1.0:
+        return None
+    return free_tokens / (1.0 - usage)
+
+
 def fits_kv(view: EngineView, request: FleetRequest) -> bool:
     """The check ``memwatch_admissible_requests`` makes, on the request's own size: its tokens, once for itself
     and once for each request waiting ahead of it (counted as its size: the gauges carry no per-request
     sizes), plus the tokens of those sent and not yet shown, fit in the tokens neither used nor promised (with
-    the expected commitment and output share where exported). The cache's tokens are free tokens over the free
-    fraction of blocks; an engine whose gauges cannot tell is not refused."""
-    (committed, share), free_tokens, usage = commitment(view), view.lowest(FREE_TOKENS), view.kv_usage()
-    if free_tokens is None or usage is None or committed is None:
+    the expected commitment and output share where exported): the cache's tokens (:func:`cache_tokens`) less the
+    committed share. An engine whose gauges cannot tell is not refused; a full one admits nothing."""
+    (committed, share), free_tokens = commitment(view), view.lowest(FREE_TOKENS)
+    if free_tokens is None or committed is None:
         return True
-    if usage >= 1.0:
-        return False
-    unpromised = free_tokens / (1.0 - usage) * (1.0 - committed)
+    cache = cache_tokens(view)
+    if cache is None:
+        return view.kv_usage() is None  # no usage either: cannot tell; else the cache is full
+    unpromised = cache * (1.0 - committed)
     ahead = (view.highest(WAITING) or 0) + 1
     sent = sum(tokens_of(r, share) for r in view.sent)
     return ahead * tokens_of(request, share) + sent <= unpromised
 
 
 def _sent_share(view: EngineView, share: float = 1.0) -> float:
-    """The KV share the requests sent and not yet shown will commit: their tokens over the cache's tokens (free
-    tokens over the free fraction of blocks; 0 when that cannot be told)."""
-    free_tokens, usage = view.lowest(FREE_TOKENS), view.kv_usage()
-    if not view.sent or free_tokens is None or usage is None or usage >= 1.0 or free_tokens <= 0:
+    """The KV share the requests sent and not yet shown will commit: their tokens over the cache's tokens
+    (:func:`cache_tokens`; 0 when that cannot be told)."""
+    cache = cache_tokens(view)
+    if not view.sent or cache is None:
         return 0.0
-    total_tokens = free_tokens / (1.0 - usage)
-    return sum(tokens_of(r, share) for r in view.sent) / total_tokens
+    return sum(tokens_of(r, share) for r in view.sent) / cache
 
 
 POLICIES = ("round-robin", "kv-usage", "kv-usage-queue", "memwatch")

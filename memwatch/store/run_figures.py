@@ -25,6 +25,8 @@ A run with several ranks sums the byte terms over its ranks (the whole model's w
 the tightest rank's margin, and the earliest out-of-memory's step. Its *worst rank* (:func:`worst_rank`) is the
 one whose figures stand for the run where one rank's figures are given (``replay --json``'s top level): the
 rank that ran out of memory first, else the rank with the lowest margin at its end.
+
+Pure: :mod:`memwatch.store.run_model` feeds these from a stored run, ``check`` from a replay of records.
 """
 
 from __future__ import annotations
@@ -33,16 +35,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from memwatch.detectors import DetectorConfig
-from memwatch.detectors.summary import RankSummary
 from memwatch.flags import OOM, Flag
 from memwatch.ledger import KV_ALLOCATED, WEIGHTS_LOADED, Ledger, Sizing, non_torch_bytes
 from memwatch.records import Event
 
 if TYPE_CHECKING:
-    from memwatch.report.readings import RankReadings
-    from memwatch.report.stored import StoredRun
-    from memwatch.store.db import Database
+    from memwatch.detectors.summary import RankSummary
 
 SHARED_KEYS: tuple[str, ...] = (
     "oom_step", "non_torch_at_sizing_bytes", "oom_margin_bytes", "weights_bytes", "kv_cache_bytes", "flag_counts",
@@ -66,16 +64,19 @@ def non_torch_at_sizing(sizing: Sizing | None) -> int | None:
                           sizing.kv_outside_in_readings)
 
 
+def nearly_full(free_bytes: int, total_bytes: int) -> bool:
+    """Under 2 % of the device free: a failed allocation outside the ledger is then a likely cause of a crash."""
+    return free_bytes < total_bytes // 50
+
+
 def ran_dry(free_bytes: int | None, total_bytes: int | None) -> bool:
     """Whether a rank that crashed without an ``oom`` event most likely died of a failed GPU allocation.
 
     An allocation fails when it asks for more than is free, not only when nothing is free: the caching
     allocator asks the driver for whole segments (2 MiB, 20 MiB or the request rounded up to 2 MiB) and a
     library's ``cudaMalloc`` for its whole workspace, so a process dies of memory with a few MiB still free.
-    A crash that left under 2 % of the device free (:func:`memwatch.report.readings.nearly_full`, the test
-    ``explain`` names the failed allocation by) ran out; 0 B free always did."""
-    from memwatch.report.readings import nearly_full
-
+    A crash that left under 2 % of the device free (:func:`nearly_full`, the test ``explain`` names the failed
+    allocation by) ran out; 0 B free always did."""
     if free_bytes is None:
         return False
     return free_bytes == 0 or (bool(total_bytes) and nearly_full(free_bytes, total_bytes or 0))
@@ -201,19 +202,3 @@ def truth_from(run_id: str, status: str | None, events: Iterable[Event], summari
     for flag in flags:
         counts[flag.kind] = counts.get(flag.kind, 0) + 1
     return RunTruth(run_id, tuple(ranks), counts)
-
-
-def run_truth(db: Database, ref: str, config: DetectorConfig | None = None, *, state: StoredRun | None = None,
-              readings: Mapping[int, RankReadings] | None = None) -> RunTruth:
-    """The shared quantities of the stored run ``ref``; pass what a command already read to read it once."""
-    from memwatch.report.stored import stored_readings, stored_run
-    from memwatch.store.queries import events
-
-    state = state if state is not None else stored_run(db, ref, config)
-    run = state.run
-    if readings is None:
-        readings = stored_readings(db, run.run_id, state.summaries)
-    last_free = {rank: None if r.last is None else r.last.driver_free_bytes for rank, r in readings.items()}
-    totals = {rank: r.total_bytes for rank, r in readings.items()}
-    return truth_from(run.run_id, run.status, events(db, run.run_id), state.summaries, state.flags, last_free,
-                      totals)
