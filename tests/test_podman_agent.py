@@ -177,7 +177,10 @@ def test_the_agent_under_a_names_flood_stays_live_and_stores_a_trusted_ring_with
             stored.append(round(time.monotonic() - appeared, 2))
             wait_for(lambda run=run: _samples(node.db, run) == 300, 30, f"all 300 of {run}'s samples", pause=0.2)
         timings["trusted rings stored after they appeared, under the flood"] = max(stored)
-        time.sleep(5)  # the agent keeps turning while the toggling goes on
+        # the agent keeps turning while the toggling goes on, for at least 5 s and 5 liveness checks (each check is a
+        # `podman exec`: how many fit in the run's own time depends on the machine's load)
+        time.sleep(5)
+        wait_for(lambda: len(liveness.results) >= 5, 60, "5 runs of the liveness probe", pause=0.5)
     finally:
         answers, checks = probe.stop(), liveness.stop()
         if toggling is not None:
