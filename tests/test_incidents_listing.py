@@ -13,6 +13,7 @@ import json
 import os
 import re
 import socket
+import stat
 import threading
 import uuid
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from memwatch.cli import main
 from memwatch.errors import NotFoundError, UsageError
 from memwatch.incident import manifest as m
 from memwatch.incident.listing import Listed, list_bundles, list_names
+from memwatch.incident.manifest import BundleError
 
 from ship_s3 import S3Server, free_port
 
@@ -275,3 +277,38 @@ def test_a_manifest_member_over_its_bound_or_cut_short_is_refused(members: dict[
     with pytest.raises(m.BundleError, match=r"not a readable tar\.gz \(unexpected end of data\); it is damaged"):
         read_manifest(reader(cut[:len(cut) // 2]))
     assert read_manifest(reader(pack(members))).run_id == json.loads(members[m.MANIFEST])["run_id"]
+
+
+def test_each_kind_of_entry_that_is_not_a_file_is_named(members: dict[str, bytes], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole refusal, word for word, for what a folder of bundles may hold besides bundles (a device only by its
+    mode: making one needs a privilege the tests do not assume)."""
+    from memwatch.incident.listing import _kind, _local_manifest
+
+    folder = _bad_folder(members, tmp_path)
+    monkeypatch.chdir(folder)  # a socket's path is bounded (108 bytes): bound by its name in its folder
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(NAME.format(0, "socket"))
+        by_key = {_key(item): item.error for item in list_bundles(str(folder))}
+    assert by_key["socket"] == "a socket, not a bundle file; not read"
+    for key in ("folder", "fifo", "link"):
+        assert by_key[key] == REFUSED[key], key
+    assert (_kind(stat.S_IFCHR), _kind(stat.S_IFBLK), _kind(stat.S_IFLNK)) == ("a device", "a device",
+                                                                                "not a regular file")
+    with pytest.raises(BundleError) as refused:
+        _local_manifest(str(folder / NAME.format(5, "link")))
+    assert str(refused.value) == "a symbolic link, not a bundle; not followed"
+    with pytest.raises(BundleError) as refused:
+        _local_manifest(str(folder / "gone.tar.gz"))
+    assert str(refused.value) == "cannot be opened (No such file or directory)"
+
+
+def test_a_bundle_is_listed_under_its_pod_else_its_host(members: dict[str, bytes], tmp_path: Path) -> None:
+    folder = tmp_path / "incidents"
+    folder.mkdir()
+    raw = json.loads(members[m.MANIFEST])
+    for key, pod in (("pod", "vllm-0"), ("host", None)):
+        sealed = reseal({**members, m.MANIFEST: json.dumps({**raw, "k8s_pod": pod, "hostname": "node-7"}).encode()})
+        (folder / NAME.format(1 if pod else 2, key)).write_bytes(pack(sealed))
+    assert {_key(item): item.to_dict()["pod"] for item in list_bundles(str(folder))} == {"pod": "vllm-0",
+                                                                                         "host": "node-7"}

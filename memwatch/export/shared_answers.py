@@ -81,12 +81,9 @@ class SharedAnswers(Generic[Waiter, Answer]):
         return threads
 
     def _work(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                job = self._jobs.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if job is None:
+        while True:
+            job = self._jobs.get()  # a stop queues one None for each worker
+            if job is None or self._stopping.is_set():  # what was queued before the stop is not answered
                 return
             with self._lock:  # from now on a request for this path waits for the next answer
                 waiters = self._waiting.pop(job)

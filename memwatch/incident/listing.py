@@ -89,8 +89,8 @@ def list_names(prefix: str) -> list[str]:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device")):
         if test(mode):
             return name
     return "not a regular file"
@@ -102,6 +102,8 @@ def _local_manifest(path: str) -> m.Manifest:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise BundleError("a symbolic link, not a bundle; not followed") from None
+        if exc.errno == errno.ENXIO:  # what opening a socket answers (or a device with no driver)
+            raise BundleError("a socket, not a bundle file; not read") from None
         raise BundleError(f"cannot be opened ({exc.strerror or exc})") from None
     try:
         mode = os.fstat(fd).st_mode

@@ -91,13 +91,12 @@ class Ledger:
 
     def oldest_owed_ns(self) -> int | None:
         """When the oldest bundle still owed was decided (``None``: none is)."""
-        rows = self._run("""SELECT min(decided_ns) FROM incidents WHERE state IN (?, ?)""", (OWED, BUILDING))
-        value = rows[0][0] if rows else None
-        return value if isinstance(value, int) else None
+        [(value,)] = self._run("""SELECT min(decided_ns) FROM incidents WHERE state IN (?, ?)""", (OWED, BUILDING))
+        return None if value is None else int(value)  # an aggregate: always one row
 
     def bundle_dropped(self, name: str, size: int, why: str, now_ns: int) -> None:
         """The spool dropped the bundle ``name``: its row says so, and its run gets a ``bundle_dropped`` event."""
-        data = json.dumps({"bundle": name, "bytes": size, "why": why}, sort_keys=True)
+        data = json.dumps({"bundle": name, "bytes": size, "why": why})
         self._run("""
             INSERT INTO events (run_id, rank, step, ts_ns, kind, data)
             SELECT run_id, NULL, NULL, ?, 'bundle_dropped', ? FROM incidents WHERE bundle = ?""", (now_ns, data, name))
@@ -106,7 +105,7 @@ class Ledger:
     def refused(self, row: Owed, why: str, now_ns: int) -> None:
         """``row``'s bundle is not built (the per-uid rate): its run gets a ``bundle_dropped`` event saying why, as a
         bundle dropped from the spool does, so the run's own events tell why it has no bundle."""
-        data = json.dumps({"trigger": row.trigger, "why": why}, sort_keys=True)
+        data = json.dumps({"trigger": row.trigger, "why": why})
         self._run("""
             INSERT INTO events (run_id, rank, step, ts_ns, kind, data)
             SELECT run_id, NULL, NULL, ?, 'bundle_dropped', ? FROM runs WHERE run_id = ?""", (now_ns, data, row.run_id))
