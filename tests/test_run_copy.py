@@ -123,8 +123,10 @@ def test_only_means_every_row_has_the_value(tmp_path: Path) -> None:
 
 
 def test_the_window_begins_at_the_earliest_rank(tmp_path: Path) -> None:
-    """Rank 1 began two seconds before rank 0: the window begins at rank 1's first sample, not the first rank's."""
-    source = _source(tmp_path / "memwatch.db", {"two": [*_seconds(12, 14, rank=0), *_seconds(10, 13, rank=1)]})
+    """Rank 1 began two seconds before rank 0, rank 2 one: the window begins at rank 1's first sample, neither the
+    first rank's nor the last's."""
+    source = _source(tmp_path / "memwatch.db", {"three": [*_seconds(12, 14, rank=0), *_seconds(10, 13, rank=1),
+                                                          *_seconds(11, 12, rank=2)]})
     assert full_from(str(source)) == 10 * NS
     assert full_span(str(source)) == 4 * NS
     empty = open_store(tmp_path / "empty.db")
