@@ -99,8 +99,9 @@ def crash_an_engine(runtime_dir: Path, db_path: Path) -> str:
 
 
 def bundles_in(folder: Path) -> list[str]:
-    return sorted(name for name in os.listdir(folder) if name.startswith("memwatch-incident-")) \
-        if folder.exists() else []
+    """Whole bundles in ``folder``, not a ``file://`` upload's staging copy (``NAME.tar.gz#1``, renamed when done)."""
+    return sorted(name for name in os.listdir(folder) if name.startswith("memwatch-incident-")
+                  and name.endswith(".tar.gz")) if folder.exists() else []
 
 
 ERROR_RUNS = """
