@@ -51,7 +51,7 @@ from vllm_cpu import ENGINE, KV_BYTES_PER_TOKEN, Server, complete, free_port, wr
 from memwatch.sim.clock import NS_PER_S
 from memwatch.sim.fleet import load_trace
 from memwatch.sim.fleet.engine import FleetRequest
-from memwatch.sim.fleet.fleet import RETRY_TICKS, SCRAPE_INTERVAL_NS
+from memwatch.sim.fleet.fleet import SCRAPE_INTERVAL_NS, offered
 from memwatch.sim.fleet.policies import (
     KV_TOTAL,
     KV_USED,
@@ -190,11 +190,7 @@ def run_policy(name: str, engines: list[Engine], requests: list[FleetRequest], s
             arrived = []
             while arrivals and arrivals[0].arrival_ns <= now * NS_PER_S:
                 arrived.append(arrivals.popleft())
-            if held and tick % RETRY_TICKS:  # first come, first served: newcomers queue behind the held ones
-                held.extend(arrived)
-                due: list[FleetRequest] = []
-            else:
-                due, held = [*held, *arrived], deque()
+            due, held = offered(held, arrived, tick)
             alive = [engine for engine in engines if engine.server.proc.poll() is None]
             if due and alive:
                 for engine in alive if name != "round-robin" else ():  # round-robin reads nothing

@@ -160,3 +160,15 @@ def test_the_fleet_ignores_the_callers_sidecar_settings(small_trace: Path, tmp_p
     assert policies["memwatch"]["versus_best_baseline"]["tokens_per_s_ratio"] == pytest.approx(
         policies["memwatch"]["tokens_per_s"] / rates[best], abs=1e-3)
     assert list(state.iterdir()) == []  # nothing of the fleet's was put in the caller's state directory
+
+
+def test_held_requests_are_offered_first_every_fifth_tick_and_newcomers_queue_behind_them() -> None:
+    from collections import deque
+
+    from memwatch.sim.fleet.fleet import RETRY_TICKS, offered
+
+    a, b, c = (FleetRequest(n, 100, 10, 0) for n in range(3))
+    assert offered(deque(), [a], 7) == ([a], deque())  # nothing held: a newcomer is offered at once
+    due, held = offered(deque([a]), [b], 7)
+    assert (due, list(held)) == ([], [a, b])  # 7 is no retry tick: b waits behind a
+    assert RETRY_TICKS == 5 and offered(held, [c], 10) == ([a, b, c], deque())  # a retry tick: in arrival order

@@ -101,11 +101,7 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
             arrived = []
             while arrivals and arrivals[0].arrival_ns < now + SCRAPE_INTERVAL_NS:
                 arrived.append(arrivals.popleft())
-            if held and tick % RETRY_TICKS:  # first come, first served: newcomers queue behind the held ones
-                held.extend(arrived)
-                due: list[FleetRequest] = []
-            else:
-                due, held = [*held, *arrived], deque()
+            due, held = offered(held, arrived, tick)
             alive = [engine for engine in fleet if engine.alive]
             if due and not alive:
                 rejected += len(due)  # no engine is up
@@ -126,6 +122,16 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
     finally:
         for engine in fleet:
             engine.close()
+
+
+def offered(held: deque[FleetRequest], arrived: list[FleetRequest],
+            tick: int) -> tuple[list[FleetRequest], deque[FleetRequest]]:
+    """The requests the router offers the engines at ``tick``, and those it goes on holding: first come, first
+    served, so newcomers queue behind held ones, which are offered again every :data:`RETRY_TICKS` ticks."""
+    if held and tick % RETRY_TICKS:
+        held.extend(arrived)
+        return [], held
+    return [*held, *arrived], deque()
 
 
 def _route(policy: Policy, due: list[FleetRequest], held: deque[FleetRequest], alive: list[FleetEngine],
