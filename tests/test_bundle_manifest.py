@@ -136,3 +136,56 @@ def test_every_member_must_match_the_manifest_no_more_and_no_fewer() -> None:
         verify(made, {**files, "run.db": digest(b"dB")})
     with pytest.raises(BundleError, match=re.escape("events.jsonl does not match")):
         verify(made, {**files, "events.jsonl": (files["events.jsonl"][0], 1)})  # same digest, another size
+
+
+DAMAGED = "it is damaged or not a memwatch bundle"
+
+
+@pytest.mark.parametrize(("raw", "said"), [
+    (b"{not json", f"the bundle's manifest.json is not JSON; the bundle is {DAMAGED[6:]}"),
+    (b"[]", "the bundle's manifest.json is not a JSON object; not a memwatch bundle"),
+])
+def test_a_manifest_that_is_no_object_is_refused_in_these_words(raw: bytes, said: str) -> None:
+    with pytest.raises(BundleError) as refused:
+        parse_manifest(raw)
+    assert str(refused.value) == said
+
+
+@pytest.mark.parametrize(("changes", "said"), [
+    ({"files": []}, "the bundle's manifest has no 'files' object; not a memwatch bundle"),
+    ({"files": {"x" * 100: {}}}, f"the bundle's manifest names an unexpected file {'x' * 80!r}; not a memwatch bundle"),
+    ({"window": []}, "the bundle's manifest has a bad 'window' or 'dropped'; it is damaged"),
+    ({"run_id": 5}, f"the bundle's manifest has a bad 'run_id' (not a string of at most 1024 characters); {DAMAGED}"),
+    ({"created_ns": -1}, f"the bundle's manifest has a bad 'created_ns' (not a non-negative integer); {DAMAGED}"),
+])
+def test_each_refusal_is_one_whole_line(changes: dict, said: str) -> None:
+    with pytest.raises(BundleError) as refused:
+        _parse(_raw(**changes))
+    assert str(refused.value) == said
+
+
+@pytest.mark.parametrize("changes", [{"run_id": None}, {"trigger": None}, {"verdict": None}, {"dropped": [None]},
+                                     {"created_ns": None}])
+def test_a_required_field_may_not_be_null(changes: dict) -> None:
+    with pytest.raises(BundleError, match="has a bad"):
+        _parse(_raw(**changes))
+
+
+def test_zeros_and_empty_strings_are_read_as_they_are() -> None:
+    files = {name: {"sha256": SHA, "bytes": 0} for name in sorted(m.REQUIRED - {m.MANIFEST})}
+    read = _parse(_raw(created_ns=0, run_id="", trigger="", verdict="", dropped=[""], files=files))
+    assert (read.created_ns, read.run_id, read.trigger, read.verdict, read.dropped) == (0, "", "", "", ("",))
+    assert set(read.files.values()) == {(SHA, 0)}
+
+
+def test_a_size_or_checksum_refusal_is_one_whole_line() -> None:
+    half = m.MAX_UNPACKED_BYTES // 2
+    with pytest.raises(BundleError) as refused:
+        check_sizes(_manifest(files={"events.jsonl": (SHA, half), "flags.json": (SHA, half + 1)}))
+    assert str(refused.value) == (f"the bundle's manifest declares {m.MAX_UNPACKED_BYTES + 1:,} bytes in all, over the "
+                                  f"{m.MAX_UNPACKED_BYTES:,} a bundle is read to; refusing it")
+    made = _manifest(files={"run.db": digest(b"db")})
+    with pytest.raises(BundleError) as refused:
+        verify(made, {"run.db": digest(b"dB")})
+    assert str(refused.value) == ("the bundle's run.db does not match its manifest's SHA-256: it was changed after it "
+                                  "was built (damaged or tampered with); refusing to read it")
