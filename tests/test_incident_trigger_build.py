@@ -346,3 +346,31 @@ def test_the_log_tail_keeps_a_name_that_is_not_utf8_as_escapes() -> None:
         logger.removeHandler(tail)
     [line] = tail.tail().splitlines()
     assert re.fullmatch(LINE.encode() + rb"ring r\\udce9\.ring skipped", line)
+
+
+def test_closing_waits_for_a_hung_hand_on_only_so_long(db: tuple[Path, str], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from memwatch.incident import triggers as module
+
+    monkeypatch.setattr(module, "WORKER_JOIN_S", 0.5)  # 15 s in the sidecar: this test's wait, shortened
+    db_path, run_id = db
+    _owe(db_path, run_id, "oom", 1)
+    entered, release = threading.Event(), threading.Event()
+
+    def hung(_fd: int, _name: str) -> None:  # a spool on a file system that stopped answering
+        entered.set()
+        release.wait(30)
+
+    triggers = IncidentTriggers(db_path, tmp_path / "out", on_bundle=hung, poll_s=60.0)
+    assert entered.wait(60)
+    timer = threading.Timer(5.0, release.set)  # it answers again after 5 s
+    timer.start()
+    started = time.monotonic()
+    triggers.close()
+    waited = time.monotonic() - started
+    release.set()
+    timer.cancel()
+    assert 0.5 <= waited < 3.0
+    deadline = time.monotonic() + 30
+    while [t for t in threading.enumerate() if t.name == "memwatch-incidents"] and time.monotonic() < deadline:
+        time.sleep(0.05)
