@@ -4,10 +4,12 @@ second seed (Qwen2.5-7B-Instruct, 57,344 B of KV a token, 14,680,064 B a block o
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
 from memwatch.models import ModelSpec
-from memwatch.plan import PlanError, PlanInputs, plan_capacity
+from memwatch.plan import CapacityPlan, PlanError, PlanInputs, plan_capacity
 
 GIB, MIB = 2**30, 2**20
 PER_TOKEN, BLOCK = 57_344, 14_680_064
@@ -191,3 +193,16 @@ def test_sglang_automatic_fraction_counts_the_pipeline_ranks(qwen: ModelSpec) ->
     = 0.834375, so 0.834 where PP 1 gives 0.836."""
     plan = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="sglang", pp=2))
     assert plan.utilization == 0.834
+
+
+def test_to_dict_has_every_field_once_with_lists_for_the_table_and_the_ledger(qwen: ModelSpec) -> None:
+    plan = plan_capacity(qwen, PlanInputs(kv_cache_memory_bytes=7 * GIB // 2, non_torch_bytes=0, seqs=2,
+                                          seq_len=32_768))
+    data = plan.to_dict()  # the table's rows: 1 and 2 (the target, the last that fits), 3 (the first that does not)
+    assert set(data) == {field.name for field in fields(CapacityPlan)}
+    assert data["table"] == [{"seqs": 1, "kv_bytes": 7 * GIB // 4, "ideal_kv_bytes": 7 * GIB // 4, "fits": True},
+                             {"seqs": 2, "kv_bytes": 7 * GIB // 2, "ideal_kv_bytes": 7 * GIB // 2, "fits": True},
+                             {"seqs": 3, "kv_bytes": 21 * GIB // 4, "ideal_kv_bytes": 21 * GIB // 4, "fits": False}]
+    assert data["ledger"][2:] == [
+        {"op": "·", "label": "non-PyTorch", "num_bytes": 0, "note": "given (--non-torch-bytes); not deducted"},
+        {"op": "", "label": "KV budget", "num_bytes": 7 * GIB // 2, "note": "--kv-cache-memory-bytes"}]

@@ -16,8 +16,10 @@ from memwatch.models import ModelSpec
 from memwatch.plan import PlanInputs, plan_capacity
 from memwatch.plan.engines import (
     EngineDefaults,
+    LedgerLine,
     activation_bytes,
     defaults,
+    kv_budget,
     sglang_mem_fraction_static,
     vllm_capture_sizes,
     vllm_cudagraph_bytes,
@@ -109,3 +111,13 @@ def test_sglang_automatic_fraction_says_where_it_comes_from(qwen: ModelSpec) -> 
     auto = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="sglang"))
     [line] = [line for line in auto.ledger if line.op == "×"]
     assert (line.label, line.note) == ("mem_fraction_static 0.836", "SGLang's automatic value for this device")
+
+
+def test_every_engines_ledger_starts_at_the_device_with_its_note() -> None:
+    """The device line carries what the caller says of the device (``notes["gpu"]``), under every rule."""
+    notes = {"gpu": "NVIDIA H100 80GB HBM3, as read", "weights": "", "activation": "", "non_torch": "",
+             "cudagraph": ""}
+    for engine, extensible in (("nano-vllm", False), ("vllm", False), ("vllm", True), ("sglang", False)):
+        split = kv_budget(engine, 80 * GIB, 0.9, weights=GIB, activation=GIB, non_torch=GIB, cudagraph=GIB,
+                          notes=notes, extensible=extensible)
+        assert split.lines[0] == LedgerLine("", "GPU memory", 80 * GIB, "NVIDIA H100 80GB HBM3, as read"), engine
