@@ -159,7 +159,7 @@ class Ledger:
 
     def _clear_sizing_terms(self) -> None:
         self._budget: int | None = None
-        self._weights: int | None = self._loaded_weights  # pragma: no mutate (None here, else set again after)
+        self._weights: int | None = self._loaded_weights  # pragma: no mutate (None in __init__; set anew next)
         self._torch_other: int | None = None
         self._kv: int | None = None
         self._kv_outside = 0
