@@ -121,3 +121,21 @@ def test_every_engines_ledger_starts_at_the_device_with_its_note() -> None:
         split = kv_budget(engine, 80 * GIB, 0.9, weights=GIB, activation=GIB, non_torch=GIB, cudagraph=GIB,
                           notes=notes, extensible=extensible)
         assert split.lines[0] == LedgerLine("", "GPU memory", 80 * GIB, "NVIDIA H100 80GB HBM3, as read"), engine
+
+
+def test_each_rules_budget_and_kv_bytes_as_its_engine_sizes_them() -> None:
+    """10 GiB at 0.5, 512 MiB outside PyTorch, 2 GiB of weights, 1 GiB of activation, 256 MiB of graphs. SGLang's
+    budget is its fraction of what the device had before the weights: (10 GiB − 512 MiB) / 2 = 4.75 GiB. vLLM
+    unless told otherwise is its 0.33 rule: ceil(10 GiB × 0.5) less weights, activation and graphs."""
+    notes = dict.fromkeys(("weights", "activation", "non_torch", "cudagraph"), "")
+    terms = {"weights": 2 * GIB, "activation": GIB, "non_torch": 512 * MIB, "cudagraph": 256 * MIB, "notes": notes}
+    sglang = kv_budget("sglang", 10 * GIB, 0.5, **terms)  # type: ignore[arg-type]
+    assert (sglang.budget_bytes, sglang.kv_budget_bytes) == (4864 * MIB, 4864 * MIB - 2 * GIB)
+    vllm = kv_budget("vllm", 10 * GIB, 0.5, **terms)  # type: ignore[arg-type]
+    assert (vllm.budget_bytes, vllm.kv_budget_bytes) == (5 * GIB, 5 * GIB - 3 * GIB - 256 * MIB)
+    # Here the extensible cache would give the same bytes (its share binds); what tells the rules apart is that the
+    # memory outside PyTorch must fit beside the budget, which vLLM checks before it starts.
+    assert vllm.lines[-1] == LedgerLine("·", "non-PyTorch", 512 * MIB,
+                                        "; outside the budget, must fit in total × (1 − util) = 5,368,709,120 B")
+    nano = kv_budget("nano-vllm", 10 * GIB, 0.5, **terms)  # type: ignore[arg-type]
+    assert (nano.budget_bytes, nano.kv_budget_bytes) == (5 * GIB, 5 * GIB - 512 * MIB - 3 * GIB)
