@@ -148,6 +148,7 @@ def test_plan_of_a_hybrid_adds_the_state_of_each_sequence() -> None:
     state = 28 * 8192 * 19 * 2
     assert plan.state_bytes_per_seq == state
     assert plan.ideal_seq_kv_bytes == 1024 * 16_384 + state
+    assert plan.seq_kv_bytes == 4 * 256 * 16_384 + state  # 1,024 tokens fill 4 blocks of 256: no rounding up
     assert "28 of 32 layers are mamba mixers: no per-token KV" in plan.state_note
 
 

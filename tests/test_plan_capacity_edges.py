@@ -10,6 +10,7 @@ import pytest
 
 from memwatch.models import ModelSpec
 from memwatch.plan import CapacityPlan, PlanError, PlanInputs, plan_capacity
+from memwatch.plan.capacity import estimate_activation_reserve_bytes
 
 GIB, MIB = 2**30, 2**20
 PER_TOKEN, BLOCK = 57_344, 14_680_064
@@ -206,3 +207,50 @@ def test_to_dict_has_every_field_once_with_lists_for_the_table_and_the_ledger(qw
     assert data["ledger"][2:] == [
         {"op": "·", "label": "non-PyTorch", "num_bytes": 0, "note": "given (--non-torch-bytes); not deducted"},
         {"op": "", "label": "KV budget", "num_bytes": 7 * GIB // 2, "note": "--kv-cache-memory-bytes"}]
+
+
+def test_an_fp8_kv_cache_halves_every_block_and_sequence(qwen: ModelSpec) -> None:
+    """fp8 KV: 28,672 B a token, blocks of 7,340,032 B; a 1,000-token sequence takes 4 blocks (29,360,128 B) for
+    28,672,000 B of tokens, and 1 GiB holds 146 blocks."""
+    plan = plan_capacity(qwen, PlanInputs(kv_cache_memory_bytes=GIB, kv_dtype="fp8", seqs=2, seq_len=1000))
+    assert (plan.kv_dtype, plan.block_bytes, plan.kv_blocks) == ("fp8", 7_340_032, 146)
+    assert (plan.seq_kv_bytes, plan.ideal_seq_kv_bytes) == (4 * 7_340_032, 1000 * 28_672) == (29_360_128, 28_672_000)
+    # The weights stay bf16; a plain attention model keeps no state per sequence.
+    assert (plan.dtype, plan.weights_bytes, plan.num_parameters) == ("bfloat16", 2 * 7_615_616_512, 7_615_616_512)
+    assert (plan.state_bytes_per_seq, plan.state_note) == (0, "")
+
+
+def test_weights_under_pipeline_parallel_are_the_last_ranks(qwen: ModelSpec) -> None:
+    """PP 2: each rank 14 of the 28 layers, the first the embeddings, the last the untied LM head (as large) and the
+    final norm (3,584): the last is the heavier by the norm, (7,615,616,512 + 3,584) / 2 parameters in bf16."""
+    plan = plan_capacity(qwen, PlanInputs(kv_cache_memory_bytes=GIB, pp=2))
+    assert plan.weights_bytes == 2 * (7_615_616_512 + 3_584) // 2 == 7_615_620_096
+
+
+def test_a_token_target_is_kept_as_given(qwen: ModelSpec) -> None:
+    plan = plan_capacity(qwen, PlanInputs(kv_cache_memory_bytes=GIB, tokens=1000))
+    assert (plan.tokens, plan.seqs, plan.seq_len) == (1000, None, None)
+
+
+def test_vllm_on_80_gib_profiles_and_captures_its_own_batch_defaults(qwen: ModelSpec) -> None:
+    """From 70 GiB vLLM batches 8,192 tokens over up to 1,024 sequences: the profile run is 8,192 × 135,168 +
+    1,024 × 608,256 B; graphs are captured up to min(2,048, 512, 8,192) = 512, 51 sizes, the largest a decode of 512
+    sequences (512 × (135,168 + 608,256) B) and 1 MiB each."""
+    plan = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="vllm"))
+    assert plan.activation_reserve_bytes == 8192 * 135_168 + 1024 * 608_256 == 1_730_150_400
+    assert plan.cudagraph_bytes == 512 * (135_168 + 608_256) + 51 * MIB == 434_110_464
+
+
+def test_sglang_automatic_fraction_counts_the_tensor_parallel_ranks(qwen: ModelSpec) -> None:
+    """80 GiB at TP 4: decode graphs up to 512, 512 + 1.5 × 8,192 + 4 / 8 × 1,024 + 2 × 512 = 14,336 MB reserved;
+    (81,920 − 14,336) / 81,920 = 0.825."""
+    plan = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="sglang", tp=4))
+    assert plan.utilization == 0.825
+
+
+def test_the_simulators_activation_default_is_nano_vllms_warmup(qwen: ModelSpec) -> None:
+    """The warmup prefill with up to 512 sequences: 16,384 tokens as 4 sequences of 4,096, as one of 16,384, or,
+    with a model length of 16, as 512 sequences (the cap) of 16 tokens."""
+    assert estimate_activation_reserve_bytes(qwen, 1, 16_384, 4096) == 16_384 * 135_168 + 4 * 608_256
+    assert estimate_activation_reserve_bytes(qwen, 2, 16_384, None) == 16_384 * 78_336 + 608_256
+    assert estimate_activation_reserve_bytes(qwen, 1, 16_384, 16) == 8192 * 135_168 + 512 * 608_256 == 1_418_723_328
