@@ -152,6 +152,20 @@ def test_plan_of_a_hybrid_adds_the_state_of_each_sequence() -> None:
     assert "28 of 32 layers are mamba mixers: no per-token KV" in plan.state_note
 
 
+def test_a_hybrids_state_keeps_the_model_precision_under_an_fp8_kv_cache() -> None:
+    """The KV dtype is the attention layers' alone: vLLM sizes the Mamba conv and SSM state in ``mamba_cache_dtype``,
+    whose "auto" is the model's dtype (``vllm/config/cache.py``), never ``--kv-cache-dtype``. Jamba with fp8 KV: 4
+    attention layers × 2 × 8 heads × 128 × 1 B = 8,192 B a token; the 28 Mamba layers' state stays bf16."""
+    from memwatch.plan import PlanInputs, plan_capacity
+
+    spec = ModelSpec.from_config(JAMBA, "Jamba-v0.1")
+    plan = plan_capacity(spec, PlanInputs(kv_cache_memory_bytes=2**30, kv_dtype="fp8", seqs=2, seq_len=1024))
+    state = 28 * 8192 * 19 * 2
+    assert (plan.kv_bytes_per_token, plan.state_bytes_per_seq) == (8192, state)
+    assert plan.ideal_seq_kv_bytes == plan.seq_kv_bytes == 1024 * 8192 + state
+    assert f"a fixed state of {state:,} B per sequence" in plan.state_note
+
+
 def test_unknown_layer_kinds_are_refused() -> None:
     config = {"model_type": "qwen3_next", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
               "intermediate_size": 128, "vocab_size": 100, "layer_types": ["linear_attention", "full_attention"]}
