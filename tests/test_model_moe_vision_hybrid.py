@@ -164,6 +164,9 @@ def test_a_hybrids_state_keeps_the_model_precision_under_an_fp8_kv_cache() -> No
     assert (plan.kv_bytes_per_token, plan.state_bytes_per_seq) == (8192, state)
     assert plan.ideal_seq_kv_bytes == plan.seq_kv_bytes == 1024 * 8192 + state
     assert f"a fixed state of {state:,} B per sequence" in plan.state_note
+    # Run in float32 (``--dtype``), the state is float32 too: twice the bf16 bytes.
+    wide = plan_capacity(spec, PlanInputs(kv_cache_memory_bytes=2**30, dtype="fp32", kv_dtype="fp8"))
+    assert (wide.kv_bytes_per_token, wide.state_bytes_per_seq) == (8192, 2 * state)
 
 
 def test_unknown_layer_kinds_are_refused() -> None:
