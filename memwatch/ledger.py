@@ -153,13 +153,13 @@ class Ledger:
         self.sizing: Sizing | None = None
         """The latest KV sizing, ``None`` until the ``kv_allocated`` event."""
         self._loaded_weights: int | None = None
-        self._declared_after_sizing = 0
+        self._declared_after_sizing = 0  # pragma: no mutate (never read before _size sets it to 0)
         self._forward_need: int | None = None
         self._clear_sizing_terms()
 
     def _clear_sizing_terms(self) -> None:
         self._budget: int | None = None
-        self._weights: int | None = self._loaded_weights
+        self._weights: int | None = self._loaded_weights  # pragma: no mutate (None in __init__; set anew next)
         self._torch_other: int | None = None
         self._kv: int | None = None
         self._kv_outside = 0
@@ -246,12 +246,12 @@ class Ledger:
             active = sample.active_bytes if sample.active_bytes is not None else allocated
             if active is not None:
                 reclaimable = reserved - active - pinned
-                if reclaimable < 0:
+                if reclaimable < 0:  # pragma: no mutate (at 0 it sets 0; bytes are whole)
                     reclaimable = 0
         need = self._forward_need
         if sample.peak_is_step and need is not None and sample.peak_bytes is not None and allocated is not None:
             rise = sample.peak_bytes - allocated
-            if rise > need:
+            if rise > need:  # pragma: no mutate (an equal rise sets an equal need)
                 need = self._forward_need = rise
         margin = None
         if free is not None and need is not None:

@@ -249,3 +249,25 @@ def test_cache_slack_at_sizing_is_not_growth_when_the_reserve_was_recorded() -> 
     unrecorded.on_event(kv_allocated(total, 0.75, used, weights + reserve, weights, block_bytes, blocks))
     # Without the reserve the engine's used - current stands for non-PyTorch at sizing.
     assert unrecorded.on_sample(at_sizing).residual_bytes == 100 * MiB
+
+
+def test_only_a_steps_own_peak_raises_the_forward_need() -> None:
+    """The allocator's peak since its last reset (warmup's, a load spike) says nothing about one forward: only a
+    step's own peak (``peak_is_step``) raises the need, and a step whose peak was not read leaves it as it was."""
+    ledger = sized_ledger()
+    total, long_lived = 16 * GiB, 4608 * MiB + 4600 * MiB
+    reserved = long_lived + 3000 * MiB
+    # The peak still stands 3,000 MiB above what is allocated, more than the 2,560 MiB reserve, but no step's own.
+    stale = ledger.on_sample(sample(5, long_lived, reserved, reserved + 512 * MiB, total,
+                                    peak=long_lived + 3000 * MiB))
+    assert (stale.forward_need_bytes, stale.step_activation_peak_bytes) == (2560 * MiB, None)
+    # free = 16,384 − (9,208 + 3,000 + 512) = 3,664 MiB; slack 3,000 MiB covers the 2,560 MiB need: margin = free.
+    assert stale.oom_margin_bytes == 3664 * MiB
+    unread = ledger.on_sample(Sample("run", 0, 6, 1_006, "serve", long_lived, None, reserved, reserved + 512 * MiB,
+                                     total - reserved - 512 * MiB, peak_is_step=True))
+    assert (unread.forward_need_bytes, unread.step_activation_peak_bytes) == (2560 * MiB, None)
+    # A step of its own rising 2,600 MiB: now the next forward may need that much; slack 3,000 still covers it.
+    step = ledger.on_sample(sample(7, long_lived, reserved, reserved + 512 * MiB, total,
+                                   peak=long_lived + 2600 * MiB, peak_is_step=True))
+    assert (step.forward_need_bytes, step.step_activation_peak_bytes) == (2600 * MiB, 2600 * MiB)
+    assert step.oom_margin_bytes == 3664 * MiB

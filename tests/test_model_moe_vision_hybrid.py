@@ -148,7 +148,25 @@ def test_plan_of_a_hybrid_adds_the_state_of_each_sequence() -> None:
     state = 28 * 8192 * 19 * 2
     assert plan.state_bytes_per_seq == state
     assert plan.ideal_seq_kv_bytes == 1024 * 16_384 + state
+    assert plan.seq_kv_bytes == 4 * 256 * 16_384 + state  # 1,024 tokens fill 4 blocks of 256: no rounding up
     assert "28 of 32 layers are mamba mixers: no per-token KV" in plan.state_note
+
+
+def test_a_hybrids_state_keeps_the_model_precision_under_an_fp8_kv_cache() -> None:
+    """The KV dtype is the attention layers' alone: vLLM sizes the Mamba conv and SSM state in ``mamba_cache_dtype``,
+    whose "auto" is the model's dtype (``vllm/config/cache.py``), never ``--kv-cache-dtype``. Jamba with fp8 KV: 4
+    attention layers × 2 × 8 heads × 128 × 1 B = 8,192 B a token; the 28 Mamba layers' state stays bf16."""
+    from memwatch.plan import PlanInputs, plan_capacity
+
+    spec = ModelSpec.from_config(JAMBA, "Jamba-v0.1")
+    plan = plan_capacity(spec, PlanInputs(kv_cache_memory_bytes=2**30, kv_dtype="fp8", seqs=2, seq_len=1024))
+    state = 28 * 8192 * 19 * 2
+    assert (plan.kv_bytes_per_token, plan.state_bytes_per_seq) == (8192, state)
+    assert plan.ideal_seq_kv_bytes == plan.seq_kv_bytes == 1024 * 8192 + state
+    assert f"a fixed state of {state:,} B per sequence" in plan.state_note
+    # Run in float32 (``--dtype``), the state is float32 too: twice the bf16 bytes.
+    wide = plan_capacity(spec, PlanInputs(kv_cache_memory_bytes=2**30, dtype="fp32", kv_dtype="fp8"))
+    assert (wide.kv_bytes_per_token, wide.state_bytes_per_seq) == (8192, 2 * state)
 
 
 def test_unknown_layer_kinds_are_refused() -> None:

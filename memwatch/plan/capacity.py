@@ -270,7 +270,7 @@ def plan_capacity(spec: ModelSpec, inputs: PlanInputs) -> CapacityPlan:
     max_seqs = inputs.max_num_seqs or rules.max_num_seqs
     per_token = spec.kv_bytes_per_token(tp, pp, kv_dtype)
     block_bytes = spec.block_bytes(block, tp, kv_dtype, pp)
-    state = spec.state_bytes_per_sequence(tp, pp, kv_dtype)
+    state = spec.state_bytes_per_sequence(tp, pp, dtype)  # the mixers' state is kept at the model's precision
 
     weights, weights_source = _weights(spec, inputs, dtype)
     non_kv = inputs.activation_reserve_bytes
