@@ -10,7 +10,6 @@ import pytest
 
 from memwatch.models import ModelSpec
 from memwatch.plan import CapacityPlan, PlanError, PlanInputs, plan_capacity
-from memwatch.plan.capacity import estimate_activation_reserve_bytes
 
 GIB, MIB = 2**30, 2**20
 PER_TOKEN, BLOCK = 57_344, 14_680_064
@@ -246,11 +245,3 @@ def test_sglang_automatic_fraction_counts_the_tensor_parallel_ranks(qwen: ModelS
     (81,920 − 14,336) / 81,920 = 0.825."""
     plan = plan_capacity(qwen, PlanInputs(gpu_memory_bytes=80 * GIB, engine="sglang", tp=4))
     assert plan.utilization == 0.825
-
-
-def test_the_simulators_activation_default_is_nano_vllms_warmup(qwen: ModelSpec) -> None:
-    """The warmup prefill with up to 512 sequences: 16,384 tokens as 4 sequences of 4,096, as one of 16,384, or,
-    with a model length of 16, as 512 sequences (the cap) of 16 tokens."""
-    assert estimate_activation_reserve_bytes(qwen, 1, 16_384, 4096) == 16_384 * 135_168 + 4 * 608_256
-    assert estimate_activation_reserve_bytes(qwen, 2, 16_384, None) == 16_384 * 78_336 + 608_256
-    assert estimate_activation_reserve_bytes(qwen, 1, 16_384, 16) == 8192 * 135_168 + 512 * 608_256 == 1_418_723_328

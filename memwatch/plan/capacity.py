@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from memwatch.errors import UsageError
-from memwatch.models.activation import forward_activation_bytes, warmup_batch
 from memwatch.models.quantization import from_option as quantization_from_option
 from memwatch.models.spec import ModelSpec, canonical_dtype
 from memwatch.plan import engines
@@ -224,14 +223,6 @@ def _table_sizes(target: int, max_concurrent: int) -> list[int]:
     if max_concurrent:
         sizes.add(max_concurrent)
     return sorted(sizes)
-
-
-def estimate_activation_reserve_bytes(spec: ModelSpec, tp: int, max_num_batched_tokens: int,
-                          max_model_len: int | None) -> int:
-    """The activation peak of nano-vllm's warmup prefill, the simulator's activation default."""
-    model_len = max_model_len or max_num_batched_tokens
-    num_seqs, seq_len = warmup_batch(max_num_batched_tokens, model_len, DEFAULT_MAX_NUM_SEQS)
-    return forward_activation_bytes(spec, num_seqs * seq_len, num_seqs, prefill=True, tp=tp)
 
 
 def _weights(spec: ModelSpec, inputs: PlanInputs, dtype: str) -> tuple[int, str]:
