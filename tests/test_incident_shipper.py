@@ -139,7 +139,9 @@ def test_bundle_facts_of_a_real_bundle_and_of_malformed_ones(real: tuple[str, di
     assert bundle_facts(plain) == unknown
 
 
-def test_the_termination_message_names_each_bundle_newest_last(tmp_path: Path) -> None:
+def test_the_termination_message_names_each_bundle_newest_last(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, LOGGER)
     log = tmp_path / "termination-log"
     log.write_text("the previous container's message, longer than what follows\n" * 3)
     message = TerminationMessage(log)
@@ -154,7 +156,7 @@ def test_the_termination_message_names_each_bundle_newest_last(tmp_path: Path) -
     message.close()
     message.close()
     message(Shipped("d", "u", "ok", "r", 1))  # closed: nothing more is written, nothing tried
-    assert len(log.read_text().splitlines()) == 64
+    assert len(log.read_text().splitlines()) == 64 and logged(caplog, logging.DEBUG) == []
 
 
 def test_a_termination_folder_opened_as_descriptor_0_is_written_and_closed(tmp_path: Path) -> None:
