@@ -185,6 +185,23 @@ def test_bundles_never_tried_go_before_those_that_failed_oldest_first_within_eac
     assert [s.run_id for s in shipper.shipped] == ["d", "c", "a", "b"] and shipper.shipped_count == 4
 
 
+def test_a_bundle_still_in_back_off_holds_back_none_behind_it(box: Spool, tmp_path: Path) -> None:
+    clock = Clock()
+    dest = tmp_path / "shipped"
+    older = spooled(box, "a", 10)
+    (dest / older).mkdir(parents=True)
+    shipper = Shipper(f"file://{dest}", box, clock=clock)
+    shipper.ship_due()  # "a" fails at 100: due at 101
+    clock.now = 101
+    newer = spooled(box, "b", 20)
+    (dest / newer).mkdir()
+    shipper.ship_due()  # "b" fails for the first time (due at 102), "a" again (due at 103)
+    (dest / newer).rmdir()
+    clock.now = 102
+    assert shipper.ship_due() == 1.0  # "a", first in line, waits till 103; "b" behind it is due, and shipped
+    assert [s.run_id for s in shipper.shipped] == ["b"] and shipper.attempts == 4
+
+
 def test_another_object_under_the_name_is_refused_once_and_never_overwritten(box: Spool, tmp_path: Path,
                                                                              caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
@@ -234,16 +251,16 @@ def test_each_bundle_is_announced_as_its_manifest_says_even_when_an_announcer_fa
 
     with pytest.raises(UsageError):
         Shipper("ftp://host/x", box)
-    shipper = Shipper(f"file://{tmp_path}/shipped//", box, [broken, seen.append], clock=Clock())
+    shipper = Shipper(f"file://{tmp_path}/X//", box, [broken, seen.append], clock=Clock())  # only "/" is stripped
     built = make_bundle(tmp_path / "out", run="r9", verdict="problems", trigger="crashed")
     body = built.read_bytes()
     shipper.enqueue(built)
     assert box.pending() == [built.name] and not built.exists()
     assert shipper.ship_due() == 5.0
-    url = f"file://{tmp_path}/shipped/{built.name}"
+    url = f"file://{tmp_path}/X/{built.name}"
     assert seen == [Shipped(built.name, url, "problems", "r9", len(body), "crashed")] == shipper.shipped
     assert seen[0].line() == f"problems (crashed) {url}" and Shipped("n", "u", "v", "r", 1).trigger == "unknown"
-    assert (tmp_path / "shipped" / built.name).read_bytes() == body and box.pending() == []
+    assert (tmp_path / "X" / built.name).read_bytes() == body and box.pending() == []
     assert shipper.attempts == 1 and shipper.shipped_count == 1
     assert logged(caplog, logging.ERROR) == [f"bundle {built.name} shipped but not announced: collector gone"]
 

@@ -89,6 +89,8 @@ def test_the_termination_message_keeps_whole_lines_within_4096_bytes(tmp_path: P
     huge(Shipped("n", "x" + "é" * 3000, "oom", "r", 1, "oom"))
     # Over 4 KiB alone: its first 4,095 bytes (29 of text, "x", then 2,032 "é" and half of one, dropped) and "\n".
     assert log.read_text() == "memwatch incident: oom (oom) x" + "é" * 2032 + "\n"
+    huge(Shipped("n", "y" * 5000, "oom", "r", 1, "oom"))  # cut between two characters: 4,095 bytes, all kept
+    assert log.read_text() == "memwatch incident: oom (oom) " + "y" * 4066 + "\n"
 
 
 def test_no_termination_message_through_a_link_a_fifo_or_a_missing_file(tmp_path: Path,
