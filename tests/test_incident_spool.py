@@ -100,6 +100,16 @@ def test_the_oldest_is_first_by_time_then_by_name(box: Spool, tmp_path: Path) ->
     assert box.holds(a.name) and not box.holds("memwatch-incident-none.tar.gz")
 
 
+def test_a_closed_spool_holds_nothing_and_never_lists_the_working_directory(box: Spool, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    box.enqueue(make_bundle(tmp_path / "a", run="a"))
+    monkeypatch.chdir(tmp_path / "a")  # what a listing of descriptor -1 would read: the working directory
+    stray = make_bundle(tmp_path / "a", run="stray")
+    box.close()
+    assert (box.sizes(), box.oldest()) == ([], None)
+    assert stray.exists()
+
+
 def test_the_newest_stays_over_the_cap_and_a_drop_not_told_is_still_dropped(tmp_path: Path) -> None:
     state = private_dir(tmp_path / "state")
     box = Spool(state, tmp_path / "state", cap_bytes=100, cap_count=64)  # smaller than any one bundle

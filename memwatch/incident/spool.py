@@ -62,8 +62,12 @@ class Spool:
                                         "be a directory of the sidecar's user, mode 0700") from None
         self._remove_partial_copies()
 
+    def _names(self) -> list[str]:
+        """The spool's names; none once it is closed (``os.listdir(-1)`` lists the working directory)."""
+        return os.listdir(self.fd) if self.fd >= 0 else []
+
     def _remove_partial_copies(self) -> None:
-        for name in os.listdir(self.fd):
+        for name in self._names():
             if name.startswith(".") and name.endswith(".tmp"):
                 try:
                     os.unlink(name, dir_fd=self.fd)
@@ -114,7 +118,7 @@ class Spool:
     def sizes(self) -> list[tuple[str, int]]:
         """The bundles waiting and their sizes, oldest first."""
         found: list[tuple[int, str, int]] = []
-        for name in os.listdir(self.fd):
+        for name in self._names():
             if not BUNDLE_NAME.fullmatch(name):
                 continue
             try:
@@ -128,7 +132,7 @@ class Spool:
     def oldest(self) -> tuple[str, int] | None:
         """The bundle waiting longest and when it was written (ns), or None."""
         best: tuple[int, str] | None = None
-        for name in os.listdir(self.fd):
+        for name in self._names():
             if BUNDLE_NAME.fullmatch(name):
                 try:
                     info = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
