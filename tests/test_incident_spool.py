@@ -130,6 +130,26 @@ def test_the_newest_stays_over_the_cap_and_a_drop_not_told_is_still_dropped(tmp_
     os.close(state)
 
 
+def test_at_the_count_cap_nothing_goes_and_past_it_the_oldest_go_each_told_with_its_size_and_why(
+        tmp_path: Path) -> None:
+    state = private_dir(tmp_path / "state")
+    box = Spool(state, tmp_path / "state", cap_bytes=10**9, cap_count=2)
+    told: list[tuple[str, int, str]] = []
+    box.on_drop = lambda name, size, why: told.append((name, size, why))
+    a, b, c, d = (_dated(make_bundle(tmp_path / k, run=k), t) for k, t in (("a", 10), ("b", 20), ("c", 30), ("d", 40)))
+    box.enqueue(a)
+    box.enqueue(b)
+    assert box.pending() == [a.name, b.name] and told == []  # exactly at the cap: nothing dropped
+    sizes = dict(box.sizes())
+    box.enqueue(c)
+    box.enqueue(d)
+    assert box.pending() == [c.name, d.name] and box.dropped == 2
+    assert told == [(a.name, sizes[a.name], "the spool holds 3 bundles, over its cap of 2"),
+                    (b.name, sizes[b.name], "the spool holds 3 bundles, over its cap of 2")]
+    box.close()
+    os.close(state)
+
+
 def test_a_shipped_bundle_is_removed_only_while_its_name_is_that_file(box: Spool, tmp_path: Path) -> None:
     bundle = make_bundle(tmp_path / "out", run="r")
     box.enqueue(bundle)
