@@ -20,6 +20,9 @@ QUEUED = 64
 """Answers (of distinct paths) waiting for a worker; a request for another path beyond this is refused (one for a
 path already waiting joins it)."""
 
+IDLE_WAKE_S = 0.5
+"""How often an idle worker looks whether it was stopped (a stop also wakes it at once)."""
+
 Waiter = TypeVar("Waiter")
 Answer = TypeVar("Answer")
 
@@ -81,8 +84,11 @@ class SharedAnswers(Generic[Waiter, Answer]):
         return threads
 
     def _work(self) -> None:
-        while True:
-            job = self._jobs.get()  # a stop queues one None for each worker
+        while not self._stopping.is_set():
+            try:  # a stop queues one None for each worker; the bound only keeps any wait from being endless
+                job = self._jobs.get(timeout=IDLE_WAKE_S)
+            except queue.Empty:
+                continue
             if job is None or self._stopping.is_set():  # what was queued before the stop is not answered
                 return
             with self._lock:  # from now on a request for this path waits for the next answer
