@@ -93,6 +93,19 @@ def shipped_runs(tmp_path_factory: pytest.TempPathFactory) -> ShippedRuns:
 
 
 @pytest.fixture(scope="module")
+def long_prefill_stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The ``long_prefill`` scenario (ends ``oom``) stored by the real collector with the live detectors, once per
+    test module: its database and run id, for the incident builder's tests to copy."""
+    from stored_runs import store_scenario
+
+    root = tmp_path_factory.mktemp("long_prefill")
+    runtime = root / "run"
+    runtime.mkdir(mode=0o700)
+    db_path = root / "memwatch.db"
+    return db_path, store_scenario("long_prefill", runtime, db_path, live=True)
+
+
+@pytest.fixture(scope="module")
 def built() -> Iterator[Setup]:
     """The podman images the container tests run (built once per test run); skipped, saying why, where podman
     cannot run containers."""

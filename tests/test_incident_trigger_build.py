@@ -12,13 +12,12 @@ import json
 import logging
 import os
 import re
-import sqlite3
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from test_incident_trigger_rules import Fixed, _header, _one_owed, _sql
+from test_incident_trigger_rules import Fixed, _header, _one_owed, _sql, copy_of
 
 from memwatch.detectors import DetectorConfig
 from memwatch.incident import manifest as m
@@ -28,7 +27,7 @@ from memwatch.incident.triggers import IncidentTriggers, LogTail
 from memwatch_engine.dirfd import open_dir
 
 from fake_nvml import FakeNvmlScript
-from stored_runs import START_NS, store_scenario
+from stored_runs import START_NS
 
 pytest_plugins = ["fake_nvml"]
 
@@ -37,25 +36,12 @@ LINE = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} memwatch\.incident WARNING "
 """The start of one of the sidecar's log lines (``memwatch.log_lines.FORMAT``)."""
 
 
-@pytest.fixture(scope="module")
-def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    root = tmp_path_factory.mktemp("build")
-    runtime = root / "run"
-    runtime.mkdir(mode=0o700)
-    db_path = root / "memwatch.db"
-    return db_path, store_scenario("long_prefill", runtime, db_path, live=True)
-
-
 @pytest.fixture
-def db(stored: tuple[Path, str], tmp_path: Path) -> tuple[Path, str]:
+def db(long_prefill_stored: tuple[Path, str], tmp_path: Path) -> tuple[Path, str]:
     """A copy of the stored run (ended ``oom``) with no bundle owed yet."""
-    path = tmp_path / "memwatch.db"
-    source, target = sqlite3.connect(stored[0]), sqlite3.connect(path)
-    source.backup(target)
-    source.close()
-    target.close()
+    path = copy_of(long_prefill_stored[0], tmp_path / "memwatch.db")
     _sql(path, "DELETE FROM incidents")
-    return path, stored[1]
+    return path, long_prefill_stored[1]
 
 
 def _owe(db_path: Path, run_id: str, trigger: str, decided_ns: int, state: str = "owed",

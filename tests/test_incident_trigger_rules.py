@@ -22,27 +22,20 @@ from memwatch.incident.ratelimit import PerUid
 from memwatch.incident.triggers import IncidentTriggers
 from memwatch_engine.ring_reader import RingHeader
 
-from stored_runs import store_scenario
 
-
-@pytest.fixture(scope="module")
-def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    root = tmp_path_factory.mktemp("rules")
-    runtime = root / "run"
-    runtime.mkdir(mode=0o700)
-    db_path = root / "memwatch.db"
-    return db_path, store_scenario("long_prefill", runtime, db_path, live=True)
+def copy_of(stored: Path, path: Path) -> Path:
+    """A copy of the stored database at ``path`` (with what its WAL holds), for one test to change."""
+    source, target = sqlite3.connect(stored), sqlite3.connect(path)
+    source.backup(target)
+    source.close()
+    target.close()
+    return path
 
 
 @pytest.fixture
-def db(stored: tuple[Path, str], tmp_path: Path) -> tuple[Path, str]:
+def db(long_prefill_stored: tuple[Path, str], tmp_path: Path) -> tuple[Path, str]:
     """A copy of the stored run, its bundles still owed, for one test to build from and change."""
-    path = tmp_path / "memwatch.db"
-    source, target = sqlite3.connect(stored[0]), sqlite3.connect(path)
-    source.backup(target)  # with what its WAL holds
-    source.close()
-    target.close()
-    return path, stored[1]
+    return copy_of(long_prefill_stored[0], tmp_path / "memwatch.db"), long_prefill_stored[1]
 
 
 class Clock:

@@ -194,7 +194,7 @@ def test_a_process_handle_without_a_sentinel_is_judged_by_is_alive(engines: Engi
         assert ending_pids([Handle(popen)]) == {popen.pid}
     finally:
         popen.kill()
-        popen.wait()
+        popen.wait(timeout=10)
     assert ending_pids([Handle(popen)]) == set()
 
 
