@@ -93,6 +93,9 @@ COUNTER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("memwatch.ooms", "{oom}", "counter", "Out-of-memory errors", lambda s: s.ooms),
     MetricSpec("memwatch.ring.records_lost", "{record}", "counter",
                "Ring records overwritten before the sidecar read them", lambda s: s.lost),
+    MetricSpec("memwatch.requests.arrived", "{request}", "counter",
+               "Requests the engine's scheduler took in (a router's sent request has reached it)",
+               lambda s: s.inputs.arrived),
 )
 
 METRICS: tuple[MetricSpec, ...] = HARDWARE_METRICS + ALLOCATOR_METRICS + LEDGER_METRICS + KV_METRICS + COUNTER_METRICS

@@ -59,8 +59,11 @@ SHARE = "memwatch_expected_output_share"
 FREE_TOKENS = "memwatch_kv_free_tokens"
 CAPACITY_TOKENS = "memwatch_kv_capacity_tokens"
 SAMPLES = "memwatch_samples_total"
-READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, SAFE_PREFILL, COMMITTED, EXPECTED, SHARE, FREE_TOKENS, SAMPLES})
-"""Every metric family a policy reads (and the sample count that shows how far the sidecar has drained)."""
+ARRIVED = "memwatch_requests_arrived_total"
+READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, SAFE_PREFILL, COMMITTED, EXPECTED, SHARE, FREE_TOKENS,
+                  CAPACITY_TOKENS, SAMPLES, ARRIVED})
+"""Every metric family a policy reads, and the two counts that say which requests the router sent a scrape
+shows: the samples written and the requests the engine's scheduler took in."""
 
 
 @dataclass
@@ -73,24 +76,41 @@ class EngineView:
     sent: list[FleetRequest] = field(default_factory=list)
     """Requests the router sent here that its last scrape does not show yet."""
     sent_marks: list[float] = field(default_factory=list)
-    """For each of :attr:`sent`, the engine's sample count the router had scraped when it sent it."""
+    """For each of :attr:`sent`, the engine's sample count that its first sample showing it will pass."""
+    sent_arrivals: list[float | None] = field(default_factory=list)
+    """For each of :attr:`sent`, the engine's count of requests taken in once it has taken this one (None: the
+    engine's sidecar does not count them)."""
 
     def rescraped(self, scrape: Scrape) -> None:
-        """Take a new scrape, keeping the requests it cannot show yet: an engine shows a request in the first
-        sample it writes after the request reached it, so one sent when the engine had written ``n`` samples is
-        in the scrape once the count passed ``n``. A busy engine (a long prefill) may write none for several
-        scrapes; forgetting what was sent at each scrape sent it every arrival meanwhile."""
+        """Take a new scrape, keeping the requests it cannot show yet. An engine shows a request in the first
+        sample it writes after its scheduler took the request in: one sent when the engine had written ``n``
+        samples is in the scrape once the count passed ``n`` and, where the sidecar counts the requests taken
+        in, once that count reached the request's turn. Until it has, a sample says nothing of the request (it
+        may still be in an API server's or engine core's queue, over HTTP), so its mark moves up to the newest
+        count. A busy engine (a long prefill) may write no sample for several scrapes; forgetting what was sent
+        at each scrape sent it every arrival meanwhile."""
         count = scrape.highest(SAMPLES, run_id=self.run_id)
-        kept = [(request, mark) for request, mark in zip(self.sent, self.sent_marks, strict=True)
-                if count is not None and count <= mark]
+        arrived = scrape.highest(ARRIVED, run_id=self.run_id)
+        kept = []
+        if count is not None:  # a sidecar without the count cannot show them: nothing is kept past it
+            for request, mark, turn in zip(self.sent, self.sent_marks, self.sent_arrivals, strict=True):
+                if turn is not None and arrived is not None and arrived < turn:
+                    kept.append((request, count, turn))  # not taken in yet: no sample so far shows it
+                elif count <= mark:
+                    kept.append((request, mark, turn))
         self.scrape = scrape
-        self.sent = [request for request, _ in kept]
-        self.sent_marks = [mark for _, mark in kept]
+        self.sent = [request for request, _, _ in kept]
+        self.sent_marks = [mark for _, mark, _ in kept]
+        self.sent_arrivals = [turn for _, _, turn in kept]
 
     def send(self, request: FleetRequest) -> None:
-        count = self.highest(SAMPLES)
+        """Count ``request`` as sent here until a scrape shows it (:meth:`rescraped`): its turn among the
+        requests the engine takes in comes after those already taken in and those sent before it."""
+        count, arrived = self.highest(SAMPLES), self.highest(ARRIVED)
+        turns = [turn for turn in self.sent_arrivals if turn is not None]
         self.sent.append(request)
         self.sent_marks.append(-1.0 if count is None else count)
+        self.sent_arrivals.append(None if arrived is None else max([arrived, *turns]) + 1)
 
     def lowest(self, name: str, **labels: str) -> float | None:
         return None if self.scrape is None else self.scrape.lowest(name, run_id=self.run_id, **labels)
