@@ -67,6 +67,8 @@ def test_preemptions_samples_and_flags_count_what_the_collector_stored(runtime_d
     assert preemptions == stored_preemptions
     ((_, samples),) = points["memwatch.samples"]
     assert samples == query(db_path, "SELECT count(*) FROM samples")[0][0]
+    ((_, arrived),) = points["memwatch.requests.arrived"]
+    assert arrived == 32  # the scenario's 32 requests, each taken in once (a preempted one is not new)
     flags = {(a["kind"], a["severity"]): v for a, v in points["memwatch.flags"] if v}
     assert flags == {(k, s): n for k, s, n in query(db_path, "SELECT kind, severity, count(*) FROM flags"
                                                               " GROUP BY kind, severity")}
