@@ -18,12 +18,13 @@ Run: .venv/bin/python bench/bench_fleet.py [--traces NAME ...] [--engines 4 8] [
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from doc_block import replace_block
 
 from memwatch.sim.fleet import BASELINES, POLICIES, PolicyResult, load_trace, run_fleet, shipped_traces
 
@@ -98,14 +99,9 @@ HEADER = ("| trace | engines | policy | completed | OOMs | preemptions | tokens/
 
 def write(path: Path, table: str, seeds: list[int]) -> None:
     """Replace the matrix between its markers in ``path``."""
-    text = path.read_text(encoding="utf-8")
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} block to replace")
     note = (f"Seeds {', '.join(map(str, seeds))}; OOMs and preemptions summed over the seeds, tokens/s and p99 "
             "queue time averaged. Written by `bench/bench_fleet.py --write docs/routing.md`.")
-    block = f"{BEGIN}\n{note}\n\n{table}\n{END}"
-    path.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S),
-                    encoding="utf-8")
+    replace_block(path, BEGIN, END, f"{note}\n\n{table}")
 
 
 def main() -> int:

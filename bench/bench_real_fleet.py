@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import os
 import random
-import re
 import signal
 import statistics
 import sys
@@ -46,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from doc_block import replace_block
 from vllm_cpu import ENGINE, KV_BYTES_PER_TOKEN, Server, complete, free_port, write_model
 
 from memwatch.sim.clock import NS_PER_S
@@ -345,15 +345,6 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def write(path: Path, block: str) -> None:
-    """Replace the real fleet's table between its markers in ``path`` (the simulated matrix is left alone)."""
-    text = path.read_text(encoding="utf-8")
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} block to replace")
-    path.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n{block}\n{END}", text,
-                           flags=re.S), encoding="utf-8")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", type=int, default=2)
@@ -402,7 +393,7 @@ def main() -> int:
     block = f"{note}\nWritten by `{command}`.\n\n{table([summarize(name, run) for name, run in runs.items()])}"
     print(f"\n{block}")
     if args.write is not None:
-        write(args.write, block)
+        replace_block(args.write, BEGIN, END, block)  # the simulated matrix is left alone
     return 0
 
 
