@@ -132,6 +132,9 @@ def test_steps_preemptions_and_headroom_match_vllms_metrics(served: Served) -> N
     mine = served.memwatch()
     assert (mine["memwatch_requests_running"], mine["memwatch_requests_waiting"]) == (0, 0)
     assert mine["memwatch_kv_free_tokens"] == USABLE * BLOCK_SIZE
+    # Every request the scheduler took in, once (a preempted one resumes, it does not arrive again): what a
+    # router reads to tell that a request it sent has reached the engine.
+    assert mine["memwatch_requests_arrived_total"] == vllm["vllm:request_success_total"] == REQUESTS
     # vLLM preempts only when a step finds no free block: some step held all 16.
     assert max(n for n, _ in steps) == USABLE
     # All 16 in use (≥ 0.95) with a preemption within 100 steps: kv_pressure on the scheduler's rank, where vLLM
