@@ -309,14 +309,34 @@ def test_with_a_block_override_the_kv_size_is_the_overrides(devices: dict[int, D
     assert (sizing["num_gpu_blocks_override"], sizing["available_kv_cache_memory_bytes"]) == (1000, AVAILABLE)
 
 
-def test_a_kv_cache_of_no_blocks_has_no_block_size(devices: dict[int, Device], runtime_dir: Path) -> None:
+@pytest.mark.parametrize(("blocks", "block_bytes"), [(0, 0), (1, BLOCK_BYTES)])
+def test_a_kv_cache_of_no_blocks_has_no_block_size(devices: dict[int, Device], runtime_dir: Path, blocks: int,
+                                                   block_bytes: int) -> None:
     module = _module(Worker)
     vllm_worker.patch_worker(module)
     worker = module.Worker(_config(), 0, 0, devices)
-    _serve_to_kv(worker, kv_blocks=0)
+    _serve_to_kv(worker, kv_blocks=blocks)
     worker.shutdown()
     sizing = dict(_ring(runtime_dir)[1])["kv_allocated"]
-    assert (sizing["num_blocks"], sizing["block_bytes"], sizing["kv_cache_bytes"]) == (0, 0, 0)
+    assert (sizing["num_blocks"], sizing["block_bytes"], sizing["kv_cache_bytes"]) == (blocks, block_bytes,
+                                                                                       blocks * BLOCK_BYTES)
+
+
+def test_a_kv_cache_allocated_without_profiling_is_sized_on_the_readings_then(
+        devices: dict[int, Device], runtime_dir: Path) -> None:
+    module = _module(Worker)
+    vllm_worker.patch_worker(module)
+    worker = module.Worker(_config(), 0, 0, devices)
+    worker.init_device()
+    worker.load_model()
+    config = SimpleNamespace(num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * BLOCK_BYTES)])
+    worker.initialize_from_config(config)  # no determine_available_memory before: nothing was sized on
+    worker.shutdown()
+    sizing = dict(_ring(runtime_dir)[1])["kv_allocated"]
+    after = WEIGHTS + 10 * BLOCK_BYTES
+    assert (sizing["num_blocks"], sizing["current_bytes"], sizing["used_bytes"], sizing["total_bytes"]) == (
+        10, after, CONTEXT + after, 80 * GiB)
+    assert "kv_cache_memory_bytes" not in sizing  # no profiled budget to record
 
 
 def test_an_extensible_kv_cache_is_recorded_when_extend_commits_its_blocks(
@@ -353,15 +373,23 @@ def test_what_vllm_mapped_is_recorded_rounded_to_its_granule(devices: dict[int, 
     module = _module(ExtensibleWorker)
     vllm_worker.patch_worker(module)
     worker = module.Worker(_config(enable_extensible_kv_cache=True), 0, 0, devices)
-    _serve_to_kv(worker, kv_blocks=100)
-    worker.model_runner.extensible_kv_cache = None
-    module.Worker.extend_kv_cache.__wrapped__(worker, 0)  # nothing committed yet: nothing recorded
-    worker.extend_kv_cache(num_blocks=10)
+    block = 3 * MiB // 2  # a block of 1.5 MiB (24 layers of the model's 64 KiB)
+    worker.init_device()
+    worker.load_model()
+    worker.determine_available_memory()
+    # The buffer ends 64 bytes past its last block (an alignment tail): bytes per block are whole bytes.
+    padded = 100 * block + 64
+    worker.initialize_from_config(SimpleNamespace(num_blocks=100, kv_cache_tensors=[SimpleNamespace(size=padded)]))
+    vllm_worker._record_extended(worker, 3)  # vLLM mapped 4.5 MiB as 3 granules of 2 MiB: 6 MiB
+    worker.model_runner.extensible_kv_cache = SimpleNamespace(physical_bytes=6 * MiB)
+    vllm_worker._record_extended(worker, 3)
     worker.shutdown()
-    sizing = dict(_ring(runtime_dir)[1])["kv_allocated"]
-    # 10 blocks of 2 MiB are 20 MiB: vLLM's physical bytes say what it mapped.
-    assert (sizing["num_blocks"], sizing["kv_outside_allocator_bytes"], sizing["reserved_num_blocks"]) == (
-        10, 20 * MiB, 100)
+    events = _ring(runtime_dir)[1]
+    [counted, mapped] = [data for kind, data in events if kind == "kv_allocated"]
+    assert (counted["kv_outside_allocator_bytes"], counted["kv_cache_memory_bytes"]) == (3 * block, 3 * block)
+    assert (mapped["kv_outside_allocator_bytes"], mapped["kv_outside_in_readings_bytes"]) == (6 * MiB, 6 * MiB)
+    assert (mapped["num_blocks"], mapped["block_bytes"], mapped["kv_cache_memory_bytes"], mapped["kv_cache_bytes"],
+            mapped["reserved_num_blocks"]) == (3, block, 3 * block, 3 * block, 100)
 
 
 def test_an_extensible_cache_without_its_mapped_size_counts_its_blocks(
@@ -385,7 +413,9 @@ def test_extend_before_any_kv_cache_records_nothing(devices: dict[int, Device], 
     worker.load_model()
     assert worker.extend_kv_cache(5) == "extended"
     worker.shutdown()
-    assert "kv_allocated" not in dict(_ring(runtime_dir)[1])
+    events = dict(_ring(runtime_dir)[1])
+    assert "kv_allocated" not in events and events["run_end"]["status"] == "ok"  # and the adapter stayed on
+    assert vllm_worker._guard.active
 
 
 def test_a_device_the_driver_cannot_read_records_no_sizing_readings(
