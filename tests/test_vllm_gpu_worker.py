@@ -34,6 +34,8 @@ SEGMENT = 2 * MiB
 CONTEXT = 500 * MiB
 """The CUDA context: driver memory of the process outside PyTorch's allocator."""
 WEIGHTS = 3 * GiB
+MODEL_USAGE = WEIGHTS + 8 * MiB
+"""vLLM's own count of the load (``model_memory_usage``, from its memory profiler): recorded as the weights."""
 ACTIVATIONS = GiB + MiB
 """The profiling run's activation peak, freed after it: the allocator keeps its segment reserved."""
 GRAPHS = 256 * MiB
@@ -110,7 +112,7 @@ class Worker:
     def load_model(self) -> str:
         self.calls.append("load_model")
         self.gpu.allocate(WEIGHTS)
-        self.model_runner = SimpleNamespace(model_memory_usage=WEIGHTS)
+        self.model_runner = SimpleNamespace(model_memory_usage=MODEL_USAGE)
         return "loaded"
 
     def determine_available_memory(self) -> int:
@@ -257,7 +259,7 @@ def test_a_gpu_worker_records_its_device_phases_kv_sizing_and_steps(
     assert named["rank_identity"] == {"role": "worker", "dp_rank": 0, "dp_size": 1, "tp_rank": 0, "pp_rank": 0}
     assert named["vllm_memory_snapshot"] == {"stage": "init", "free_bytes": 80 * GiB - CONTEXT,
                                              "total_bytes": 80 * GiB, "requested_bytes": REQUESTED}
-    assert named["weights_loaded"] == {"weights_bytes": WEIGHTS, "allocated_bytes": WEIGHTS, "peak_bytes": WEIGHTS,
+    assert named["weights_loaded"] == {"weights_bytes": MODEL_USAGE, "allocated_bytes": WEIGHTS, "peak_bytes": WEIGHTS,
                                        "reserved_bytes": WEIGHTS}
     assert named["vllm_memory_profile"] == {
         "available_kv_cache_memory_bytes": AVAILABLE, "requested_bytes": REQUESTED,
@@ -501,6 +503,7 @@ def test_a_device_that_fails_to_start_starts_no_rank(devices: dict[int, Device],
         worker.init_device()
     assert worker.load_model() == "loaded" and worker.shutdown() == "down"
     assert list(runtime_dir.glob("*.ring")) == []
+    assert vllm_worker._guard.active  # a worker without a rank is no fault of memwatch's
 
 
 def test_a_model_runner_without_its_own_count_has_the_allocators_growth(
