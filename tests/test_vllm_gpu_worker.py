@@ -521,3 +521,19 @@ def test_a_model_runner_without_its_own_count_has_the_allocators_growth(
     worker.load_model()
     worker.shutdown()
     assert dict(_ring(runtime_dir)[1])["weights_loaded"]["weights_bytes"] == WEIGHTS
+
+
+def test_a_device_that_says_only_its_index_is_read_as_that_gpu(devices: dict[int, Device], runtime_dir: Path) -> None:
+    class IndexOnly(Worker):
+        def init_device(self) -> str:
+            result = Worker.init_device(self)
+            self.device = SimpleNamespace(index=1)  # no ``type``: not the CPU worker's device
+            return result
+
+    module = _module(IndexOnly)
+    vllm_worker.patch_worker(module)
+    worker = module.Worker(_config(tp=2), 1, 1, devices)
+    worker.init_device()
+    worker.shutdown()
+    header, _, _ = _ring(runtime_dir, rank=1)
+    assert (header.meta["probe"], header.meta["device_index"], header.meta["gpu_total_bytes"]) == ("cuda", 1, 48 * GiB)
