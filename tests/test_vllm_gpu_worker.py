@@ -537,3 +537,25 @@ def test_a_device_that_says_only_its_index_is_read_as_that_gpu(devices: dict[int
     worker.shutdown()
     header, _, _ = _ring(runtime_dir, rank=1)
     assert (header.meta["probe"], header.meta["device_index"], header.meta["gpu_total_bytes"]) == ("cuda", 1, 48 * GiB)
+
+
+def test_arguments_a_later_vllm_adds_reach_its_methods(devices: dict[int, Device], runtime_dir: Path) -> None:
+    class Later(Worker):
+        def init_device(self, timeout: float | None = None, *, backend: str = "nccl") -> str:
+            Worker.init_device(self)
+            return f"device {timeout} {backend}"
+
+        def load_model(self, load_format: str = "auto", *, eager: bool = False) -> str:
+            Worker.load_model(self)
+            return f"loaded {load_format} {eager}"
+
+    module = _module(Later)
+    vllm_worker.patch_worker(module)
+    worker = module.Worker(_config(), 0, 0, devices)
+    assert worker.init_device(30.0, backend="gloo") == "device 30.0 gloo"
+    assert worker.load_model("safetensors", eager=True) == "loaded safetensors True"
+    worker.shutdown()
+    assert [data["phase"] for kind, data in _ring(runtime_dir)[1] if kind == "phase_start"] == ["load"]
+    unranked = module.Worker(_config(), 0, 0, devices)  # no rank started: the methods pass straight through
+    unranked.device = SimpleNamespace(type="cuda", index=0)
+    assert unranked.load_model("gguf", eager=True) == "loaded gguf True"
