@@ -549,13 +549,30 @@ def test_arguments_a_later_vllm_adds_reach_its_methods(devices: dict[int, Device
             Worker.load_model(self)
             return f"loaded {load_format} {eager}"
 
+        def determine_available_memory(self, reserve: int = 0, *, margin: int = 0) -> int:
+            return Worker.determine_available_memory(self) - reserve - margin
+
+        def shutdown(self, timeout: float | None = None, *, force: bool = False) -> str:
+            Worker.shutdown(self)
+            return f"down {timeout} {force}"
+
     module = _module(Later)
     vllm_worker.patch_worker(module)
     worker = module.Worker(_config(), 0, 0, devices)
     assert worker.init_device(30.0, backend="gloo") == "device 30.0 gloo"
     assert worker.load_model("safetensors", eager=True) == "loaded safetensors True"
-    worker.shutdown()
-    assert [data["phase"] for kind, data in _ring(runtime_dir)[1] if kind == "phase_start"] == ["load"]
+    available = worker.determine_available_memory(2 * MiB, margin=2 * MiB)
+    assert available == AVAILABLE - 4 * MiB
+    config = SimpleNamespace(num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * BLOCK_BYTES)])
+    assert worker.initialize_from_config(kv_cache_config=config) == "allocated"  # by name, as a caller may
+    assert worker.shutdown(5.0, force=True) == "down 5.0 True"
+    _, events, _ = _ring(runtime_dir)
+    assert [data["phase"] for kind, data in events if kind == "phase_start"] == ["load", "warmup", "kv_alloc"]
+    named = dict(events)
+    assert named["vllm_memory_profile"]["available_kv_cache_memory_bytes"] == AVAILABLE - 4 * MiB
+    assert (named["kv_allocated"]["num_blocks"], named["kv_allocated"]["block_bytes"]) == (10, BLOCK_BYTES)
     unranked = module.Worker(_config(), 0, 0, devices)  # no rank started: the methods pass straight through
     unranked.device = SimpleNamespace(type="cuda", index=0)
     assert unranked.load_model("gguf", eager=True) == "loaded gguf True"
+    assert unranked.execute_model(scheduler_output=_output(("a", 5, 0))) == "output 2"
+    assert unranked.shutdown(1.0, force=False) == "down 1.0 False"
