@@ -88,7 +88,8 @@ def in_a_pod(plain_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
         "/proc/self/mountinfo": (
             f"612 590 254:1 /var/lib/kubelet/pods/{POD_UID}/etc-hosts /etc/hosts rw - ext4 /dev/vda1 rw\n"
             f"613 590 254:1 /var/lib/containerd/io.containerd.grpc.v1.cri/sandboxes/{SANDBOX}/hostname "
-            "/etc/hostname rw - ext4 /dev/vda1 rw\n"),
+            "/etc/hostname rw - ext4 /dev/vda1 rw\n"
+            f"614 590 254:1 /var/lib/docker/containers/{ID}/hosts /etc/hosts rw - ext4 /dev/vda1 rw\n"),
         "/proc/self/cgroup": f"0::/kubepods.slice/cri-containerd-{ID}.scope\n",
     }
     monkeypatch.setattr(identity, "_read", lambda path: proc.get(path, ""))
@@ -115,3 +116,15 @@ def test_on_a_plain_host_where_is_empty(plain_env: None, monkeypatch: pytest.Mon
                                                          }.get(path, ""))
     assert where() == {}
     assert os.environ.get("MEMWATCH_WHERE") is None
+
+
+def test_each_reader_reads_this_process_mounts_when_given_none(in_a_pod: None) -> None:
+    assert container_id("0::/\n") == ID  # a private cgroup namespace: the mounts name it
+    assert identity.pod_uid() == POD_UID and identity.sandbox_id() == SANDBOX
+
+
+def test_the_environment_and_hostname_given_are_the_ones_read(plain_env: None) -> None:
+    in_pod = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    assert kubernetes({"MEMWATCH_K8S_POD": "p1"}, "h") == {"k8s_pod": "p1"}
+    assert kubernetes(in_pod, "vllm-7c9d") == {"k8s_pod": "vllm-7c9d"}
+    assert kubernetes({**in_pod, "POD_NAME": "vllm-0"}, "other") == {"k8s_pod": "vllm-0"}  # the name given wins
