@@ -576,3 +576,24 @@ def test_arguments_a_later_vllm_adds_reach_its_methods(devices: dict[int, Device
     assert unranked.load_model("gguf", eager=True) == "loaded gguf True"
     assert unranked.execute_model(scheduler_output=_output(("a", 5, 0))) == "output 2"
     assert unranked.shutdown(1.0, force=False) == "down 1.0 False"
+
+
+def test_an_extensible_cache_on_a_device_that_reads_nothing_records_no_readings(
+        devices: dict[int, Device], runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = stand_in_torch(devices)
+
+    def failing(index: int) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    torch.cuda.mem_get_info = torch._C._cuda_memoryStats = failing
+    monkeypatch.setattr(vllm_worker, "CudaProbe", lambda index: CudaProbe(index, torch=torch))
+    module = _module(ExtensibleWorker)
+    vllm_worker.patch_worker(module)
+    worker = module.Worker(_config(enable_extensible_kv_cache=True), 0, 0, devices)
+    _serve_to_kv(worker, kv_blocks=100)
+    worker.extend_kv_cache(40)
+    worker.shutdown()
+    sizing = dict(_ring(runtime_dir)[1])["kv_allocated"]
+    assert [sizing[key] for key in ("total_bytes", "used_bytes", "peak_bytes", "current_bytes", "reserved_bytes")] \
+        == [None] * 5  # unknown, never -1 or a sum of unknowns
+    assert (sizing["num_blocks"], sizing["kv_cache_memory_bytes"]) == (40, 40 * BLOCK_BYTES)
