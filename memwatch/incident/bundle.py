@@ -267,16 +267,6 @@ def _archive(made: m.Manifest, files: Mapping[str, bytes], created_ns: int, pool
     return pgzip.compress(chunks, COMPRESS_LEVEL, created_ns // NS, pool)
 
 
-def _publish(out_dir: Path, name: Callable[[int], str], data: bytes) -> Path:
-    """:func:`_publish_at` into ``out_dir`` (created when missing; its last component must not be a link)."""
-    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    dir_fd = open_dir(out_dir)
-    try:
-        return out_dir / _publish_at(dir_fd, out_dir, name, data)
-    finally:
-        os.close(dir_fd)
-
-
 def _publish_at(dir_fd: int, shown: Path, name: Callable[[int], str], data: bytes, tries: int = 1000) -> str:
     """Write ``data`` into the folder ``dir_fd`` atomically under ``name(0)``: a hidden temporary file, synced, then
     linked to its name, which is never overwritten (taken: ``name(1)``, a millisecond later, and so on, ``tries``
