@@ -118,7 +118,7 @@ def build_at(db: Database, ref: str, trigger: str, dir_fd: int, shown: Path, *, 
         copy_run(source, database, run.run_id)
         tail = (log_tail or b"")[-LOG_TAIL_BYTES:]
         dropped: list[str] = []
-        window: dict[str, int | None] = {"full_from_ns": full_from(database), "full_seconds_dropped": 0}
+        window: dict[str, int | None] = {"full_from_ns": full_from(database)}
         rolled = 0
         shrinkable = True
         while True:
@@ -132,7 +132,7 @@ def build_at(db: Database, ref: str, trigger: str, dir_fd: int, shown: Path, *, 
             digests.update((name, m.digest(data)) for name, data in files.items() if name != m.DATABASE)
             window["full_seconds_dropped"] = rolled
             made = m.Manifest(run_id=run.run_id, created_ns=created, trigger=trigger,
-                              verdict=str(json.loads(accounts[m.EXPLAIN]).get("outcome") or "unknown"),
+                              verdict=json.loads(accounts[m.EXPLAIN])["outcome"],
                               identity=place, files={name: digests[name] for name in files},
                               window=dict(window), dropped=tuple(dropped))
             archive = _archive(made, files, created, pool, early)
