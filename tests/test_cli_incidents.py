@@ -23,8 +23,8 @@ from memwatch.incident.bundle import build_at
 from memwatch.store import open_store
 from memwatch_engine.dirfd import open_dir
 
-MOMENT = 1_800_000_000_123_456_789
-"""2027-01-15 08:00:00.123 UTC."""
+MOMENT = 1_800_000_000_999_999_999
+"""2027-01-15 08:00:00.999999999 UTC: a nanosecond before the next second, which it is not shown as."""
 HOUR = 3600 * 10**9
 NOT_A_BUNDLE = "memwatch-incident-20270115T110000.000Z-x-y.tar.gz"
 WHY = "starts with 'run.db', not manifest.json; not a memwatch bundle"
@@ -71,7 +71,7 @@ def _cli(*args: str) -> tuple[int, str]:
 
 def _names(run_id: str) -> list[str]:
     """The three bundles' names, newest first."""
-    return [f"memwatch-incident-20270115T{hour}0000.123Z-{place}-{run_id}.tar.gz"
+    return [f"memwatch-incident-20270115T{hour}0000.999Z-{place}-{run_id}.tar.gz"
             for hour, place in (("10", "unknown"), ("09", "node-7"), ("08", "pod-a"))]
 
 
