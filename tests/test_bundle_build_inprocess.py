@@ -48,6 +48,8 @@ MOMENT = 1_800_000_000_123_456_789
 EDGE = 1_800_000_000_123_999_999
 """A nanosecond before 08:00:00.124: one millisecond later is .124, whatever is added beyond it is not."""
 STAMP = "20270115T080000.123Z"
+pytestmark = pytest.mark.timeout(60)
+"""Each build here takes seconds: one whose loop over the cap never ended fails, rather than hanging the suite."""
 FLAG_KINDS = ["activation_over_reserve", "oom_risk", "alloc_retries", "oom"]
 """The run's flags in time order: the prefill's activation peak and the risk at steps 201 and 203, then the OOM."""
 
@@ -334,8 +336,11 @@ def test_over_the_cap_the_window_shortens_first_then_the_log_goes(tmp_path: Path
         whole = build(db, run_id, "manual", tmp_path / "whole", clock=lambda: MOMENT)
         size = whole.path.stat().st_size
         assert whole.manifest.window == {"full_from_ns": START_NS, "full_seconds_dropped": 0}
-        # Half the size: the window kept is 0.8 x 29.99 s x (size // 2) / size, just under 12 s before the run's
-        # end: its seconds 0 to 18 are rolled up, 19 of them, and one pass fits.
+        # Three quarters: the window is cut to 0.8 x 29.99 s x 3/4, about 18 s, by whole seconds: 11 rolled up.
+        most = build(db, run_id, "manual", tmp_path / "most", cap_bytes=size * 3 // 4, clock=lambda: MOMENT)
+        assert most.path.stat().st_size <= size * 3 // 4
+        assert most.manifest.window == {"full_from_ns": START_NS + 11 * 10**9, "full_seconds_dropped": 11}
+        # Half: cut to about 12 s, then to the shortest window, 10 s before the run's end: 19 seconds rolled up.
         cut = build(db, run_id, "manual", tmp_path / "cut", cap_bytes=size // 2, clock=lambda: MOMENT)
         assert cut.path.stat().st_size <= size // 2
         assert cut.manifest.window == {"full_from_ns": START_NS + 19 * 10**9, "full_seconds_dropped": 19}

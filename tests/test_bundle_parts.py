@@ -12,6 +12,7 @@ import gzip
 import io
 import json
 import os
+import re
 import sqlite3
 import struct
 import tarfile
@@ -169,9 +170,13 @@ def _listing(folder: Path) -> list[str]:
 def test_a_bundle_is_linked_under_the_first_free_name_and_nothing_else_is_left(tmp_path: Path) -> None:
     fd = open_dir(tmp_path)
     tried: list[int] = []
+    parts: list[tuple[str, bytes, int]] = []
 
     def name(later: int) -> str:
+        # Asked once the data is written: under a hidden name a sidecar's restart knows as a build cut short.
         tried.append(later)
+        parts.extend((part, (tmp_path / part).read_bytes(), (tmp_path / part).stat().st_mode & 0o7777)
+                     for part in os.listdir(tmp_path) if part.startswith("."))
         return f"b-{later}.tar.gz"
 
     try:
@@ -179,6 +184,9 @@ def test_a_bundle_is_linked_under_the_first_free_name_and_nothing_else_is_left(t
         (tmp_path / "b-1.tar.gz").symlink_to(tmp_path / "elsewhere")  # planted: a link is a taken name too
         assert _publish_at(fd, tmp_path, name, b"second") == "b-2.tar.gz"
         assert tried == [0, 0, 1, 2]
+        assert [(data, mode) for _, data, mode in parts] == [(b"first", 0o600)] + [(b"second", 0o600)] * 3
+        assert all(re.fullmatch(rf"\.building-{os.getpid()}-[0-9a-f]{{16}}\.part", part) for part, _, _ in parts)
+        assert len({part for part, _, _ in parts}) == 2  # a new random name each time
     finally:
         os.close(fd)
     assert _listing(tmp_path) == ["b-0.tar.gz", "b-1.tar.gz", "b-2.tar.gz"]  # no hidden temporary left

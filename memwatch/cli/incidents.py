@@ -52,8 +52,7 @@ def _lines(url: str, listed: list[Listed], as_json: bool) -> list[str]:
     if len(rows) == 1:
         return [f"no bundles under {url}"]
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    return ["  ".join([*(cell.ljust(width) for cell, width in zip(row, widths, strict=False)), row[5]])
-            for row in rows]
+    return ["  ".join([*(row[i].ljust(widths[i]) for i in range(5)), row[5]]) for row in rows]
 
 
 def _refused(url: str, listed: list[Listed]) -> None:
