@@ -23,6 +23,7 @@ from test_incident_bundle import _long_run
 from test_incident_trigger_rules import _sql, copy_of
 
 from memwatch.detectors import DetectorConfig
+from memwatch.errors import MemwatchError
 from memwatch.incident import manifest as m
 from memwatch.incident import pgzip
 from memwatch.incident.bundle import (
@@ -366,3 +367,19 @@ def test_over_the_cap_the_window_shortens_first_then_the_log_goes(tmp_path: Path
         assert os.listdir(tmp_path / "never") == []
     finally:
         db.conn.close()
+
+
+def test_a_thousand_names_taken_stop_the_build_with_its_folder_named(run: tuple[Database, str], tmp_path: Path) -> None:
+    db, run_id = run
+    out = tmp_path / "out"
+    out.mkdir(mode=0o700)
+    host = db.execute("SELECT hostname FROM runs").fetchone()[0]
+    for later in range(1000):  # every millisecond from .123 to 1.122 s taken, by links to nothing
+        second, milli = divmod(123 + later, 1000)
+        (out / f"memwatch-incident-20270115T0800{second:02d}.{milli:03d}Z-{host}-{run_id}.tar.gz").symlink_to(
+            tmp_path / "nothing")
+    with pytest.raises(MemwatchError) as raised:
+        _build_at(db, run_id, out, created_ns=MOMENT)
+    first = f"memwatch-incident-{STAMP}-{host}-{run_id}.tar.gz"
+    assert str(raised.value) == f"a thousand bundles named like {first} are already in {out}"
+    assert len(os.listdir(out)) == 1000  # nothing added, no part left

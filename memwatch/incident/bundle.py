@@ -238,7 +238,7 @@ def _identity(db: Database, run_id: str, extra: Mapping[str, str | None] | None)
 
 
 def _source_path(db: Database) -> str:
-    for _, name, file in db.execute("PRAGMA database_list"):
+    for _, name, file in db.execute("PRAGMA database_list"):  # pragma: no mutate (SQLite ignores a pragma's case)
         if name == "main" and file:
             return str(file)
     raise MemwatchError("a bundle is built from a database file, not an in-memory database")
@@ -258,7 +258,7 @@ def _archive(made: m.Manifest, files: Mapping[str, bytes], created_ns: int, pool
             continue
         info = tarfile.TarInfo(name)
         info.size, info.mode, info.mtime = len(data), 0o644, created_ns // NS
-        header = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+        header = info.tobuf(tarfile.PAX_FORMAT)
         padding = b"\0" * (-len(data) % tarfile.BLOCKSIZE)
         chunks += [header, early if early is not None and name == m.DATABASE else data, padding]
         offset += len(header) + len(data) + len(padding)
