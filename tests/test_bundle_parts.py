@@ -27,6 +27,7 @@ from memwatch.incident import pgzip
 from memwatch.incident.bundle import (
     COMPRESS_LEVEL,
     _archive,
+    _dump,
     _identity,
     _publish_at,
     _source_path,
@@ -220,6 +221,9 @@ def test_one_name_only_is_never_overwritten_and_a_thousand_taken_names_stop(tmp_
             os.link(tmp_path / "c-0", tmp_path / f"c-{later}")
         assert _publish_at(fd, tmp_path, lambda later: f"c-{later}", b"ours") == "c-999"
         assert (tmp_path / "c-999").read_bytes() == b"ours"
+        with pytest.raises(MemwatchError, match="a thousand bundles named like c-0 "):  # and no 1,001st
+            _publish_at(fd, tmp_path, lambda later: f"c-{later}", b"more")
+        assert not (tmp_path / "c-1000").exists()
     finally:
         os.close(fd)
 
@@ -246,3 +250,9 @@ def test_a_decided_name_is_the_first_millisecond_no_other_bundle_has(tmp_path: P
     assert len(asked) == 1000 and asked[-1] == "memwatch-incident-20270115T080001.122Z-pod-a-r.tar.gz"
     assert str(raised.value) == f"a thousand bundles named like {asked[-1]} are already decided"
     db.conn.close()
+
+
+def test_a_json_member_is_indented_by_one_sorted_and_writes_any_value_as_its_text() -> None:
+    assert _dump({"b": [1, {"d": None, "c": 2.5}], "a": "é"}) == \
+        b'{\n "a": "\\u00e9",\n "b": [\n  1,\n  {\n   "c": 2.5,\n   "d": null\n  }\n ]\n}'
+    assert _dump({"path": Path("/a/b"), "raw": b"\x00"}) == b'{\n "path": "/a/b",\n "raw": "b\'\\\\x00\'"\n}'

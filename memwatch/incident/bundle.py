@@ -193,9 +193,9 @@ def _accounts(model: StoredRun) -> dict[str, bytes]:
               "check": check_stored(model).to_dict()}
     flags = [{"rank": rank, "step": step, "ts_ns": ts, "kind": kind, "severity": severity, "message": message,
               "data": _json(data)}
-             for rank, step, ts, kind, severity, message, data in db.execute(
-                 "SELECT rank, step, ts_ns, kind, severity, message, data FROM flags WHERE run_id = ?"
-                 " ORDER BY ts_ns, rowid", (run_id,))]
+              for rank, step, ts, kind, severity, message, data in db.execute(
+                 """SELECT rank, step, ts_ns, kind, severity, message, data FROM flags WHERE run_id = ?
+                    ORDER BY ts_ns, rowid""", (run_id,))]
     lines = []
     snapshot = []
     for event in model.events:
@@ -204,7 +204,7 @@ def _accounts(model: StoredRun) -> dict[str, bytes]:
         if event.kind in SNAPSHOT_KINDS:
             snapshot.append(row)
     files = {m.LEDGER: _dump(ledger), m.FLAGS: _dump(flags), m.EXPLAIN: _dump(explain_stored(model).to_dict()),
-             m.EVENTS: ("\n".join(lines) + "\n" if lines else "").encode("utf-8")}
+             m.EVENTS: ("\n".join(lines) + "\n" if lines else "").encode()}
     if snapshot:
         files[m.SNAPSHOT] = _dump(snapshot)
     return files
@@ -218,7 +218,7 @@ def _json(text: Any) -> Any:
 
 
 def _dump(value: Any) -> bytes:
-    return json.dumps(value, indent=1, sort_keys=True, default=str).encode("utf-8")
+    return json.dumps(value, indent=1, sort_keys=True, default=str).encode()
 
 
 def _identity(db: Database, run_id: str, extra: Mapping[str, str | None] | None) -> dict[str, str | None]:
@@ -238,7 +238,7 @@ def _identity(db: Database, run_id: str, extra: Mapping[str, str | None] | None)
 
 
 def _source_path(db: Database) -> str:
-    for _, name, file in db.execute("PRAGMA database_list"):  # pragma: no mutate (SQLite ignores a pragma's case)
+    for _, name, file in db.execute("""PRAGMA database_list"""):
         if name == "main" and file:
             return str(file)
     raise MemwatchError("a bundle is built from a database file, not an in-memory database")
