@@ -256,3 +256,26 @@ def test_a_json_member_is_indented_by_one_sorted_and_writes_any_value_as_its_tex
     assert _dump({"b": [1, {"d": None, "c": 2.5}], "a": "é"}) == \
         b'{\n "a": "\\u00e9",\n "b": [\n  1,\n  {\n   "c": 2.5,\n   "d": null\n  }\n ]\n}'
     assert _dump({"path": Path("/a/b"), "raw": b"\x00"}) == b'{\n "path": "/a/b",\n "raw": "b\'\\\\x00\'"\n}'
+
+
+def test_a_temporary_swapped_for_a_link_is_never_followed_to_its_target(tmp_path: Path) -> None:
+    # In a folder others can write, the hidden temporary may be replaced by a link to another file before it is
+    # linked under the bundle's name: the name then holds that link, never a hard link to the file it points at.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"root's")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    fd = open_dir(shared)
+
+    def swap(later: int) -> str:
+        [part] = os.listdir(shared)
+        (shared / part).unlink()
+        (shared / part).symlink_to(victim)
+        return "b.tar.gz"
+
+    try:
+        assert _publish_at(fd, shared, swap, b"ours", tries=1) == "b.tar.gz"
+    finally:
+        os.close(fd)
+    assert victim.stat().st_nlink == 1 and (shared / "b.tar.gz").is_symlink()
+    assert os.listdir(shared) == ["b.tar.gz"]
