@@ -224,7 +224,7 @@ def _dump(value: Any) -> bytes:
 def _identity(db: Database, run_id: str, extra: Mapping[str, str | None] | None) -> dict[str, str | None]:
     """Where and on what the run ran: the ``runs`` row, its config, then what the caller knows (the ring's
     metadata, the driver); each value a bounded string or None."""
-    columns = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
+    columns = {row[1] for row in db.execute("""PRAGMA table_info(runs)""")}
     wanted = [key for key in m.IDENTITY_KEYS if key in columns]
     row = db.execute(f"SELECT {', '.join(wanted)}, config FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     found: dict[str, Any] = dict(zip(wanted, row[:-1], strict=True)) if row else {}
