@@ -8,6 +8,7 @@ collector; the bundle is built by the library and by ``memwatch bundle``, and re
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -230,17 +231,21 @@ def test_the_bundle_benchmark_runs() -> None:
 def test_a_bundle_is_published_by_name_in_its_folder_never_through_a_planted_link(tmp_path: Path) -> None:
     # A folder others can write: a link planted at the bundle's name is not followed (the next name is taken),
     # and a folder that is itself a link is refused rather than written through.
-    from memwatch.incident.bundle import _publish
+    from memwatch.incident.bundle import _publish_at
+    from memwatch_engine.dirfd import open_dir
 
     shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
     shared.mkdir()
     elsewhere.write_bytes(b"theirs")
     (shared / "b-0.tar.gz").symlink_to(elsewhere)
-    path = _publish(shared, lambda n: f"b-{n}.tar.gz", b"ours")
-    assert path == shared / "b-1.tar.gz" and path.read_bytes() == b"ours"
+    fd = open_dir(shared)
+    try:
+        assert _publish_at(fd, shared, lambda n: f"b-{n}.tar.gz", b"ours") == "b-1.tar.gz"
+    finally:
+        os.close(fd)
+    assert (shared / "b-1.tar.gz").read_bytes() == b"ours"
     assert elsewhere.read_bytes() == b"theirs"
     assert sorted(p.name for p in shared.iterdir()) == ["b-0.tar.gz", "b-1.tar.gz"]  # no temporary left
     (tmp_path / "linked").symlink_to(shared)
     with pytest.raises(OSError):
-        _publish(tmp_path / "linked", lambda n: f"c-{n}.tar.gz", b"ours")
-    assert not (shared / "c-0.tar.gz").exists()
+        open_dir(tmp_path / "linked")

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import time
+from typing import TYPE_CHECKING
 
 import click
 
 from ..errors import StoreError
 from .options import Text, int_range, json_option
+
+if TYPE_CHECKING:
+    from ..incident.listing import Listed
 
 
 @click.command("incidents")
@@ -27,24 +31,32 @@ def command(url: str, limit: int, as_json: bool) -> None:
     from ..incident.listing import list_bundles
 
     listed = list_bundles(url, limit)
+    for line in _lines(url, listed, as_json):
+        click.echo(line)
+    _refused(url, listed)
+
+
+def _lines(url: str, listed: list[Listed], as_json: bool) -> list[str]:
+    """What the command prints: one JSON object a bundle, or a table of them (a plain function, not click's
+    command, so that mutation testing reaches it)."""
     if as_json:
-        for item in listed:
-            click.echo(json.dumps(item.to_dict()))
-    else:
-        rows = [("TIME (UTC)", "POD/HOST", "MODEL", "VERDICT", "RUN", "BUNDLE")]
-        for item in listed:
-            d = item.to_dict()
-            when = "-" if d["created_ns"] is None else time.strftime("%Y-%m-%d %H:%M:%S",
-                                                                       time.gmtime(int(d["created_ns"]) // 10**9))
-            rows.append((when, str(d["pod"] or "-"), str(d["model"] or "-"),
-                         str(d["verdict"]) if item.manifest else f"REFUSED: {item.error}", str(d["run_id"] or "-"),
-                         item.uri.rsplit("/", 1)[-1]))
-        if len(rows) == 1:
-            click.echo(f"no bundles under {url}")
-        else:
-            widths = [max(len(row[i]) for row in rows) for i in range(5)]
-            for row in rows:
-                click.echo("  ".join([*(cell.ljust(width) for cell, width in zip(row, widths, strict=False)), row[5]]))
+        return [json.dumps(item.to_dict()) for item in listed]
+    rows = [("TIME (UTC)", "POD/HOST", "MODEL", "VERDICT", "RUN", "BUNDLE")]
+    for item in listed:
+        d = item.to_dict()
+        when = "-" if d["created_ns"] is None else time.strftime("%Y-%m-%d %H:%M:%S",
+                                                                   time.gmtime(int(d["created_ns"]) // 10**9))
+        rows.append((when, str(d["pod"] or "-"), str(d["model"] or "-"),
+                     str(d["verdict"]) if item.manifest else f"REFUSED: {item.error}", str(d["run_id"] or "-"),
+                     item.uri.rsplit("/", 1)[-1]))
+    if len(rows) == 1:
+        return [f"no bundles under {url}"]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return ["  ".join([*(row[i].ljust(widths[i]) for i in range(5)), row[5]]) for row in rows]
+
+
+def _refused(url: str, listed: list[Listed]) -> None:
+    """Exit 6 when any entry was refused, saying how many of how many."""
     refused = sum(item.manifest is None for item in listed)
     if refused:
         raise StoreError(f"{refused} of {len(listed)} entries under {url} were refused (not a bundle, or its "

@@ -118,7 +118,7 @@ def build_at(db: Database, ref: str, trigger: str, dir_fd: int, shown: Path, *, 
         copy_run(source, database, run.run_id)
         tail = (log_tail or b"")[-LOG_TAIL_BYTES:]
         dropped: list[str] = []
-        window: dict[str, int | None] = {"full_from_ns": full_from(database), "full_seconds_dropped": 0}
+        window: dict[str, int | None] = {"full_from_ns": full_from(database)}
         rolled = 0
         shrinkable = True
         while True:
@@ -132,7 +132,7 @@ def build_at(db: Database, ref: str, trigger: str, dir_fd: int, shown: Path, *, 
             digests.update((name, m.digest(data)) for name, data in files.items() if name != m.DATABASE)
             window["full_seconds_dropped"] = rolled
             made = m.Manifest(run_id=run.run_id, created_ns=created, trigger=trigger,
-                              verdict=str(json.loads(accounts[m.EXPLAIN]).get("outcome") or "unknown"),
+                              verdict=json.loads(accounts[m.EXPLAIN])["outcome"],
                               identity=place, files={name: digests[name] for name in files},
                               window=dict(window), dropped=tuple(dropped))
             archive = _archive(made, files, created, pool, early)
@@ -193,9 +193,9 @@ def _accounts(model: StoredRun) -> dict[str, bytes]:
               "check": check_stored(model).to_dict()}
     flags = [{"rank": rank, "step": step, "ts_ns": ts, "kind": kind, "severity": severity, "message": message,
               "data": _json(data)}
-             for rank, step, ts, kind, severity, message, data in db.execute(
-                 "SELECT rank, step, ts_ns, kind, severity, message, data FROM flags WHERE run_id = ?"
-                 " ORDER BY ts_ns, rowid", (run_id,))]
+              for rank, step, ts, kind, severity, message, data in db.execute(
+                 """SELECT rank, step, ts_ns, kind, severity, message, data FROM flags WHERE run_id = ?
+                    ORDER BY ts_ns, rowid""", (run_id,))]
     lines = []
     snapshot = []
     for event in model.events:
@@ -204,7 +204,7 @@ def _accounts(model: StoredRun) -> dict[str, bytes]:
         if event.kind in SNAPSHOT_KINDS:
             snapshot.append(row)
     files = {m.LEDGER: _dump(ledger), m.FLAGS: _dump(flags), m.EXPLAIN: _dump(explain_stored(model).to_dict()),
-             m.EVENTS: ("\n".join(lines) + "\n" if lines else "").encode("utf-8")}
+             m.EVENTS: ("\n".join(lines) + "\n" if lines else "").encode()}
     if snapshot:
         files[m.SNAPSHOT] = _dump(snapshot)
     return files
@@ -218,13 +218,13 @@ def _json(text: Any) -> Any:
 
 
 def _dump(value: Any) -> bytes:
-    return json.dumps(value, indent=1, sort_keys=True, default=str).encode("utf-8")
+    return json.dumps(value, indent=1, sort_keys=True, default=str).encode()
 
 
 def _identity(db: Database, run_id: str, extra: Mapping[str, str | None] | None) -> dict[str, str | None]:
     """Where and on what the run ran: the ``runs`` row, its config, then what the caller knows (the ring's
     metadata, the driver); each value a bounded string or None."""
-    columns = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
+    columns = {row[1] for row in db.execute("""PRAGMA table_info(runs)""")}
     wanted = [key for key in m.IDENTITY_KEYS if key in columns]
     row = db.execute(f"SELECT {', '.join(wanted)}, config FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     found: dict[str, Any] = dict(zip(wanted, row[:-1], strict=True)) if row else {}
@@ -238,7 +238,7 @@ def _identity(db: Database, run_id: str, extra: Mapping[str, str | None] | None)
 
 
 def _source_path(db: Database) -> str:
-    for _, name, file in db.execute("PRAGMA database_list"):
+    for _, name, file in db.execute("""PRAGMA database_list"""):
         if name == "main" and file:
             return str(file)
     raise MemwatchError("a bundle is built from a database file, not an in-memory database")
@@ -258,23 +258,13 @@ def _archive(made: m.Manifest, files: Mapping[str, bytes], created_ns: int, pool
             continue
         info = tarfile.TarInfo(name)
         info.size, info.mode, info.mtime = len(data), 0o644, created_ns // NS
-        header = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+        header = info.tobuf(tarfile.PAX_FORMAT)
         padding = b"\0" * (-len(data) % tarfile.BLOCKSIZE)
         chunks += [header, early if early is not None and name == m.DATABASE else data, padding]
         offset += len(header) + len(data) + len(padding)
     offset += 2 * tarfile.BLOCKSIZE  # the end of the archive, then padded to a whole record
     chunks.append(b"\0" * (2 * tarfile.BLOCKSIZE + -offset % tarfile.RECORDSIZE))
     return pgzip.compress(chunks, COMPRESS_LEVEL, created_ns // NS, pool)
-
-
-def _publish(out_dir: Path, name: Callable[[int], str], data: bytes) -> Path:
-    """:func:`_publish_at` into ``out_dir`` (created when missing; its last component must not be a link)."""
-    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    dir_fd = open_dir(out_dir)
-    try:
-        return out_dir / _publish_at(dir_fd, out_dir, name, data)
-    finally:
-        os.close(dir_fd)
 
 
 def _publish_at(dir_fd: int, shown: Path, name: Callable[[int], str], data: bytes, tries: int = 1000) -> str:

@@ -80,6 +80,9 @@ def list_names(prefix: str) -> list[str]:
             raise UsageError(f"{folder} is not a folder; pass the folder bundles are written to") from None
         except PermissionError:
             raise PermissionDeniedError(f"cannot list {folder}: no permission") from None
+        except OSError as exc:  # a name too long, a link loop: the path given is the user's to fix
+            raise UsageError(f"cannot list {folder}: {exc.strerror or exc}; pass the folder bundles are written "
+                             "to") from None
         base = prefix.rstrip("/") + "/"
         return [base + name for name in names if name.startswith(BUNDLE_PREFIX) and name.endswith(".tar.gz")]
     from .objstore import list_names as list_objects
