@@ -13,8 +13,10 @@ from collections.abc import Iterator
 import pytest
 
 from memwatch.errors import UnavailableError
+from memwatch.export import connection_cap as cap_module
 from memwatch.export import http_serving
-from memwatch.export.http_serving import HttpListener, Reply, connection_cap, raise_open_files_limit
+from memwatch.export.connection_cap import connection_cap, raise_open_files_limit
+from memwatch.export.http_serving import HttpListener, Reply
 
 INF = resource.RLIM_INFINITY
 
@@ -150,8 +152,8 @@ def test_start_takes_the_cap_from_the_raised_limit(monkeypatch: pytest.MonkeyPat
 
 
 def _small_cap(monkeypatch: pytest.MonkeyPatch, cap: int) -> None:
-    monkeypatch.setattr(http_serving, "MIN_CONNECTIONS", cap)
-    monkeypatch.setattr(http_serving, "MAX_CONNECTIONS", cap)
+    monkeypatch.setattr(cap_module, "MIN_CONNECTIONS", cap)
+    monkeypatch.setattr(cap_module, "MAX_CONNECTIONS", cap)
 
 
 def test_exactly_the_cap_of_idle_connections_is_kept_and_one_more_evicts_the_oldest(
