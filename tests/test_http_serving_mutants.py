@@ -229,6 +229,22 @@ def test_a_stalled_request_is_kept_until_exactly_its_deadline(clock: _Clock, lis
         assert listener.expired == 1 and listener.open_connections == 0 and listener.answered == 0
 
 
+def test_every_request_stalled_past_its_deadline_is_closed_and_counted(clock: _Clock,
+                                                                      listeners: list[HttpListener]) -> None:
+    listener = _start(listeners, _ok)
+    conns = [socket.create_connection(("127.0.0.1", listener.port), timeout=3) for _ in range(3)]
+    try:
+        for conn in conns:
+            conn.sendall(b"GET / HTTP/1.1\r\n")
+        _wait(lambda: listener.accepted == 3)
+        clock.now = 5.0  # all three at once: one sweep closes them
+        assert all(_closed(conn, 1.0) for conn in conns)
+        assert listener.expired == 3 and listener.open_connections == 0
+    finally:
+        for conn in conns:
+            conn.close()
+
+
 def test_an_unread_answer_is_kept_until_exactly_its_deadline(clock: _Clock, listeners: list[HttpListener]) -> None:
     body = b"x" * (64 << 20)
     listener = _start(listeners, lambda path: Reply(200, body))
