@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import pytest
 
 from memwatch.export import http_serving, shared_answers
-from memwatch.export.http_serving import HttpListener, Reply, raise_open_files_limit
+from memwatch.export.connection_cap import raise_open_files_limit
+from memwatch.export.http_serving import HttpListener, Reply
 
 NO_ROOM = ("--edge: cannot accept a connection (Too many open files); the oldest waiting ones are closed to make "
            "room")

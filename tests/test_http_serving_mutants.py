@@ -13,8 +13,10 @@ from collections.abc import Iterator
 import pytest
 
 from memwatch.errors import UnavailableError
+from memwatch.export import connection_cap as cap_module
 from memwatch.export import http_serving
-from memwatch.export.http_serving import HttpListener, Reply, connection_cap, raise_open_files_limit
+from memwatch.export.connection_cap import connection_cap, raise_open_files_limit
+from memwatch.export.http_serving import HttpListener, Reply
 
 INF = resource.RLIM_INFINITY
 
@@ -150,8 +152,8 @@ def test_start_takes_the_cap_from_the_raised_limit(monkeypatch: pytest.MonkeyPat
 
 
 def _small_cap(monkeypatch: pytest.MonkeyPatch, cap: int) -> None:
-    monkeypatch.setattr(http_serving, "MIN_CONNECTIONS", cap)
-    monkeypatch.setattr(http_serving, "MAX_CONNECTIONS", cap)
+    monkeypatch.setattr(cap_module, "MIN_CONNECTIONS", cap)
+    monkeypatch.setattr(cap_module, "MAX_CONNECTIONS", cap)
 
 
 def test_exactly_the_cap_of_idle_connections_is_kept_and_one_more_evicts_the_oldest(
@@ -225,6 +227,22 @@ def test_a_stalled_request_is_kept_until_exactly_its_deadline(clock: _Clock, lis
         clock.now = 5.0
         assert _closed(conn, 1.0)
         assert listener.expired == 1 and listener.open_connections == 0 and listener.answered == 0
+
+
+def test_every_request_stalled_past_its_deadline_is_closed_and_counted(clock: _Clock,
+                                                                      listeners: list[HttpListener]) -> None:
+    listener = _start(listeners, _ok)
+    conns = [socket.create_connection(("127.0.0.1", listener.port), timeout=3) for _ in range(3)]
+    try:
+        for conn in conns:
+            conn.sendall(b"GET / HTTP/1.1\r\n")
+        _wait(lambda: listener.accepted == 3)
+        clock.now = 5.0  # all three at once: one sweep closes them
+        assert all(_closed(conn, 1.0) for conn in conns)
+        assert listener.expired == 3 and listener.open_connections == 0
+    finally:
+        for conn in conns:
+            conn.close()
 
 
 def test_an_unread_answer_is_kept_until_exactly_its_deadline(clock: _Clock, listeners: list[HttpListener]) -> None:
@@ -320,6 +338,20 @@ def test_an_unfinished_head_of_8192_bytes_waits_and_of_8193_is_answered_431(list
     assert _exchange(listener.port, head).startswith(b"HTTP/1.1 200 ")
 
 
+def test_a_head_whose_blank_line_ends_past_byte_8193_is_answered_431_whole_or_in_parts(
+        listeners: list[HttpListener]) -> None:
+    listener = _start(listeners, _ok)
+    line = b"GET / HTTP/1.1\r\nX: "
+    head = line + b"a" * (8194 - len(line) - 4) + b"\r\n\r\n"
+    assert len(head) == 8194
+    assert _exchange(listener.port, head).startswith(b"HTTP/1.1 431 ")  # 8193 bytes read: no blank line yet
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=3) as conn:
+        conn.sendall(head[:8000])
+        assert not _closed(conn, 0.3)  # read, and waiting for the rest
+        conn.sendall(head[8000:])  # of which only 193 bytes are read: the head is still not complete
+        assert conn.makefile("rb").read().startswith(b"HTTP/1.1 431 ")
+
+
 def test_a_client_that_leaves_before_its_request_is_forgotten(listeners: list[HttpListener]) -> None:
     listener = _start(listeners, _ok)
     with socket.create_connection(("127.0.0.1", listener.port), timeout=3) as conn:
@@ -364,6 +396,30 @@ def test_offloaded_routes_run_on_named_workers(listeners: list[HttpListener]) ->
     assert names <= {b"memwatch-test-edge-0", b"memwatch-test-edge-1", b"memwatch-test-edge-2", b"memwatch-test-edge-3"}
     loop_listener = _start(listeners, lambda path: Reply(200, threading.current_thread().name.encode()))
     assert _exchange(loop_listener.port, b"GET / HTTP/1.1\r\n\r\n").endswith(b"\r\n\r\nmemwatch-test-edge")
+
+
+def test_only_the_paths_named_are_offloaded_and_every_other_is_answered_on_the_loop(
+        listeners: list[HttpListener]) -> None:
+    listener = HttpListener("127.0.0.1", 0, lambda path: Reply(200, threading.current_thread().name.encode()),
+                            name="memwatch-test-edge", option="--edge", offload=["/metrics"])
+    listener.start()
+    listeners.append(listener)
+    workers = {b"memwatch-test-edge-0", b"memwatch-test-edge-1", b"memwatch-test-edge-2", b"memwatch-test-edge-3"}
+    for _ in range(3):
+        assert _exchange(listener.port, b"GET /metrics?a=1 HTTP/1.1\r\n\r\n").split(b"\r\n\r\n", 1)[1] in workers
+        assert _exchange(listener.port, b"GET /healthz HTTP/1.1\r\n\r\n").endswith(b"\r\n\r\nmemwatch-test-edge")
+
+
+def test_the_loop_runs_on_a_daemon_thread_named_after_the_listener(listeners: list[HttpListener]) -> None:
+    listener = _start(listeners, _ok)  # a sidecar that exits without closing it still exits
+    assert [thread.daemon for thread in threading.enumerate() if thread.name == "memwatch-test-edge"] == [True]
+    listener.close()
+    assert [thread for thread in threading.enumerate() if thread.name == "memwatch-test-edge"] == []
+
+
+def test_before_it_starts_a_listener_reports_the_port_asked_for_and_the_least_cap() -> None:
+    listener = HttpListener("127.0.0.1", 9123, _ok, name="memwatch-test-edge", option="--edge")
+    assert (listener.port, listener.cap, listener.open_connections) == (9123, 64, 0)
 
 
 # Failures and their log -------------------------------------------------------------------------------------

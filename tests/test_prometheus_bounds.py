@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from memwatch.export import http_serving, shared_answers
+from memwatch.export import connection_cap, http_serving, shared_answers
 from memwatch.export.http_serving import HttpListener, Reply
 from memwatch.export.prometheus import PrometheusEndpoint
 from memwatch.export.state import ExportState
@@ -70,7 +70,7 @@ def endpoint() -> Iterator[PrometheusEndpoint]:
 
 def test_a_flood_of_idle_connections_neither_stops_scrapes_nor_grows_threads_or_memory(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(http_serving, "MAX_CONNECTIONS", CAP)
+    monkeypatch.setattr(connection_cap, "MAX_CONNECTIONS", CAP)
     endpoint = PrometheusEndpoint("127.0.0.1", 0, ExportState())
     endpoint.start()
     listener = endpoint.listener
@@ -231,7 +231,7 @@ def test_out_of_file_descriptors_the_oldest_waiting_connection_makes_room() -> N
     try:
         assert child.stdout is not None and child.stdin is not None
         port, cap, free = map(int, child.stdout.readline().split())
-        assert cap == http_serving.MIN_CONNECTIONS and free == 20
+        assert cap == connection_cap.MIN_CONNECTIONS and free == 20
         for _ in range(40):
             flood.append(socket.create_connection(("127.0.0.1", port), timeout=5))
         time.sleep(0.5)  # the child has accepted what it could

@@ -10,9 +10,9 @@ connection costs a file descriptor and about a kilobyte. Whoever connects:
   complete :data:`REQUEST_DEADLINE_S` after it was accepted, however its bytes trickle in; an answer must
   be written :data:`RESPONSE_DEADLINE_S` after its request. Then the connection is closed: there is no
   keep-alive, so no idle connection is kept.
-- **A bounded number of connections.** At most :func:`connection_cap` are open; when a new one comes,
-  the oldest that has not completed its request is closed to make room. A probe or a scrape sends its
-  request at once, so it always gets in, and is answered within milliseconds.
+- **A bounded number of connections.** At most :func:`~memwatch.export.connection_cap.connection_cap` are
+  open; when a new one comes, the oldest that has not completed its request is closed to make room. A probe
+  or a scrape sends its request at once, so it always gets in, and is answered within milliseconds.
 - **Only a complete request reaches a handler.** Cheap routes (the health checks) run on the loop; a
   costly one (``/metrics``) runs on worker threads, one answer per path shared by every request waiting for it
   (:mod:`memwatch.export.shared_answers`); too many distinct paths waiting, and a request is answered 503 at once.
@@ -27,7 +27,6 @@ import asyncio
 import errno
 import logging
 import re
-import resource
 import socket
 import threading
 import time
@@ -36,6 +35,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from ..errors import UnavailableError
+from .connection_cap import MIN_CONNECTIONS, connection_cap, raise_open_files_limit
 from .shared_answers import SharedAnswers
 
 log = logging.getLogger("memwatch.export")
@@ -46,14 +46,9 @@ RESPONSE_DEADLINE_S = 10.0
 """Seconds from a complete request to the last byte of its answer (rendering and a slow reader both)."""
 MAX_REQUEST_BYTES = 8192
 """The request line and headers together; beyond, 431 and the connection is closed."""
-MAX_CONNECTIONS = 8192
-"""Connections open at once at most, per listener (fewer where file descriptors are few: :func:`connection_cap`)."""
-MIN_CONNECTIONS = 64
 BACKLOG = 4096
 """The kernel's queue of connections not yet accepted (the system caps it at ``net.core.somaxconn``): a burst of
 reconnects beyond it has SYNs dropped, a probe's among them, so it is as deep as the system allows."""
-WANTED_OPEN_FILES = 65536
-"""The soft limit of file descriptors a listener raises the process to, if the hard limit allows."""
 SEND_BUFFER = 64 * 1024
 """The kernel's send buffer of each connection (it doubles it for its bookkeeping). Left to itself it grows to
 megabytes on loopback, so a client that never reads took a whole answer each: a flood of them reconnecting made
@@ -83,25 +78,6 @@ class Reply:
 
 Route = Callable[[str], Reply]
 """Called with a request's path (no query string); must return quickly unless offloaded."""
-
-
-def raise_open_files_limit() -> int:
-    """Raise the soft limit of open files towards the hard one, so a flood meets the cap, not EMFILE."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, WANTED_OPEN_FILES)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-            soft = wanted
-        except (ValueError, OSError) as exc:  # a container may forbid it: the cap follows the soft limit
-            log.debug("cannot raise the open files limit to %d: %s", wanted, exc)
-    return soft
-
-
-def connection_cap(soft_limit: int) -> int:
-    """Connections a listener keeps: a third of the file descriptors (two listeners leave a third to the
-    sidecar's rings and database), between :data:`MIN_CONNECTIONS` and :data:`MAX_CONNECTIONS`."""
-    return max(MIN_CONNECTIONS, min(MAX_CONNECTIONS, soft_limit // 3))
 
 
 class _Conn:
