@@ -152,6 +152,8 @@ def _store_for(loc: Location, *, write: bool, budget_s: float | None = None) -> 
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise _os_error(exc, str(folder)) from None
+        elif not folder.is_dir():  # obstore would say "unable to canonicalize" (exit 4): it is simply not there
+            raise NotFoundError(f"no such object: {loc.url()}")
         try:
             return obs.store.LocalStore(str(folder)), key
         except Exception as exc:
@@ -235,12 +237,13 @@ def read_range(url: str, start: int, length: int) -> bytes:
     try:
         return bytes(_obstore().get_range(store, key, start=start, length=length))
     except Exception as exc:
-        if _RANGE_PAST_END.search(str(exc)):  # S3's answer for a range past the end (an empty object)
+        if _RANGE_PAST_END.search(str(exc)):  # a range at or past the end (an empty object): nothing there
             return b""
         raise _translate(exc, url) from None
 
 
-_RANGE_PAST_END = re.compile(r"\b416 Range Not Satisfiable\b")
+_RANGE_PAST_END = re.compile(r"\b416 Range Not Satisfiable\b|\bStartTooLarge\b")
+"""How a range that starts at or past an object's end is refused: by S3; by a local folder and the memory store."""
 
 
 MAX_LISTED = 100_000
