@@ -388,3 +388,15 @@ def test_the_memory_store_is_one_for_the_process() -> None:
     with open(__file__, "rb") as file:
         objstore.put_file(key, file, Path(__file__).stat().st_size)
     assert objstore.fetch(key, 1 << 20) == Path(__file__).read_bytes()
+
+
+@pytest.mark.parametrize(("budget_s", "retry_timeout"), [(None, "20s"), (1.0, "1s")])
+def test_a_refused_connection_is_retried_twice_within_the_retry_timeout(budget_s: float | None, retry_timeout: str,
+                                                                        tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # obstore's own default is 10 retries within 180 s; its error line says which were in force.
+    for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}.items():
+        monkeypatch.setenv(key, value)
+    said = _raises(lambda: objstore.put("s3://bundles/k", _file(tmp_path, b"abc"), budget_s=budget_s),
+                   UnavailableError, 4)
+    assert f", after 2 retries, max_retries: 2, retry_timeout: {retry_timeout} - " in said

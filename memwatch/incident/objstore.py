@@ -139,8 +139,8 @@ def _cloud_store(root: str, budget_s: float | None = None) -> Any:
         raise _translate(exc, root) from None
 
 
-def _store_for(loc: Location, *, write: bool, budget_s: float | None = None) -> tuple[Any, str]:
-    """The store and the key within it for a location."""
+def _store_for(loc: Location, *, write: bool = False, budget_s: float | None = None) -> tuple[Any, str]:
+    """The store and the key within it for a location (a local folder is created to ``write`` in)."""
     if loc.scheme == "memory":
         return memory_store(), loc.key
     if loc.scheme == "file":
@@ -201,7 +201,7 @@ def stream(url: str, limit_bytes: int) -> Iterator[bytes]:
     if limit_bytes < 0:
         raise UsageError(f"limit_bytes must be at least 0, not {limit_bytes}")
     loc = parse(url)
-    store, key = _store_for(loc, write=False)
+    store, key = _store_for(loc)
     if not key:
         raise UsageError(f"{url!r} names a folder, not a bundle")
     obs = _obstore()
@@ -231,7 +231,7 @@ def read_range(url: str, start: int, length: int) -> bytes:
     """At most ``length`` bytes of the object at ``url`` from ``start`` (fewer at its end): one ranged request,
     whatever the object's size."""
     loc = parse(url)
-    store, key = _store_for(loc, write=False)
+    store, key = _store_for(loc)
     if not key:
         raise UsageError(f"{url!r} names a folder, not a bundle")
     try:
@@ -259,11 +259,9 @@ def list_names(prefix_url: str) -> list[str]:
         if not folder.is_dir():
             raise NotFoundError(f"no such folder: {folder}")
         store, prefix = obs.store.LocalStore(str(folder)), None
-        base = Location("file", str(folder), "")
     else:
-        store, prefix = _store_for(loc, write=False)
+        store, prefix = _store_for(loc)
         prefix = prefix.rstrip("/") or None
-        base = loc
     names: list[str] = []
     try:
         for batch in obs.list(store, prefix):
@@ -273,7 +271,7 @@ def list_names(prefix_url: str) -> list[str]:
                                  "(a day's or a pod's)")
     except Exception as exc:
         raise _translate(exc, prefix_url) from None
-    return sorted(base.url(name) for name in names)
+    return sorted(loc.url(name) for name in names)
 
 
 def put(url: str, path: Path, *, budget_s: float | None = None) -> None:
