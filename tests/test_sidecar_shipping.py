@@ -115,11 +115,11 @@ def test_the_settings_take_the_build_folder_from_the_environment(monkeypatch: py
 
 
 def test_the_build_folder_is_made_private_and_one_others_control_is_refused(tmp_path: Path) -> None:
-    fd = open_build_dir(tmp_path / "made" / "incidents")
+    fd = open_build_dir(tmp_path / "made" / "in" / "incidents")  # its parents made too
     try:
-        assert os.fstat(fd).st_ino == (tmp_path / "made" / "incidents").stat().st_ino
-        assert (tmp_path / "made").stat().st_mode & 0o7777 == 0o700
-        assert (tmp_path / "made" / "incidents").stat().st_mode & 0o7777 == 0o700
+        assert os.fstat(fd).st_ino == (tmp_path / "made" / "in" / "incidents").stat().st_ino
+        assert (tmp_path / "made" / "in").stat().st_mode & 0o7777 == 0o700
+        assert (tmp_path / "made" / "in" / "incidents").stat().st_mode & 0o7777 == 0o700
     finally:
         os.close(fd)
     readable = tmp_path / "readable"
