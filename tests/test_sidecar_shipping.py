@@ -348,3 +348,29 @@ def test_the_last_uploads_get_what_is_left_of_the_grace_period(quiet_db: tuple[P
             caplog.messages
         assert shipping.spool.fd >= 0  # its try is still in flight on the thread: the spool stays open for it
         incidents.close_triggers(set())
+
+
+def test_a_shipped_bundle_is_announced_on_the_exporters_log_records(quiet_db: tuple[Path, str],
+                                                                     state: tuple[int, Path], tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    exporters = Exporters(ExportConfig(console=True))
+    exporters.start()
+    incidents = _incidents(BundleSettings(f"file://{tmp_path}/shipped", termination_log=None), quiet_db[0], state,
+                           exporters)
+    name, _ = _spooled_by_hand(incidents, tmp_path, age_s=1.0)
+    wait_for(lambda: (tmp_path / "shipped" / name).exists(), timeout=10, what="the upload")
+    _close(incidents)
+    exporters.close()  # the last flush carries the announcement
+    assert f"file://{tmp_path}/shipped/{name}" in capsys.readouterr().out
+
+
+def test_the_shippers_options_are_passed_on(quiet_db: tuple[Path, str], state: tuple[int, Path],
+                                            tmp_path: Path) -> None:
+    # A first back-off of 50 ms: three tries within a second (the default, 1 s then 2 s, takes 3 s).
+    shipping = Shipping(_blocked(tmp_path), state[0], state[1], None, None, first_backoff=0.05, max_backoff=0.1)
+    try:
+        make_bundle(tmp_path / "built")
+        spool.enqueue(next((tmp_path / "built").iterdir()))
+        wait_for(lambda: shipping.shipper.failures >= 3, timeout=1.5, what="three tries")
+    finally:
+        shipping.close(0.5)
