@@ -284,6 +284,7 @@ def test_what_waits_from_before_is_said_and_the_spool_caps_are_the_settings(quie
     first = _incidents(BundleSettings(dest, termination_log=None, spool_count=1), quiet_db[0], state)
     names = [_spooled_by_hand(first, tmp_path, age_s=10.0 - n, run=f"run{n}")[0] for n in range(2)]
     assert first.shipping is not None and first.shipping.spool.pending() == names[1:]  # a cap of one bundle
+    assert first.counts()["dropped"] == 1  # told to the builder, which records it
     _close(first)
     size = (state[1] / "bundles" / names[1]).stat().st_size
     again = _incidents(BundleSettings(dest, termination_log=None, spool_bytes=size - 1), quiet_db[0], state)
