@@ -139,8 +139,8 @@ def _cloud_store(root: str, budget_s: float | None = None) -> Any:
         raise _translate(exc, root) from None
 
 
-def _store_for(loc: Location, *, write: bool, budget_s: float | None = None) -> tuple[Any, str]:
-    """The store and the key within it for a location."""
+def _store_for(loc: Location, *, write: bool = False, budget_s: float | None = None) -> tuple[Any, str]:
+    """The store and the key within it for a location (a local folder is created to ``write`` in)."""
     if loc.scheme == "memory":
         return memory_store(), loc.key
     if loc.scheme == "file":
@@ -152,6 +152,8 @@ def _store_for(loc: Location, *, write: bool, budget_s: float | None = None) -> 
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise _os_error(exc, str(folder)) from None
+        elif not folder.is_dir():  # obstore would say "unable to canonicalize" (exit 4): it is simply not there
+            raise NotFoundError(f"no such object: {loc.url()}")
         try:
             return obs.store.LocalStore(str(folder)), key
         except Exception as exc:
@@ -199,7 +201,7 @@ def stream(url: str, limit_bytes: int) -> Iterator[bytes]:
     if limit_bytes < 0:
         raise UsageError(f"limit_bytes must be at least 0, not {limit_bytes}")
     loc = parse(url)
-    store, key = _store_for(loc, write=False)
+    store, key = _store_for(loc)
     if not key:
         raise UsageError(f"{url!r} names a folder, not a bundle")
     obs = _obstore()
@@ -229,18 +231,19 @@ def read_range(url: str, start: int, length: int) -> bytes:
     """At most ``length`` bytes of the object at ``url`` from ``start`` (fewer at its end): one ranged request,
     whatever the object's size."""
     loc = parse(url)
-    store, key = _store_for(loc, write=False)
+    store, key = _store_for(loc)
     if not key:
         raise UsageError(f"{url!r} names a folder, not a bundle")
     try:
         return bytes(_obstore().get_range(store, key, start=start, length=length))
     except Exception as exc:
-        if _RANGE_PAST_END.search(str(exc)):  # S3's answer for a range past the end (an empty object)
+        if _RANGE_PAST_END.search(str(exc)):  # a range at or past the end (an empty object): nothing there
             return b""
         raise _translate(exc, url) from None
 
 
-_RANGE_PAST_END = re.compile(r"\b416 Range Not Satisfiable\b")
+_RANGE_PAST_END = re.compile(r"\b416 Range Not Satisfiable\b|\bStartTooLarge\b")
+"""How a range that starts at or past an object's end is refused: by S3; by a local folder and the memory store."""
 
 
 MAX_LISTED = 100_000
@@ -256,11 +259,9 @@ def list_names(prefix_url: str) -> list[str]:
         if not folder.is_dir():
             raise NotFoundError(f"no such folder: {folder}")
         store, prefix = obs.store.LocalStore(str(folder)), None
-        base = Location("file", str(folder), "")
     else:
-        store, prefix = _store_for(loc, write=False)
+        store, prefix = _store_for(loc)
         prefix = prefix.rstrip("/") or None
-        base = loc
     names: list[str] = []
     try:
         for batch in obs.list(store, prefix):
@@ -270,7 +271,7 @@ def list_names(prefix_url: str) -> list[str]:
                                  "(a day's or a pod's)")
     except Exception as exc:
         raise _translate(exc, prefix_url) from None
-    return sorted(base.url(name) for name in names)
+    return sorted(loc.url(name) for name in names)
 
 
 def put(url: str, path: Path, *, budget_s: float | None = None) -> None:

@@ -257,7 +257,7 @@ def _read(tar: tarfile.TarFile, info: tarfile.TarInfo, sink: bytearray | None,
 def load(data: bytes) -> tuple[m.Manifest, dict[str, bytes]]:
     """The checked manifest and the members (``run.db`` included) of a bundle's bytes: :class:`BundleError` unless
     every check passes."""
-    return scan(data, keep=True)
+    return scan(data)
 
 
 @dataclass

@@ -132,7 +132,7 @@ class Incidents:
         elif settings.to is not None:
             build_dir = state_dir / BUILD_DIR
             try:
-                self.build_fd = private_subdir(state_fd, BUILD_DIR, shown=build_dir)
+                self.build_fd = private_subdir(state_fd, BUILD_DIR)
             except OSError as exc:
                 raise PermissionDeniedError(f"cannot build bundles in {build_dir}: {exc.strerror or exc}; it must be "
                                             "a directory of the sidecar's user, mode 0700") from None
