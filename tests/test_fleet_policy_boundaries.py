@@ -9,7 +9,7 @@ import pytest
 from test_fleet_policies import exposition, request, view
 
 from memwatch.errors import UsageError
-from memwatch.sim.fleet.policies import EngineView, KvUsage, KvUsageQueue, MemwatchHeadroom, make_policy
+from memwatch.sim.fleet.policies import READ, EngineView, KvUsage, KvUsageQueue, MemwatchHeadroom, make_policy
 from memwatch.sim.fleet.scrape import parse
 
 
@@ -150,3 +150,14 @@ def test_an_unknown_policy_names_every_known_one() -> None:
         make_policy("least-load", random.Random(0))
     assert str(raised.value) == ("unknown router policy 'least-load'; use one of round-robin, kv-usage, "
                                  "kv-usage-queue, memwatch, or all to compare them")
+
+
+def test_the_router_s_scrape_keeps_every_family_the_memwatch_policy_reads() -> None:
+    """The router scrapes only the families in ``READ``: the cache's size in tokens must be among them, or the
+    policy sizes the cache from free tokens over a stale blocks-used fraction, the mix the capacity gauge is there
+    to avoid. The engine that just emptied (6,272 tokens, committed 0.5: 3,136 unpromised) with 2,000 tokens sent
+    admits no second request of 2,000."""
+    stale = exposition("r0", used=36, total=49, committed=0.5, free_tokens=6272, capacity=6272)
+    engine = EngineView(0, "r0", parse(stale, READ))
+    engine.sent = [request(1500, 500)]
+    assert MemwatchHeadroom(random.Random(0)).choose(request(1500, 500), [engine]) is None

@@ -59,7 +59,8 @@ SHARE = "memwatch_expected_output_share"
 FREE_TOKENS = "memwatch_kv_free_tokens"
 CAPACITY_TOKENS = "memwatch_kv_capacity_tokens"
 SAMPLES = "memwatch_samples_total"
-READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, SAFE_PREFILL, COMMITTED, EXPECTED, SHARE, FREE_TOKENS, SAMPLES})
+READ = frozenset({KV_USED, KV_TOTAL, WAITING, VALID, SAFE_PREFILL, COMMITTED, EXPECTED, SHARE, FREE_TOKENS,
+                  CAPACITY_TOKENS, SAMPLES})
 """Every metric family a policy reads (and the sample count that shows how far the sidecar has drained)."""
 
 
