@@ -1,0 +1,105 @@
+"""The fleet's loop on the smallest traces: three requests a second apart on two engines, and a fleet whose
+engines all die starting. Real sidecars on loopback; a few seconds of wall time each."""
+
+from __future__ import annotations
+
+import pytest
+
+from memwatch.errors import UsageError
+from memwatch.sim.fleet import run_fleet
+from memwatch.sim.fleet.traces import from_text
+
+TINY = """
+name = "tiny"
+model = "Qwen3-0.6B"
+[gpu]
+total_bytes = 8_589_934_592
+[engine]
+max_num_batched_tokens = 4096
+max_model_len = 8192
+[[workload.requests]]
+prompt_tokens = 100
+output_tokens = 10
+count = 3
+interval_s = 1.0
+"""
+NEIGHBOUR = """
+[[fleet.engine_faults]]
+engine = {engine}
+kind = "other_process"
+size_bytes = 8_589_934_592
+at_step = 0
+"""
+
+
+def test_three_requests_a_second_apart_are_each_scheduled_on_arrival() -> None:
+    # Requests at 0, 1 and 2 s; each engine is idle when one reaches it, so it is scheduled at its arrival:
+    # every queue time is 0. The last finishes 10 decode steps after 2 s, within the tick ending at 2.25 s,
+    # where nothing is left to run: 30 tokens over a little more than 2 s.
+    results = run_fleet(from_text(TINY, source="tiny.toml"), 2, ["round-robin", "memwatch"], seed=1)
+    assert [r.policy for r in results] == ["round-robin", "memwatch"]
+    for result in results:
+        assert (result.trace, result.engines, result.seed, result.requests) == ("tiny", 2, 1, 3)
+        assert (result.completed, result.ooms, result.preemptions, result.lost, result.rejected) == (3, 0, 0, 0, 0)
+        assert (result.p50_queue_s, result.p99_queue_s, result.simulated_s) == (0.0, 0.0, 2.25)
+        assert 30 / 2.25 < result.tokens_per_s < 30 / 2.0
+
+
+def test_requests_to_a_fleet_with_no_engine_up_are_rejected() -> None:
+    # Another process holds all of each engine's GPU: both die loading their weights, and the router rejects
+    # every request as it arrives.
+    text = TINY + "[fleet]\n" + NEIGHBOUR.format(engine=0) + NEIGHBOUR.format(engine=1)
+    (result,) = run_fleet(from_text(text, source="dead.toml"), 2, ["round-robin"], seed=1)
+    assert (result.requests, result.completed, result.ooms, result.lost, result.rejected) == (3, 0, 2, 0, 3)
+    assert (result.p50_queue_s, result.tokens_per_s, result.simulated_s) == (None, 0.0, 0.0)
+
+
+def test_a_fleet_is_checked_before_anything_starts() -> None:
+    trace = from_text(TINY, source="tiny.toml")
+    for engines in (0, 17):
+        with pytest.raises(UsageError) as raised:
+            run_fleet(trace, engines, ["round-robin"])
+        assert str(raised.value) == f"--fleet takes 1 to 16 engines, got {engines}"
+    # 1 and 16 engines pass that check: the unknown policy is what stops them, before any sidecar starts.
+    for engines in (1, 16):
+        with pytest.raises(UsageError, match="unknown router policy 'fastest'"):
+            run_fleet(trace, engines, ["round-robin", "fastest"])
+    with pytest.raises(UsageError, match="a fault of engine 1, but the fleet has 1 engines"):
+        run_fleet(from_text(TINY + "[fleet]\n" + NEIGHBOUR.format(engine=1), source="t.toml"), 1, ["round-robin"])
+
+
+HELD = """
+name = "held"
+model = "Qwen3-0.6B"
+[gpu]
+total_bytes = 2_684_354_560
+[engine]
+max_num_batched_tokens = 4096
+max_model_len = 16384
+[[workload.requests]]
+prompt_tokens = 500
+output_tokens = 2000
+count = 2
+[[workload.requests]]
+prompt_tokens = 500
+output_tokens = 4500
+[[workload.requests]]
+prompt_tokens = 100
+output_tokens = 10
+arrival_s = 60.1
+"""
+
+
+def test_held_requests_are_offered_every_fifth_tick_and_one_that_never_fits_is_rejected_once_idle() -> None:
+    """One engine of 19 KV blocks (4,864 tokens). At 0 s: A and B of 500 + 2,000 tokens, D of 500 + 4,500. A is
+    sent; B (2,500 more) and D (5,000 alone) do not fit and wait at the router. A finishes about 50 s in; the
+    engine's last sample still shows its blocks, so at the retry ticks B still does not fit. C (100 + 10) arrives
+    at 60.1 s, in tick 1,202: no retry tick, so it queues behind the held ones until tick 1,205 (60.25 s), where B
+    and D still do not fit and C is sent (queue 0.15 s). C's steps show A's blocks freed: at the next retry tick,
+    1,210 (60.5 s), B is sent (queue 60.5 s). D never fits; once B is done, the engine idle and nothing left to
+    arrive, D is rejected. Queues 0, 0.15 and 60.5 s: p50 0.15, p99 60.5."""
+    (result,) = run_fleet(from_text(HELD, source="held.toml"), 1, ["memwatch"], seed=1)
+    assert (result.requests, result.completed, result.rejected, result.lost, result.ooms) == (4, 3, 1, 0, 0)
+    assert (result.p50_queue_s, result.p99_queue_s) == (0.15, 60.5)
+    # 4,010 tokens; B finishes 2,000 decode steps after 60.5 s, within the last tick.
+    assert 4010 / result.simulated_s < result.tokens_per_s < 4010 / (result.simulated_s - 0.05)
