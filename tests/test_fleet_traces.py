@@ -145,3 +145,21 @@ def test_shapes_at_their_bounds() -> None:
     with pytest.raises(UsageError) as raised:
         parse_shape("9" * 80, "here")
     assert str(raised.value).endswith(f"got '{'9' * 50}'")
+
+
+def test_each_refusal_names_where_it_was_found(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = ")
+    with usage(f"^{bad}: not valid TOML"):
+        load_trace(str(bad))
+    with usage(r"^t.toml: .*bogus"):
+        from_text("bogus = 1\n" + BASE, source="t.toml")
+    with usage(r"^t.toml \[\[fleet.engine_faults\]\] #1"):
+        from_text(BASE + '[fleet]\nengine_faults = [{engine = 0, kind = "no_such_kind"}]\n', source="t.toml")
+    # A name is looked up among the shipped ones only without a "/": "../long_prefill" would reach the
+    # scenarios beside the fleet traces.
+    with usage("unknown trace '../long_prefill'"):
+        load_trace("../long_prefill")
+    with pytest.raises(UsageError) as raised:
+        load_trace("y" * 300)
+    assert str(raised.value).startswith(f"unknown trace '{'y' * 200}': not a file")
