@@ -27,7 +27,7 @@ from memwatch_engine.ring_reader import RingReader
 def exposition(run: str, *, used: int, total: int = 100, waiting: int = 0, valid: int = 1,
                committed: float | None = None, admissible: dict[str, int] | None = None,
                safe: int | None = None, free_tokens: int | None = None, capacity: int | None = None,
-               ranks: int = 1) -> str:
+               expected: float | None = None, share: float | None = None, ranks: int = 1) -> str:
     """A sidecar's text for one engine: the KV gauges per rank, the headroom gauges per engine."""
     lines = ["# HELP memwatch_kv_blocks_used KV cache blocks in use", "# TYPE memwatch_kv_blocks_used gauge"]
     lines += [f'memwatch_kv_blocks_used{{run_id="{run}",rank="{r}"}} {used + r}' for r in range(ranks)]
@@ -38,6 +38,12 @@ def exposition(run: str, *, used: int, total: int = 100, waiting: int = 0, valid
     if committed is not None:
         lines += ["# TYPE memwatch_kv_committed_usage_ratio gauge",
                   f'memwatch_kv_committed_usage_ratio{{run_id="{run}"}} {committed}']
+    if expected is not None:
+        lines += ["# TYPE memwatch_kv_expected_usage_ratio gauge",
+                  f'memwatch_kv_expected_usage_ratio{{run_id="{run}"}} {expected}']
+    if share is not None:
+        lines += ["# TYPE memwatch_expected_output_share gauge",
+                  f'memwatch_expected_output_share{{run_id="{run}"}} {share}']
     if safe is not None:
         lines += ["# TYPE memwatch_max_safe_prefill_tokens gauge",
                   f'memwatch_max_safe_prefill_tokens{{run_id="{run}"}} {safe}']

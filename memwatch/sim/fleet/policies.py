@@ -251,7 +251,7 @@ def fits_kv(view: EngineView, request: FleetRequest) -> bool:
     return ahead * tokens_of(request, share) + sent <= unpromised
 
 
-def _sent_share(view: EngineView, share: float = 1.0) -> float:
+def _sent_share(view: EngineView, share: float) -> float:
     """The KV share the requests sent and not yet shown will commit: their tokens over the cache's tokens
     (:func:`cache_tokens`; 0 when that cannot be told)."""
     cache = cache_tokens(view)

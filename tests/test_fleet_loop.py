@@ -1,0 +1,117 @@
+"""The fleet's loop on the smallest traces: three requests a second apart on two engines, and a fleet whose
+engines all die starting. Real sidecars on loopback; a few seconds of wall time each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from memwatch.errors import UsageError
+from memwatch.sim.fleet import run_fleet
+from memwatch.sim.fleet.traces import from_text
+
+TINY = """
+name = "tiny"
+model = "Qwen3-0.6B"
+[gpu]
+total_bytes = 8_589_934_592
+[engine]
+max_num_batched_tokens = 4096
+max_model_len = 8192
+[[workload.requests]]
+prompt_tokens = 100
+output_tokens = 10
+count = 3
+interval_s = 1.0
+"""
+NEIGHBOUR = """
+[[fleet.engine_faults]]
+engine = {engine}
+kind = "other_process"
+size_bytes = 8_589_934_592
+at_step = 0
+"""
+
+
+def test_three_requests_a_second_apart_are_each_scheduled_on_arrival(tmp_path: Path) -> None:
+    # Requests at 0, 1 and 2 s; each engine is idle when one reaches it, so it is scheduled at its arrival:
+    # every queue time is 0. The last finishes 10 decode steps after 2 s, within the tick ending at 2.25 s,
+    # where nothing is left to run: 30 tokens over a little more than 2 s.
+    results = run_fleet(from_text(TINY, source="tiny.toml"), 2, ["round-robin", "memwatch"], seed=1,
+                        workdir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine0", "engine1"]  # one sidecar's home per engine
+    assert [r.policy for r in results] == ["round-robin", "memwatch"]
+    for result in results:
+        assert (result.trace, result.engines, result.seed, result.requests) == ("tiny", 2, 1, 3)
+        assert (result.completed, result.ooms, result.preemptions, result.lost, result.rejected) == (3, 0, 0, 0, 0)
+        assert (result.p50_queue_s, result.p99_queue_s, result.simulated_s) == (0.0, 0.0, 2.25)
+        assert 30 / 2.25 < result.tokens_per_s < 30 / 2.0
+
+
+def test_requests_to_a_fleet_with_no_engine_up_are_rejected() -> None:
+    # Another process holds all of each engine's GPU: both die loading their weights, and the router rejects
+    # every request as it arrives.
+    text = TINY + "[fleet]\n" + NEIGHBOUR.format(engine=0) + NEIGHBOUR.format(engine=1)
+    (result,) = run_fleet(from_text(text, source="dead.toml"), 2, ["round-robin"], seed=1)
+    assert (result.requests, result.completed, result.ooms, result.lost, result.rejected) == (3, 0, 2, 0, 3)
+    assert (result.p50_queue_s, result.tokens_per_s, result.simulated_s) == (None, 0.0, 0.0)
+
+
+def test_a_fleet_is_checked_before_anything_starts() -> None:
+    trace = from_text(TINY, source="tiny.toml")
+    for engines in (0, 17):
+        with pytest.raises(UsageError) as raised:
+            run_fleet(trace, engines, ["round-robin"])
+        assert str(raised.value) == f"--fleet takes 1 to 16 engines, got {engines}"
+    # 1 and 16 engines pass that check: the unknown policy is what stops them, before any sidecar starts.
+    for engines in (1, 16):
+        with pytest.raises(UsageError, match="unknown router policy 'fastest'"):
+            run_fleet(trace, engines, ["round-robin", "fastest"])
+    with pytest.raises(UsageError, match="a fault of engine 1, but the fleet has 1 engines"):
+        run_fleet(from_text(TINY + "[fleet]\n" + NEIGHBOUR.format(engine=1), source="t.toml"), 1, ["round-robin"])
+
+
+HELD = """
+name = "held"
+model = "Qwen3-0.6B"
+[gpu]
+total_bytes = 2_684_354_560
+[engine]
+max_num_batched_tokens = 4096
+max_model_len = 16384
+[[workload.requests]]
+prompt_tokens = 2000
+output_tokens = 500
+count = 2
+[[workload.requests]]
+prompt_tokens = 2000
+output_tokens = 3000
+[[workload.requests]]
+prompt_tokens = 100
+output_tokens = 10
+arrival_s = 20.1
+"""
+
+
+def test_held_requests_are_offered_every_fifth_tick_and_one_that_never_fits_is_rejected_once_idle() -> None:
+    """One engine of 19 KV blocks (4,864 tokens). At 0 s: A and B of 2,000 + 500 tokens, D of 2,000 + 3,000. A is
+    sent; B (2,500 more) and D (5,000 alone) do not fit and wait at the router. A finishes about 13 s in; the
+    engine's last sample still shows its blocks, so at the retry ticks B still does not fit. C (100 + 10) arrives
+    at 20.1 s, in tick 402: no retry tick, so it queues behind the held ones until tick 405 (20.25 s), where B and
+    D still do not fit and C is sent (queue 0.15 s). C's steps show A's blocks freed: at the next retry tick, 410
+    (20.5 s), B is sent (queue 20.5 s). D never fits; once B is done, the engine idle and nothing left to arrive,
+    D is rejected. Queues 0, 0.15 and 20.5 s: p50 0.15, p99 20.5."""
+    (result,) = run_fleet(from_text(HELD, source="held.toml"), 1, ["memwatch"], seed=1)
+    assert (result.requests, result.completed, result.rejected, result.lost, result.ooms) == (4, 3, 1, 0, 0)
+    assert (result.p50_queue_s, result.p99_queue_s) == (0.15, 20.5)
+    # 1,010 tokens, the last of them within the last tick.
+    assert 1010 / result.simulated_s - 0.01 <= result.tokens_per_s < 1010 / (result.simulated_s - 0.05)
+
+
+def test_an_engine_that_crashes_serving_loses_its_request_and_the_later_ones_are_rejected() -> None:
+    # From its third serving step the engine's library takes 8 GiB outside PyTorch's allocator: a CUDA error, and
+    # it dies holding the request of 0 s (lost; a crash is no OOM). Those of 1 and 2 s find no engine up: rejected.
+    text = TINY + '[[faults]]\nkind = "non_torch_leak"\nbytes_per_step = 8_589_934_592\nfrom_step = 3\n'
+    (result,) = run_fleet(from_text(text, source="crash.toml"), 1, ["round-robin"], seed=1)
+    assert (result.requests, result.completed, result.ooms, result.lost, result.rejected) == (3, 0, 0, 1, 2)
