@@ -31,6 +31,22 @@ def open_dir(path: str | os.PathLike[str], dir_fd: int | None = None) -> int:
     return os.open(path, DIR_FLAGS, dir_fd=dir_fd)
 
 
+def reopen_dir(dir_fd: int) -> int:
+    """A descriptor of the folder ``dir_fd`` with a read offset of its own, to list it: every duplicate of one
+    descriptor shares one offset, so two threads listing ``dir_fd`` itself at once each see part of the folder,
+    or none of it, or names twice."""
+    return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+
+
+def list_names(dir_fd: int) -> list[str]:
+    """The names in the folder ``dir_fd`` (through :func:`reopen_dir`: any thread may list it at any time)."""
+    fd = reopen_dir(dir_fd)
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
 def file_id(info: os.stat_result) -> tuple[int, int]:
     """What names a file whatever its path: (device, inode)."""
     return info.st_dev, info.st_ino

@@ -276,24 +276,6 @@ def test_shipping_starts_at_once_takes_what_a_build_hands_it_and_stops_taking(st
     assert second.exists()  # no sidecar shipping any more: it stays where it was built
 
 
-def test_what_waits_from_before_is_said_and_the_spool_caps_are_the_settings(quiet_db: tuple[Path, str],
-                                                                           state: tuple[int, Path], tmp_path: Path,
-                                                                           caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, "memwatch.serve")
-    dest = _blocked(tmp_path)
-    first = _incidents(BundleSettings(dest, termination_log=None, spool_count=1), quiet_db[0], state)
-    names = [_spooled_by_hand(first, tmp_path, age_s=10.0 - n, run=f"run{n}")[0] for n in range(2)]
-    assert first.shipping is not None and first.shipping.spool.pending() == names[1:]  # a cap of one bundle
-    assert first.counts()["dropped"] == 1  # told to the builder, which records it
-    _close(first)
-    size = (state[1] / "bundles" / names[1]).stat().st_size
-    again = _incidents(BundleSettings(dest, termination_log=None, spool_bytes=size - 1), quiet_db[0], state)
-    assert f"shipping incident bundles to {dest} (spool {state[1]}/bundles, 1 waiting from before)" in caplog.messages
-    _spooled_by_hand(again, tmp_path, age_s=1.0, run="run9")
-    assert again.shipping is not None and len(again.shipping.spool.pending()) == 1  # over the bytes: the oldest went
-    _close(again)
-
-
 def test_a_build_folder_others_may_enter_is_refused_and_nothing_is_left_open(quiet_db: tuple[Path, str],
                                                                              state: tuple[int, Path],
                                                                              tmp_path: Path) -> None:
@@ -375,3 +357,24 @@ def test_the_shippers_options_are_passed_on(quiet_db: tuple[Path, str], state: t
         wait_for(lambda: shipping.shipper.failures >= 3, timeout=1.5, what="three tries")
     finally:
         shipping.close(0.5)
+
+
+def test_bundles_left_from_before_are_counted_before_the_first_pass_and_the_caps_are_the_settings(
+        state: tuple[int, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Two bundles an earlier sidecar spooled and never shipped; the destination refuses every upload, so both
+    # stay. They are counted before the shipper's first pass could ship or drop any of them.
+    caplog.set_level(logging.INFO, "memwatch.serve")
+    left = spool.Spool(state[0], state[1])
+    for run in ("run1", "run2"):
+        left.enqueue(make_bundle(tmp_path / "built", run=run))
+    names = left.pending()
+    left.close()
+    dest = _blocked(tmp_path)
+    shipping = Shipping(dest, state[0], state[1], None, None, rescan=60.0, spool_count=3, spool_bytes=1 << 20)
+    try:
+        assert f"shipping incident bundles to {dest} (spool {state[1]}/bundles, 2 waiting from before)" \
+            in caplog.messages
+        assert (shipping.spool.cap_count, shipping.spool.cap_bytes) == (3, 1 << 20)
+        assert shipping.spool.pending() == names
+    finally:
+        shipping.close(1.0)

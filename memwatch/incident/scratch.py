@@ -18,7 +18,7 @@ import os
 import secrets
 import shutil
 
-from memwatch_engine.dirfd import check_private, open_dir
+from memwatch_engine.dirfd import check_private, list_names, open_dir
 
 log = logging.getLogger("memwatch.incident")
 
@@ -64,7 +64,7 @@ class WorkDir:
 def remove_leftovers(dir_fd: int) -> list[str]:
     """Remove the work folders and half-written bundles of builds cut short in ``dir_fd``; their names."""
     removed = []
-    for name in os.listdir(dir_fd):
+    for name in list_names(dir_fd):
         try:
             if name.startswith(WORK_PREFIX):
                 shutil.rmtree(name, dir_fd=dir_fd)

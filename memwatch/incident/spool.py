@@ -23,7 +23,15 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from memwatch_engine.dirfd import create_exclusive, file_id, open_dir, open_regular, private_subdir, unlink_if_same
+from memwatch_engine.dirfd import (
+    create_exclusive,
+    file_id,
+    list_names,
+    open_dir,
+    open_regular,
+    private_subdir,
+    unlink_if_same,
+)
 
 from ..errors import PermissionDeniedError, UsageError
 
@@ -63,8 +71,9 @@ class Spool:
         self._remove_partial_copies()
 
     def _names(self) -> list[str]:
-        """The spool's names; none once it is closed (``os.listdir(-1)`` lists the working directory)."""
-        return os.listdir(self.fd) if self.fd >= 0 else []
+        """The spool's names (the shipper, a build and ``/readyz`` list it from their own threads); none once it is
+        closed."""
+        return list_names(self.fd) if self.fd >= 0 else []
 
     def _remove_partial_copies(self) -> None:
         for name in self._names():

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memwatch_engine.dirfd import open_dir
+from memwatch_engine.dirfd import list_names, open_dir
 
 from ..errors import NotFoundError
 from ..flags import CRITICAL, Flag
@@ -315,7 +315,7 @@ class IncidentTriggers:
         if self._on_bundle is None:
             return
         try:
-            names = sorted(name for name in os.listdir(self.dir_fd) if BUNDLE_NAME.fullmatch(name))
+            names = sorted(name for name in list_names(self.dir_fd) if BUNDLE_NAME.fullmatch(name))
         except OSError as exc:
             log.error("cannot list the bundle build folder %s: %s", self.out_dir, exc.strerror or exc)
             return

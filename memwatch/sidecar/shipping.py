@@ -70,8 +70,8 @@ class Shipping:
         self.shipper = Shipper(dest, self.spool, announcers, **shipper_options)
         self.spool.on_enqueue = self.shipper.wake
         spool.activate(self.spool)
+        waiting = len(self.spool.pending())  # before the shipper's first pass can ship or drop any of them
         self.shipper.start()
-        waiting = len(self.spool.pending())
         log.info("shipping incident bundles to %s (spool %s%s)", dest, self.spool.path,
                  f", {waiting} waiting from before" if waiting else "")
 
