@@ -7,6 +7,7 @@ Real files, a real directory and its descriptor; we run as root, so a ring of an
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from memwatch.sidecar import ring_finder
+from memwatch.sidecar.log_limit import LogLimiter
 from memwatch.sidecar.refused_names import REASONS
 from memwatch.sidecar.ring_finder import LISTING_SLICE, RingFinder
 
@@ -143,11 +145,30 @@ def test_a_slow_scan_is_followed_by_the_next_no_sooner_than_four_times_its_lengt
     assert (1 + 4) * took - 0.05 <= waited <= (1 + 4) * took + 0.5, (took, waited)
 
 
-def test_a_fast_scan_is_not_paused(finder: RingFinder, runtime_dir: Path) -> None:
+def test_a_fast_scan_is_not_paused_and_each_scan_says_what_the_log_dropped_in_windows_that_ended(
+        finder: RingFinder, runtime_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    finder.limited = LogLimiter(logging.getLogger("memwatch.collector"), lines=1, window=0.2)
     _make(runtime_dir, "a-r0.ring")
-    assert list(finder.candidates()) == ["a-r0.ring"]
+    _make(runtime_dir, "o1-r0.ring", 0o644)
+    _make(runtime_dir, "o2-r0.ring", 0o644)
+    assert list(finder.candidates()) == ["a-r0.ring"] and len(_said(caplog)) == 1  # one said, one dropped
+    time.sleep(0.25)
     _make(runtime_dir, "b-r0.ring")
     assert sorted(finder.candidates()) == ["a-r0.ring", "b-r0.ring"]  # at once
+    assert len(_said(caplog)) == 2 and _said(caplog)[1].startswith("1 more 'ring ignored' lines in the last 0 s")
+
+
+def test_a_name_gone_between_the_listing_and_its_lstat_is_skipped_not_refused(finder: RingFinder,
+                                                                               runtime_dir: Path) -> None:
+    for i in range(2 * LISTING_SLICE):
+        _make(runtime_dir, f"{i:05d}-r0.ring")
+
+    def remove_all() -> None:  # after 1,024 names; the next are read already (a few hundred a getdents call)
+        for name in os.listdir(runtime_dir):
+            os.unlink(runtime_dir / name)
+
+    assert len(list(finder.listing(between=remove_all))) == LISTING_SLICE - 1
+    assert finder.refused.counts() == _counts()
 
 
 def test_a_closed_finder_looks_at_nothing_and_says_the_dropped_lines(
@@ -272,6 +293,7 @@ def test_a_listing_skips_names_refused_already_forgets_those_gone_and_lets_other
     _make(runtime_dir, "notes.txt")
     _make(runtime_dir, "open-r0.ring", 0o644)
     gone = _make(runtime_dir, "gone-r0.ring", 0o644)
+    os.symlink("00000-r0.ring", runtime_dir / "link-r0.ring")  # judged as a link, not as the ring it names
     calls: list[int] = []
 
     def between() -> None:  # e.g. the loop's open, refusing a ring of another directory's name meanwhile
@@ -279,13 +301,13 @@ def test_a_listing_skips_names_refused_already_forgets_those_gone_and_lets_other
         finder.refuse(f"meanwhile{len(calls)}-r0.ring", "refused during the listing", "invalid")
 
     assert set(finder.listing(between=between)) == rings
-    assert len(calls) == 2  # 2,056 names: after the 1,024th and the 2,048th
-    assert finder.refused.counts() == _counts(mode=2, invalid=2)
+    assert len(calls) == 2  # 2,057 names: after the 1,024th and the 2,048th
+    assert finder.refused.counts() == _counts(mode=2, invalid=2, not_regular=1)
     gone.unlink()
     caplog.clear()
     assert set(finder.listing()) == rings
     # Not judged (nor said) again; the one gone forgotten, those refused during the last listing too (not listed).
-    assert _said(caplog) == [] and finder.refused.counts() == _counts(mode=1)
+    assert _said(caplog) == [] and finder.refused.counts() == _counts(mode=1, not_regular=1)
     assert "open-r0.ring" in finder.refused and "gone-r0.ring" not in finder.refused
 
 
