@@ -52,6 +52,7 @@ def _open(collector: Collector) -> set[str]:
 def test_a_ring_made_while_the_thread_waited_is_found_by_the_last_look(runtime_dir: Path,
                                                                        collector: Collector) -> None:
     first = _engine(runtime_dir, "first")
+    assert not collector.found  # no discovery thread: nothing found
     collector.discover(interval=60.0, watch=False)  # scans once, then not for a minute
     _until(lambda: collector.found)
     late = _engine(runtime_dir, "late")  # the thread will not look again before the sidecar stops
@@ -127,6 +128,8 @@ def test_a_stuck_thread_is_waited_for_a_second_at_most_and_nothing_is_listed_bes
     assert waited - 0.05 <= took <= waited + 0.5, took
     # What the thread handed over is opened; nothing is listed while it may still be listing (shared state).
     assert _open(collector) == {"found-r0.ring"}
+    assert collector.refused_counts() == {"untrusted_uid": 0, "mode": 1, "not_regular": 0, "unreadable": 0,
+                                          "invalid": 0}  # the ring the thread was saying it refused
     stuck_log.gate.set()
     found.close()
     unseen.close()
