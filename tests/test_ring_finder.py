@@ -285,6 +285,14 @@ def test_a_stored_ring_is_removed_only_while_its_name_denotes_the_file_read(
     assert _said(caplog) == [
         f"cannot remove the stored ring {runtime_dir / long}: File name too long; run the sidecar as the runtime "
         "directory's owner (or root) so that it can"]
+    for _ in range(20):  # limited on their own: 20 a minute, past the refusals' lines
+        finder.unlink(long, (read.st_dev, read.st_ino))
+    finder.refuse("other-r0.ring", "a refusal of its own kind")
+    finder.close()
+    said = _said(caplog)
+    assert len(said) == 1 + 19 + 1 + 1  # 20 said, a refusal in a window of its own, and the one past the limit
+    assert said[-2] == f"ignoring ring {runtime_dir}/other-r0.ring: a refusal of its own kind"
+    assert said[-1].startswith("1 more 'ring not removed' lines in the last ")
 
 
 def test_a_listing_skips_names_refused_already_forgets_those_gone_and_lets_other_work_in_every_1024_names(
