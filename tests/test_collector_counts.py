@@ -4,12 +4,14 @@ scenario: the engine's monitor writes one record a step, none at its start."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from memwatch.sidecar.collector import DRAIN_LIMIT, Collector
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine import Monitor
+from memwatch_engine.ring import RingWriter
 
 from probes import ScriptedProbe
 
@@ -72,5 +74,30 @@ def test_records_overwritten_before_they_were_read_are_counted_as_lost(runtime_d
             db.conn.close()
     finally:
         small.close()
+        collector.close()
+        writer.close()
+
+
+def test_rings_set_aside_are_counted_and_a_ring_given_up_on_stays_unopened(runtime_dir: Path, db_path: Path) -> None:
+    bad = RingWriter(runtime_dir / "bad-r0.ring", run_id="bad", meta={"gpu_total_bytes": "x"}, capacity=64)
+    bad.close()
+    cut = RingWriter(runtime_dir / "cut-r0.ring", run_id="cut", meta={}, capacity=1024)
+    for step in range(10):
+        cut.write_sample(step, step, 5, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+    writer = StoreWriter(open_store(db_path))
+    writer.start()
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: True)
+    try:
+        collector.scan()
+        assert (collector.rings_set_aside, collector.rings_moved_aside) == (1, 1)  # into rejected/ of the state dir
+        assert collector.refused_counts()["invalid"] == 1
+        assert [p.name for p in collector.rings] == ["cut-r0.ring"]
+        assert collector.poll() == 10
+        os.truncate(runtime_dir / "cut-r0.ring", 4096)
+        assert collector.poll() == 0 and not collector.rings  # given up on: its rank ends as error
+        collector.scan()
+        assert not collector.rings and (runtime_dir / "cut-r0.ring").exists()  # kept, and not opened again
+        assert collector.refused_counts()["invalid"] == 0  # moved away: no longer refused in the directory
+    finally:
         collector.close()
         writer.close()
