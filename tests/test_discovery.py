@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from memwatch.sidecar.daemon import Sidecar
 from memwatch.sidecar.dir_watch import (
     IN_ATTRIB,
     IN_CREATE,
@@ -28,8 +29,14 @@ from memwatch.sidecar.dir_watch import (
     DirWatch,
     watch_dir,
 )
-from memwatch.sidecar.discovery import MAX_PENDING, Discovery
+from memwatch.sidecar.discovery import MAX_PENDING, STOP_WAIT_S, Discovery
 from memwatch.sidecar.ring_finder import RingFinder
+from memwatch.store import open_store
+from memwatch_engine import Monitor
+from memwatch_engine.ring_reader import RingReader
+
+from probes import ScriptedProbe
+from stored_runs import drain
 
 
 def _make(directory: Path, name: str, mode: int = 0o600) -> None:
@@ -285,3 +292,122 @@ def test_a_ring_made_during_a_long_listing_is_handed_before_the_listing_ends(fin
         discovery.stop()
     assert len(set(names)) == len(names) == 3001  # found twice (by the kernel, then the listing): handed once
     assert names.index("new-r0.ring") <= 1024 + 1  # judged at the listing's next slice, not after 3,000 names
+
+
+def test_a_stuck_thread_is_waited_for_5_s_in_all_and_closes_its_watch_once_released(finder: RingFinder,
+                                                                                    runtime_dir: Path) -> None:
+    before = _descriptors()
+    gate, entered = threading.Event(), threading.Event()
+
+    def found() -> None:  # the thread's hand-over never returns until the gate opens
+        entered.set()
+        gate.wait(60)
+
+    _make(runtime_dir, "a-r0.ring")
+    discovery = Discovery(finder, interval=0.05, on_found=found)
+    discovery.start()
+    try:
+        assert entered.wait(5)
+        began = time.monotonic()
+        discovery.stop(timeout=1.0)  # the last drain's stop
+        first = time.monotonic() - began
+        discovery.stop()  # the close's: only what is left of the 5 s
+        total = time.monotonic() - began
+        assert 0.9 <= first <= 1.5 and STOP_WAIT_S - 0.1 <= total <= STOP_WAIT_S + 0.5, (first, total)
+        # The watch stays open while the thread may read it (and the listing under way holds its own descriptor).
+        assert discovery.running and _descriptors() == before + 2
+        began = time.monotonic()
+        discovery.stop()
+        assert time.monotonic() - began < 0.5  # spent: a further stop waits no more
+    finally:
+        gate.set()
+    _until(lambda: not discovery.running)
+    assert _descriptors() == before and discovery.take() == ["a-r0.ring"]  # the released thread closed it itself
+
+
+class _StuckLog(logging.Handler):
+    """A log write of the discovery thread that never returns until ``gate`` is set (a stderr nobody reads)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if threading.current_thread().name == "memwatch-discovery":
+            self.entered.set()
+            self.gate.wait(60)
+
+
+@pytest.fixture
+def stuck_log() -> Iterator[_StuckLog]:
+    handler = _StuckLog()
+    logger = logging.getLogger("memwatch.collector")
+    logger.addHandler(handler)
+    yield handler
+    handler.gate.set()
+    logger.removeHandler(handler)
+
+
+def test_a_sidecar_stopped_with_its_discovery_stuck_waits_5_s_for_it_and_leaves_its_rows_whole(
+        runtime_dir: Path, db_path: Path, stuck_log: _StuckLog) -> None:
+    sidecar = Sidecar(runtime_dir, db_path, poll_interval=0.05, scan_interval=0.05)
+    sidecar.start()
+    monitor = Monitor(engine="test", runtime_dir=runtime_dir, probe=ScriptedProbe(), spawn_sidecar=False,
+                      run_id="stuck")
+    loop = threading.Thread(target=sidecar.run, name="sidecar-under-test")
+    loop.start()
+    try:
+        _until(lambda: sidecar.collector.rings)  # the engine's ring is open before the thread sticks
+        _make(runtime_dir, "other-r0.ring", 0o644)  # refused, and said so: the thread's log write never returns
+        assert stuck_log.entered.wait(5)
+        for _ in range(5):
+            monitor.step("decode", num_seqs=1)
+        began = time.monotonic()
+        sidecar.stop()
+        loop.join(STOP_WAIT_S + 5)
+        took = time.monotonic() - began
+        assert not loop.is_alive(), "the sidecar's stop waited for the stuck thread without a bound"
+        stuck = [t for t in threading.enumerate() if t.name == "memwatch-discovery"]
+        assert len(stuck) == 1  # still in its log write: the sidecar exited without it
+        # The last drain's stop waits 1 s of the 5, the close the 4 left: 5 s in all, not 1 + 5.
+        assert STOP_WAIT_S - 0.1 <= took <= STOP_WAIT_S + 0.9, took
+        stuck_log.gate.set()
+        stuck[0].join(5)
+        assert not stuck[0].is_alive()  # released, it ends (and closes its watch) instead of listing on
+        # Everything the ring held is stored once, its cursor with it: the rows of the monitor's start and the 5 steps.
+        db = open_store(db_path, readonly=True)
+        try:
+            assert db.execute("PRAGMA quick_check").fetchone() == ("ok",)
+            steps = db.execute("SELECT count(*) FROM samples WHERE run_id = 'stuck' AND step_kind = 'decode'")
+            assert steps.fetchone() == (5,)
+            cursor = db.execute("SELECT next_seq, finished FROM ring_cursors WHERE ring LIKE 'stuck/0/%'").fetchone()
+            assert monitor.ring_path is not None
+            ring = RingReader(monitor.ring_path)
+            assert cursor == (ring.published, 0)  # every record read; the ring stays for its writer
+            ring.close()
+        finally:
+            db.conn.close()
+        # The lock went with it: the next sidecar takes the directory and resumes at the cursor.
+        for _ in range(3):
+            monitor.step("decode", num_seqs=1)
+        monitor.close()
+        follower = Sidecar(runtime_dir, db_path)
+        follower.start()
+        try:
+            follower.collector.scan()
+            drain(follower.collector)
+        finally:
+            follower.close()
+        db = open_store(db_path, readonly=True)
+        try:
+            steps = db.execute("SELECT count(*) FROM samples WHERE run_id = 'stuck' AND step_kind = 'decode'")
+            assert steps.fetchone() == (5 + 3,)
+            assert db.execute("SELECT status FROM runs WHERE run_id = 'stuck'").fetchone() == ("ok",)
+        finally:
+            db.conn.close()
+    finally:
+        stuck_log.gate.set()
+        sidecar.stop()
+        loop.join(30)
+        monitor.close()

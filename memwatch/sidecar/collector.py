@@ -255,7 +255,7 @@ class Collector:
                 if state.caught_up and now >= state.next_alive_check and not self._writer_alive(state, now):
                     state.next_alive_check = 0.0  # the drain looks again, and ends the ring
                     return True
-            except (OSError, ValueError, struct.error):  # the poll sees what is wrong and says so
+            except (RingFormatError, OSError, ValueError, struct.error):  # the poll sees what is wrong and says so
                 return True
         return False
 

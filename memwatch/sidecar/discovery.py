@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import select
 import threading
+import time
 from collections.abc import Callable
 
 from .dir_watch import DirWatch, watch_dir
@@ -31,6 +32,9 @@ log = logging.getLogger("memwatch.collector")
 
 MAX_PENDING = 4096
 """Names found and not yet taken by the loop; past it the directory is listed again once the loop caught up."""
+STOP_WAIT_S = 5.0
+"""How long the sidecar's stops wait, in all, for a thread that does not end (stuck in a log write, or on a hung
+filesystem): then the sidecar exits without it (a daemon thread), its rings left for the next one."""
 
 
 class _Stopped(Exception):
@@ -52,6 +56,7 @@ class Discovery:
         self._pending: dict[str, None] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._stop_by: float | None = None
         self._relist = True
         self.listings = 0
         """Complete listings made (the first, and one after each time the kernel dropped changes)."""
@@ -110,6 +115,9 @@ class Discovery:
             pass
         except Exception:  # never silently: without this thread no new ring is opened
             log.exception("finding rings failed; new rings are no longer opened until the sidecar restarts")
+        finally:
+            if self._stop.is_set() and self._watch is not None:
+                self._watch.close()  # a stop that gave up on this thread left it open
 
     def _wait_for_changes(self) -> None:
         assert self._watch is not None  # open until this thread ended (:meth:`stop`)
@@ -134,10 +142,13 @@ class Discovery:
         if self._stop.is_set():
             raise _Stopped
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread (a listing under way ends at its next slice) and close the watch."""
+    def stop(self, timeout: float = STOP_WAIT_S) -> None:
+        """Stop the thread (a listing under way ends at its next slice) and close the watch; a thread still at work
+        is waited for ``timeout`` seconds, and for :data:`STOP_WAIT_S` in all however often it is stopped."""
         self._stop.set()
+        if self._stop_by is None:
+            self._stop_by = time.monotonic() + STOP_WAIT_S
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            self._thread.join(max(0.0, min(timeout, self._stop_by - time.monotonic())))
         if self._watch is not None and not self._thread.is_alive():
             self._watch.close()

@@ -38,37 +38,50 @@ class LogLimiter:
         self._lock = threading.RLock()  # the discovery thread, the loop and the store writer all refuse rings
 
     def warning(self, kind: str, msg: str, *args: object) -> None:
+        # Decided under the lock, written after it: a log write that blocks (a stderr nobody reads) holds up the
+        # thread writing, never the others that refuse rings or the sidecar's close flushing these windows.
         with self._lock:
-            self._warning(kind, msg, *args)
+            lines = self._warning(kind, msg, *args)
+        self._say(lines)
 
-    def _warning(self, kind: str, msg: str, *args: object) -> None:
+    def _warning(self, kind: str, msg: str, *args: object) -> list[tuple[str, tuple[object, ...]]]:
         now = self._clock()
+        lines: list[tuple[str, tuple[object, ...]]] = []
         window = self._kinds.get(kind)
         if window is None or now - window.started >= self._window:
-            self._close(kind, window)
+            lines += self._close(kind, window)
             window = self._kinds[kind] = _Window(now)
         if window.lines < self._lines:
             window.lines += 1
-            self._log.warning(msg, *args)
-            return
+            lines.append((msg, args))
+            return lines
         window.dropped += 1
         window.last = (msg, args)  # formatted only if it is the last when the window closes
+        return lines
 
     def flush(self, *, all_windows: bool = False) -> None:
         """Say what the windows that have ended (or, at exit, all) dropped; called now and then, e.g. every scan."""
         with self._lock:
-            self._flush(all_windows)
+            lines = self._flush(all_windows)
+        self._say(lines)
 
-    def _flush(self, all_windows: bool) -> None:
+    def _flush(self, all_windows: bool) -> list[tuple[str, tuple[object, ...]]]:
         now = self._clock()
+        lines: list[tuple[str, tuple[object, ...]]] = []
         for kind, window in list(self._kinds.items()):
             if all_windows or now - window.started >= self._window:
-                self._close(kind, window)
+                lines += self._close(kind, window)
                 del self._kinds[kind]
+        return lines
 
-    def _close(self, kind: str, window: _Window | None) -> None:
-        if window is not None and window.dropped:
-            msg, args = window.last
-            self._log.warning("%d more '%s' lines in the last %.0f s were not logged (the last: %s)",
-                              window.dropped, kind, min(self._window, self._clock() - window.started),
-                              (msg % args if args else msg)[:300])
+    def _close(self, kind: str, window: _Window | None) -> list[tuple[str, tuple[object, ...]]]:
+        if window is None or not window.dropped:
+            return []
+        msg, args = window.last
+        return [("%d more '%s' lines in the last %.0f s were not logged (the last: %s)",
+                 (window.dropped, kind, min(self._window, self._clock() - window.started),
+                  (msg % args if args else msg)[:300]))]
+
+    def _say(self, lines: list[tuple[str, tuple[object, ...]]]) -> None:
+        for msg, args in lines:
+            self._log.warning(msg, *args)

@@ -98,6 +98,8 @@ class RingFinder:
         """Every name a complete listing shows that looks like a trusted ring (names refused already are not
         looked at again); ``between`` is called every :data:`LISTING_SLICE` names, so that a listing of a
         flooded directory can let other work in (the changes the kernel reported meanwhile)."""
+        if self.dir_fd < 0:  # closed (a thread released after the sidecar's close): os.scandir(-1) lists the cwd
+            return
         before = self.refused.generation
         still_there: set[str] = set()
         try:
