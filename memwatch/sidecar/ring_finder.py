@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from memwatch_engine.dirfd import open_dir, open_regular, unlink_if_same
+from memwatch_engine.dirfd import open_dir, open_regular, reopen_dir, unlink_if_same
 from memwatch_engine.runtime import RING_SUFFIX, is_shared_dir, judge_ring, trusted_uids
 
 from .log_limit import LogLimiter
@@ -103,7 +103,12 @@ class RingFinder:
         before = self.refused.generation
         still_there: set[str] = set()
         try:
-            with os.scandir(self.dir_fd) as listing:
+            fd = reopen_dir(self.dir_fd)  # the stop's last look may list the folder while this thread does
+        except OSError as exc:
+            log.error("cannot list %s: %s", self.runtime_dir, exc)
+            return
+        try:
+            with os.scandir(fd) as listing:
                 for seen, entry in enumerate(listing, 1):
                     if between is not None and not seen % LISTING_SLICE:
                         between()
@@ -117,6 +122,8 @@ class RingFinder:
         except OSError as exc:
             log.error("cannot list %s: %s", self.runtime_dir, exc)
             return
+        finally:
+            os.close(fd)
         self.refused.forget_unlisted(still_there, before)  # refused now, not ever
 
     def judge(self, name: str) -> bool:
