@@ -400,3 +400,20 @@ def test_a_refused_connection_is_retried_twice_within_the_retry_timeout(budget_s
     said = _raises(lambda: objstore.put("s3://bundles/k", _file(tmp_path, b"abc"), budget_s=budget_s),
                    UnavailableError, 4)
     assert f", after 2 retries, max_retries: 2, retry_timeout: {retry_timeout} - " in said
+
+
+def test_a_key_that_begins_with_x_keeps_its_first_letters() -> None:
+    # Only the slashes after the bucket are the URL's; the key is the rest, whatever letters it starts with.
+    assert objstore.parse("s3://bucket/Xdir/b.tar.gz") == Location("s3", "s3://bucket", "Xdir/b.tar.gz")
+    assert objstore.parse("s3://bucket//XX/b.tar.gz").key == "XX/b.tar.gz"
+
+
+def test_an_upload_onto_a_folder_of_the_same_name_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    # The name is taken by something the store cannot read as an object: it is neither overwritten nor written
+    # into, and the refusal is the store's own "no such object" for the name (exit 3), not "unreachable".
+    (tmp_path / "b.tar.gz").mkdir()
+    url = f"file://{tmp_path}/b.tar.gz"
+    with pytest.raises(NotFoundError) as refused:
+        objstore.put_file(url, io.BytesIO(b"abc"), 3)
+    assert str(refused.value) == f"no such object: {url}" and refused.value.exit_code == 3
+    assert os.listdir(tmp_path / "b.tar.gz") == []
