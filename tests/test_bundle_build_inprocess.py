@@ -324,7 +324,7 @@ def test_the_build_needs_no_working_directory_and_runs_in_threads_named_for_it(
         built = _build_at(db, run_id, tmp_path / "out", created_ns=MOMENT)
     finally:
         stop.set()
-        watcher.join()
+        watcher.join(timeout=60)
     assert built.manifest.verdict == "oom" and os.listdir(tmp_path / "out") == [built.name]
     assert {re.sub(r"_\d+$", "", name) for name in seen - before - {"watcher"}} == {"memwatch-bundle"}
 

@@ -86,7 +86,7 @@ def _end(proc: subprocess.Popen[str]) -> str:
         return ""
     with proc.stdout:
         said = proc.stdout.read()
-    proc.wait()
+    proc.wait(timeout=10)
     return said
 
 
@@ -209,7 +209,7 @@ def test_a_stale_pid_file_is_never_signalled_and_the_lock_is_taken_once_free(run
         waited = time.monotonic() - started
         state.close()
     finally:
-        release.join()
+        release.join(timeout=10)
     assert took_over_from is None  # nobody was asked to stop
     assert 0.3 <= waited < 1.0     # looked at every 50 ms: taken soon after it was let go
 
@@ -222,7 +222,7 @@ def test_a_lock_let_go_before_any_pid_file_is_taken(runtime_dir: Path, runtime: 
         state, took_over_from = claim(runtime_dir, runtime, runtime_dir, auto=False)
         state.close()
     finally:
-        release.join()
+        release.join(timeout=10)
     assert took_over_from is None
 
 
