@@ -6,22 +6,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from fleet_scenarios import TINY as FLEET_TINY
+
 from memwatch.sim.fleet.engine import FleetEngine, FleetRequest
 from memwatch.sim.fleet.traces import from_text
 from memwatch_engine.ring_reader import RingReader
 
-TINY = """
-name = "tiny"
-model = "Qwen3-0.6B"
-[gpu]
-total_bytes = 8_589_934_592
-[engine]
-max_num_batched_tokens = 4096
-max_model_len = 8192
-[[workload.requests]]
-prompt_tokens = 100
-output_tokens = 10
-"""
+TINY = FLEET_TINY
 KV_USED, KV_TOTAL, NUM_SEQS, TS_NS = 13, 14, 15, 6
 """Positions in a raw sample tuple (``SAMPLE_FIELDS``)."""
 START_NS = 1_000_000_000

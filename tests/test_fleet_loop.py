@@ -6,25 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fleet_scenarios import TINY as FLEET_TINY
 
 from memwatch.errors import UsageError
 from memwatch.sim.fleet import run_fleet
 from memwatch.sim.fleet.traces import from_text
 
-TINY = """
-name = "tiny"
-model = "Qwen3-0.6B"
-[gpu]
-total_bytes = 8_589_934_592
-[engine]
-max_num_batched_tokens = 4096
-max_model_len = 8192
-[[workload.requests]]
-prompt_tokens = 100
-output_tokens = 10
-count = 3
-interval_s = 1.0
-"""
+TINY = FLEET_TINY + "count = 3\ninterval_s = 1.0\n"
 NEIGHBOUR = """
 [[fleet.engine_faults]]
 engine = {engine}
