@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import time
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 import pytest
+from stuck_log import StuckLog
 
 if TYPE_CHECKING:
     from podman.fixtures import Setup
@@ -116,3 +118,14 @@ def built() -> Iterator[Setup]:
         pytest.skip(made)
     yield made
     write_timings()
+
+
+@pytest.fixture
+def stuck_log() -> Iterator[StuckLog]:
+    """The discovery thread held in its next log write (``memwatch.collector``) until the test sets ``gate``."""
+    handler = StuckLog()
+    logger = logging.getLogger("memwatch.collector")
+    logger.addHandler(handler)
+    yield handler
+    handler.gate.set()
+    logger.removeHandler(handler)

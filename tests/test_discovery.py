@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from stuck_log import StuckLog
 
 from memwatch.sidecar.daemon import Sidecar
 from memwatch.sidecar.dir_watch import (
@@ -326,32 +327,10 @@ def test_a_stuck_thread_is_waited_for_5_s_in_all_and_closes_its_watch_once_relea
     assert _descriptors() == before and discovery.take() == ["a-r0.ring"]  # the released thread closed it itself
 
 
-class _StuckLog(logging.Handler):
-    """A log write of the discovery thread that never returns until ``gate`` is set (a stderr nobody reads)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if threading.current_thread().name == "memwatch-discovery":
-            self.entered.set()
-            self.gate.wait(60)
-
-
-@pytest.fixture
-def stuck_log() -> Iterator[_StuckLog]:
-    handler = _StuckLog()
-    logger = logging.getLogger("memwatch.collector")
-    logger.addHandler(handler)
-    yield handler
-    handler.gate.set()
-    logger.removeHandler(handler)
 
 
 def test_a_sidecar_stopped_with_its_discovery_stuck_waits_5_s_for_it_and_leaves_its_rows_whole(
-        runtime_dir: Path, db_path: Path, stuck_log: _StuckLog) -> None:
+        runtime_dir: Path, db_path: Path, stuck_log: StuckLog) -> None:
     sidecar = Sidecar(runtime_dir, db_path, poll_interval=0.05, scan_interval=0.05)
     sidecar.start()
     monitor = Monitor(engine="test", runtime_dir=runtime_dir, probe=ScriptedProbe(), spawn_sidecar=False,

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from stuck_log import StuckLog
 
 from memwatch.sidecar.collector import Collector
 from memwatch.store import open_store
@@ -89,32 +89,11 @@ def test_a_last_look_past_its_deadline_stops_at_the_first_slice_and_says_so(
     engine.close()
 
 
-class _StuckLog(logging.Handler):
-    """A log write of the discovery thread that never returns until ``gate`` is set (a stderr nobody reads)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.gate, self.entered = threading.Event(), threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if threading.current_thread().name == "memwatch-discovery":
-            self.entered.set()
-            self.gate.wait(60)
-
-
-@pytest.fixture
-def stuck_log() -> Iterator[_StuckLog]:
-    handler = _StuckLog()
-    logger = logging.getLogger("memwatch.collector")
-    logger.addHandler(handler)
-    yield handler
-    handler.gate.set()
-    logger.removeHandler(handler)
 
 
 @pytest.mark.parametrize(("left", "waited"), [(30.0, 1.0), (0.4, 0.4), (-1.0, 0.0)])
 def test_a_stuck_thread_is_waited_for_a_second_at_most_and_nothing_is_listed_beside_it(
-        runtime_dir: Path, collector: Collector, stuck_log: _StuckLog, left: float, waited: float) -> None:
+        runtime_dir: Path, collector: Collector, stuck_log: StuckLog, left: float, waited: float) -> None:
     found = _engine(runtime_dir, "found")
     collector.discover(interval=0.05)
     _until(lambda: collector.found)  # handed over, not yet opened
