@@ -171,7 +171,11 @@ def test_explain_counts_vllms_preemptions(served: Served) -> None:
     import subprocess
     import sys
 
-    vllm = served.server.metrics()["vllm:num_preemptions_total"]
+    counters = served.server.metrics()
+    vllm = counters["vllm:num_preemptions_total"]
+    # Read once the sidecar has stored the engine's last steps: the paused test's last pause may preempt a
+    # request a few steps before the batch ends, and explain reads what the database holds.
+    wait_for(lambda: _settled(served, int(counters["vllm:request_success_total"])), 60, "every step stored")
     text = subprocess.run([sys.executable, "-m", "memwatch", "--db", str(served.db), "explain", served.run_id()],
                           capture_output=True, text=True, timeout=120).stdout
     assert f"{int(vllm)} preemption" in text, text
