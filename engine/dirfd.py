@@ -139,12 +139,27 @@ def private_dir(path: str | os.PathLike[str], *, create: bool = True) -> int:
     """
     path = Path(path)
     if create:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _make_parents(path)
     parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         return private_subdir(parent, path.name, create=create, shown=path)
     finally:
         os.close(parent)
+
+
+def _make_parents(path: Path) -> None:
+    """The missing folders above ``path``, each 0700 (``Path.mkdir(parents=True)`` gives all but the last the
+    umask's mode, 0755 under the usual 022)."""
+    missing = []
+    for parent in path.parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
 
 
 def private_subdir(dir_fd: int, name: str, *, create: bool = True, shown: str | os.PathLike[str] | None = None) -> int:
