@@ -28,7 +28,7 @@ from bundle_forge import pack, real_members, reseal, run_memwatch
 from click.testing import CliRunner
 
 from memwatch.cli import main
-from memwatch.errors import NotFoundError, UsageError
+from memwatch.errors import NotFoundError, PermissionDeniedError, UsageError
 from memwatch.incident import manifest as m
 from memwatch.incident.listing import MAX_READ_BYTES, Listed, list_bundles, list_names, read_manifest
 from memwatch.incident.manifest import BundleError
@@ -432,3 +432,30 @@ def test_a_folder_that_cannot_be_listed_is_the_users_to_fix(tmp_path: Path) -> N
     folder.mkdir()
     (folder / "memwatch-incident-1.tar.gz").write_bytes(b"")
     assert list_names(f"{folder}/") == [f"{folder}/memwatch-incident-1.tar.gz"]
+
+
+def test_a_folder_the_user_may_not_read_is_refused_as_no_permission(tmp_path: Path) -> None:
+    """Listed by a user other than root (root reads any folder: a child process drops to uid 65534 first)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            try:
+                list_names(str(locked))
+                said = "listed"
+            except PermissionDeniedError as exc:
+                said = str(exc)
+            os.write(write, said.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = pipe.read().decode()
+    os.waitpid(pid, 0)
+    assert said == f"cannot list {locked}: no permission"
