@@ -8,6 +8,7 @@ that accepts and never answers (every upload hangs).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
@@ -21,11 +22,14 @@ import pytest
 from test_incident_ship import make_bundle
 from test_incident_trigger_rules import _sql, copy_of
 
+from memwatch.detectors import DetectorConfig
 from memwatch.errors import PermissionDeniedError
 from memwatch.export.config import ExportConfig
 from memwatch.export.pipeline import Exporters
 from memwatch.flags import CRITICAL, Flag
+from memwatch.incident import manifest as m
 from memwatch.incident import spool
+from memwatch.incident.open import load
 from memwatch.sidecar.shipping import BundleSettings, Incidents, Shipping, open_build_dir
 from memwatch.store import open_store
 from memwatch_engine.dirfd import private_dir
@@ -50,10 +54,10 @@ def quiet_db(long_prefill_stored: tuple[Path, str], tmp_path: Path) -> tuple[Pat
 
 
 def _incidents(settings: BundleSettings, db_path: Path, state: tuple[int, Path],
-               exporters: Exporters | None = None) -> Incidents:
+               exporters: Exporters | None = None, detector_config: DetectorConfig | None = None) -> Incidents:
     db = open_store(db_path)
     db.conn.close()
-    return Incidents(settings, db_path=db_path, writer=None, detector_config=None,  # type: ignore[arg-type]
+    return Incidents(settings, db_path=db_path, writer=None, detector_config=detector_config,  # type: ignore[arg-type]
                      state_fd=state[0], state_dir=state[1], exporters=exporters)
 
 
@@ -533,6 +537,8 @@ def test_the_leftovers_of_builds_cut_short_are_removed_at_start(quiet_db: tuple[
     os.chmod(built, 0o700)
     incidents = _incidents(BundleSettings(build_dir=built, termination_log=None), quiet_db[0], state)
     assert os.listdir(built) == ["kept.txt"]
+    held = [fd for fd in _fds(tmp_path) if fd.endswith(f" {built}")]
+    assert held == [f"{incidents.build_fd} {built}"]  # one descriptor, the one judged at start, builds there too
     _close(incidents)
 
 
@@ -568,7 +574,8 @@ def test_the_bundles_an_hour_are_the_settings(quiet_db: tuple[Path, str], state:
         _sql(db_path, "INSERT INTO incidents (run_id, trigger, decided_ns) VALUES (?, ?, ?)",
              (run_id, trigger, decided))
     settings = BundleSettings(build_dir=tmp_path / "built", termination_log=None, per_hour=1)
-    incidents = _incidents(settings, db_path, state)
+    # oom_risk says 73.4 MiB would be left after the next forward, under the default 256 MiB margin; at 1 byte, no risk
+    incidents = _incidents(settings, db_path, state, detector_config=DetectorConfig(oom_margin_min_bytes=1))
     assert incidents.triggers is not None
     done = wait_for(lambda: (rows := _sql(db_path, "SELECT trigger, state, note FROM incidents ORDER BY decided_ns"))
                     [1][1] == "dropped" and rows[0][1] == "built" and rows, timeout=60, what="one built, one dropped")
@@ -576,4 +583,7 @@ def test_the_bundles_an_hour_are_the_settings(quiet_db: tuple[Path, str], state:
                     ("shutdown", "dropped", "over the limit of 1 bundles an hour for uid unknown")]
     assert incidents.counts() == {"built": 1, "shipped": 0, "failed": 0, "dropped": 1, "spool_bytes": 0,
                                   "spool_bundles": 0}
+    [built] = (tmp_path / "built").iterdir()
+    _, members = load(built.read_bytes())
+    assert sorted(json.loads(members[m.EXPLAIN])["flag_kinds"]) == ["activation_over_reserve", "alloc_retries", "oom"]
     _close(incidents)
