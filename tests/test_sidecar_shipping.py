@@ -577,8 +577,12 @@ def test_the_bundles_an_hour_are_the_settings(quiet_db: tuple[Path, str], state:
     # oom_risk says 73.4 MiB would be left after the next forward, under the default 256 MiB margin; at 1 byte, no risk
     incidents = _incidents(settings, db_path, state, detector_config=DetectorConfig(oom_margin_min_bytes=1))
     assert incidents.triggers is not None
-    done = wait_for(lambda: (rows := _sql(db_path, "SELECT trigger, state, note FROM incidents ORDER BY decided_ns"))
-                    [1][1] == "dropped" and rows[0][1] == "built" and rows, timeout=60, what="one built, one dropped")
+
+    def settled() -> list[tuple[object, ...]] | None:
+        rows = _sql(db_path, "SELECT trigger, state, note FROM incidents ORDER BY decided_ns")
+        return rows if all(row[1] not in {"owed", "building"} for row in rows) else None
+
+    done = wait_for(settled, timeout=60, what="both bundles settled")
     assert done == [("oom", "built", None),
                     ("shutdown", "dropped", "over the limit of 1 bundles an hour for uid unknown")]
     assert incidents.counts() == {"built": 1, "shipped": 0, "failed": 0, "dropped": 1, "spool_bytes": 0,
