@@ -438,6 +438,7 @@ def test_a_folder_the_user_may_not_read_is_refused_as_no_permission(tmp_path: Pa
     """Listed by a user other than root (root reads any folder: a child process drops to uid 65534 first)."""
     locked = tmp_path / "locked"
     locked.mkdir()
+    assert list_names(str(locked)) == []  # listed while it may be read
     os.chmod(locked, 0)
     read, write = os.pipe()
     pid = os.fork()
