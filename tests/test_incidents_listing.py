@@ -9,13 +9,17 @@ each one ``REFUSED`` line, and the listing goes on (it used to end at the first:
 from __future__ import annotations
 
 import base64
+import gzip
+import io
 import json
 import os
 import re
 import socket
 import stat
+import tarfile
 import threading
 import uuid
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,9 +28,9 @@ from bundle_forge import pack, real_members, reseal, run_memwatch
 from click.testing import CliRunner
 
 from memwatch.cli import main
-from memwatch.errors import NotFoundError, UsageError
+from memwatch.errors import NotFoundError, PermissionDeniedError, UsageError
 from memwatch.incident import manifest as m
-from memwatch.incident.listing import Listed, list_bundles, list_names
+from memwatch.incident.listing import MAX_READ_BYTES, Listed, list_bundles, list_names, read_manifest
 from memwatch.incident.manifest import BundleError
 
 from ship_s3 import S3Server, free_port
@@ -312,3 +316,147 @@ def test_a_bundle_is_listed_under_its_pod_else_its_host(members: dict[str, bytes
         (folder / NAME.format(1 if pod else 2, key)).write_bytes(pack(sealed))
     assert {_key(item): item.to_dict()["pod"] for item in list_bundles(str(folder))} == {"pod": "vllm-0",
                                                                                          "host": "node-7"}
+
+
+def test_the_newest_by_creation_come_first_whatever_their_names(members: dict[str, bytes], tmp_path: Path) -> None:
+    # Names sort the other way round from creation (a pod whose clock ran behind names its bundles earlier).
+    folder = tmp_path / "incidents"
+    folder.mkdir()
+    raw = json.loads(members[m.MANIFEST])
+    for i, created in enumerate((3, 1, 2)):
+        sealed = reseal({**members, m.MANIFEST: json.dumps({**raw, "created_ns": created * 10**18}).encode()})
+        (folder / NAME.format(i, f"c{created}")).write_bytes(pack(sealed))
+    (folder / NAME.format(3, "damaged")).write_bytes(b"\x1f\x8b" + os.urandom(100))
+    listed = list_bundles(str(folder))
+    assert [_key(item) for item in listed] == ["c3", "c2", "c1", "damaged"]
+    assert [item.to_dict()["created_ns"] for item in listed] == [3 * 10**18, 2 * 10**18, 10**18, None]
+
+
+def test_a_refusal_is_cut_to_300_characters(members: dict[str, bytes], tmp_path: Path) -> None:
+    # A manifest naming a file of 80 control characters: the refusal quotes the name, each character as four, and
+    # is longer than a listing line keeps.
+    folder = tmp_path / "incidents"
+    folder.mkdir()
+    raw = json.loads(members[m.MANIFEST])
+    odd = "\x01" * 80
+    files = {**raw["files"], odd: {"sha256": "0" * 64, "bytes": 1}}
+    (folder / NAME.format(1, "odd")).write_bytes(_manifest_only(json.dumps({**raw, "files": files}).encode()))
+    [item] = list_bundles(str(folder))
+    said = f"the bundle's manifest names an unexpected file {odd!r}; not a memwatch bundle"
+    assert len(said) > 300 and item.error == said[:300]
+
+
+def test_a_file_url_is_a_folder_even_with_the_scheme_separator_in_its_path(tmp_path: Path) -> None:
+    folder = tmp_path / "a:" / "" / "b"  # the folder a:/b, given as a://b
+    folder.mkdir(parents=True)
+    (folder / "memwatch-incident-1.tar.gz").write_bytes(b"")
+    url = f"file://{tmp_path}/a://b"
+    assert list_names(url) == [f"{url}/memwatch-incident-1.tar.gz"]
+    [item] = list_bundles(url)
+    assert item.manifest is None and item.error is not None and item.error.startswith("not a readable tar.gz")
+
+
+def _tar(entries: list[tuple[tarfile.TarInfo, bytes]]) -> bytes:
+    """An uncompressed tar (PAX) of ``entries``."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in entries:
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def _refusal(data: bytes) -> str:
+    with pytest.raises(BundleError) as refused:
+        read_manifest(lambda start, length: data[start:start + length])
+    return str(refused.value)
+
+
+def test_a_manifest_at_its_bound_is_read_and_one_byte_more_or_headers_past_their_room_are_refused(
+        members: dict[str, bytes]) -> None:
+    # Padded with spaces (JSON allows them; they compress to nothing): one read each.
+    raw = members[m.MANIFEST]
+    at_bound = raw + b" " * (m.MAX_MANIFEST_BYTES - len(raw))
+    assert read_manifest(lambda start, length: pack({m.MANIFEST: at_bound})[start:start + length]).run_id == \
+        json.loads(raw)["run_id"]
+    over = f"its manifest.json is {m.MAX_MANIFEST_BYTES + 1:,} bytes, over its limit; refusing it"
+    assert _refusal(pack({m.MANIFEST: at_bound + b" "})) == over
+    # 20 KiB of pax header before it, past the 16 KiB room: decompression stops at the bound, within the manifest.
+    info = tarfile.TarInfo(m.MANIFEST)
+    info.pax_headers = {"comment": "x" * 20 * 1024}
+    assert _refusal(gzip.compress(_tar([(info, at_bound)]))) == ("not a readable tar.gz (unexpected end of data); it "
+                                                                 "is damaged or not a memwatch bundle")
+
+
+def test_what_is_not_a_gzip_framed_tar_beginning_with_the_manifest_is_refused_word_for_word(
+        members: dict[str, bytes]) -> None:
+    manifest = tarfile.TarInfo(m.MANIFEST)
+    plain = _tar([(manifest, members[m.MANIFEST])])
+    assert _refusal(zlib.compress(plain)) == ("not a readable tar.gz (Error -3 while decompressing data: incorrect "
+                                              "header check); it is damaged or not a memwatch bundle")
+    assert _refusal(gzip.compress(gzip.compress(plain))) == ("not a readable tar.gz (invalid header); it is damaged "
+                                                             "or not a memwatch bundle")
+    assert _refusal(pack({})) == "an empty tar; not a memwatch bundle"
+    long_name = "run-" + "x" * 100 + ".db"
+    assert _refusal(gzip.compress(_tar([(tarfile.TarInfo(long_name), b"1")]))) == (
+        f"starts with {long_name[:80]!r}, not manifest.json; not a memwatch bundle")
+
+
+def test_a_damaged_bundle_costs_one_read_and_one_cut_past_the_first_read_two(members: dict[str, bytes]) -> None:
+    asked: list[tuple[int, int]] = []
+
+    def reader(data: bytes) -> Callable[[int, int], bytes]:
+        asked.clear()
+        return lambda start, length: asked.append((start, length)) or data[start:start + length]
+
+    small = gzip.compress(os.urandom(3000))  # a gzip, not a tar: all of it came in the first read
+    with pytest.raises(BundleError, match=r"^not a readable tar\.gz \("):
+        read_manifest(reader(small))
+    assert asked == [(0, 64 * 1024)]
+    raw = json.loads(members[m.MANIFEST])
+    raw["padding"] = base64.b64encode(os.urandom(150_000)).decode()
+    cut = pack({m.MANIFEST: json.dumps(raw).encode()})[:100_000]  # the manifest's first 100 KB of about 200
+    with pytest.raises(BundleError) as refused:
+        read_manifest(reader(cut))
+    assert str(refused.value) == ("not a readable tar.gz (unexpected end of data); it is damaged or not a memwatch "
+                                  "bundle")
+    assert asked == [(0, 64 * 1024), (64 * 1024, MAX_READ_BYTES - 64 * 1024)]
+
+
+def test_a_folder_that_cannot_be_listed_is_the_users_to_fix(tmp_path: Path) -> None:
+    too_long = tmp_path / ("x" * 300)
+    with pytest.raises(UsageError) as refused:
+        list_names(str(too_long))
+    assert str(refused.value) == f"cannot list {too_long}: File name too long; pass the folder bundles are written to"
+    folder = tmp_path / "bundlesX"  # a name ending in X, and a slash after it dropped
+    folder.mkdir()
+    (folder / "memwatch-incident-1.tar.gz").write_bytes(b"")
+    assert list_names(f"{folder}/") == [f"{folder}/memwatch-incident-1.tar.gz"]
+
+
+def test_a_folder_the_user_may_not_read_is_refused_as_no_permission(tmp_path: Path) -> None:
+    """Listed by a user other than root (root reads any folder: a child process drops to uid 65534 first)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    assert list_names(str(locked)) == []  # listed while it may be read
+    os.chmod(locked, 0)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            try:
+                list_names(str(locked))
+                said = "listed"
+            except PermissionDeniedError as exc:
+                said = str(exc)
+            os.write(write, said.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = pipe.read().decode()
+    os.waitpid(pid, 0)
+    assert said == f"cannot list {locked}: no permission"
