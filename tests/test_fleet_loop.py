@@ -9,6 +9,7 @@ import pytest
 from fleet_scenarios import TINY as FLEET_TINY
 
 from memwatch.errors import UsageError
+from memwatch.sim.fleet import fleet as fleet_loop
 from memwatch.sim.fleet import run_fleet
 from memwatch.sim.fleet.traces import from_text
 
@@ -103,3 +104,33 @@ def test_an_engine_that_crashes_serving_loses_its_request_and_the_later_ones_are
     text = TINY + '[[faults]]\nkind = "non_torch_leak"\nbytes_per_step = 8_589_934_592\nfrom_step = 3\n'
     (result,) = run_fleet(from_text(text, source="crash.toml"), 1, ["round-robin"], seed=1)
     assert (result.requests, result.completed, result.ooms, result.lost, result.rejected) == (3, 0, 0, 1, 2)
+
+
+def test_an_engine_dead_from_the_start_neither_delays_serving_nor_receives_a_request() -> None:
+    # Engine 0 dies loading its weights, before engine 1 has finished starting: serving begins when engine 1 is
+    # ready, so every request is scheduled as it arrives, all on engine 1 (round-robin passes over the dead one).
+    text = TINY + "[fleet]\n" + NEIGHBOUR.format(engine=0)
+    (result,) = run_fleet(from_text(text, source="half.toml"), 2, ["round-robin"], seed=1)
+    assert (result.requests, result.completed, result.ooms, result.lost, result.rejected) == (3, 3, 1, 0, 0)
+    assert (result.p50_queue_s, result.p99_queue_s, result.simulated_s) == (0.0, 0.0, 2.25)
+
+
+def test_the_fleet_stops_a_bounded_time_after_the_last_arrival_rejecting_what_it_holds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD with the bound at 0.25 s after the last arrival (20.1 s): at 20.35 s. At the tick of 20.4 s, the first
+    past it, the router still holds B and D (B is sent only at 20.5 s): both rejected. C, sent at 20.25 s, needs
+    a prefill and 9 decodes (0.2384 s): the engine still holds it, lost. Only A completed. The engine's clock
+    stops at the end of the step running at 20.4 s: 20.25 + 0.0125 + 6 x 0.0251 = 20.4131 s."""
+    monkeypatch.setattr(fleet_loop, "DRAIN_AFTER_S", 0.25)
+    (result,) = run_fleet(from_text(HELD, source="held.toml"), 1, ["memwatch"], seed=1)
+    assert (result.requests, result.completed, result.rejected, result.lost, result.ooms) == (4, 1, 2, 1, 0)
+    assert result.simulated_s == 20.413
+
+
+def test_the_last_request_finishing_right_after_the_bound_s_tick_completes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # TINY's last request arrives at 2 s and finishes at 2.2384 s (12.5 ms of prefill and its first output, 9
+    # decodes of 25.1 ms). With the bound at 2.2 s, the tick of 2.2 s is not past it: the engines run on to
+    # 2.25 s and it completes.
+    monkeypatch.setattr(fleet_loop, "DRAIN_AFTER_S", 0.2)
+    (result,) = run_fleet(from_text(TINY, source="tiny.toml"), 1, ["round-robin"], seed=1)
+    assert (result.completed, result.lost, result.rejected, result.simulated_s) == (3, 0, 0, 2.25)
