@@ -3,6 +3,7 @@ engines all die starting. Real sidecars on loopback; a few seconds of wall time 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from memwatch.errors import UsageError
 from memwatch.sim.fleet import fleet as fleet_loop
 from memwatch.sim.fleet import run_fleet
 from memwatch.sim.fleet.traces import from_text
+
+from processes import query
 
 TINY = FLEET_TINY + "count = 3\ninterval_s = 1.0\n"
 NEIGHBOUR = """
@@ -134,3 +137,58 @@ def test_the_last_request_finishing_right_after_the_bound_s_tick_completes(monke
     monkeypatch.setattr(fleet_loop, "DRAIN_AFTER_S", 0.2)
     (result,) = run_fleet(from_text(TINY, source="tiny.toml"), 1, ["round-robin"], seed=1)
     assert (result.completed, result.lost, result.rejected, result.simulated_s) == (3, 0, 0, 2.25)
+
+
+def test_each_policy_s_engines_are_runs_of_their_own_whatever_run_id_the_environment_gives(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An engine's Monitor would take MEMWATCH_RUN_ID for its run id: the fleet names every run itself, so the
+    # second policy's engine is a new run beside the first's in the sidecar's store, and both policies serve the
+    # three requests alike.
+    monkeypatch.setenv("MEMWATCH_RUN_ID", "callers-run")
+    results = run_fleet(from_text(TINY, source="tiny.toml"), 1, ["round-robin", "round-robin"], seed=1,
+                        workdir=tmp_path)
+    assert [(r.completed, r.lost, r.rejected, r.p99_queue_s, r.simulated_s) for r in results] == [
+        (3, 0, 0, 0.0, 2.25)] * 2
+    runs = [run_id for (run_id,) in query(tmp_path / "engine0" / "memwatch.db", "SELECT run_id FROM runs")]
+    assert len(set(runs)) == 2 and "callers-run" not in runs
+
+
+def test_ties_between_idle_engines_are_broken_by_the_seed_s_draws(tmp_path: Path) -> None:
+    # Each request finds both engines idle and empty: kv-usage draws one number per engine and the lower wins.
+    # random.Random(1) draws 0.134, 0.847 | 0.764, 0.255 | 0.495, 0.449: request 0 to engine 0, 1 and 2 to engine 1.
+    (result,) = run_fleet(from_text(TINY, source="tiny.toml"), 2, ["kv-usage"], seed=1, workdir=tmp_path)
+    assert (result.completed, result.p99_queue_s) == (3, 0.0)
+    arrived = [sorted(json.loads(data)["request_id"] for (data,) in query(
+        tmp_path / f"engine{i}" / "memwatch.db", "SELECT data FROM events WHERE kind = 'request_arrived'"))
+        for i in range(2)]
+    assert arrived == [[0], [1, 2]]
+
+
+DRAWN = """
+name = "drawn"
+model = "Qwen3-0.6B"
+seed = 3
+[gpu]
+total_bytes = 8_589_934_592
+[engine]
+max_num_batched_tokens = 4096
+max_model_len = 8192
+[workload.random]
+count = 4
+prompt_tokens_min = 100
+prompt_tokens_max = 2000
+output_tokens_min = 2
+output_tokens_max = 4
+rate_per_s = 4.0
+"""
+
+
+def test_the_engines_serve_the_stream_drawn_with_the_run_s_seed_not_the_scenario_s(tmp_path: Path) -> None:
+    trace = from_text(DRAWN, source="drawn.toml")
+    ours, scenario_s = trace.requests(7), trace.requests(3)
+    assert [r.prompt_tokens for r in ours] != [r.prompt_tokens for r in scenario_s]
+    (result,) = run_fleet(trace, 1, ["round-robin"], seed=7, workdir=tmp_path)
+    assert (result.requests, result.completed) == (4, 4)
+    arrived = {data["request_id"]: data["prompt_tokens"] for data in (json.loads(row) for (row,) in query(
+        tmp_path / "engine0" / "memwatch.db", "SELECT data FROM events WHERE kind = 'request_arrived'"))}
+    assert arrived == {r.request_id: r.prompt_tokens for r in ours}

@@ -83,7 +83,7 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
     fleet = [FleetEngine(i, trace.scenario, trace.faults_of(i), sidecar.runtime_dir, start_ns, new_run_id())
              for i, sidecar in enumerate(sidecars)]
     try:
-        for engine, sidecar in zip(fleet, sidecars, strict=True):
+        for engine, sidecar in zip(fleet, sidecars, strict=True):  # pragma: no mutate (built one for one)
             engine.start()
             if engine.alive:  # one that died starting has closed its rings, which its sidecar may have removed
                 sidecar.watch(engine.ring_paths)
@@ -94,7 +94,7 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
         arrivals = deque(requests)
         held: deque[FleetRequest] = deque()
         views = {engine.index: EngineView(engine.index, engine.runners[0].monitor.run_id) for engine in fleet}
-        last_arrival = requests[-1].arrival_ns if requests else 0
+        last_arrival = requests[-1].arrival_ns  # a workload has at least one request
         rejected, tick = 0, 0
         while True:
             now = tick * SCRAPE_INTERVAL_NS
@@ -143,7 +143,7 @@ def _route(policy: Policy, due: list[FleetRequest], held: deque[FleetRequest], a
         sidecar = sidecars[engine.index]
         sidecar.wait_drained()
         view = views[engine.index]
-        view.rescraped(scrape(sidecar.url, READ))
+        view.rescraped(scrape(sidecar.url, READ))  # pragma: no mutate (READ only spares parsing the rest)
     routed = 0
     for request in due:
         choice = policy.choose(request, [views[engine.index] for engine in alive])
@@ -152,7 +152,7 @@ def _route(policy: Policy, due: list[FleetRequest], held: deque[FleetRequest], a
             continue
         alive[[engine.index for engine in alive].index(choice)].submit(request, serving_ns)
         views[choice].send(request)
-        routed += 1
+        routed += 1  # pragma: no mutate (only whether any was routed is read)
     if idle and held and not routed:
         rejected = len(held)
         held.clear()
