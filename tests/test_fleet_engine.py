@@ -48,7 +48,7 @@ def test_the_ring_names_the_engine_and_its_first_serving_sample_is_an_empty_cach
     engine = engine_of(TINY, tmp_path)
     assert (engine.status, engine.alive, engine.busy, engine.preemptions) == ("starting", False, False, 0)
     assert engine.started_ns == {} and engine.finished_ns == {} and engine.error is None
-    assert engine.ring_paths == [tmp_path / "tiny0001-r0.ring"]
+    assert engine.ring_paths == [tmp_path / "tiny0001-r0.ring"] and engine.index == 3
     before = time.time_ns()
     engine.start()
     ring = RingReader(engine.ring_paths[0])

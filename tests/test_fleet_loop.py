@@ -154,14 +154,18 @@ def test_each_policy_s_engines_are_runs_of_their_own_whatever_run_id_the_environ
 
 
 def test_ties_between_idle_engines_are_broken_by_the_seed_s_draws(tmp_path: Path) -> None:
-    # Each request finds both engines idle and empty: kv-usage draws one number per engine and the lower wins.
-    # random.Random(1) draws 0.134, 0.847 | 0.764, 0.255 | 0.495, 0.449: request 0 to engine 0, 1 and 2 to engine 1.
-    (result,) = run_fleet(from_text(TINY, source="tiny.toml"), 2, ["kv-usage"], seed=1, workdir=tmp_path)
-    assert (result.completed, result.p99_queue_s) == (3, 0.0)
+    # Eight requests a second apart, each done in 0.24 s, so each finds both engines idle. An engine's last
+    # sample still shows the block of the request it last ran: request 1 goes to engine 1, which shows none.
+    # Otherwise both show the same usage and kv-usage's draws (one per engine, the lower wins) decide:
+    # random.Random(1) draws 0.134, 0.847 | (0.764, 0.255) | 0.495, 0.449 | 0.652, 0.789 | 0.094, 0.028 |
+    # 0.836, 0.433 | 0.762, 0.002 | 0.445, 0.722: requests 0, 3 and 7 go to engine 0, the others to engine 1.
+    eight = FLEET_TINY + "count = 8\ninterval_s = 1.0\n"
+    (result,) = run_fleet(from_text(eight, source="eight.toml"), 2, ["kv-usage"], seed=1, workdir=tmp_path)
+    assert (result.completed, result.p99_queue_s) == (8, 0.0)
     arrived = [sorted(json.loads(data)["request_id"] for (data,) in query(
         tmp_path / f"engine{i}" / "memwatch.db", "SELECT data FROM events WHERE kind = 'request_arrived'"))
         for i in range(2)]
-    assert arrived == [[0], [1, 2]]
+    assert arrived == [[0, 3, 7], [1, 2, 4, 5, 6]]
 
 
 DRAWN = """
