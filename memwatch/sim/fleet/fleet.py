@@ -106,7 +106,7 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
             if due and not alive:
                 rejected += len(due)  # no engine is up
             elif due:
-                rejected += _route(policy, due, held, alive, sidecars, views, serving_ns,
+                rejected += _route(policy, due, held, alive, sidecars, views, serving_ns,  # pragma: no mutate
                                    idle=not arrivals and not any(engine.busy for engine in alive))
             if not arrivals and not held and not any(engine.busy for engine in fleet):
                 break
@@ -138,7 +138,8 @@ def _route(policy: Policy, due: list[FleetRequest], held: deque[FleetRequest], a
            sidecars: list[FleetSidecar], views: dict[int, EngineView], serving_ns: int, idle: bool) -> int:
     """Scrape every engine that is up (once each has drained its rings), then route ``due`` in order; what the
     policy keeps goes to ``held``. Returns the requests rejected: those held while the fleet was idle, with
-    nothing arriving, which no later scrape can admit."""
+    nothing arriving, which no later scrape can admit. (So nothing is routed after such a rejection, and
+    nothing was rejected before a call, which finds an engine up: adding what it returns is assigning it.)"""
     for engine in alive:
         sidecar = sidecars[engine.index]
         sidecar.wait_drained()
