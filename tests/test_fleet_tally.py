@@ -42,22 +42,23 @@ def test_the_result_counts_completions_queue_times_tokens_losses_and_ooms(tmp_pa
         # Engine 0: A (400 + 5 tokens, stopping after 2) at 100 ms is prefilled in 50 ms; B (800 + 3) reaches it
         # at 120 ms and is scheduled when A's prefill ends, at 150 ms (30 ms in the queue). B's prefill takes
         # 100 ms; one decode of both (25.2 ms) gives A its 2nd output at 275.2 ms; one of B alone (25.1 ms) its
-        # 3rd at 300.3 ms. Engine 1 dies holding C.
+        # 3rd at 300.3 ms. Engine 1 dies holding C and E.
         a, b = FleetRequest(1, 400, 5, 100_000_000, stop_tokens=2), FleetRequest(2, 800, 3, 120_000_000)
-        c = FleetRequest(3, 100, 50, 0)
+        c, e = FleetRequest(3, 100, 50, 0), FleetRequest(6, 100, 50, 0)
         fleet[0].submit(a, serving)
         fleet[0].submit(b, serving)
         fleet[1].submit(c, serving)
+        fleet[1].submit(e, serving)
         for engine in fleet:
             engine.advance_to(serving + 1_000_000_000)
         assert fleet[0].finished_ns == {1: serving + 275_200_000, 2: serving + 300_300_000}
         assert [engine.status for engine in fleet] == ["serving", "crashed", "oom"]
-        requests = [c, a, b, FleetRequest(4, 100, 10, 0), FleetRequest(5, 100, 10, 0)]
+        requests = [c, a, b, FleetRequest(4, 100, 10, 0), FleetRequest(5, 100, 10, 0), e]
         result = _result(trace, fleet, "round-robin", 7, requests, 2, serving)
     finally:
         for engine in fleet:
             engine.close()
     # 2 + 3 output tokens over 0.3003 s; the last engine clock is 1 s into serving.
-    assert result == PolicyResult(policy="round-robin", trace="tiny", engines=3, seed=7, requests=5, completed=2,
+    assert result == PolicyResult(policy="round-robin", trace="tiny", engines=3, seed=7, requests=6, completed=2,
                                   ooms=1, preemptions=0, p50_queue_s=0.0, p99_queue_s=0.03, tokens_per_s=16.65,
-                                  lost=1, rejected=2, simulated_s=1.0)
+                                  lost=2, rejected=2, simulated_s=1.0)
