@@ -107,8 +107,8 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
             if due and not alive:
                 rejected += len(due)  # no engine is up
             elif due:
-                rejected += _route(policy, due, held, alive, sidecars, views, serving_ns,  # pragma: no mutate
-                                   idle=not arrivals and not any(engine.busy for engine in alive))
+                idle = not arrivals and not any(engine.busy for engine in alive)
+                rejected += _route(policy, due, held, alive, sidecars, views, serving_ns, idle)  # pragma: no mutate
             if not arrivals and not held and not any(engine.busy for engine in fleet):
                 break
             if now > last_arrival + DRAIN_AFTER_S * NS_PER_S:
