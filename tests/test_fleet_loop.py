@@ -3,14 +3,18 @@ engines all die starting. Real sidecars on loopback; a few seconds of wall time 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from fleet_scenarios import TINY as FLEET_TINY
 
 from memwatch.errors import UsageError
+from memwatch.sim.fleet import fleet as fleet_loop
 from memwatch.sim.fleet import run_fleet
 from memwatch.sim.fleet.traces import from_text
+
+from processes import query
 
 TINY = FLEET_TINY + "count = 3\ninterval_s = 1.0\n"
 NEIGHBOUR = """
@@ -41,8 +45,9 @@ def test_requests_to_a_fleet_with_no_engine_up_are_rejected() -> None:
     # Another process holds all of each engine's GPU: both die loading their weights, and the router rejects
     # every request as it arrives.
     text = TINY + "[fleet]\n" + NEIGHBOUR.format(engine=0) + NEIGHBOUR.format(engine=1)
-    (result,) = run_fleet(from_text(text, source="dead.toml"), 2, ["round-robin"], seed=1)
+    (result,) = run_fleet(from_text(text, source="dead.toml"), 2, ["round-robin"])
     assert (result.requests, result.completed, result.ooms, result.lost, result.rejected) == (3, 0, 2, 0, 3)
+    assert result.seed == 0  # the default seed
     assert (result.p50_queue_s, result.tokens_per_s, result.simulated_s) == (None, 0.0, 0.0)
 
 
@@ -103,3 +108,92 @@ def test_an_engine_that_crashes_serving_loses_its_request_and_the_later_ones_are
     text = TINY + '[[faults]]\nkind = "non_torch_leak"\nbytes_per_step = 8_589_934_592\nfrom_step = 3\n'
     (result,) = run_fleet(from_text(text, source="crash.toml"), 1, ["round-robin"], seed=1)
     assert (result.requests, result.completed, result.ooms, result.lost, result.rejected) == (3, 0, 0, 1, 2)
+
+
+def test_an_engine_dead_from_the_start_neither_delays_serving_nor_receives_a_request() -> None:
+    # Engine 0 dies loading its weights, before engine 1 has finished starting: serving begins when engine 1 is
+    # ready, so every request is scheduled as it arrives, all on engine 1 (round-robin passes over the dead one).
+    text = TINY + "[fleet]\n" + NEIGHBOUR.format(engine=0)
+    (result,) = run_fleet(from_text(text, source="half.toml"), 2, ["round-robin"], seed=1)
+    assert (result.requests, result.completed, result.ooms, result.lost, result.rejected) == (3, 3, 1, 0, 0)
+    assert (result.p50_queue_s, result.p99_queue_s, result.simulated_s) == (0.0, 0.0, 2.25)
+
+
+def test_the_fleet_stops_a_bounded_time_after_the_last_arrival_rejecting_what_it_holds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD with the bound at 0.25 s after the last arrival (20.1 s): at 20.35 s. At the tick of 20.4 s, the first
+    past it, the router still holds B and D (B is sent only at 20.5 s): both rejected. C, sent at 20.25 s, needs
+    a prefill and 9 decodes (0.2384 s): the engine still holds it, lost. Only A completed. The engine's clock
+    stops at the end of the step running at 20.4 s: 20.25 + 0.0125 + 6 x 0.0251 = 20.4131 s."""
+    monkeypatch.setattr(fleet_loop, "DRAIN_AFTER_S", 0.25)
+    (result,) = run_fleet(from_text(HELD, source="held.toml"), 1, ["memwatch"], seed=1)
+    assert (result.requests, result.completed, result.rejected, result.lost, result.ooms) == (4, 1, 2, 1, 0)
+    assert result.simulated_s == 20.413
+
+
+def test_the_last_request_finishing_right_after_the_bound_s_tick_completes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # TINY's last request arrives at 2 s and finishes at 2.2384 s (12.5 ms of prefill and its first output, 9
+    # decodes of 25.1 ms). With the bound at 2.2 s, the tick of 2.2 s is not past it: the engines run on to
+    # 2.25 s and it completes.
+    monkeypatch.setattr(fleet_loop, "DRAIN_AFTER_S", 0.2)
+    (result,) = run_fleet(from_text(TINY, source="tiny.toml"), 1, ["round-robin"], seed=1)
+    assert (result.completed, result.lost, result.rejected, result.simulated_s) == (3, 0, 0, 2.25)
+
+
+def test_each_policy_s_engines_are_runs_of_their_own_whatever_run_id_the_environment_gives(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An engine's Monitor would take MEMWATCH_RUN_ID for its run id: the fleet names every run itself, so the
+    # second policy's engine is a new run beside the first's in the sidecar's store, and both policies serve the
+    # three requests alike.
+    monkeypatch.setenv("MEMWATCH_RUN_ID", "callers-run")
+    results = run_fleet(from_text(TINY, source="tiny.toml"), 1, ["round-robin", "round-robin"], seed=1,
+                        workdir=tmp_path)
+    assert [(r.completed, r.lost, r.rejected, r.p99_queue_s, r.simulated_s) for r in results] == [
+        (3, 0, 0, 0.0, 2.25)] * 2
+    runs = [run_id for (run_id,) in query(tmp_path / "engine0" / "memwatch.db", "SELECT run_id FROM runs")]
+    assert len(set(runs)) == 2 and "callers-run" not in runs
+
+
+def test_ties_between_idle_engines_are_broken_by_the_seed_s_draws(tmp_path: Path) -> None:
+    # Eight requests a second apart, each done in 0.24 s, so each finds both engines idle. An engine's last
+    # sample still shows the block of the request it last ran: request 1 goes to engine 1, which shows none.
+    # Otherwise both show the same usage and kv-usage's draws (one per engine, the lower wins) decide:
+    # random.Random(1) draws 0.134, 0.847 | (0.764, 0.255) | 0.495, 0.449 | 0.652, 0.789 | 0.094, 0.028 |
+    # 0.836, 0.433 | 0.762, 0.002 | 0.445, 0.722: requests 0, 3 and 7 go to engine 0, the others to engine 1.
+    eight = FLEET_TINY + "count = 8\ninterval_s = 1.0\n"
+    (result,) = run_fleet(from_text(eight, source="eight.toml"), 2, ["kv-usage"], seed=1, workdir=tmp_path)
+    assert (result.completed, result.p99_queue_s) == (8, 0.0)
+    arrived = [sorted(json.loads(data)["request_id"] for (data,) in query(
+        tmp_path / f"engine{i}" / "memwatch.db", "SELECT data FROM events WHERE kind = 'request_arrived'"))
+        for i in range(2)]
+    assert arrived == [[0, 3, 7], [1, 2, 4, 5, 6]]
+
+
+DRAWN = """
+name = "drawn"
+model = "Qwen3-0.6B"
+seed = 3
+[gpu]
+total_bytes = 8_589_934_592
+[engine]
+max_num_batched_tokens = 4096
+max_model_len = 8192
+[workload.random]
+count = 4
+prompt_tokens_min = 100
+prompt_tokens_max = 2000
+output_tokens_min = 2
+output_tokens_max = 4
+rate_per_s = 4.0
+"""
+
+
+def test_the_engines_serve_the_stream_drawn_with_the_run_s_seed_not_the_scenario_s(tmp_path: Path) -> None:
+    trace = from_text(DRAWN, source="drawn.toml")
+    ours, scenario_s = trace.requests(7), trace.requests(3)
+    assert [r.prompt_tokens for r in ours] != [r.prompt_tokens for r in scenario_s]
+    (result,) = run_fleet(trace, 1, ["round-robin"], seed=7, workdir=tmp_path)
+    assert (result.requests, result.completed) == (4, 4)
+    arrived = {data["request_id"]: data["prompt_tokens"] for data in (json.loads(row) for (row,) in query(
+        tmp_path / "engine0" / "memwatch.db", "SELECT data FROM events WHERE kind = 'request_arrived'"))}
+    assert arrived == {r.request_id: r.prompt_tokens for r in ours}

@@ -88,6 +88,12 @@ def test_the_fleet_table_is_checked_key_by_key() -> None:
             from_text(BASE + f'[fleet]\n{key} = "512:64"\n', source="t.toml")
     with usage(r"^t.toml \[fleet\] admission_shapes: a shape is PROMPT:OUTPUT"):
         from_text(BASE + '[fleet]\nadmission_shapes = ["512"]\n', source="t.toml")
+    # A sidecar takes shapes of up to 2^24 tokens each: a longer one is refused with the trace, not by the
+    # sidecars the fleet starts with it (whose log went with their temporary directory).
+    for shape in ("16777217:1", "1:16777217"):
+        with usage(rf"^t.toml \[fleet\] admission_shapes: a shape is PROMPT:OUTPUT in tokens \(1 to 16,777,216 "
+                   rf"each\), e.g. 2048:512; got '{shape}'$"):
+            from_text(BASE + f'[fleet]\nadmission_shapes = ["{shape}"]\n', source="t.toml")
     # An empty list of shapes keeps the default ones.
     assert from_text(BASE + "[fleet]\nadmission_shapes = []\n", source="t.toml").shapes == DEFAULT_SHAPES
     for fault in ('"other_process"', '{kind = "other_process"}', '{engine = "1", kind = "other_process"}',
@@ -139,8 +145,9 @@ def test_the_routed_stream_is_the_workload_drawn_with_the_seed() -> None:
 
 def test_shapes_at_their_bounds() -> None:
     assert parse_shape("1:1", "here") == (1, 1)
-    for bad in ("1:0", "0:1", "1-1", ":1", "1:"):
-        with usage(r"^here: a shape is PROMPT:OUTPUT in tokens, e.g. 2048:512; got "):
+    assert parse_shape("16777216:16777216", "here") == (16_777_216, 16_777_216)
+    for bad in ("1:0", "0:1", "1-1", ":1", "1:", "16777217:1", "1:16777217"):
+        with usage(r"^here: a shape is PROMPT:OUTPUT in tokens \(1 to 16,777,216 each\), e.g. 2048:512; got "):
             parse_shape(bad, "here")
     with pytest.raises(UsageError) as raised:
         parse_shape("9" * 80, "here")

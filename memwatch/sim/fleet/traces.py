@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memwatch.errors import UsageError
+from memwatch.export.headroom import MAX_SHAPE_TOKENS
 from memwatch.sim.faults import Fault
 from memwatch.sim.fleet.engine import FleetRequest
 from memwatch.sim.scenario import MAX_SCENARIO_REF, Scenario, _parse_toml, parse_fault, shipped_scenarios
@@ -106,11 +107,14 @@ def from_text(text: str, *, source: str, json_format: bool = False) -> FleetTrac
 
 
 def parse_shape(value: Any, where: str) -> tuple[int, int]:
-    """``"2048:512"`` -> ``(2048, 512)``: prompt and output tokens, both at least 1."""
+    """``"2048:512"`` -> ``(2048, 512)``: prompt and output tokens, both at least 1 and at most what a sidecar's
+    ``--admission-shape`` takes (a longer one would stop the fleet's sidecars from starting)."""
     prompt, sep, output = str(value).partition(":")
-    if sep and prompt.isdigit() and output.isdigit() and int(prompt) >= 1 and int(output) >= 1:
+    if sep and prompt.isdigit() and output.isdigit() and 1 <= int(prompt) <= MAX_SHAPE_TOKENS \
+            and 1 <= int(output) <= MAX_SHAPE_TOKENS:
         return int(prompt), int(output)
-    raise UsageError(f"{where}: a shape is PROMPT:OUTPUT in tokens, e.g. 2048:512; got {str(value)[:50]!r}")
+    raise UsageError(f"{where}: a shape is PROMPT:OUTPUT in tokens (1 to {MAX_SHAPE_TOKENS:,} each), e.g. 2048:512; "
+                     f"got {str(value)[:50]!r}")
 
 
 def _list(value: Any, source: str) -> list[Any]:
