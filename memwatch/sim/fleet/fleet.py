@@ -108,7 +108,7 @@ def _run_policy(trace: FleetTrace, sidecars: list[FleetSidecar], name: str, seed
                 rejected += len(due)  # no engine is up
             elif due:
                 idle = not arrivals and not any(engine.busy for engine in alive)
-                rejected += _route(policy, due, held, alive, sidecars, views, serving_ns, idle)  # pragma: no mutate
+                rejected += _route(policy, due, held, alive, sidecars, views, serving_ns, idle)
             if not arrivals and not held and not any(engine.busy for engine in fleet):
                 break
             if now > last_arrival + DRAIN_AFTER_S * NS_PER_S:
@@ -165,7 +165,7 @@ def _route(policy: Policy, due: list[FleetRequest], held: deque[FleetRequest], a
 def _result(trace: FleetTrace, fleet: list[FleetEngine], name: str, seed: int, requests: list[FleetRequest],
             rejected: int, serving_ns: int) -> PolicyResult:
     # A completion ends a step, which takes time: the last one is past 0, and 0 only stands for none.
-    queue_ns, output_tokens, last_finish, lost = [], 0, 0, 0  # pragma: no mutate
+    queue_ns, output_tokens, last_finish, lost = [], 0, 0, 0
     for engine in fleet:
         finished = engine.finished_ns
         for request_id, request in engine.requests.items():
