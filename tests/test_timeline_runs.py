@@ -15,10 +15,17 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from memwatch.attach.hostinfo import HostProcess
+from memwatch.attach.record import record_snapshots
+from memwatch.attach.snapshot import GpuUsage, ProcessUsage, Snapshot
 from memwatch.cli import main
+from memwatch.ledger import LedgerTerms
 from memwatch.records import SAMPLE_COLUMNS
+from memwatch.report import check_run
+from memwatch.store import open_store
+from memwatch.units import format_bytes, format_offset_s
 
-from processes import memwatch_env
+from processes import memwatch_env, query
 from stored_runs import START_NS, store_rings, store_scenario
 
 
@@ -144,3 +151,97 @@ def test_a_run_that_died_at_its_first_sample_lasted_no_time_not_less(runtime_dir
         conn.execute("UPDATE runs SET ended_ns = NULL, status = 'running'")
     assert _invoke(db_path, "runs")[1].splitlines()[1].split()[3:5] == ["-", "running"]
     assert json.loads(_invoke(db_path, "runs", "--json")[1])[0]["duration_ns"] is None
+
+
+def _attached(tmp_path: Path) -> tuple[Path, str]:
+    """attach --record's run: three seconds of a process on a 24 GiB GPU using 4, 5 then 6 GiB (driver 5 to 7 GiB)."""
+    host = HostProcess(4242, "python", ("python", "serve.py"), "alice", 2 << 30, 12.5, "running", START_NS, ())
+    snapshots = [Snapshot(START_NS + second * 10**9, 4242, "nvml", host, (
+        GpuUsage(0, "NVIDIA L4", "GPU-0", 24 << 30, (5 + second) << 30, (19 - second) << 30,
+                 (ProcessUsage(4242, (4 + second) << 30),)),)) for second in range(3)]
+    db = tmp_path / "attached.db"
+    return db, record_snapshots(db, snapshots, status="exited")
+
+
+def test_a_process_seen_through_nvml_reads_as_its_process_and_driver_bytes(tmp_path: Path) -> None:
+    db, run_id = _attached(tmp_path)
+    expected = [f"run {run_id}  -  -  status exited", "     T+s  GPU  SAMPLE    PROCESS   DRV USED   DRV FREE",
+                "   0.000    0       0   4.00 GiB   5.00 GiB  19.00 GiB",
+                "   1.000    0       1   5.00 GiB   6.00 GiB  18.00 GiB",
+                "   2.000    0       2   6.00 GiB   7.00 GiB  17.00 GiB"]
+    # The table SQLite writes and the one written row by row (--ledger, which adds nothing without a sizing) agree.
+    for args in ((), ("--ledger",), ("--rank", "0", "--ledger")):
+        assert _invoke(db, "timeline", run_id, *args) == (0, "\n".join(expected) + "\n")
+    assert _invoke(db, "timeline", run_id, "--ledger", "--since", "+0.5s", "--until", "+1.5s")[1].splitlines() == [
+        *expected[:2], expected[3]]
+    assert _invoke(db, "timeline", run_id, "--ledger", "--since", "+2.5s")[1].splitlines() == [
+        *expected[:2], "(no samples in that window)"]
+    code, out = _invoke(db, "timeline", run_id, "--rank", "3")
+    assert (code, out) == (3, f"error: run {run_id} has no rank 3 (it has rank 0); drop --rank or pick one of those\n")
+
+
+def test_around_a_step_is_a_window_centred_on_it_and_a_step_out_of_range_is_refused(tmp_path: Path) -> None:
+    db, run_id = _attached(tmp_path)
+    code, out = _invoke(db, "timeline", run_id, "--around", " step: 1 ", "--window", "1s", "--json")
+    assert code == 0 and [json.loads(line)["step"] for line in out.splitlines()] == [1]
+    code, out = _invoke(db, "timeline", run_id, "--around", "step:0", "--window", "2s", "--json")
+    assert code == 0 and [json.loads(line)["step"] for line in out.splitlines()] == [0, 1]
+    largest = (1 << 63) - 1
+    for step in (-1, largest + 1, 10**40):
+        code, out = _invoke(db, "timeline", run_id, "--around", f"step:{step}")
+        # the value is said up to its first 40 characters
+        assert (code, out) == (2, f"error: --around {f'step:{step}'[:40]}: a step is 0 up to {largest:,}\n")
+    # The largest step is one the store can hold: no sample there, and the window around it does not overflow.
+    code, out = _invoke(db, "timeline", run_id, "--around", f"step:{largest}", "--json")
+    assert code != 2 and "a step is 0 up to" not in out
+    for extra in (("--since", "+1s"), ("--until", "+1s"), ("--last", "1s")):
+        code, out = _invoke(db, "timeline", run_id, "--around", "step:1", *extra)
+        assert (code, out) == (2, "error: --around sets the window itself; drop --since, --until and --last\n")
+
+
+def test_ledger_columns_in_the_table_json_and_csv(stored: str, db_path: Path) -> None:
+    code, out = _invoke(db_path, "timeline", stored, "--rank", "1", "--ledger", "--json")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and list(rows[-1]) == [*SAMPLE_COLUMNS, *LedgerTerms._fields]
+    samples_1 = query(db_path, "SELECT count(*), max(step) FROM samples WHERE rank = 1")
+    assert [(len(rows), rows[-1]["step"])] == samples_1
+    code, out = _invoke(db_path, "timeline", stored, "--rank", "1", "--ledger", "--csv")
+    table = list(csv.reader(io.StringIO(out)))
+    assert table[0] == [*SAMPLE_COLUMNS, *LedgerTerms._fields] and len(table) - 1 == len(rows)
+    assert [int(value) if value else None for value in table[-1][-len(LedgerTerms._fields):]] == [
+        rows[-1][key] for key in LedgerTerms._fields]
+    # The last sample carries the margin at the end as check has it.
+    check = check_run(open_store(db_path, readonly=True), stored).ranks[1]
+    assert rows[-1]["oom_margin_bytes"] == check.last_terms.oom_margin_bytes
+    assert {key: rows[-1][key] for key in ("budget_bytes", "kv_bytes", "weights_bytes")} == {
+        "budget_bytes": check.last_terms.budget_bytes, "kv_bytes": check.last_terms.kv_bytes,
+        "weights_bytes": check.last_terms.weights_bytes}
+    code, out = _invoke(db_path, "timeline", stored, "--rank", "1", "--ledger", "--last", "1s")
+    header, *lines = out.splitlines()[1:]
+    assert header.endswith(f"{'KV':>11} {'NON-TORCH':>10} {'SLACK':>10} {'HEADROOM':>10} {'OOM MARGIN':>10}")
+    # The table's last line is the last sample read at a step; the blank repeats that close the run add nothing.
+    last = next(row for row in reversed(rows) if row["peak_is_step"])
+    assert all(row["ts_ns"] == last["ts_ns"] for row in rows[rows.index(last):])
+    [(started,)] = query(db_path, "SELECT started_ns FROM runs")
+    kv = "-" if last["kv_blocks_total"] is None else f"{last['kv_blocks_used']}/{last['kv_blocks_total']}"
+    assert lines[-1] == (
+        f"{format_offset_s(last['ts_ns'] - started):>8} {1:>4} {last['step']:>7} {last['phase'] or '-':<9} "
+        f"{last['step_kind'] or '-':<7} {format_bytes(last['allocated_bytes']):>10} "
+        f"{format_bytes(last['reserved_bytes']):>10} {format_bytes(last['peak_bytes']):>10} "
+        f"{format_bytes(last['driver_used_bytes']):>10} {format_bytes(last['driver_free_bytes']):>10} {kv:>11}"
+        + "".join(f" {format_bytes(last[key]):>10}" for key in ("non_torch_bytes", "cache_slack_bytes",
+                                                                  "headroom_bytes", "oom_margin_bytes")))
+    # Without the ledger the same samples read the same, less the four columns.
+    plain = _invoke(db_path, "timeline", stored, "--rank", "1", "--last", "1s")[1].splitlines()[2:]
+    assert [line[:len(line) - 44] for line in lines] == plain
+
+
+def test_the_ledger_table_shows_a_phase_boundary_once(stored: str, db_path: Path) -> None:
+    # A boundary's repeat has no step of its own, so no step activation: a blank, not a new reading, as in the table
+    # without the ledger.
+    code, out = _invoke(db_path, "timeline", "latest", "--rank", "0", "--ledger")
+    with_terms = out.splitlines()[2:]
+    plain = _invoke(db_path, "timeline", "latest", "--rank", "0")[1].splitlines()[2:]
+    assert code == 0 and len(with_terms) == len(plain)
+    [(samples,)] = query(db_path, "SELECT count(*) FROM samples WHERE rank = 0")
+    assert len(with_terms) < samples

@@ -243,9 +243,13 @@ _LABELS = frozenset({"phase", "step_kind", "peak_is_step"})  # what a row is cal
 
 
 def _repeats(previous: tuple[Sample, LedgerTerms | None], sample: Sample, terms: LedgerTerms | None) -> bool:
-    """Whether ``sample`` says nothing new: the same moment and readings, give or take its labels and blanks."""
+    """Whether ``sample`` says nothing new: the same moment, readings and ledger terms, give or take its labels and
+    blanks (a boundary's repeat has no step of its own, so no step activation either)."""
     before, before_terms = previous
-    if terms != before_terms:
+    if terms is None or before_terms is None:
+        if terms is not before_terms:
+            return False
+    elif not all(value is None or value == old for value, old in zip(terms, before_terms, strict=True)):
         return False
     return all(value is None or value == old or name in _LABELS
                for name, value, old in zip(sample._fields, sample, before, strict=True))
