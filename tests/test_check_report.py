@@ -15,20 +15,27 @@ from memwatch.attach.hostinfo import HostProcess
 from memwatch.attach.record import record_snapshots
 from memwatch.attach.snapshot import GpuUsage, ProcessUsage, Snapshot
 from memwatch.detectors import DetectorConfig
-from memwatch.detectors.summary import RankSummary
+from memwatch.detectors.summary import RankSummary, Tightest
 from memwatch.kv_sizing import Sizing
 from memwatch.ledger import LedgerTerms
 from memwatch.records import Event, Sample
 from memwatch.report import check_records, check_run, render_check
-from memwatch.report.check import capture_ns, graphs_captured_after_sizing, graphs_outside_budget
+from memwatch.report.check import (
+    CheckReport,
+    RankCheck,
+    capture_ns,
+    graphs_captured_after_sizing,
+    graphs_outside_budget,
+)
+from memwatch.report.readings import UNSIZED_SENTENCE, format_time
 from memwatch.sim import run_scenario
 from memwatch.sim.scorecard import ring_records
 from memwatch.store import open_store
-from memwatch.store.run_figures import RANK_KEYS
+from memwatch.store.run_figures import RANK_KEYS, RankTruth, RunTruth
 from memwatch.units import format_bytes
 
 from processes import query
-from stored_runs import START_NS, store_rings
+from stored_runs import START_NS, store_rings, store_scenario
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -141,6 +148,11 @@ def test_a_run_replayed_from_its_rings_checks_as_the_store_has_it(name: str, tmp
         assert rank["last_terms"]["budget_bytes"] == int(query(
             db_path, "SELECT json_extract(data, '$.total_bytes') * json_extract(data, '$.gpu_memory_utilization') "
                      "FROM events WHERE kind = 'kv_allocated' AND rank = ?", (rank["rank"],))[0][0])
+    # The run's shared figures sit beside its ranks: the whole KV cache as sized, the tightest margin at the end.
+    [(kv,)] = query(db_path, "SELECT sum(json_extract(data, '$.num_blocks') * json_extract(data, '$.block_bytes')) "
+                             "FROM events WHERE kind = 'kv_allocated'")
+    assert stored["kv_cache_bytes"] == kv
+    assert stored["oom_margin_bytes"] == min(rank["last_terms"]["oom_margin_bytes"] for rank in stored["ranks"])
     if name == "non_torch_leak":
         # It died with its device full (no driver free at its last sample): it ran dry, so its margin at the end
         # is at most 0 whatever the ledger predicted, and that end is its tightest moment.
@@ -148,6 +160,8 @@ def test_a_run_replayed_from_its_rings_checks_as_the_store_has_it(name: str, tmp
         rank = stored["ranks"][0]
         assert free == 0 and rank["last_step"] == last
         assert rank["last_terms"]["oom_margin_bytes"] == 0 and rank["min_oom_margin"] == {"step": last, "bytes": 0}
+        # The leak takes from the headroom every step: it is smallest at the end.
+        assert rank["min_headroom"] == {"step": last, "bytes": rank["last_terms"]["headroom_bytes"]}
     else:
         # A clean run's margin is flat while serving: the tightest is where serving began, as it ends.
         [(first,)] = query(db_path, "SELECT min(step) FROM samples WHERE phase = 'serve'")
@@ -184,8 +198,11 @@ def test_a_crashed_runs_check_leads_with_where_it_stopped(tmp_path: Path) -> Non
                            status="crashed", started_ns=START_NS, engine="nano-vllm")
     text = render_check(report).splitlines()
     assert report.failed and report.ended_badly
-    assert text[1].startswith("the run crashed: its process ended without recording how; its last record is rank 0 "
-                              f"step {serving[len(serving) // 2].step:,} (serve)")
+    last = serving[len(serving) // 2]
+    assert text[1] == ("the run crashed: its process ended without recording how; its last record is rank 0 step "
+                       f"{last.step:,} (serve) at {format_time(last.ts_ns)}, "
+                       f"{round((last.ts_ns - START_NS) / 1e9)} s after it started.")
+    assert text[2] == "" and text[3].startswith("rank 0: ")
     assert text[-2:] == ["no flags: the ledger held on every rank up to its last record",
                          "check failed: the run crashed; 0 flags of warning or worse"]
     error = render_check(check_records(cut, status="error")).splitlines()
@@ -216,6 +233,11 @@ def test_a_process_watched_from_outside_has_no_ledger_and_says_so(tmp_path: Path
     assert report.to_dict()["unsized_ranks"] == [0]
     text = render_check(report).splitlines()
     assert text[:3] == [f"run {run_id}", "", "rank 0: 3 samples up to step 2"]
+    assert text[3] == ("  rank 0: no KV sizing was recorded (no kv_allocated event), so the budget, headroom, residual "
+                       "and OOM margin cannot be known.")
+    assert text[4].startswith("  rank 0 recorded 3 samples up to step 2: ")
+    assert text[5].startswith("  rank 0 since its first serving sample, steps 0 to 2 (2 s): free memory 19.0 GiB -> "
+                              "17.0 GiB") and text[6] == ""
     assert text[-2:] == ["no flags on what could be checked; rank(s) 0 never sized a KV cache, so their ledger was "
                          "not checked", "check passed: 0 flags of warning or worse"]
     assert "the ledger at step" not in "\n".join(text)
@@ -229,3 +251,71 @@ def test_the_thresholds_given_are_the_ones_checked(tmp_path: Path) -> None:
     for config, step in ((None, 302), (DetectorConfig(drift_min_bytes=GiB), 609)):
         drift = [flag.step for flag in check_run(db, run_id, config).flags if flag.kind == "non_torch_drift"]
         assert drift == [step]
+
+
+
+def test_replayed_records_take_the_thresholds_given_and_a_crash_with_little_free_ran_dry(tmp_path: Path) -> None:
+    records = ring_records(run_scenario("non_torch_leak", runtime_dir=tmp_path, start_ns=START_NS))
+    # 2.5 MiB a step from step 200: 1 GiB of drift at step 609.
+    report = check_records(records, DetectorConfig(drift_min_bytes=GiB), status="crashed")
+    assert [flag.step for flag in report.flags if flag.kind == "non_torch_drift"] == [609]
+    assert report.truth is not None and report.truth.run_id == records[0].run_id
+    # Without its last step the leak leaves 2.5 MiB free, under 2 % of the 8 GiB device: it ran dry, margin 0.
+    final = max(r.step for r in records if isinstance(r, Sample))
+    cut = records[:next(i for i, r in enumerate(records) if isinstance(r, Sample) and r.step == final)]
+    (rank,) = check_records(cut, status="crashed").ranks
+    assert rank.last_terms is not None and rank.last_terms.oom_margin_bytes == 0
+    assert (rank.min_oom_margin_step, rank.min_oom_margin_bytes) == (final - 1, 0)
+    # One record is a run too: its id is that record's.
+    assert check_records(cut[:1]).run_id == records[0].run_id
+
+
+def test_a_sglang_runs_budget_is_said_by_its_own_rule(tmp_path: Path) -> None:
+    runtime = tmp_path / "rt"
+    runtime.mkdir(mode=0o700)
+    run_id = store_scenario("clean_sglang", runtime, tmp_path / "m.db")
+    text = render_check(check_run(open_store(tmp_path / "m.db", readonly=True), run_id)).splitlines()
+    assert text[4].startswith("      budget (used + peak − current + the KV bytes SGLang profiled) ")
+
+
+def _terms_margin(margin: int | None) -> LedgerTerms:
+    return LedgerTerms(*([None] * 11), margin)
+
+
+def _shared(margin: int | None) -> RunTruth:
+    return RunTruth("r", (RankTruth(0, None, None, None, margin, None, None),))
+
+
+def test_the_shared_margin_at_the_end_is_the_tightest_when_it_is_as_low_or_lower() -> None:
+    def check(end: int | None, tightest: tuple[int, int] | None) -> tuple[int | None, int | None, int | None]:
+        low = None if tightest is None else Tightest(tightest[0], 0, tightest[1], _terms_margin(tightest[1]))
+        summary = RankSummary(0, samples=11, last_step=10, last_terms=_terms_margin(5 * MiB), min_oom_margin=low)
+        rank = RankCheck.from_summary(summary, _shared(end))
+        assert rank.last_terms is not None
+        return rank.last_terms.oom_margin_bytes, rank.min_oom_margin_step, rank.min_oom_margin_bytes
+
+    assert check(0, (5, 0)) == (0, 10, 0)                       # as low: the end, the later moment
+    assert check(0, (5, -MiB)) == (0, 5, -MiB)                   # lower before: that moment stays
+    assert check(0, None) == (0, 10, 0)                          # none tracked: the end
+    assert check(None, (5, MiB)) == (None, 5, MiB)               # the end not known: as the ledger had it
+    assert check(5 * MiB, (5, MiB)) == (5 * MiB, 5, MiB)         # the same margin: nothing to change
+
+
+def test_a_rank_without_samples_sizing_or_shared_figures() -> None:
+    rank = RankCheck.from_summary(RankSummary(3))
+    assert (rank.samples, rank.last_step, rank.num_blocks, rank.block_bytes, rank.last_terms, rank.budget_basis,
+            rank.shared) == (0, None, None, None, None, "total × utilization", None)
+    assert rank.to_dict() == {"rank": 3, "samples": 0, "last_step": None, "num_blocks": None, "block_bytes": None,
+                              "last_terms": None, "min_headroom": {"step": None, "bytes": None},
+                              "min_oom_margin": {"step": None, "bytes": None},
+                              "cuda_graphs_outside_budget_bytes": None}
+    other = RankCheck.from_summary(RankSummary(5))
+    report = CheckReport("r", (rank, other), ())
+    assert report.to_dict() == {"run_id": "r", "failed": False, "status": None,
+                                "ranks": [rank.to_dict(), other.to_dict()], "unsized_ranks": [3, 5], "readings": [],
+                                "flags": []}
+    assert render_check(report).splitlines() == [
+        "run r", "", "rank 3: 0 samples up to step 0", f"  rank 3: {UNSIZED_SENTENCE}.", "",
+        "rank 5: 0 samples up to step 0", f"  rank 5: {UNSIZED_SENTENCE}.", "",
+        "no flags on what could be checked; rank(s) 3, 5 never sized a KV cache, so their ledger was not checked",
+        "check passed: 0 flags of warning or worse"]
