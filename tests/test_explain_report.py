@@ -7,14 +7,17 @@ own, or follow from the scenario or from records set by hand.
 
 from __future__ import annotations
 
+import sqlite3
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_explain_two_causes import GIB, LEAK_PER_STEP, SCENARIO
 
 from memwatch.attach.hostinfo import HostProcess
 from memwatch.attach.record import record_snapshots
 from memwatch.attach.snapshot import GpuUsage, ProcessUsage, Snapshot
+from memwatch.detectors.wording import format_bytes
 from memwatch.records import Event, Sample
 from memwatch.report import explain_records, explain_run, render_explanation
 from memwatch.report.explain import FlagBefore, _flag_before
@@ -23,7 +26,7 @@ from memwatch.sim.scorecard import ring_records
 from memwatch.store import open_store
 
 from processes import query
-from stored_runs import START_NS, store_rings
+from stored_runs import START_NS, store_rings, store_scenario
 from synthetic import STEP_NS, GiB, SyntheticRun
 
 MiB = 1 << 20
@@ -61,6 +64,8 @@ def test_a_run_replayed_from_its_rings_is_explained_as_the_store_has_it(name: st
     assert [readings["rank"] for readings in data["readings"]] == [rank["rank"] for rank in data["ranks"]] == ranks
     assert all(list(rank) == ["rank", "cuda_graphs_outside_budget_bytes"] for rank in data["ranks"])
     assert data["sentences"] == render_explanation(stored).splitlines()[1:]
+    if name == "demo":  # its graphs, as check has them (derived in test_check_graphs.py)
+        assert data["ranks"] == [{"rank": 0, "cuda_graphs_outside_budget_bytes": 385_628_160}]
     assert render_explanation(stored).splitlines()[0] == f"run {run_id}: {data['outcome']}"
 
 
@@ -162,6 +167,8 @@ def test_flags_before_the_end_say_their_lead_in_steps_and_time() -> None:
         "oom_risk (critical) at step 1,000, 1 step (0 s) before"
     assert _flag_before(FlagBefore("torch_drift", "warning", 10, 1_500, 150.0, "")) == \
         "torch_drift (warning) at step 10, 1,500 steps (2.5 min) before"
+    # 2.5 s to the whole second, half to even
+    assert _flag_before(FlagBefore("oom_risk", "warning", 10, 100, 2.5, "")).endswith("100 steps (2 s) before")
 
 
 def test_a_run_without_records_has_nothing_to_explain() -> None:
@@ -203,3 +210,25 @@ def test_each_preemption_event_counts_its_requests_or_one() -> None:
     assert explanation.sentences[-2:] == [
         "rank 0: 2 preemptions: its KV cache was full, so requests were recomputed (latency, not memory).",
         "rank 1: 4 preemptions: its KV cache was full, so requests were recomputed (latency, not memory)."]
+
+
+@pytest.mark.parametrize("dropped", ["from_step", "jump_bytes"])
+def test_an_external_process_flag_without_its_jump_or_onset_names_the_whole_rise(tmp_path: Path, dropped: str) -> None:
+    # A leak of 2.5 MiB a step from step 300 and another process of 1 GiB at step 900 (test_explain_two_causes.py).
+    scenario = tmp_path / "two.toml"
+    scenario.write_text(SCENARIO.format(leak=LEAK_PER_STEP, leak_from=300, other=GIB, other_at=900))
+    runtime = tmp_path / "rt"
+    runtime.mkdir(mode=0o700)
+    db_path = tmp_path / "m.db"
+    run_id = store_scenario(scenario, runtime, db_path, live=True)
+    told_apart = explain_run(open_store(db_path, readonly=True), run_id).ooms[0]
+    assert sorted(told_apart.causes) == ["leak_outside_pytorch", "other_process"]
+    with sqlite3.connect(db_path) as conn:  # as a flag stored without that field would read
+        conn.execute(f"UPDATE flags SET data = json_remove(data, '$.{dropped}') WHERE kind = 'external_process'")
+    (end,) = explain_run(open_store(db_path, readonly=True), run_id).ooms
+    # Without the flag's jump and onset the rise cannot be told apart: all of it, 1 GiB and the leak, is named once.
+    leaked = (end.step - 299) * LEAK_PER_STEP
+    assert end.causes == ("other_process",)
+    assert end.growth is not None and end.growth.growth_bytes == GIB + leaked
+    said = f"Another process took {format_bytes(GIB + leaked)} of this GPU after step 299: "
+    assert [sentence for sentence in end.sentences if sentence.startswith(said)] != []
