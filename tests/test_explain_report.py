@@ -232,3 +232,49 @@ def test_an_external_process_flag_without_its_jump_or_onset_names_the_whole_rise
     assert end.growth is not None and end.growth.growth_bytes == GIB + leaked
     said = f"Another process took {format_bytes(GIB + leaked)} of this GPU after step 299: "
     assert [sentence for sentence in end.sentences if sentence.startswith(said)] != []
+
+
+def test_the_last_window_ends_at_no_margin_only_where_memory_ran_out(tmp_path: Path) -> None:
+    # An out-of-memory ran out: the flat synthetic rank had a margin left by its ledger, but none at its end.
+    (oom,) = explain_records(_oom_run()).ooms
+    assert oom.window is not None and oom.window.start["oom_margin_bytes"] > 0
+    assert oom.window.end["oom_margin_bytes"] == 0
+    # A crash with under 2 % of the device free ran out too (non_torch_leak less its last step: 2.5 MiB free).
+    records = ring_records(run_scenario("non_torch_leak", runtime_dir=tmp_path / "leak", start_ns=START_NS))
+    final = max(r.step for r in records if isinstance(r, Sample))
+    cut = [r for r in records[:next(i for i, r in enumerate(records) if isinstance(r, Sample) and r.step == final)]
+           if not (isinstance(r, Event) and r.kind == "run_end")]
+    (dry,) = explain_records(cut, status="crashed").ooms
+    assert dry.window is not None and dry.window.end["oom_margin_bytes"] == 0
+    # A crash with memory to spare did not: its margin at the end is the ledger's (clean_chat cut half-way).
+    chat = ring_records(run_scenario("clean_chat", runtime_dir=tmp_path / "chat", start_ns=START_NS))
+    serving = [r for r in chat if isinstance(r, Sample) and r.phase == "serve"]
+    half = [r for r in chat[:chat.index(serving[len(serving) // 2]) + 1]
+            if not (isinstance(r, Event) and r.kind == "run_end")]
+    (spare,) = explain_records(half, status="crashed").ooms
+    assert spare.window is not None and spare.window.end["oom_margin_bytes"] > 0
+
+
+def test_an_oom_before_serving_has_no_reserve_growth_or_window() -> None:
+    run = SyntheticRun(jitter=False)
+    records: list[Sample | Event] = [*run.startup(), Event("run-1", 0, 5, 1_000_000_000 + 5 * STEP_NS + 1, "oom", {
+        "requested_bytes": GiB, "driver_free_bytes": 512 * MiB, "phase": "cudagraph"})]
+    explanation = explain_records(records)
+    (oom,) = explanation.ooms
+    assert (oom.activation_reserve_bytes, oom.over_reserve_bytes, oom.growth, oom.window, oom.causes) == (
+        None, None, None, None, ())
+    assert explanation.sentences == [
+        "rank 0 ran out of memory at step 5 while cudagraph: a request for 1.0 GiB failed with 512.0 MiB free.",
+        "No flag was raised before the out-of-memory."]
+
+
+def test_an_allocation_over_the_reserve_by_up_to_the_tolerance_is_not_an_under_measured_activation() -> None:
+    # The reserve warmup measured is 4 GB; the tolerance 64 MiB.
+    def over(requested: int) -> tuple[int | None, tuple[str, ...]]:
+        records = _oom_run()
+        records[-1] = records[-1]._replace(data={**records[-1].data, "requested_bytes": requested})
+        (oom,) = explain_records(records).ooms
+        return oom.over_reserve_bytes, oom.causes
+
+    assert over(4 * 10**9 + 64 * MiB) == (None, ())
+    assert over(4 * 10**9 + 64 * MiB + 1) == (64 * MiB + 1, ("activation_over_reserve",))
