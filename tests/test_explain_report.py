@@ -64,6 +64,15 @@ def test_a_run_replayed_from_its_rings_is_explained_as_the_store_has_it(name: st
     assert [readings["rank"] for readings in data["readings"]] == [rank["rank"] for rank in data["ranks"]] == ranks
     assert all(list(rank) == ["rank", "cuda_graphs_outside_budget_bytes"] for rank in data["ranks"])
     assert data["sentences"] == render_explanation(stored).splitlines()[1:]
+    # Each end lists the flags its own rank raised up to it (not the out-of-memory's own), with their lead.
+    for end in stored.ooms:
+        rows = query(db_path, "SELECT kind, severity, step, ts_ns, message FROM flags WHERE rank = ? AND kind != 'oom' "
+                              "AND ts_ns <= ? ORDER BY ts_ns, rowid", (end.rank, end.ts_ns))
+        assert [(f.kind, f.severity, f.step, f.steps_before, f.seconds_before, f.message) for f in end.flags] == [
+            (kind, severity, step, end.step - step, (end.ts_ns - ts) / 1e9, message)
+            for kind, severity, step, ts, message in rows]
+    if name == "non_torch_leak_tp2":  # rank 1 leaked and raised every flag; rank 0 stopped with it, unflagged
+        assert [(end.rank, len(end.flags) > 0) for end in stored.ooms] in ([(1, True)], [(0, False), (1, True)])
     if name == "demo":  # its graphs, as check has them (derived in test_check_graphs.py)
         assert data["ranks"] == [{"rank": 0, "cuda_graphs_outside_budget_bytes": 385_628_160}]
     assert render_explanation(stored).splitlines()[0] == f"run {run_id}: {data['outcome']}"
