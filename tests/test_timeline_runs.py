@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_retention import _fill
 
 from memwatch.attach.hostinfo import HostProcess
 from memwatch.attach.record import record_snapshots
@@ -23,6 +24,7 @@ from memwatch.ledger import LedgerTerms
 from memwatch.records import SAMPLE_COLUMNS
 from memwatch.report import check_run
 from memwatch.store import open_store
+from memwatch.store.retention import Retention, apply_retention
 from memwatch.units import format_bytes, format_offset_s
 
 from processes import memwatch_env, query
@@ -245,3 +247,29 @@ def test_the_ledger_table_shows_a_phase_boundary_once(stored: str, db_path: Path
     assert code == 0 and len(with_terms) == len(plain)
     [(samples,)] = query(db_path, "SELECT count(*) FROM samples WHERE rank = 0")
     assert len(with_terms) < samples
+
+
+def test_seconds_rolled_up_by_retention_read_as_one_row_each(tmp_path: Path) -> None:
+    # test_retention's run: two ranks, 100 samples a second (allocated 1,000 + step mod 100 bytes) for 100 s; kept
+    # whole from second 79 and around the flag at 50.5 s (seconds 45 to 55), the rest rolled up per second.
+    db_path = tmp_path / "m.db"
+    _fill(db_path)
+    apply_retention(open_store(db_path), Retention(full_ns=20 * 10**9, evidence_ns=5 * 10**9))
+
+    def line(offset: str, step: int, allocated: str, rolled: str = "") -> str:
+        blanks = f" {'-':>10}" * 4 + f" {'-':>11}"
+        return f"{offset:>8} {1:>4} {step:>7} {'-':<9} {'-':<7} {allocated:>10}{blanks}{rolled}"
+
+    code, out = _invoke(db_path, "timeline", "r", "--rank", "1", "--since", "+11.5s", "--until", "+13s")
+    # A rolled second reads as its last sample (step 1,199: 1,099 B), with its count.
+    assert (code, out.splitlines()[2:]) == (0, [line("11.990", 1199, "1.07 KiB", "  (1 s: 100 samples)"),
+                                                line("12.990", 1299, "1.07 KiB", "  (1 s: 100 samples)")])
+    code, out = _invoke(db_path, "timeline", "r", "--rank", "1", "--since", "+44.98s", "--until", "+45.015s")
+    assert out.splitlines()[2:] == [line("44.990", 4499, "1.07 KiB", "  (1 s: 100 samples)"),
+                                    line("45.000", 4500, "1000 B"), line("45.010", 4501, "1001 B")]
+    code, out = _invoke(db_path, "timeline", "r", "--rank", "1", "--since", "+11.5s", "--until", "+12s", "--json")
+    [row] = [json.loads(text) for text in out.splitlines()]
+    assert (row["step"], row["allocated_bytes"]) == (1199, 1099)
+    assert {key: row["rolled_up"][key] for key in ("samples", "first_step")} == {"samples": 100, "first_step": 1100}
+    assert (row["rolled_up"]["minimum"]["allocated_bytes"], row["rolled_up"]["maximum"]["allocated_bytes"]) == (
+        1000, 1099)
