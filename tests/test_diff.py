@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from importlib import resources
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from memwatch.attach.hostinfo import HostProcess
+from memwatch.attach.record import record_snapshots
+from memwatch.attach.snapshot import GpuUsage, ProcessUsage, Snapshot
 from memwatch.cli import main
-from memwatch.report.diff import TERMS, TermDiff, _changed, _config_changes, _delta, _show, diff_runs, render_diff
+from memwatch.report.diff import (
+    TERMS,
+    RunDiff,
+    TermDiff,
+    _changed,
+    _config_changes,
+    _delta,
+    _show,
+    diff_runs,
+    render_diff,
+)
 from memwatch.store import open_store
 from memwatch.store.run_model import drift_slope
 from memwatch.store.writer import INSERT_SAMPLE
@@ -198,3 +212,60 @@ def test_settings_that_name_the_process_are_not_a_change() -> None:
     a = {"run_id": "a", "pid": 1, "hostname": "h1", "argv": ["x"], "command": "c1", "max_model_len": 4096, "tp": 1}
     b = {"run_id": "b", "pid": 2, "hostname": "h2", "argv": ["y"], "command": "c2", "max_model_len": 8192, "new": 3}
     assert _config_changes(a, b) == {"max_model_len": (4096, 8192), "new": (None, 3), "tp": (1, None)}
+
+
+def test_an_out_of_memory_is_said_with_its_step_and_request_and_a_missing_status_falls_back(
+        twins: tuple[str, str], db_path: Path, tmp_path: Path) -> None:
+    healthy, leak = twins
+    oom_run = store_scenario("other_process_oom", tmp_path / "oom", db_path, live=True)
+    [(step, requested)] = query(db_path, "SELECT step, json_extract(data, '$.requested_bytes') FROM events "
+                                         "WHERE kind = 'oom' AND run_id = ?", (oom_run,))
+    db = open_store(db_path, readonly=True)
+    ended = diff_runs(db, healthy, oom_run).ranks[0].terms[0]
+    said = f"oom: out of memory at step {step:,}, {format_bytes(requested)} requested"
+    assert (ended.term, ended.b) == ("ended", said)
+    # A rank row without its status reads as the run's; without either, as unknown.
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("UPDATE ranks SET status = NULL WHERE run_id = ?", (leak,))
+    assert diff_runs(open_store(db_path, readonly=True), healthy, leak).ranks[0].terms[0].b == "crashed"
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("UPDATE runs SET status = NULL WHERE run_id = ?", (leak,))
+    assert diff_runs(open_store(db_path, readonly=True), leak, healthy).ranks[0].terms[0].a == "unknown"
+
+
+def test_drift_is_the_stored_slope_to_a_tenth_of_a_byte_and_unknown_without_serving(
+        twins: tuple[str, str], db_path: Path, tmp_path: Path) -> None:
+    healthy, leak = twins
+    db = open_store(db_path, readonly=True)
+    data = diff_runs(db, healthy, leak).to_dict()
+    drift = data["ranks"][0]["terms"]["drift_bytes_per_step"]
+    assert (drift["a"], drift["b"]) == (round(drift_slope(db, healthy, 0), 1), round(drift_slope(db, leak, 0), 1))
+    assert drift["b"] != round(drift_slope(db, leak, 0), 2)  # to a tenth, not a hundredth
+    [(blocks,)] = query(db_path, "SELECT json_extract(data, '$.num_blocks') * json_extract(data, '$.block_bytes') "
+                                 "FROM events WHERE kind = 'kv_allocated' AND run_id = ?", (leak,))
+    assert data["b"]["kv_cache_bytes"] == blocks and data["b"]["run_id"] == leak
+    # attach --record's runs: no serving phase, so no drift; no sizing, so no sizing terms.
+    host = HostProcess(4242, "python", ("python", "serve.py"), "alice", 2 << 30, 12.5, "running", 0, ())
+    runs = []
+    for gib in (4, 6):
+        snapshots = [Snapshot(10**9 * second, 4242, "nvml", host, (
+            GpuUsage(0, "NVIDIA L4", "GPU-0", 24 << 30, (gib + 1) << 30, (23 - gib) << 30,
+                     (ProcessUsage(4242, gib << 30),)),)) for second in range(3)]
+        runs.append(record_snapshots(tmp_path / "attached.db", snapshots, status="exited"))
+    diff = diff_runs(open_store(tmp_path / "attached.db", readonly=True), *runs)
+    terms = {term.term: term for term in diff.ranks[0].terms}
+    assert (terms["drift_bytes_per_step"].a, terms["drift_bytes_per_step"].changed) == (None, False)
+    assert (terms["num_blocks"].a, terms["num_blocks"].b) == (None, None)
+    # peak driver used: 5 GiB then 7 GiB; least free: 19 GiB then 17 GiB.
+    assert (terms["peak_used_bytes"].a, terms["peak_used_bytes"].b) == (5 * GiB, 7 * GiB)
+    assert (terms["min_free_bytes"].a, terms["min_free_bytes"].b) == (19 * GiB, 17 * GiB)
+    text = render_diff(diff)
+    assert _row("KV blocks", "–", "–", "=") in text.splitlines()
+    assert _row("peak driver used", "5.00 GiB", "7.00 GiB", "+2.00 GiB") in text.splitlines()
+
+
+def test_a_diff_without_shared_figures_has_only_the_runs_rows(twins: tuple[str, str], db_path: Path) -> None:
+    full = diff_runs(open_store(db_path, readonly=True), *twins)
+    bare = RunDiff(full.a, full.b, {}, (), (), ())
+    assert bare.to_dict() == {"a": full.a.to_dict(), "b": full.b.to_dict(), "config": {}, "ranks": [],
+                              "only_in_a": [], "only_in_b": [], "changes": []}
