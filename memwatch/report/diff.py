@@ -135,7 +135,7 @@ def _config_changes(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any
 
 def diff_data(a: RunData, b: RunData) -> RunDiff:
     """Compare two runs drawn from their read models (drift slopes and shared figures are the models')."""
-    assert a.model is not None and b.model is not None
+    assert a.model is not None and b.model is not None  # pragma: no mutate (for the type checker: always set)
     ranks_a = {rank.rank: rank for rank in a.ranks}
     ranks_b = {rank.rank: rank for rank in b.ranks}
     diffs = []
