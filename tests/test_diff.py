@@ -16,6 +16,7 @@ from memwatch.attach.snapshot import GpuUsage, ProcessUsage, Snapshot
 from memwatch.cli import main
 from memwatch.report.diff import (
     TERMS,
+    RankDiff,
     RunDiff,
     TermDiff,
     _changed,
@@ -180,6 +181,7 @@ def test_a_term_changes_from_its_tolerance() -> None:
     slope = 0.1 * MiB
     assert _changed("drift_bytes_per_step", 0.0, slope) and not _changed("drift_bytes_per_step", 0.0, slope - 1)
     assert _changed("drift_bytes_per_step", slope, 0.0) and not _changed("drift_bytes_per_step", 2.0, 2.0 + slope / 2)
+    assert not _changed("drift_bytes_per_step", MiB, MiB + slope / 2)  # the difference, not the sum
     assert _changed("num_blocks", 113, 114) and not _changed("num_blocks", 113, 113)
     assert _changed("ended", "ok", "crashed") and not _changed("flags", {"oom": 1}, {"oom": 1})
     assert not _changed("weights_bytes", None, None)
@@ -261,6 +263,13 @@ def test_drift_is_the_stored_slope_to_a_tenth_of_a_byte_and_unknown_without_serv
     assert (terms["min_free_bytes"].a, terms["min_free_bytes"].b) == (19 * GiB, 17 * GiB)
     text = render_diff(diff)
     assert _row("KV blocks", "–", "–", "=") in text.splitlines()
+    # Watched from outside: no engine or model known, said as "?"; a GPU without a name too.
+    assert text.splitlines()[:2] == [f"A: run {runs[0]} (exited, ?, ?, NVIDIA L4)",
+                                     f"B: run {runs[1]} (exited, ?, ?, NVIDIA L4)"]
+    with sqlite3.connect(tmp_path / "attached.db") as conn:
+        conn.execute("UPDATE runs SET gpu_name = NULL")
+    unnamed = render_diff(diff_runs(open_store(tmp_path / "attached.db", readonly=True), *runs)).splitlines()
+    assert unnamed[:2] == [f"A: run {runs[0]} (exited, ?, ?, ?)", f"B: run {runs[1]} (exited, ?, ?, ?)"]
     assert _row("peak driver used", "5.00 GiB", "7.00 GiB", "+2.00 GiB") in text.splitlines()
 
 
@@ -269,3 +278,15 @@ def test_a_diff_without_shared_figures_has_only_the_runs_rows(twins: tuple[str, 
     bare = RunDiff(full.a, full.b, {}, (), (), ())
     assert bare.to_dict() == {"a": full.a.to_dict(), "b": full.b.to_dict(), "config": {}, "ranks": [],
                               "only_in_a": [], "only_in_b": [], "changes": []}
+
+
+def test_a_value_of_up_to_16_characters_fits_its_column(twins: tuple[str, str], db_path: Path) -> None:
+    full = diff_runs(open_store(db_path, readonly=True), *twins)
+
+    def rows(a: str, b: str) -> list[str]:
+        term = TermDiff("ended", "how it ended", a, b, True)
+        return render_diff(RunDiff(full.a, full.b, {}, (RankDiff(0, (term,)),), (), ())).splitlines()[4:-3]
+
+    assert rows("a" * 16, "b" * 16) == [_row("how it ended", "a" * 16, "b" * 16, "changed")]
+    for a, b in (("a" * 17, "b" * 16), ("a" * 16, "b" * 17)):
+        assert rows(a, b) == [f"  {'how it ended':<{WIDTH}}  A: {a}", f"  {'':<{WIDTH}}  B: {b}  changed"]

@@ -173,7 +173,7 @@ def _delta(term: TermDiff) -> str:
         return "="
     if term.term.endswith("_bytes") and isinstance(term.a, int) and isinstance(term.b, int):
         change = term.b - term.a
-        return ("+" if change >= 0 else "−") + format_bytes(abs(change))
+        return ("+" if change >= 0 else "−") + format_bytes(abs(change))  # pragma: no mutate (changed: 1 MiB or more)
     if term.term in ("num_blocks", "preemptions", "last_step") and isinstance(term.a, int) \
             and isinstance(term.b, int):
         return f"{term.b - term.a:+,}"
