@@ -273,3 +273,36 @@ def test_seconds_rolled_up_by_retention_read_as_one_row_each(tmp_path: Path) -> 
     assert {key: row["rolled_up"][key] for key in ("samples", "first_step")} == {"samples": 100, "first_step": 1100}
     assert (row["rolled_up"]["minimum"]["allocated_bytes"], row["rolled_up"]["maximum"]["allocated_bytes"]) == (
         1000, 1099)
+
+
+def test_the_ledger_of_every_rank_and_the_margin_at_a_dry_end(runtime_dir: Path, db_path: Path,
+                                                               tmp_path: Path) -> None:
+    # non_torch_leak_tp2: rank 1 leaks outside PyTorch until its device is full; both ranks sized alike.
+    run_id = store_scenario("non_torch_leak_tp2", runtime_dir, db_path)
+    code, out = _invoke(db_path, "timeline", run_id, "--ledger", "--json")
+    rows = [json.loads(line) for line in out.splitlines()]
+    budgets = dict(query(db_path, "SELECT rank, CAST(json_extract(data, '$.total_bytes') * "
+                                  "json_extract(data, '$.gpu_memory_utilization') AS INTEGER) FROM events "
+                                  "WHERE kind = 'kv_allocated'"))
+    serving = [row for row in rows if row["phase"] == "serve"]
+    assert code == 0 and {row["rank"] for row in serving} == {0, 1}
+    assert all(row["budget_bytes"] == budgets[row["rank"]] for row in serving)
+    check = check_run(open_store(db_path, readonly=True), run_id)
+    ranks = {rank: [row for row in rows if row["rank"] == rank] for rank in (0, 1)}
+    assert [ranks[rank][-1]["oom_margin_bytes"] for rank in (0, 1)] == [
+        rank.last_terms.oom_margin_bytes for rank in check.ranks]
+    one = _invoke(db_path, "timeline", run_id, "--ledger", "--json", "--rank", "1")[1].splitlines()
+    assert [json.loads(line) for line in one] == ranks[1]
+
+    # non_torch_leak: its device full at the end (no memory free) while its ledger still saw a margin; it ran dry,
+    # so its last samples carry the margin at its end, 0, as check says, and the samples before the ledger's.
+    runtime = tmp_path / "leak"
+    runtime.mkdir(mode=0o700)
+    leak = store_scenario("non_torch_leak", runtime, tmp_path / "leak.db")
+    rows = [json.loads(line) for line in _invoke(tmp_path / "leak.db", "timeline", leak, "--ledger", "--json")[1]
+            .splitlines()]
+    end = rows[-1]["ts_ns"]
+    assert (rows[-1]["driver_free_bytes"], rows[-1]["oom_margin_bytes"]) == (0, 0)
+    assert {row["oom_margin_bytes"] for row in rows if row["ts_ns"] == end} == {0}
+    before = [row for row in rows if row["phase"] == "serve" and row["ts_ns"] < end]
+    assert before[0]["oom_margin_bytes"] > before[-1]["oom_margin_bytes"] > 0
