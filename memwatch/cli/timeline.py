@@ -217,7 +217,8 @@ def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]]
     start = info.started_ns or 0
     nvml = _header(info, ledger)
     count = 0
-    size = lru_cache(maxsize=8192)(format_bytes)  # a window repeats the same few values many times
+    # A window repeats the same few values many times; the cache's size changes no text.
+    size = lru_cache(maxsize=8192)(format_bytes)  # pragma: no mutate
     write = sys.stdout.write
     previous: tuple[Sample, LedgerTerms | None] | None = None
     for row, terms in rows:
