@@ -176,8 +176,9 @@ def test_a_process_seen_through_nvml_reads_as_its_process_and_driver_bytes(tmp_p
         assert _invoke(db, "timeline", run_id, *args) == (0, "\n".join(expected) + "\n")
     assert _invoke(db, "timeline", run_id, "--ledger", "--since", "+0.5s", "--until", "+1.5s")[1].splitlines() == [
         *expected[:2], expected[3]]
-    assert _invoke(db, "timeline", run_id, "--ledger", "--since", "+2.5s")[1].splitlines() == [
-        *expected[:2], "(no samples in that window)"]
+    for ledger in ((), ("--ledger",)):
+        assert _invoke(db, "timeline", run_id, *ledger, "--since", "+2.5s")[1].splitlines() == [
+            *expected[:2], "(no samples in that window)"]
     code, out = _invoke(db, "timeline", run_id, "--rank", "3")
     assert (code, out) == (3, f"error: run {run_id} has no rank 3 (it has rank 0); drop --rank or pick one of those\n")
 
@@ -261,6 +262,9 @@ def test_seconds_rolled_up_by_retention_read_as_one_row_each(tmp_path: Path) -> 
         return f"{offset:>8} {1:>4} {step:>7} {'-':<9} {'-':<7} {allocated:>10}{blanks}{rolled}"
 
     code, out = _invoke(db_path, "timeline", "r", "--rank", "1", "--since", "+11.5s", "--until", "+13s")
+    assert out.splitlines()[:2] == ["run r  -  -  status running", (
+        f"{'T+s':>8} {'RANK':>4} {'STEP':>7} {'PHASE':<9} {'KIND':<7} {'ALLOCATED':>10} {'RESERVED':>10} "
+        f"{'PEAK':>10} {'DRV USED':>10} {'DRV FREE':>10} {'KV':>11}")]
     # A rolled second reads as its last sample (step 1,199: 1,099 B), with its count.
     assert (code, out.splitlines()[2:]) == (0, [line("11.990", 1199, "1.07 KiB", "  (1 s: 100 samples)"),
                                                 line("12.990", 1299, "1.07 KiB", "  (1 s: 100 samples)")])

@@ -203,7 +203,7 @@ def _write_lines(db: Database, info: Run, rank: int | None, since_ns: int | None
         return False
     db.conn.close()  # reading may fork, and no SQLite connection may be carried across a fork
     text = window.read(jobs)
-    _header(info, False)
+    _header(info, False)  # pragma: no mutate (None and False alike: no ledger columns)
     if text:  # a note shows only before a sample: the text holds a sample whenever it holds anything
         sys.stdout.write(text)
     else:
@@ -216,7 +216,7 @@ def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]]
     """The samples as a table; a line marks each gap where samples were lost, before the first sample after it."""
     start = info.started_ns or 0
     nvml = _header(info, ledger)
-    count = 0
+    written = False
     # A window repeats the same few values many times; the cache's size changes no text.
     size = lru_cache(maxsize=8192)(format_bytes)  # pragma: no mutate
     write = sys.stdout.write
@@ -235,8 +235,8 @@ def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]]
         if row.rollup is not None:
             line += f"  (1 s: {row.rollup.samples} samples)"
         write(line + "\n")
-        count += 1
-    if count == 0:
+        written = True
+    if not written:
         click.echo("(no samples in that window)")
 
 
