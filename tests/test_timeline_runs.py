@@ -310,3 +310,23 @@ def test_the_ledger_of_every_rank_and_the_margin_at_a_dry_end(runtime_dir: Path,
     assert {row["oom_margin_bytes"] for row in rows if row["ts_ns"] == end} == {0}
     before = [row for row in rows if row["phase"] == "serve" and row["ts_ns"] < end]
     assert before[0]["oom_margin_bytes"] > before[-1]["oom_margin_bytes"] > 0
+
+
+def test_a_window_reaching_past_the_largest_time_the_store_holds_ends_there(tmp_path: Path) -> None:
+    # Three seconds of an attached process whose last snapshot is at the largest time SQLite holds (2**63 - 1 ns).
+    end = (1 << 63) - 1
+    host = HostProcess(4242, "python", ("python", "serve.py"), "alice", 2 << 30, 12.5, "running", end - 2 * 10**9, ())
+    snapshots = [Snapshot(end - (2 - second) * 10**9, 4242, "nvml", host, (
+        GpuUsage(0, "NVIDIA L4", "GPU-0", 24 << 30, (5 + second) << 30, (19 - second) << 30,
+                 (ProcessUsage(4242, (4 + second) << 30),)),)) for second in range(3)]
+    db = tmp_path / "edge.db"
+    run_id = record_snapshots(db, snapshots, status="exited")
+    # An hour around step 1 runs half an hour past that time: it ends at it, the last sample included.
+    for args in (("--json",), ("--json", "--ledger")):
+        code, out = _invoke(db, "timeline", run_id, "--around", "step:1", "--window", "1h", *args)
+        assert code == 0 and [json.loads(line)["ts_ns"] for line in out.splitlines()] == [
+            end - 2 * 10**9, end - 10**9, end]
+    code, out = _invoke(db, "timeline", run_id, "--around", "step:2", "--window", "10s")
+    assert code == 0 and out.splitlines()[2:] == ["   0.000    0       0   4.00 GiB   5.00 GiB  19.00 GiB",
+                                                  "   1.000    0       1   5.00 GiB   6.00 GiB  18.00 GiB",
+                                                  "   2.000    0       2   6.00 GiB   7.00 GiB  17.00 GiB"]

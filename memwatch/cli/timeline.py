@@ -247,13 +247,12 @@ def _repeats(previous: tuple[Sample, LedgerTerms | None], sample: Sample, terms:
     """Whether ``sample`` says nothing new: the same moment, readings and ledger terms, give or take its labels and
     blanks (a boundary's repeat has no step of its own, so no step activation either)."""
     before, before_terms = previous
-    if terms is None or before_terms is None:
-        if terms is not before_terms:
-            return False
-    elif not all(value is None or value == old for value, old in zip(terms, before_terms, strict=True)):
+    # Every row of one table has its ledger terms, or none has; a tuple's fields pair up one for one.
+    said = zip(terms or (), before_terms or (), strict=True)  # pragma: no mutate
+    if not all(value is None or value == old for value, old in said):
         return False
-    return all(value is None or value == old or name in _LABELS
-               for name, value, old in zip(sample._fields, sample, before, strict=True))
+    readings = zip(sample._fields, sample, before, strict=True)  # pragma: no mutate
+    return all(value is None or value == old or name in _LABELS for name, value, old in readings)
 
 
 def _engine_line(row: WindowRow, start: int, size: Callable[[int | None], str]) -> str:
