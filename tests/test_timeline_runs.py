@@ -197,6 +197,8 @@ def test_around_a_step_is_a_window_centred_on_it_and_a_step_out_of_range_is_refu
     # The largest step is one the store can hold: no sample there, and the window around it does not overflow.
     code, out = _invoke(db, "timeline", run_id, "--around", f"step:{largest}", "--json")
     assert code != 2 and "a step is 0 up to" not in out
+    assert _invoke(db, "timeline", run_id, "--around", "step:X5") == (
+        2, "error: cannot read 'step:X5'; write step:N with N a step number\n")
     for extra in (("--since", "+1s"), ("--until", "+1s"), ("--last", "1s")):
         code, out = _invoke(db, "timeline", run_id, "--around", "step:1", *extra)
         assert (code, out) == (2, "error: --around sets the window itself; drop --since, --until and --last\n")
