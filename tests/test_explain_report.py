@@ -287,3 +287,14 @@ def test_an_allocation_over_the_reserve_by_up_to_the_tolerance_is_not_an_under_m
 
     assert over(4 * 10**9 + 64 * MiB) == (None, ())
     assert over(4 * 10**9 + 64 * MiB + 1) == (64 * MiB + 1, ("activation_over_reserve",))
+
+
+def test_a_flag_raised_with_the_out_of_memory_is_before_it_and_one_after_is_not(tmp_path: Path) -> None:
+    _, db_path, run_id = _records("other_process_oom", tmp_path)
+    [(step, ts)] = query(db_path, "SELECT step, ts_ns FROM events WHERE kind = 'oom'")
+    with sqlite3.connect(db_path) as conn:  # as the live detectors store a flag raised by the same sample
+        conn.executemany("INSERT INTO flags VALUES (?, 0, ?, ?, 'torch_drift', ?, 'raised with it', '{}')",
+                         [(run_id, step, ts, "warning"), (run_id, step + 1, ts + 1, "critical")])
+    (oom,) = explain_run(open_store(db_path, readonly=True), run_id).ooms
+    assert oom.flags[-1] == FlagBefore("torch_drift", "warning", step, 0, 0.0, "raised with it")
+    assert oom.sentences[-1].endswith(f"; torch_drift (warning) at step {step:,}, the last step.")
