@@ -71,6 +71,17 @@ def test_a_run_replayed_from_its_rings_is_explained_as_the_store_has_it(name: st
         assert [(f.kind, f.severity, f.step, f.steps_before, f.seconds_before, f.message) for f in end.flags] == [
             (kind, severity, step, end.step - step, (end.ts_ns - ts) / 1e9, message)
             for kind, severity, step, ts, message in rows]
+    # The cause said first, from each scenario's fault (see test_explain_scenarios.py).
+    first = {"non_torch_leak": "leak_outside_pytorch", "other_process_oom": "other_process",
+             "torch_leak": "leak_inside_pytorch", "non_torch_leak_tp2": "leak_outside_pytorch"}
+    assert [end.causes[0] for end in stored.ooms if end.causes] == ([first[name]] if name in first else [])
+    if name == "torch_leak":
+        # The last request, one leaked step's 2.5 MiB, failed with 10 MiB free: PyTorch asks for a 20 MiB segment.
+        [(requested, free)] = query(db_path, "SELECT json_extract(data, '$.requested_bytes'), "
+                                             "json_extract(data, '$.driver_free_bytes') FROM events WHERE kind = 'oom'")
+        assert (requested, free) == (5 * MiB // 2, 10 * MiB)
+        assert stored.ooms[0].sentences[1].endswith("the allocator asks the driver for a new 20.0 MiB segment, more "
+                                                    "than the 10.0 MiB free.")
     if name == "non_torch_leak_tp2":  # rank 1 leaked and raised every flag; rank 0 stopped with it, unflagged
         assert [(end.rank, len(end.flags) > 0) for end in stored.ooms] in ([(1, True)], [(0, False), (1, True)])
     if name == "demo":  # its graphs, as check has them (derived in test_check_graphs.py)
