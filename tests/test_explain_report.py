@@ -309,3 +309,14 @@ def test_a_flag_raised_with_the_out_of_memory_is_before_it_and_one_after_is_not(
     (oom,) = explain_run(open_store(db_path, readonly=True), run_id).ooms
     assert oom.flags[-1] == FlagBefore("torch_drift", "warning", step, 0, 0.0, "raised with it")
     assert oom.sentences[-1].endswith(f"; torch_drift (warning) at step {step:,}, the last step.")
+
+
+def test_a_crash_without_the_devices_size_says_only_what_was_free() -> None:
+    # A flat synthetic rank that died after its last serving step (35), its driver's used bytes never read: its
+    # free memory is known, its device's size is not, so nothing is said of how full it was.
+    records = [r._replace(driver_used_bytes=None) if isinstance(r, Sample) else r
+               for r in SyntheticRun(jitter=False, serve_steps=30).records()]
+    free = records[-1].driver_free_bytes
+    (end,) = explain_records(records, status="crashed").ooms
+    assert end.sentences[0] == (f"rank 0 crashed after step 35 with {format_bytes(free)} free and no out-of-memory "
+                                "was recorded.")
