@@ -112,6 +112,10 @@ def test_flags_of_a_run_that_died_without_its_oom_are_counted_most_first_then_by
     assert (explanation.outcome, explanation.flag_kinds) == ("crashed", (("external_process", 1), ("oom_risk", 1)))
     assert "No rank recorded an out-of-memory; 2 flags (1 external_process, 1 oom_risk; see memwatch check)." in \
         explanation.sentences
+    # other_process: another process holds 2 GiB from step 300 to 700; sized at 0.6 the engine survives it.
+    other = explain_records(ring_records(run_scenario("other_process", runtime_dir=tmp_path / "other",
+                                                      start_ns=START_NS)))
+    assert other.sentences[0] == "no rank ran out of memory; 1 flag (1 external_process; see memwatch check)."
     leak = explain_records(ring_records(run_scenario("non_torch_leak", runtime_dir=tmp_path / "leak",
                                                      start_ns=START_NS)), status="crashed")
     assert leak.flag_kinds == (("oom_risk", 2), ("non_torch_drift", 1))
