@@ -17,6 +17,7 @@ from test_explain_two_causes import GIB, LEAK_PER_STEP, SCENARIO
 from memwatch.attach.hostinfo import HostProcess
 from memwatch.attach.record import record_snapshots
 from memwatch.attach.snapshot import GpuUsage, ProcessUsage, Snapshot
+from memwatch.detectors import DetectorConfig
 from memwatch.detectors.wording import format_bytes
 from memwatch.records import Event, Sample
 from memwatch.report import explain_records, explain_run, render_explanation
@@ -324,3 +325,19 @@ def test_a_crash_without_the_devices_size_says_only_what_was_free() -> None:
     (end,) = explain_records(records, status="crashed").ooms
     assert end.sentences[0] == (f"rank 0 crashed after step 35 with {format_bytes(free)} free and no out-of-memory "
                                 "was recorded.")
+
+
+def test_the_thresholds_given_and_the_runs_start_are_the_ones_said(tmp_path: Path) -> None:
+    records, db_path, run_id = _records("non_torch_leak", tmp_path)
+    # 2.5 MiB a step from step 200: 1 GiB of drift at step 609 (256 MiB by default: step 302).
+    config = DetectorConfig(drift_min_bytes=GiB)
+    for explanation in (explain_records(records, config, status="crashed"),
+                        explain_run(open_store(db_path, readonly=True), run_id, config)):
+        assert [flag.step for flag in explanation.ooms[0].flags if flag.kind == "non_torch_drift"] == [609]
+    # Started at START_NS, its last record 38 s later (the simulator's clock), said in the lead.
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("UPDATE runs SET started_ns = ?", (START_NS,))
+    [(last,)] = query(db_path, "SELECT max(ts_ns) FROM samples")
+    lead = explain_run(open_store(db_path, readonly=True), run_id).sentences[0]
+    assert lead.endswith(f", {round((last - START_NS) / 1e9)} s after it started.") and round(
+        (last - START_NS) / 1e9) == 38
