@@ -85,7 +85,11 @@ def test_a_run_replayed_from_its_rings_is_explained_as_the_store_has_it(name: st
                                                     "than the 10.0 MiB free.")
     if name == "non_torch_leak_tp2":  # rank 1 leaked and raised every flag; rank 0 stopped with it, unflagged
         assert [(end.rank, len(end.flags) > 0) for end in stored.ooms] in ([(1, True)], [(0, False), (1, True)])
+    if stored.ooms:  # an end is explained; no tightest serving moment is said beside it
+        assert data["tightest"] == []
     if name == "demo":  # its graphs, as check has them (derived in test_check_graphs.py)
+        assert "rank 0: CUDA graphs captured after sizing: 367.76 MiB outside the budget nano-vllm sized" in \
+            render_explanation(stored)
         assert data["ranks"] == [{"rank": 0, "cuda_graphs_outside_budget_bytes": 385_628_160}]
     assert render_explanation(stored).splitlines()[0] == f"run {run_id}: {data['outcome']}"
 
@@ -229,11 +233,12 @@ def test_each_preemption_event_counts_its_requests_or_one() -> None:
                                      *SyntheticRun(rank=1, jitter=False, serve_steps=20).records()]
     at = records[-1].ts_ns + 1
     records += [Event("run-1", 1, 26, at, "preemption", {"count": 3}), Event("run-1", 1, 26, at, "preemption", {}),
-                Event("run-1", 0, 26, at, "preemption", {"count": 2}), Event("run-1", 0, 26, at, "phase_end", {})]
+                Event("run-1", 0, 26, at, "preemption", {"count": 2}), Event("run-1", 0, 26, at, "phase_end", {}),
+                Event("run-1", 0, 26, at, "preemption", ["not", "a", "dict"])]
     explanation = explain_records(records)
-    assert explanation.preemptions == ((0, 2), (1, 4))
+    assert explanation.preemptions == ((0, 3), (1, 4))
     assert explanation.sentences[-2:] == [
-        "rank 0: 2 preemptions: its KV cache was full, so requests were recomputed (latency, not memory).",
+        "rank 0: 3 preemptions: its KV cache was full, so requests were recomputed (latency, not memory).",
         "rank 1: 4 preemptions: its KV cache was full, so requests were recomputed (latency, not memory)."]
 
 
@@ -339,5 +344,14 @@ def test_the_thresholds_given_and_the_runs_start_are_the_ones_said(tmp_path: Pat
         conn.execute("UPDATE runs SET started_ns = ?", (START_NS,))
     [(last,)] = query(db_path, "SELECT max(ts_ns) FROM samples")
     lead = explain_run(open_store(db_path, readonly=True), run_id).sentences[0]
+    assert explain_records(records, status="crashed", started_ns=START_NS).sentences[0] == lead
     assert lead.endswith(f", {round((last - START_NS) / 1e9)} s after it started.") and round(
         (last - START_NS) / 1e9) == 38
+
+
+def test_an_out_of_memory_on_a_rank_that_recorded_no_sample() -> None:
+    oom = Event("run-1", 2, 0, 10, "oom", {"requested_bytes": GiB, "driver_free_bytes": 0})
+    explanation = explain_records([*SyntheticRun(jitter=False, serve_steps=5).records(), oom])
+    assert explanation.outcome == "oom" and [end.rank for end in explanation.ooms] == [2]
+    assert explanation.sentences == ["rank 2 ran out of memory at step 0: a request for 1.0 GiB failed with no memory "
+                                     "free.", "No flag was raised before the out-of-memory."]
