@@ -203,7 +203,7 @@ def _write_lines(db: Database, info: Run, rank: int | None, since_ns: int | None
         return False
     db.conn.close()  # reading may fork, and no SQLite connection may be carried across a fork
     text = window.read(jobs)
-    _header(info, False)
+    _header(info, False)  # pragma: no mutate (None and False alike: no ledger columns)
     if text:  # a note shows only before a sample: the text holds a sample whenever it holds anything
         sys.stdout.write(text)
     else:
@@ -216,8 +216,9 @@ def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]]
     """The samples as a table; a line marks each gap where samples were lost, before the first sample after it."""
     start = info.started_ns or 0
     nvml = _header(info, ledger)
-    count = 0
-    size = lru_cache(maxsize=8192)(format_bytes)  # a window repeats the same few values many times
+    written = False
+    # A window repeats the same few values many times; the cache's size changes no text.
+    size = lru_cache(maxsize=8192)(format_bytes)  # pragma: no mutate
     write = sys.stdout.write
     previous: tuple[Sample, LedgerTerms | None] | None = None
     for row, terms in rows:
@@ -234,8 +235,8 @@ def _write_table(info: Run, rows: Iterator[tuple[WindowRow, LedgerTerms | None]]
         if row.rollup is not None:
             line += f"  (1 s: {row.rollup.samples} samples)"
         write(line + "\n")
-        count += 1
-    if count == 0:
+        written = True
+    if not written:
         click.echo("(no samples in that window)")
 
 
@@ -243,12 +244,15 @@ _LABELS = frozenset({"phase", "step_kind", "peak_is_step"})  # what a row is cal
 
 
 def _repeats(previous: tuple[Sample, LedgerTerms | None], sample: Sample, terms: LedgerTerms | None) -> bool:
-    """Whether ``sample`` says nothing new: the same moment and readings, give or take its labels and blanks."""
+    """Whether ``sample`` says nothing new: the same moment, readings and ledger terms, give or take its labels and
+    blanks (a boundary's repeat has no step of its own, so no step activation either)."""
     before, before_terms = previous
-    if terms != before_terms:
+    # Every row of one table has its ledger terms, or none has; a tuple's fields pair up one for one.
+    said = zip(terms or (), before_terms or (), strict=True)  # pragma: no mutate
+    if not all(value is None or value == old for value, old in said):
         return False
-    return all(value is None or value == old or name in _LABELS
-               for name, value, old in zip(sample._fields, sample, before, strict=True))
+    readings = zip(sample._fields, sample, before, strict=True)  # pragma: no mutate
+    return all(value is None or value == old or name in _LABELS for name, value, old in readings)
 
 
 def _engine_line(row: WindowRow, start: int, size: Callable[[int | None], str]) -> str:

@@ -103,7 +103,7 @@ def rank_causes(oom: OomFacts | None, growths: list[TermGrowth], over_reserve: i
     if external is not None and split is not None:
         causes.append(_other_process_at(external, split))
         if split.leak is not None:
-            leak = _grown(split.leak, oom, fragmented)
+            leak = _grown(split.leak, oom, fragmented)  # pragma: no mutate (a non-PyTorch leak reads neither)
             if leak is not None:
                 causes.append(leak)
     elif external is not None:
@@ -192,7 +192,7 @@ def _is_split(oom: OomFacts) -> bool:
 
 def _split_cache(oom: OomFacts, fragmented: Flag | None) -> Cause | None:
     cache, largest = oom.free_cache_bytes, oom.largest_cached_block_bytes
-    if not _is_split(oom) or cache is None or largest is None:
+    if not _is_split(oom) or cache is None or largest is None:  # pragma: no mutate (_is_split needs both)
         return None
     if cache < FRAGMENTED_MIN_BYTES and fragmented is None:
         return None

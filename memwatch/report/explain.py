@@ -201,8 +201,20 @@ def explain_records(records: Iterable[Sample | Event], config: DetectorConfig | 
     points: dict[int, Points] = {rank: ListPoints([p for p in histories[rank].points if p.ts_ns <= oom.ts_ns])
                                  for rank, oom in ooms.items()}
     graphs = replayed_graphs_outside_budget(engine, summaries, events)
-    return explain_from(run_id, summaries, ooms, points, flags, detectors.config, status, readings, started_ns,
-                        engine, graphs)
+    explanation = explain_from(run_id, summaries, ooms, points, flags, detectors.config, status, readings,
+                               started_ns, engine, graphs)
+    return replace(explanation, preemptions=_preemptions(events))
+
+
+def _preemptions(events: Iterable[Event]) -> tuple[tuple[int, int], ...]:
+    """Per rank, the requests preempted: each ``preemption`` event's count (1 when it has none), as the store sums
+    them (:attr:`memwatch.store.run_model.StoredRun.preemptions`)."""
+    counts: dict[int, int] = {}
+    for event in events:
+        if event.kind == "preemption":
+            count = _int(event.data.get("count")) if isinstance(event.data, dict) else None
+            counts[event.rank] = counts.get(event.rank, 0) + (1 if count is None else count)
+    return tuple(sorted(counts.items()))
 
 
 def explain_from(
