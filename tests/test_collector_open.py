@@ -295,3 +295,64 @@ def test_a_ring_cut_short_under_the_sidecar_ends_its_rank_as_error_and_is_kept(
             os.truncate(ring, size)  # whole again before the engine in this process writes its end into its map
     finally:
         engine.close()
+
+
+WRITER = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from memwatch_engine import Monitor
+from probes import ScriptedProbe
+engine = Monitor(engine="test", runtime_dir=Path(sys.argv[1]), probe=ScriptedProbe(), spawn_sidecar=False,
+                 run_id="child", close_at_exit=False)
+for _ in range(3):
+    engine.step("decode", num_seqs=1)
+print("stepped", flush=True)
+sys.stdin.readline()
+os._exit(0)  # gone without closing its ring, as a killed engine is
+"""
+
+
+def test_a_live_writer_in_another_process_is_waited_for_and_its_death_ends_the_rank_crashed(
+        runtime_dir: Path, db_path: Path, tmp_path: Path) -> None:
+    """The real liveness path (no ``is_alive`` given): the writer's lock on its ring and its pid."""
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(runtime_dir), str(Path(__file__).parent)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    writer = StoreWriter(open_store(db_path))
+    writer.start()
+    collector = Collector(runtime_dir, db_path, writer)
+    try:
+        assert child.stdout.readline() == "stepped\n"
+        collector.scan()
+        until = time.monotonic() + 2.5  # past two liveness checks (one a second)
+        while time.monotonic() < until:
+            collector.poll()
+            time.sleep(0.05)
+        assert [path.name for path in collector.rings] == ["child-r0.ring"]  # alive: waited for
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=30) == 0
+        until = time.monotonic() + 10
+        while collector.rings and time.monotonic() < until:
+            collector.poll()
+            writer.flush()
+            time.sleep(0.05)
+        writer.flush()
+        db = open_store(db_path, readonly=True)
+        try:
+            assert db.execute("SELECT status FROM ranks WHERE run_id = 'child'").fetchone() == ("crashed",)
+            assert db.execute("SELECT COUNT(*) FROM samples WHERE run_id = 'child'").fetchone()[0] >= 3
+        finally:
+            db.conn.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=30)
+        child.stdin.close()
+        child.stdout.close()
+        collector.close()
+        writer.close()
