@@ -43,3 +43,17 @@ def drain(collector: Collector) -> None:
     while collector.poll() or collector.backlogged:
         if collector.backlogged:
             time.sleep(0.001)
+
+
+def store_attached_run(db_path: Path) -> str:
+    """``memwatch attach --record`` of three seconds of a process on a 24 GiB GPU, using 4, 5 then 6 GiB, with no
+    KV sizing: a run with readings and no budget. Returns its run id."""
+    from memwatch.attach.hostinfo import HostProcess
+    from memwatch.attach.record import record_snapshots
+    from memwatch.attach.snapshot import GpuUsage, ProcessUsage, Snapshot
+
+    host = HostProcess(4242, "python", ("python", "serve.py"), "alice", 2 << 30, 12.5, "running", START_NS, ())
+    snapshots = [Snapshot(START_NS + second * 10**9, 4242, "nvml", host, (
+        GpuUsage(0, "NVIDIA L4", "GPU-0", 24 << 30, (5 + second) << 30, (19 - second) << 30,
+                 (ProcessUsage(4242, (4 + second) << 30),)),)) for second in range(3)]
+    return record_snapshots(db_path, snapshots, status="exited")

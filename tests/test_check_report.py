@@ -11,9 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from memwatch.attach.hostinfo import HostProcess
-from memwatch.attach.record import record_snapshots
-from memwatch.attach.snapshot import GpuUsage, ProcessUsage, Snapshot
 from memwatch.detectors import DetectorConfig
 from memwatch.detectors.summary import RankSummary, Tightest
 from memwatch.kv_sizing import Sizing
@@ -35,7 +32,7 @@ from memwatch.store.run_figures import RANK_KEYS, RankTruth, RunTruth
 from memwatch.units import format_bytes
 
 from processes import query
-from stored_runs import START_NS, store_rings, store_scenario
+from stored_runs import START_NS, store_attached_run, store_rings, store_scenario
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -221,13 +218,8 @@ def test_a_run_without_records_has_nothing_to_check() -> None:
 
 
 def test_a_process_watched_from_outside_has_no_ledger_and_says_so(tmp_path: Path) -> None:
-    # attach --record: three seconds of a process on a 24 GiB GPU, using 4, 5 then 6 GiB; no KV sizing.
-    host = HostProcess(4242, "python", ("python", "serve.py"), "alice", 2 << 30, 12.5, "running", START_NS, ())
-    snapshots = [Snapshot(START_NS + second * 10**9, 4242, "nvml", host, (
-        GpuUsage(0, "NVIDIA L4", "GPU-0", 24 << 30, (5 + second) << 30, (19 - second) << 30,
-                 (ProcessUsage(4242, (4 + second) << 30),)),)) for second in range(3)]
     db = tmp_path / "m.db"
-    run_id = record_snapshots(db, snapshots, status="exited")
+    run_id = store_attached_run(db)  # three seconds of a process on a 24 GiB GPU, no KV sizing
     report = check_run(open_store(db, readonly=True), run_id)
     assert report.unsized_ranks == (0,) and not report.failed
     assert report.to_dict()["unsized_ranks"] == [0]

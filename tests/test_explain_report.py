@@ -14,9 +14,6 @@ from pathlib import Path
 import pytest
 from test_explain_two_causes import GIB, LEAK_PER_STEP, SCENARIO
 
-from memwatch.attach.hostinfo import HostProcess
-from memwatch.attach.record import record_snapshots
-from memwatch.attach.snapshot import GpuUsage, ProcessUsage, Snapshot
 from memwatch.detectors import DetectorConfig
 from memwatch.detectors.wording import format_bytes
 from memwatch.records import Event, Sample
@@ -27,7 +24,7 @@ from memwatch.sim.scorecard import ring_records
 from memwatch.store import open_store
 
 from processes import query
-from stored_runs import START_NS, store_rings, store_scenario
+from stored_runs import START_NS, store_attached_run, store_rings, store_scenario
 from synthetic import STEP_NS, GiB, SyntheticRun
 
 MiB = 1 << 20
@@ -207,13 +204,8 @@ def test_a_run_without_records_has_nothing_to_explain() -> None:
 
 
 def test_a_rank_without_a_kv_sizing_is_said_to_have_no_budget(tmp_path: Path) -> None:
-    # attach --record: three seconds of a process on a 24 GiB GPU, using 4, 5 then 6 GiB; no KV sizing.
-    host = HostProcess(4242, "python", ("python", "serve.py"), "alice", 2 << 30, 12.5, "running", START_NS, ())
-    snapshots = [Snapshot(START_NS + second * 10**9, 4242, "nvml", host, (
-        GpuUsage(0, "NVIDIA L4", "GPU-0", 24 << 30, (5 + second) << 30, (19 - second) << 30,
-                 (ProcessUsage(4242, (4 + second) << 30),)),)) for second in range(3)]
     db = tmp_path / "m.db"
-    run_id = record_snapshots(db, snapshots, status="exited")
+    run_id = store_attached_run(db)  # three seconds of a process on a 24 GiB GPU, no KV sizing
     explanation = explain_run(open_store(db, readonly=True), run_id)
     assert (explanation.outcome, explanation.unsized_ranks, explanation.tightest) == ("exited", (0,), ())
     assert explanation.to_dict()["unsized_ranks"] == [0]
