@@ -153,11 +153,12 @@ def test_vllm_and_memwatch_agree_while_vllm_holds_its_requests_paused(served: Se
     preempted or never admitted: they hold none).
     """
     moments: list[tuple[tuple[float, float, float], dict[str, float]]] = []
-    for batch in range(3):  # a batch whose every pause came too early or too late is run again, with new prompts
-        moments = _paused_moments(served, prompts(6, PROMPT, seed=23 + batch))
+    tried: list[tuple[tuple[float, float, float], float, float]] = []
+    for batch in range(5):  # a batch whose every pause came too early or too late is run again, with new prompts
+        moments = _paused_moments(served, prompts(6, PROMPT, seed=23 + batch), tried)
         if moments:
             break
-    assert moments
+    assert moments, f"no pause found every request in and none finished: (gauges, finished, before) {tried}"
     for (usage, running, waiting), mine in moments:
         blocks = round(usage * USABLE)
         assert blocks / USABLE == usage and running >= 1
@@ -193,9 +194,10 @@ def test_sigterm_ends_the_run_ok_with_every_ring_drained_and_removed(served: Ser
     assert wait_for(lambda: not list(served.runtime.glob(f"{run_id}-*.ring")), 30, "the rings removed")
 
 
-def _paused_moments(served: Served, jobs: list) -> list[tuple[tuple[float, float, float], dict[str, float]]]:
+def _paused_moments(served: Served, jobs: list, tried: list) -> list[tuple[tuple[float, float, float],
+                                                                           dict[str, float]]]:
     """vLLM's gauges and memwatch's at up to two pauses of one batch in which every request is in and none has
-    finished; every request completes with all its tokens."""
+    finished; every request completes with all its tokens. Each pause's reading is added to ``tried``."""
     url = served.server.url
     finished_before = _finished_when_idle(served)
     moments = []
@@ -216,6 +218,7 @@ def _paused_moments(served: Served, jobs: list) -> list[tuple[tuple[float, float
             finally:
                 _post(f"{url}/resume")
             gauges = _gauges(vllm)
+            tried.append((gauges, vllm["vllm:request_success_total"], finished_before))
             if vllm["vllm:request_success_total"] == finished_before and gauges[1] + gauges[2] == len(jobs):
                 moments.append((gauges, mine))  # every request in, none finished
         done = [future.result(timeout=600) for future in futures]
