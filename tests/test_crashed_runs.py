@@ -144,3 +144,19 @@ def test_a_finished_monitor_loop_passes_check_without_claiming_a_ledger(runtime_
     code, out = _cli(db_path, "explain", "latest")
     assert out.splitlines()[0].endswith(": ok")
     assert "no KV sizing was recorded" in out
+
+
+def test_memwatch_sim_returns_once_a_simulated_crash_is_stored_as_crashed(runtime_dir: Path, db_path: Path) -> None:
+    """``memwatch sim --scenario non_torch_leak``, then at once ``memwatch explain latest``: what the command's
+    own help suggests. The crash leaves its ring open; the command waits until the sidecar has ended the rank."""
+    from processes import SidecarProcess, query
+
+    with SidecarProcess(runtime_dir, db_path):
+        sim = subprocess.run([sys.executable, "-m", "memwatch", "sim", "--scenario", "non_torch_leak", "--json"],
+                             env=memwatch_env(runtime_dir, db_path), capture_output=True, text=True, timeout=120)
+        assert sim.returncode == 0, sim.stderr
+        result = json.loads(sim.stdout)
+        assert result["stored"] is True, result["store_note"]
+        assert query(db_path, "SELECT status FROM runs WHERE run_id = ?", (result["run_id"],)) == [("crashed",)]
+        code, out = _cli(db_path, "explain", "latest")
+        assert code == 0 and out.splitlines()[0] == f"run {result['run_id']}: crashed", out

@@ -347,3 +347,41 @@ def test_an_out_of_memory_on_a_rank_that_recorded_no_sample() -> None:
     assert explanation.outcome == "oom" and [end.rank for end in explanation.ooms] == [2]
     assert explanation.sentences == ["rank 2 ran out of memory at step 0: a request for 1.0 GiB failed with no memory "
                                      "free.", "No flag was raised before the out-of-memory."]
+
+
+def test_a_run_still_being_recorded_is_explained_so_far_not_as_ended(runtime_dir: Path, db_path: Path) -> None:
+    """``memwatch explain`` on a live run: its lead says what follows is so far, never "ok"."""
+    from memwatch.report.readings import format_time
+    from memwatch.sidecar.collector import Collector
+    from memwatch.store.writer import StoreWriter
+    from memwatch_engine import Monitor
+
+    from probes import ScriptedProbe
+    from stored_runs import drain
+
+    engine = Monitor(engine="test", runtime_dir=runtime_dir, probe=ScriptedProbe(), spawn_sidecar=False,
+                     run_id="live")
+    writer = StoreWriter(open_store(db_path))
+    writer.start()
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: True)
+    try:
+        for _ in range(3):
+            engine.step("decode", num_seqs=1)
+        engine.preempted(1)
+        collector.scan()
+        drain(collector)
+        assert writer.flush(timeout=60)
+        [(step, ts_ns)] = query(db_path, "SELECT step, ts_ns FROM samples ORDER BY ts_ns DESC LIMIT 1")
+        explanation = explain_run(open_store(db_path, readonly=True), "live")
+        assert (explanation.outcome, explanation.status) == ("running", "running")
+        assert explanation.sentences[:3] == [  # then what a rank without a KV sizing lacks
+            f"the run is still being recorded: what follows is as of its last record stored (rank 0 step {step} at "
+            f"{format_time(ts_ns)}).",
+            "No rank has run out of memory so far; no flags.",
+            "rank 0: 1 preemption: its KV cache was full, so requests were recomputed (latency, not memory).",
+        ]
+        assert render_explanation(explanation).splitlines()[0] == "run live: running"
+    finally:
+        collector.close()
+        writer.close()
+        engine.close()

@@ -70,17 +70,18 @@ def test_sigterm_builds_and_ships_within_the_grace_period(s3, runtime_dir, db_pa
     uri = f"{dest}/{key.removeprefix('prod/')}"
     assert key.startswith("prod/memwatch-incident-") and key.endswith(f"-{run_id}.tar.gz")
     assert attributes(record.attributes)["memwatch.incident.uri"] == uri
-    # A healthy run stopped with the pod: check's verdict ok, built for the shutdown.
-    assert attributes(record.attributes)["memwatch.incident.verdict"] == "ok"
+    # A healthy run whose sidecar stopped with the pod while the engine still ran: explain's verdict running (what
+    # the bundle holds is so far), built for the shutdown.
+    assert attributes(record.attributes)["memwatch.incident.verdict"] == "running"
     assert attributes(record.attributes)["memwatch.incident.trigger"] == "shutdown"
-    assert termination.read_text() == f"memwatch incident: ok (shutdown) {uri}\n"
+    assert termination.read_text() == f"memwatch incident: running (shutdown) {uri}\n"
     assert os.listdir(runtime_dir / "bundles") == [] and os.listdir(runtime_dir / "incidents") == []
     assert took < 30, output  # Kubernetes' default terminationGracePeriodSeconds
     print(f"SIGTERM to exit, bundle built and uploaded: {took:.2f} s")
 
     # Read anywhere: listed under the prefix and read by URL like the database it came from.
     [listed] = [json.loads(line) for line in _memwatch(db_path, runtime_dir, "incidents", dest, "--json").splitlines()]
-    assert listed["verdict"] == "ok" and listed["trigger"] == "shutdown" and listed["run_id"] == run_id
+    assert listed["verdict"] == "running" and listed["trigger"] == "shutdown" and listed["run_id"] == run_id
     assert json.loads(_memwatch(db_path, runtime_dir, "runs", "--db", uri, "--json"))[0]["run_id"] == run_id
 
 

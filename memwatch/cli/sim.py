@@ -14,10 +14,9 @@ from memwatch_engine.ring_reader import RingReader
 from memwatch_engine.runtime import default_runtime_dir
 from memwatch_engine.spawn import IDLE_EXIT_SECONDS, sidecar_pid, sidecar_running
 
-from ..errors import MemwatchError, UsageError
+from ..errors import UsageError
 from ..sim import Scenario, SimulationResult, run_scenario, shipped_scenarios
 from ..sim.scorecard import render_scorecard, run_scorecard
-from ..store import open_store
 from ..units import format_bytes
 from .options import db_given, db_option, finite_float, json_option
 
@@ -146,32 +145,18 @@ def _stored(result: SimulationResult, runtime: Path, started: bool) -> tuple[boo
 
 
 def _drained(ring: Path) -> bool:
-    """Whether the sidecar stored all of a ring: removed it, or (a simulated crash leaves it open) recorded a
-    cursor at its last record.
+    """Whether the sidecar stored all of a ring and ended its rank: it removes the ring then, once the rank's end
+    and the run's status have committed, so a command run next reads the run as ended.
 
-    This process wrote the ring: closing the reader's descriptor here ends this process's record lock on it
-    (POSIX: any close of the file does), so a simulated crash's ring reads as its writer gone from then on,
-    as a dead engine's would."""
+    This process wrote the ring: closing a descriptor of it here ends this process's record lock on it (POSIX:
+    any close of the file does), so a simulated crash's ring, left open, reads as its writer gone from then on,
+    as a dead engine's would, and the sidecar ends that rank ``crashed`` at its next look at the writer (a
+    second)."""
     try:
-        reader = RingReader(ring)
+        RingReader(ring).close()
     except (RingFormatError, OSError):
-        return not ring.exists()
-    try:
-        if reader.closed:
-            return False  # a closed ring is removed once stored
-        header, published = reader.header, reader.published
-    finally:
-        reader.close()
-    try:
-        db = open_store(None, readonly=True)
-    except MemwatchError:
-        return False
-    try:
-        row = db.execute("SELECT next_seq FROM ring_cursors WHERE ring = ?",
-                         (f"{header.run_id}/{header.rank}/{header.created_ns}",)).fetchone()
-    finally:
-        db.conn.close()
-    return row is not None and row[0] >= published
+        pass
+    return not ring.exists()
 
 
 def _sidecar_running(runtime: Path) -> bool:

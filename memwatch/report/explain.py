@@ -38,9 +38,11 @@ from memwatch.report.readings import (
     CRASHED,
     ENDED_BADLY,
     ENDED_UNSEEN,
+    RUNNING,
     RankReadings,
     crash_ends,
     crash_sentences,
+    running_sentence,
     unseen_end_sentence,
 )
 from memwatch.report.stored import stored_readings
@@ -94,7 +96,8 @@ class Explanation:
     run_id: str | None
     outcome: str
     """``oom`` when a rank ran out of memory; else ``crashed`` or ``error`` when the run ended so; else
-    ``detached`` or ``exited`` when memwatch did not see how it ended; else ``ok``; ``empty`` without samples."""
+    ``detached`` or ``exited`` when memwatch did not see how it ended; else ``running`` while its end is not
+    recorded yet, ``ok`` once it is; ``empty`` without samples."""
     ooms: tuple[OomReport, ...]
     tightest: tuple[Tightest, ...]
     flag_count: int
@@ -137,11 +140,13 @@ class Explanation:
         elif self.outcome in ENDED_UNSEEN:
             lead = [unseen_end_sentence(self.outcome, list(self.readings)),
                     f"No rank recorded an out-of-memory; {flags}."]
+        elif self.outcome == RUNNING:
+            lead = [running_sentence(list(self.readings)), "No rank has run out of memory so far; " + flags + "."]
         else:
             lead = ["no rank ran out of memory; " + flags + "."]
         unsized = [sentence for readings in self.readings if readings.rank in self.unsized_ranks
                    for sentence in readings.unsized_sentences()]
-        preempted = [f"rank {rank}: {format_count(count)} preemptions: its KV cache was full, so requests were "
+        preempted = [f"rank {rank}: {counted(count, 'preemption')}: its KV cache was full, so requests were "
                      "recomputed (latency, not memory)." for rank, count in self.preemptions]
         return lead + [tight.sentence for tight in self.tightest] + self.graphs_sentences + preempted + unsized
 
@@ -238,7 +243,7 @@ def explain_from(
     elif not readings:
         outcome = "empty"
     else:
-        outcome = status if status in ENDED_BADLY or status in ENDED_UNSEEN else "ok"
+        outcome = status if status in ENDED_BADLY or status in ENDED_UNSEEN or status == RUNNING else "ok"
     kinds: dict[str, int] = {}
     for flag in flags:
         kinds[flag.kind] = kinds.get(flag.kind, 0) + 1

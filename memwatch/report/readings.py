@@ -26,6 +26,8 @@ CRASH = "crash"
 """The end of a rank that died without an OOM event (its ring never closed), explained like an OOM."""
 DETACHED = "detached"
 EXITED = "exited"
+RUNNING = "running"
+"""A stored run's status while any of its ranks has not ended: what is said of it is so far."""
 ENDED_UNSEEN = (DETACHED, EXITED)
 """Run statuses whose end memwatch did not see: recording turned off (``attach --detach``, or ``attach --record``
 stopped) while the process went on, or a process watched from outside that exited with an unknown code."""
@@ -213,6 +215,14 @@ def unseen_end_sentence(status: str, ranks: list[RankReadings]) -> str:
                 "not recorded.")
     return (f"the process exited{where}; it was watched from outside, so its exit code is unknown (only its "
             "parent process can collect it).")
+
+
+def running_sentence(ranks: list[RankReadings]) -> str:
+    """The lead of an explanation of a run still being recorded: what follows is so far, not how it ended."""
+    last = max((r.last for r in ranks if r.last is not None), key=lambda s: s.ts_ns, default=None)
+    where = "" if last is None else (f" (rank {last.rank} step {format_count(last.step)} at "
+                                     f"{format_time(last.ts_ns)})")
+    return f"the run is still being recorded: what follows is as of its last record stored{where}."
 
 
 def format_time(ts_ns: int) -> str:
