@@ -232,7 +232,9 @@ def test_a_writer_gone_without_closing_its_ring_ends_its_rank_crashed_or_oom(
     if oom:
         engine.oom(requested_bytes=1 << 30)
     ring = runtime_dir / "gone-r2.ring"
-    header = RingReader(ring).header
+    reader = RingReader(ring)
+    header = reader.header
+    reader.close()
     asked: list[tuple[int, int]] = []
     ends = Ends()
     writer = StoreWriter(open_store(db_path))
