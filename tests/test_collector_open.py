@@ -38,7 +38,7 @@ class Sidecar:
     rejected: Path
 
     def set_aside(self) -> list[tuple[str | None, int | None, str, bytes]]:
-        self.writer.flush()
+        assert self.writer.flush(timeout=60), "the store writer did not commit within 60 s"
         db = open_store(self.db_path, readonly=True)
         try:
             return [tuple(row) for row in db.execute("SELECT run_id, rank, reason, raw FROM set_aside ORDER BY rowid")]
@@ -46,7 +46,7 @@ class Sidecar:
             db.conn.close()
 
     def count(self, sql: str) -> int:
-        self.writer.flush()
+        assert self.writer.flush(timeout=60), "the store writer did not commit within 60 s"
         db = open_store(self.db_path, readonly=True)
         try:
             return db.execute(sql).fetchone()[0]
@@ -189,7 +189,7 @@ def test_a_ring_stored_whole_already_is_removed_when_found_again(runtime_dir: Pa
         sidecar.collector.scan()
         for _ in range(50):  # a ring is removed once its end is committed: a poll or two after it is drained
             sidecar.collector.poll()
-            sidecar.writer.flush()
+            assert sidecar.writer.flush(timeout=60), "the store writer did not commit within 60 s"
             if not ring.exists():
                 break
         assert sidecar.collector.rings == {} and not ring.exists()  # drained, finished and removed
@@ -216,7 +216,7 @@ class Ends(Opened):
 def _settle(sidecar: Sidecar, done: object) -> None:
     for _ in range(100):  # a few polls: drained, finished, its end committed, the observers told
         sidecar.collector.poll()
-        sidecar.writer.flush()
+        assert sidecar.writer.flush(timeout=60), "the store writer did not commit within 60 s"
         if done():
             return
     raise AssertionError("the ring never settled")
@@ -341,9 +341,9 @@ def test_a_live_writer_in_another_process_is_waited_for_and_its_death_ends_the_r
         until = time.monotonic() + 10
         while collector.rings and time.monotonic() < until:
             collector.poll()
-            writer.flush()
+            assert writer.flush(timeout=60), "the store writer did not commit within 60 s"
             time.sleep(0.05)
-        writer.flush()
+        assert writer.flush(timeout=60), "the store writer did not commit within 60 s"
         db = open_store(db_path, readonly=True)
         try:
             assert db.execute("SELECT status FROM ranks WHERE run_id = 'child'").fetchone() == ("crashed",)
