@@ -130,9 +130,10 @@ def _stored(result: SimulationResult, runtime: Path, started: bool) -> tuple[boo
         return False, (f"not stored: no sidecar runs for {runtime} and MEMWATCH_SPAWN=0 kept one from starting; "
                 f"`memwatch serve` stores the rings left there, then: memwatch check {result.run_id}")
     deadline = time.monotonic() + STORE_WAIT_SECONDS
-    while any(not _drained(ring) for ring in rings) and time.monotonic() < deadline:
+    _release_writer_locks(rings)
+    while any(ring.exists() for ring in rings) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if any(not _drained(ring) for ring in rings):
+    if any(ring.exists() for ring in rings):
         return False, (f"not stored yet: the sidecar has not drained {runtime} within {STORE_WAIT_SECONDS:.0f} s; "
                 f"see {runtime / 'sidecar.log'}")
     pid = _sidecar_pid(runtime)
@@ -144,19 +145,18 @@ def _stored(result: SimulationResult, runtime: Path, started: bool) -> tuple[boo
     return True, "\n".join(lines)
 
 
-def _drained(ring: Path) -> bool:
-    """Whether the sidecar stored all of a ring and ended its rank: it removes the ring then, once the rank's end
-    and the run's status have committed, so a command run next reads the run as ended.
+def _release_writer_locks(rings: list[Path]) -> None:
+    """Let a simulated crash's rings read as their writer gone, as a dead engine's would.
 
-    This process wrote the ring: closing a descriptor of it here ends this process's record lock on it (POSIX:
-    any close of the file does), so a simulated crash's ring, left open, reads as its writer gone from then on,
-    as a dead engine's would, and the sidecar ends that rank ``crashed`` at its next look at the writer (a
-    second)."""
-    try:
-        RingReader(ring).close()
-    except (RingFormatError, OSError):
-        pass
-    return not ring.exists()
+    This process wrote them: closing a descriptor of a ring here ends this process's record lock on it (POSIX:
+    any close of the file does), so the sidecar ends a ring left open ``crashed`` at its next look at the
+    writer (a second). The sidecar removes each ring once its rank's end and the run's status have committed,
+    so a command run after ``sim`` reads the run as ended."""
+    for ring in rings:
+        try:
+            RingReader(ring).close()
+        except (RingFormatError, OSError):
+            pass
 
 
 def _sidecar_running(runtime: Path) -> bool:
