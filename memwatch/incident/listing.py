@@ -154,7 +154,8 @@ def _manifest_in(head: bytes, whole: bool) -> bytes | None:
             if info.size > m.MAX_MANIFEST_BYTES:
                 raise BundleError(f"its manifest.json is {info.size:,} bytes, over its limit; refusing it")
             member = tar.extractfile(info)
-            return b"" if member is None else member.read()  # a member cut short is tarfile's ReadError
+            assert member is not None  # tarfile gives every regular member a reader
+            return member.read()  # a member cut short is tarfile's ReadError
     except (tarfile.TarError, EOFError, OSError) as exc:
         if not whole:
             return None
