@@ -6,6 +6,7 @@ check: what refuses it must be the check of what the members are.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
@@ -40,6 +41,13 @@ def real_members(root: Path, scenario: str = "clean_chat") -> tuple[str, dict[st
     with tarfile.open(path) as tar:
         members = {info.name: tar.extractfile(info).read() for info in tar}  # type: ignore[union-attr]
     return run_id, members
+
+
+def incompressible_members(root: Path) -> dict[str, bytes]:
+    """A real bundle's members with 256 KiB of log that does not compress: a bundle of about 250 KB."""
+    _, found = real_members(root)
+    log = base64.b64encode(os.urandom(192 * 1024))  # 256 KiB, the most a bundle holds
+    return reseal({**found, m.LOG: log})
 
 
 def reseal(members: Mapping[str, bytes]) -> dict[str, bytes]:
