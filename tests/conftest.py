@@ -107,6 +107,26 @@ def long_prefill_stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path,
     return db_path, store_scenario("long_prefill", runtime, db_path, live=True)
 
 
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """A private state folder as a sidecar keeps one: its descriptor and path."""
+    from memwatch_engine.dirfd import private_dir
+
+    fd = private_dir(tmp_path / "state")
+    yield fd, tmp_path / "state"
+    os.close(fd)
+
+
+@pytest.fixture
+def quiet_db(long_prefill_stored: tuple[Path, str], tmp_path: Path) -> tuple[Path, str]:
+    """A copy of the stored ``long_prefill`` run with no bundle owed: a builder has nothing to do until told."""
+    from test_incident_trigger_rules import _sql, copy_of
+
+    path = copy_of(long_prefill_stored[0], tmp_path / "memwatch.db")
+    _sql(path, "DELETE FROM incidents")
+    return path, long_prefill_stored[1]
+
+
 @pytest.fixture(scope="module")
 def built() -> Iterator[Setup]:
     """The podman images the container tests run (built once per test run); skipped, saying why, where podman

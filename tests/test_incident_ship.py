@@ -20,7 +20,6 @@ import pytest
 from memwatch.errors import UsageError
 from memwatch.incident import objstore, spool
 from memwatch.incident.ship import TERMINATION_LIMIT, Shipped, Shipper, TerminationMessage, bundle_facts
-from memwatch_engine.dirfd import private_dir
 
 from processes import wait_for
 from ship_s3 import S3Server, free_port
@@ -38,13 +37,6 @@ def make_bundle(folder: Path, run: str = "run1", verdict: str = "oom", size: int
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return path
-
-
-@pytest.fixture
-def state(tmp_path):
-    fd = private_dir(tmp_path / "state")
-    yield fd, tmp_path / "state"
-    os.close(fd)
 
 
 @pytest.fixture
