@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -235,3 +236,48 @@ def test_every_observer_gets_what_it_reads_and_adds_its_flags_and_statements(mon
         ("UPDATE runs SET config = json_patch(config, ?) WHERE run_id = ?", ('{"block_size": 32}', "run1")),
         ("UPDATE ranks SET status = status WHERE run_id = ?", ("run1",)),
     ]
+
+
+def test_records_stamped_before_their_ring_start_the_run_and_the_rank_there(runtime_dir: Path, db_path: Path) -> None:
+    """A simulator's clock, or records kept while the engine waited for its directory, can predate the ring: the
+    run starts at its first record, once; a clock a day off leaves the ring's time (the fixture's 1000 ns stamps)."""
+    before_ring = time.time_ns() - 5_000_000  # 5 ms before the ring is made
+    tick = itertools.count(1)
+    monitor = Monitor(engine="test", runtime_dir=runtime_dir, probe=ScriptedProbe(), spawn_sidecar=False,
+                      run_id="run1", rank=0, world_size=1, clock=lambda: before_ring + 1000 * next(tick), capacity=16)
+    try:
+        monitor.set_config(block_size=16)  # seq 0 at before_ring + 1000: the first record
+        monitor.sample()                   # seq 1 at before_ring + 2000
+        state = _state(monitor)
+        assert state.header.created_ns > before_ring + 5_000_000 - 1  # the ring is younger than its records
+        batch = drain_batch(state, state.reader.drain(0), _keys({})[0], [])
+        first = before_ring + 1000
+        assert batch.statements[1:] == [
+            ("UPDATE runs SET started_ns = min(started_ns, ?) WHERE run_id = ?", (first, "run1")),
+            ("UPDATE ranks SET started_ns = min(started_ns, ?) WHERE run_id = ? AND rank = ?", (first, "run1", 0))]
+        assert state.started_ns == first
+        _commit(db_path, state, batch)
+        assert _rows(db_path, "SELECT started_ns FROM runs") == [(first,)]
+        assert _rows(db_path, "SELECT rank, started_ns FROM ranks") == [(0, first)]
+        monitor.sample()  # later than the start already stored: nothing more to move
+        assert drain_batch(state, state.reader.drain(2), _keys({})[0], []).statements == []
+    finally:
+        monitor.close()
+
+
+@pytest.mark.parametrize(("before_ns", "moved"), [(24 * 3600 * 10**9, True), (24 * 3600 * 10**9 + 1, False)])
+def test_a_record_stamped_more_than_a_day_before_its_ring_leaves_the_rings_time(runtime_dir: Path, db_path: Path,
+                                                                             before_ns: int, moved: bool) -> None:
+    created: list[int] = []  # the ring's time, known once it is made (the Monitor reads its clock only to record)
+    monitor = Monitor(engine="test", runtime_dir=runtime_dir, probe=ScriptedProbe(), spawn_sidecar=False,
+                      run_id="run1", rank=0, world_size=1, clock=lambda: created[0] - before_ns, capacity=16)
+    try:
+        state = _state(monitor)
+        created.append(state.header.created_ns)
+        monitor.sample()
+        batch = drain_batch(state, state.reader.drain(0), _keys({})[0], [])
+        assert len(batch.statements) == (2 if moved else 0) and state.started_ns == (created[0] - before_ns) * moved
+        _commit(db_path, state, batch)
+        assert _rows(db_path, "SELECT started_ns FROM runs") == [(created[0] - before_ns if moved else created[0],)]
+    finally:
+        monitor.close()

@@ -17,6 +17,11 @@ from ..ring_records import RingDrain
 from ..store.writer import Batch
 from .ring_state import RingState
 
+EARLIEST_BEFORE_RING_NS = 24 * 3600 * 10**9
+"""How long before its ring a record may be stamped and still start the run: records an engine kept while it
+waited for the runtime directory are written when the ring is made, minutes later; a day earlier is a clock
+that jumped, and the run keeps its ring's time."""
+
 
 def drain_batch(state: RingState, drained: Any, run_key: Callable[[str], int | None],
                 observers: list[Any]) -> Batch:
@@ -45,6 +50,7 @@ def drain_batch(state: RingState, drained: Any, run_key: Callable[[str], int | N
                              "samples_lost", json.dumps({
                                  "count": drained.lost, "from_ts_ns": state.last_ts_ns or None, "to_ts_ns": first,
                              })))
+    _start_at_earliest(state, batch, drained.samples[0][6] if drained.samples else 0, events[0][2] if events else 0)
     names = state.reader.phase_names
     if drained.samples:
         if state.run_key is None:
@@ -67,3 +73,18 @@ def drain_batch(state: RingState, drained: Any, run_key: Callable[[str], int | N
             if statements is not None:
                 batch.statements.extend(statements(header))
     return batch
+
+
+def _start_at_earliest(state: RingState, batch: Batch, *first_ts_ns: int) -> None:
+    """A run starts at its first record: one stamped before its ring (kept while the engine waited for the runtime
+    directory, or a simulator's clock started a moment earlier) moves the run's and the rank's start back to it."""
+    header = state.header
+    stamped = [ts for ts in first_ts_ns if ts >= header.created_ns - EARLIEST_BEFORE_RING_NS]
+    earliest = min(stamped, default=header.created_ns)
+    if earliest >= (state.started_ns or header.created_ns):
+        return
+    state.started_ns = earliest
+    batch.statements.append(("UPDATE runs SET started_ns = min(started_ns, ?) WHERE run_id = ?",
+                             (earliest, header.run_id)))
+    batch.statements.append(("UPDATE ranks SET started_ns = min(started_ns, ?) WHERE run_id = ? AND rank = ?",
+                             (earliest, header.run_id, header.rank)))

@@ -31,6 +31,8 @@ class RingState:
     """The run's key in ``runs``, once its registration has committed."""
     caught_up: bool = False
     next_alive_check: float = 0.0
+    started_ns: int = 0
+    """The earliest record stored from this ring when it is earlier than the ring (0 until one is)."""
     ident: tuple[int, int] = (0, 0)
     """(device, inode) of the file opened: the ring's name is removed only while it still denotes that file."""
     _statements: dict[tuple[frozenset[int], int | None], str] = field(default_factory=dict)
