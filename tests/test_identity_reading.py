@@ -128,3 +128,18 @@ def test_the_environment_and_hostname_given_are_the_ones_read(plain_env: None) -
     assert kubernetes({"MEMWATCH_K8S_POD": "p1"}, "h") == {"k8s_pod": "p1"}
     assert kubernetes(in_pod, "vllm-7c9d") == {"k8s_pod": "vllm-7c9d"}
     assert kubernetes({**in_pod, "POD_NAME": "vllm-0"}, "other") == {"k8s_pod": "vllm-0"}  # the name given wins
+
+
+def test_with_no_cgroup_given_this_process_cgroup_is_read_before_its_mounts(plain_env: None,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = {"/proc/self/cgroup": f"0::/kubepods.slice/cri-containerd-{OTHER}.scope\n",
+            "/proc/self/mountinfo": f"614 590 254:1 /var/lib/docker/containers/{ID}/hosts /etc/hosts rw - ext4 x rw\n"}
+    monkeypatch.setattr(identity, "_read", lambda path: proc.get(path, ""))
+    assert container_id() == OTHER and container_id(None, "") == OTHER
+    assert container_id("0::/\n") == ID  # the cgroup names none: the mounts do
+
+
+def test_the_cgroup_path_is_everything_after_the_second_colon_colons_included() -> None:
+    # "hierarchy-ID:controller-list:cgroup-path" (cgroups(7)); a path may itself hold colons.
+    assert container_id(f"0::/kubepods/{ID}/sub:leaf\n", "") == ID
+    assert container_id(f"4:memory:/docker/{ID}:x\n", "") is None  # the id must end its component
