@@ -50,7 +50,7 @@ def drain_batch(state: RingState, drained: Any, run_key: Callable[[str], int | N
                              "samples_lost", json.dumps({
                                  "count": drained.lost, "from_ts_ns": state.last_ts_ns or None, "to_ts_ns": first,
                              })))
-    _start_at_earliest(state, batch, drained.samples[0][6] if drained.samples else 0, events[0][2] if events else 0)
+    _start_at_earliest(state, batch, [sample[6] for sample in drained.samples[:1]] + [e[2] for e in events[:1]])
     names = state.reader.phase_names
     if drained.samples:
         if state.run_key is None:
@@ -75,7 +75,7 @@ def drain_batch(state: RingState, drained: Any, run_key: Callable[[str], int | N
     return batch
 
 
-def _start_at_earliest(state: RingState, batch: Batch, *first_ts_ns: int) -> None:
+def _start_at_earliest(state: RingState, batch: Batch, first_ts_ns: list[int]) -> None:
     """A run starts at its first record: one stamped before its ring (kept while the engine waited for the runtime
     directory, or a simulator's clock started a moment earlier) moves the run's and the rank's start back to it."""
     header = state.header

@@ -210,20 +210,25 @@ class StoreWriter(threading.Thread):
                 items = list(self._queue)
                 self._queue.clear()
             pending = [item for item, _ in items if isinstance(item, Batch)]
-            if pending:
-                self._commit(pending)
-                for batch in pending:
-                    for callback in batch.after_commit:
-                        try:
-                            callback()
-                        except Exception as exc:
-                            log.warning("after commit: %s", exc)
-            with self._cond:
-                self._queued_bytes -= sum(size for _, size in items)
-                self._cond.notify_all()
-            for item, _ in items:
-                if isinstance(item, threading.Event):
-                    item.set()
+            try:
+                if pending:
+                    self._commit(pending)
+                    for batch in pending:
+                        for callback in batch.after_commit:
+                            try:
+                                callback()
+                            except Exception as exc:
+                                log.warning("after commit: %s", exc)
+            except BaseException as exc:
+                self.error = exc  # before the flushes taken with this round are woken: they read it
+                raise
+            finally:
+                with self._cond:
+                    self._queued_bytes -= sum(size for _, size in items)
+                    self._cond.notify_all()
+                for item, _ in items:
+                    if isinstance(item, threading.Event):
+                        item.set()
             if any(item is _STOP for item, _ in items):
                 return
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import signal
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -69,3 +71,19 @@ def test_flush_and_submit_are_bounded_when_the_writer_thread_is_gone(db_path: Pa
     with pytest.raises(WriterStalled):
         writer.submit(Batch(events=[("r", 0, 1, 1, "x", "{}")]), timeout=0.2)
     assert time.monotonic() - started < 2.0
+
+
+def test_a_flush_taken_with_a_batch_that_kills_the_writer_returns_at_once_and_false(db_path: Path) -> None:
+    """A statement SQLite cannot run (not busy, not full: a defect) stops the writer; the flush queued with it
+    learns so at once instead of waiting out its bound."""
+    writer = StoreWriter(open_store(db_path))
+    writer.submit(Batch(statements=[("SELEC 1", ())]))
+    flushed: list[bool] = []
+    flusher = threading.Thread(target=lambda: flushed.append(writer.flush(timeout=20.0)))
+    flusher.start()
+    wait_for(lambda: len(writer._queue) == 2, what="the batch and the flush queued")
+    writer.start()  # takes both in one round
+    started = time.monotonic()
+    flusher.join(30.0)
+    assert flushed == [False] and time.monotonic() - started < 5.0
+    assert isinstance(writer.error, sqlite3.OperationalError) and "syntax error" in str(writer.error)
