@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from memwatch.errors import UsageError
+from memwatch.errors import NotFoundError, UsageError
 from memwatch.replay.compare import (
     SweepPoint,
     _quiet_flags,
@@ -74,11 +74,17 @@ def test_a_replay_is_stored_beside_the_run_and_compared_rank_by_rank(recorded: s
     assert replay["kv_blocks"] == _blocks(db_path, 0.7) and replay["preemptions"] == 0
     assert [rank["rank"] for rank in replay["ranks"]] == [0] and replay["ranks"][0]["kv_blocks"] == replay["kv_blocks"]
     assert data["calibration"] == comparison.recording.calibration.to_dict()
-    assert data["calibration"]["run_id"] == recorded
+    with sqlite3.connect(db_path) as conn:
+        rows = dict(conn.execute("SELECT run_id, model || ' on ' || gpu_name FROM runs").fetchall())
+    assert rows == {recorded: "Qwen3-0.6B on Virtual GPU", replay_id: "Qwen3-0.6B on Virtual GPU"}
+    calibration = data["calibration"]
+    assert (calibration["run_id"], calibration["model"], calibration["gpu_name"]) == (recorded, "Qwen3-0.6B",
+                                                                                      "Virtual GPU")
 
 
 def test_a_replay_that_runs_out_of_memory_is_stored_where_asked(recorded: str, db_path: Path, tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere.db"
+    db_path.chmod(0o666)  # others may write it: a store refuses to write there, but may read it
     comparison = replay_run(db_path, recorded, Settings(), store_in=elsewhere)
     assert comparison.result.status == "oom" and comparison.result.steps > 0  # it ran: stored, not refused
     assert [run_id for run_id, _ in _runs(db_path)] == [recorded]  # the recorded database is only read
@@ -99,7 +105,22 @@ def test_settings_the_engine_refuses_store_nothing(recorded: str, db_path: Path,
     assert [run_id for run_id, _ in _runs(db_path)] == [recorded]
 
 
+def test_a_replay_keeps_the_recorded_engines_rules(runtime_dir: Path, db_path: Path) -> None:
+    """SGLang sized clean_sglang's pool in tokens: its block size is 1, and any other is SGLang's refusal."""
+    run_id = store_scenario("clean_sglang", runtime_dir, db_path)
+    with pytest.raises(UsageError, match="SGLang's pool counts tokens: block_size must be 1"):
+        replay_run(db_path, run_id, Settings(block_size=16))
+
+
+def test_a_run_without_request_events_is_named_in_the_refusal(recorded: str, db_path: Path) -> None:
+    with sqlite3.connect(db_path) as conn:  # what a run recorded before request events existed looks like
+        conn.execute("DELETE FROM events WHERE kind IN ('request_arrived', 'request_finished')")
+    with pytest.raises(NotFoundError, match=f"^run {recorded} recorded no request events"):
+        load_recording(open_store(db_path, readonly=True), recorded)
+
+
 def test_a_sweep_finds_the_highest_utilization_that_serves_everything(recorded: str, db_path: Path) -> None:
+    db_path.chmod(0o664)  # the group may write it: the run is only read
     recording, points = sweep(db_path, recorded, "utilization", [0.5, 0.6, 0.8, 0.9], Settings(max_num_seqs=512))
     assert recording.calibration.run_id == recorded and [p.value for p in points] == [0.5, 0.6, 0.8, 0.9]
     assert [p.outcome[0].kv_blocks for p in points] == [_blocks(db_path, u) for u in (0.5, 0.6, 0.8, 0.9)]
@@ -187,7 +208,9 @@ def test_the_frontier_is_the_highest_value_that_survived() -> None:
     ("utilization=0.8:0.95:0.01", ("utilization", [round(0.8 + i / 100, 2) for i in range(16)])),
     ("load=1:3:1", ("load", [1.0, 2.0, 3.0])),
     ("load=2:2:1", ("load", [2.0])),  # a single point
-    ("load=0:200:1", ("load", [float(i) for i in range(201)])),  # 200 steps, the most
+    ("load=100:300:1", ("load", [float(i) for i in range(100, 301)])),  # 200 steps, the most
+    ("load=0:300:2", ("load", [float(i) for i in range(0, 301, 2)])),
+    ("load=0.12345678904:0.2:1", ("load", [0.123456789])),  # ten decimals: a step's float noise goes
 ])
 def test_a_sweep_names_a_setting_and_its_values_stop_included(text: str, expected: tuple[str, list[float]]) -> None:
     assert parse_sweep(text) == expected
@@ -199,6 +222,8 @@ def test_a_sweep_names_a_setting_and_its_values_stop_included(text: str, expecte
     ("load=1:2:1:1", "is not SETTING=START:STOP:STEP"),
     ("load", "is not SETTING=START:STOP:STEP"),
     ("load=1:x:1", "START, STOP and STEP must be numbers"),
+    ("load=1=2:3:1", "START, STOP and STEP must be numbers"),  # the setting is what comes before the first =
+    ("utilization=0:1:0.001", "at most 200 points"),
     ("load=1:2:0", "need STEP > 0, STOP >= START and at most 200 points"),
     ("load=1:2:-1", "need STEP > 0"),
     ("load=2:1.9:0.1", "need STEP > 0"),
