@@ -32,6 +32,7 @@ from memwatch.replay.outcome import RankOutcome
 from memwatch.replay.run import ReplayResult, Settings
 from memwatch.sim.config import EngineConfig
 from memwatch.store import open_store
+from memwatch.store.run_model import load_run
 
 from stored_runs import store_scenario
 
@@ -91,6 +92,8 @@ def test_a_replay_that_runs_out_of_memory_is_stored_where_asked(recorded: str, d
     assert [run_id for run_id, _ in _runs(elsewhere)] == [comparison.result.run_id]
     [rank] = comparison.outcome
     assert rank.oom and rank.kv_blocks == _blocks(db_path, 0.92)
+    stored = load_run(open_store(elsewhere, readonly=True), comparison.result.run_id)
+    assert stored.from_summaries and "oom" in {flag.kind for flag in stored.flags}  # stored as the sidecar would
     assert rank.oom_step is not None and abs(rank.oom_step - 296) <= 296 * 0.05
 
 

@@ -16,8 +16,13 @@ allocated), so a sample's OOM margin is ``free − 768 MiB``.
   4,000,001 µs, so the drain is 4 s (rank 1's stray arrival at 10 ns, never finished, is not the workload's);
 - preemptions: the scheduler's 3 and rank 0's one without a count, 4 in all, on every GPU rank.
 
+Rank 4 recorded only a resize after capture (60 blocks): it has no startup count, the ledger holds 120 MiB of KV.
+
 ``scheduled``: rank 0's worker recorded no batch size, the scheduler (rank 1, data-parallel 0) holds the workload
 and its samples: batches of 5 and 7 up to step 12 (rank 0 reached step 4); one request never finished: no drain.
+Rank 2 (no sizing) recorded batches of 9 at steps 2 and 3: neither rank 0's nor the workload's, so not counted.
+
+``quiet``: rank 0 sized 100 blocks and never served: no step, no batch, no request.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ def db(tmp_path: Path) -> Database:
     _event(db, "served", 1, 0, 150, "kv_allocated", {**SIZING, "num_blocks": 120, "sizing_event": "post_capture"})
     _event(db, "served", 2, 0, 80, "rank_identity", SCHEDULER)
     _event(db, "served", 3, 0, 95, "phase_start", {"phase": "load"})
+    _event(db, "served", 4, 0, 160, "kv_allocated", {**SIZING, "num_blocks": 60, "sizing_event": "post_capture"})
     _event(db, "served", 1, 0, 10, "request_arrived", {"request_id": "r9"})
     for request, arrived, finished in (("r1", 1_000, 5_000), ("r2", 2_000, 4_000_001_000)):
         _event(db, "served", 0, 1, arrived, "request_arrived", {"request_id": request})
@@ -88,12 +94,16 @@ def db(tmp_path: Path) -> Database:
         _sample(db, "scheduled", 0, step, 5 * GIB)
     for step, seqs in ((3, 5), (8, 7), (12, None)):
         _sample(db, "scheduled", 1, step, 5 * GIB, seqs=seqs)
+    for step in (2, 3):
+        _sample(db, "scheduled", 2, step, 5 * GIB, seqs=9)
+    db.execute(ENSURE_RUN, ("quiet", "quiet"))
+    _event(db, "quiet", 0, 0, 100, "kv_allocated", SIZING)
     db.conn.commit()
     return db
 
 
 def test_every_gpu_rank_of_a_served_run(db: Database) -> None:
-    zero, one, three = outcome_of(load_run(db, "served"))
+    zero, one, three, four = outcome_of(load_run(db, "served"))
     shared = {"max_concurrent_seqs": 6, "preemptions": 4, "steps": 9, "drain_s": 4.0}
     assert zero == RankOutcome(rank=0, kv_blocks=80, oom=False, oom_step=None,
                                tightest_oom_margin_bytes=3 * GIB - 768 * MIB, oom_margin_bytes=6 * GIB - 768 * MIB,
@@ -105,17 +115,30 @@ def test_every_gpu_rank_of_a_served_run(db: Database) -> None:
     # a rank the figures do not know (no sizing, no samples, no out-of-memory) has none of their numbers
     assert three == RankOutcome(rank=3, kv_blocks=None, oom=False, oom_step=None, tightest_oom_margin_bytes=None,
                                 **shared)
+    # a rank that recorded only a resize has no startup count, though the ledger holds its 60 blocks
+    assert four == RankOutcome(rank=4, kv_blocks=None, oom=False, oom_step=None, tightest_oom_margin_bytes=None,
+                               non_torch_at_sizing_bytes=512 * MIB, weights_bytes=1 * GIB, kv_cache_bytes=120 * MIB,
+                               **shared)
     assert one.to_dict()["kv_cache_bytes"] == 240 * MIB and list(one.to_dict())[:3] == [
         "rank", "kv_blocks", "max_concurrent_seqs"]
 
 
 def test_a_scheduler_ring_counts_the_workload_but_has_no_row(db: Database) -> None:
-    [zero] = outcome_of(load_run(db, "scheduled"))
+    zero, two = outcome_of(load_run(db, "scheduled"))
     assert (zero.rank, zero.kv_blocks, zero.max_concurrent_seqs, zero.steps) == (0, 100, 7, 12)
     assert zero.preemptions == 0 and zero.drain_s is None  # request 2 never finished
     assert (zero.tightest_oom_margin_bytes, zero.oom_margin_bytes) == (5 * GIB - 768 * MIB,) * 2
+    # rank 2's batches of 9 are neither rank 0's nor the workload ring's: not the run's
+    assert (two.rank, two.kv_blocks, two.max_concurrent_seqs, two.steps) == (2, None, 7, 12)
+
+
+def test_a_run_that_never_served_ran_no_step(db: Database) -> None:
+    [zero] = outcome_of(load_run(db, "quiet"))
+    assert (zero.max_concurrent_seqs, zero.steps, zero.drain_s, zero.preemptions) == (0, 0, None, 0)
+    assert (zero.kv_blocks, zero.kv_cache_bytes, zero.tightest_oom_margin_bytes) == (100, 200 * MIB, None)
 
 
 def test_a_run_is_read_by_its_id(db: Database) -> None:
     assert run_outcome(db, "served") == outcome_of(load_run(db, "served"))
-    assert [r.rank for r in run_outcome(db, "scheduled")] == [0]
+    assert [r.rank for r in run_outcome(db, "scheduled")] == [0, 2]
+
