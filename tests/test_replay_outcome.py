@@ -23,6 +23,9 @@ and its samples: batches of 5 and 7 up to step 12 (rank 0 reached step 4); one r
 Rank 2 (no sizing) recorded batches of 9 at steps 2 and 3: neither rank 0's nor the workload's, so not counted.
 
 ``quiet``: rank 0 sized 100 blocks and never served: no step, no batch, no request.
+
+``split``: rank 0 served batches of 4 up to step 3, the scheduler's ring (the workload's) says 8 at step 10: rank
+0's count. ``unsized``: neither recorded a batch size: no batch, and the last step is the scheduler's 10.
 """
 
 from __future__ import annotations
@@ -98,6 +101,13 @@ def db(tmp_path: Path) -> Database:
         _sample(db, "scheduled", 2, step, 5 * GIB, seqs=9)
     db.execute(ENSURE_RUN, ("quiet", "quiet"))
     _event(db, "quiet", 0, 0, 100, "kv_allocated", SIZING)
+    for run, rank0, scheduler in (("split", 4, 8), ("unsized", None, None)):
+        db.execute(ENSURE_RUN, (run, run))
+        _event(db, run, 1, 0, 80, "rank_identity", SCHEDULER)
+        _event(db, run, 1, 1, 1_000, "request_arrived", {"request_id": 1})
+        for step in (1, 3):
+            _sample(db, run, 0, step, 5 * GIB, seqs=rank0)
+        _sample(db, run, 1, 10, 5 * GIB, seqs=scheduler)
     db.conn.commit()
     return db
 
@@ -142,3 +152,10 @@ def test_a_run_is_read_by_its_id(db: Database) -> None:
     assert run_outcome(db, "served") == outcome_of(load_run(db, "served"))
     assert [r.rank for r in run_outcome(db, "scheduled")] == [0, 2]
 
+
+
+def test_rank_zeros_batches_come_first_then_the_workload_rings(db: Database) -> None:
+    [split] = outcome_of(load_run(db, "split"))
+    assert (split.max_concurrent_seqs, split.steps) == (4, 3)
+    [unsized] = outcome_of(load_run(db, "unsized"))
+    assert (unsized.max_concurrent_seqs, unsized.steps) == (0, 10)
