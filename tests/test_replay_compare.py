@@ -211,7 +211,7 @@ def test_the_frontier_is_the_highest_value_that_survived() -> None:
     ("utilization=0.8:0.95:0.01", ("utilization", [round(0.8 + i / 100, 2) for i in range(16)])),
     ("load=1:3:1", ("load", [1.0, 2.0, 3.0])),
     ("load=2:2:1", ("load", [2.0])),  # a single point
-    ("load=100:300:1", ("load", [float(i) for i in range(100, 301)])),  # 200 steps, the most
+    ("load=100:300:1", ("load", [float(i) for i in range(100, 301)])),  # 200 steps (201 points), the most
     ("load=0:300:2", ("load", [float(i) for i in range(0, 301, 2)])),
     ("load=0.12345678904:0.2:1", ("load", [0.123456789])),  # ten decimals: a step's float noise goes
 ])
@@ -226,8 +226,8 @@ def test_a_sweep_names_a_setting_and_its_values_stop_included(text: str, expecte
     ("load", "is not SETTING=START:STOP:STEP"),
     ("load=1:x:1", "START, STOP and STEP must be numbers"),
     ("load=1=2:3:1", "START, STOP and STEP must be numbers"),  # the setting is what comes before the first =
-    ("utilization=0:1:0.001", "at most 200 points"),
-    ("load=1:2:0", "need STEP > 0, STOP >= START and at most 200 points"),
+    ("utilization=0:1:0.001", "at most 200 steps from START to STOP"),  # 1,001 points
+    ("load=1:2:0", "need STEP > 0, STOP >= START and at most 200 steps from START to STOP"),
     ("load=1:2:-1", "need STEP > 0"),
     ("load=2:1.9:0.1", "need STEP > 0"),
     ("load=0:200.5:1", "need STEP > 0"),

@@ -126,7 +126,7 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
     except ValueError:
         raise UsageError(f"--sweep {text!r}: START, STOP and STEP must be numbers") from None
     if step <= 0 or stop < start or (stop - start) / step > 200:
-        raise UsageError(f"--sweep {text!r}: need STEP > 0, STOP >= START and at most 200 points")
+        raise UsageError(f"--sweep {text!r}: need STEP > 0, STOP >= START and at most 200 steps from START to STOP")
     count = round((stop - start) / step) + 1
     return name, [round(start + i * step, 10) for i in range(count)]
 
