@@ -232,8 +232,10 @@ def test_plan_against_a_recorded_run(tmp_path: Path) -> None:
     assert "non-PyTorch" in out and "600.00 MiB" in out
     assert all(len(line) <= 80 for line in out.splitlines())
 
+    db.chmod(0o664)  # the group may write it: plan --run only reads, so it still answers
     code, out, _ = invoke("--run", "demo1", "--db", str(db), "--json")
     [data] = json.loads(out)
+    assert code == 0 and out.splitlines()[:2] == ["[", "  {"] and out.splitlines()[2].startswith('    "')
     assert [term["term"] for term in data["terms"]] == ["weights", "activation reserve", "non-PyTorch", "cache slack",
                                                      "KV blocks"]
     assert data["terms"][1]["diff_bytes"] == GIB
