@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from memwatch.cli import main
 from memwatch.cli.plan import plan
 from memwatch.models import ModelSpec, forward_activation_bytes
 from memwatch.store import open_store
+from memwatch.store.run_figures import RANK_KEYS
 
 GIB, MIB = 2**30, 2**20
 SEED = ["--gpu-memory", "24GiB", "--weights-bytes", "15GiB", "--activation-reserve-bytes", "2GiB",
@@ -184,6 +186,27 @@ def test_config_missing_a_field_is_exit_2(tmp_path: Path) -> None:
     assert code == 2 and "lacks 'intermediate_size'" in err
 
 
+@pytest.mark.parametrize(("value", "bytes_"), [("1073741823", "1,073,741,823"), (" 24 ", "24")])
+def test_a_bare_number_under_a_gibibyte_is_taken_for_a_unit_left_out(value: str, bytes_: str) -> None:
+    code, out, err = invoke("--gpu-memory", value, "--non-torch-bytes", "0")
+    assert (code, out) == (2, "")
+    assert err == (f"error: --gpu-memory {value} is {bytes_} bytes, less than any GPU; give a unit, e.g. "
+                   f"--gpu-memory {value.strip()}GiB\n")
+
+
+@pytest.mark.parametrize(("value", "size"), [("1073741824", GIB), ("512MiB", 512 * MIB), ("2147483648", 2 * GIB)])
+def test_a_gibibyte_or_a_size_with_its_unit_is_planned(value: str, size: int) -> None:
+    code, out, _ = invoke("--gpu-memory", value, "--non-torch-bytes", "0", "--json")
+    assert code in (0, 1) and json.loads(out)["gpu_memory_bytes"] == size  # 7B weights: too big, yet planned
+
+
+def test_run_names_every_planning_option_it_refuses(tmp_path: Path) -> None:
+    code, out, err = invoke("--run", "latest", "--db", str(tmp_path / "none.db"), "--max-num-seqs", "4",
+                            "--kv-cache-memory-bytes", "1GiB", "--block-size", "16")
+    assert (code, out) == (2, "")
+    assert "; --kv-cache-memory-bytes, --block-size, --max-num-seqs cannot apply to it. Drop them" in err
+
+
 def test_plan_against_a_recorded_run(tmp_path: Path) -> None:
     qwen = ModelSpec.load("Qwen2.5-7B-Instruct")
     weights, reserve, total = qwen.weight_bytes(), forward_activation_bytes(qwen, 16_384, 1, prefill=True), 80 * GIB
@@ -209,11 +232,18 @@ def test_plan_against_a_recorded_run(tmp_path: Path) -> None:
     assert "non-PyTorch" in out and "600.00 MiB" in out
     assert all(len(line) <= 80 for line in out.splitlines())
 
+    db.chmod(0o664)  # the group may write it: plan --run only reads, so it still answers
     code, out, _ = invoke("--run", "demo1", "--db", str(db), "--json")
     [data] = json.loads(out)
+    assert code == 0 and out.splitlines()[:2] == ["[", "  {"] and out.splitlines()[2].startswith('    "')
     assert [term["term"] for term in data["terms"]] == ["weights", "activation reserve", "non-PyTorch", "cache slack",
                                                      "KV blocks"]
     assert data["terms"][1]["diff_bytes"] == GIB
+    # the rank's shared quantities, as every command names them: no samples, so no margin
+    assert {key: data[key] for key in ("oom_step", "non_torch_at_sizing_bytes", "oom_margin_bytes",
+                                       "weights_bytes", "kv_cache_bytes")} == {
+        "oom_step": None, "non_torch_at_sizing_bytes": 600 * MIB, "oom_margin_bytes": None,
+        "weights_bytes": weights, "kv_cache_bytes": sizing["num_blocks"] * 14_680_064}
 
     code, _, err = invoke("--run", "nope", "--db", str(db))
     assert code == 3 and err.startswith("error: no run 'nope'")
@@ -240,3 +270,8 @@ def test_plan_against_a_stored_demo_run(tmp_path: Path) -> None:
     assert 0 < terms["cache slack"]["measured_bytes"] < 87 * 2 * MIB  # segment rounding of the weights' tensors
     assert terms["KV blocks"]["measured_bytes"] == 347 * 14_680_064
     assert 347 <= terms["KV blocks"]["predicted_blocks"] <= 347 + 10
+    # one value per quantity: the rank's shared figures are check's, and the KV is the blocks it measured
+    checked = CliRunner().invoke(main, ["--db", str(db), "check", run_id, "--json"])
+    [shared] = json.loads(checked.stdout)["ranks"]
+    assert {key: rank[key] for key in RANK_KEYS} == {key: shared[key] for key in RANK_KEYS}
+    assert rank["kv_cache_bytes"] == 347 * 14_680_064 and rank["oom_margin_bytes"] > 0

@@ -89,7 +89,7 @@ def replay_run(db_path: Path, ref: str, change: Settings, *, store_in: Path | No
 def _replay_into(recording: Recording, change: Settings, db_path: Path) -> ReplayResult:
     calibration = recording.calibration
     engine_config(calibration.settings, change, calibration.budget_rule)  # bad settings fail before anything runs
-    with tempfile.TemporaryDirectory(prefix="memwatch-replay-") as runtime:
+    with tempfile.TemporaryDirectory(prefix="memwatch-replay-") as runtime:  # pragma: no mutate (a scratch name)
         result = replay(recording.calibration, recording.workload, change, runtime_dir=runtime)
         if result.status != "ok" and result.steps == 0:
             raise UsageError(f"at these settings the engine cannot start: {result.error}")
@@ -126,7 +126,7 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
     except ValueError:
         raise UsageError(f"--sweep {text!r}: START, STOP and STEP must be numbers") from None
     if step <= 0 or stop < start or (stop - start) / step > 200:
-        raise UsageError(f"--sweep {text!r}: need STEP > 0, STOP >= START and at most 200 points")
+        raise UsageError(f"--sweep {text!r}: need STEP > 0, STOP >= START and at most 200 steps from START to STOP")
     count = round((stop - start) / step) + 1
     return name, [round(start + i * step, 10) for i in range(count)]
 
@@ -136,8 +136,8 @@ def sweep(db_path: Path, ref: str, name: str, values: list[float],
     """Replay at every value of one setting into a private database; the stored run is only read."""
     recording = load_recording(open_store(db_path, readonly=True), ref)
     points = []
-    with tempfile.TemporaryDirectory(prefix="memwatch-sweep-") as scratch:
-        private = Path(scratch) / "sweep.db"
+    with tempfile.TemporaryDirectory(prefix="memwatch-sweep-") as scratch:  # pragma: no mutate (a scratch name)
+        private = Path(scratch) / "sweep.db"  # pragma: no mutate (a scratch name)
         for value in values:
             change = replace(base, **{name: value})
             result = _replay_into(recording, change, private)
