@@ -136,7 +136,8 @@ def test_each_outcome_has_its_sentence_an_error_its_own_line_and_each_rank_its_k
         # 1.5 GiB of weights; 1,500 blocks of 1 MiB = 1.46 GiB
         "  rank 0: ok, weights 1.50 GiB, activation reserve 200.00 MiB, 1,500 KV blocks (1.46 GiB)",
         "  rank 1: ok, weights -, activation reserve -, - KV blocks (-)"]
-    for status, said in (("oom", "ran out of memory (simulated: nothing real failed)"), ("crashed", CRASHED[len("the simulated engine "):]),
+    crashed = CRASHED.removeprefix("the simulated engine ")
+    for status, said in (("oom", "ran out of memory (simulated: nothing real failed)"), ("crashed", crashed),
                          ("error", "stopped with an error (simulated)")):
         lines = sim_command.render_result(dataclasses.replace(base, status=status, error="why")).splitlines()
         assert lines[0] == f"run r1: scenario s, m: the simulated engine {said}"
