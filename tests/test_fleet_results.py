@@ -3,6 +3,8 @@ and the table, on hand-made counts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from memwatch.sim.fleet.results import PolicyResult, percentile, render_table, summarize, versus_best
 
 
@@ -73,3 +75,5 @@ def test_the_table_line_by_line() -> None:
         "memwatch           1,234    0           0           -        1.00   1,000.0    0        5",
     ]
     assert render_table([]) == "no policy ran"
+    one = dataclasses.replace(rows[0], requests=1, engines=1)
+    assert render_table([one]).splitlines()[0] == "trace bursty: 1 request, 1 engine, seed 7"

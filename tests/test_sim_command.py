@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import sqlite3
+import tomllib
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from fleet_scenarios import TINY as FLEET_TINY
 
 from memwatch.cli import main
 from memwatch.cli import sim as sim_command
@@ -129,10 +133,10 @@ def test_each_outcome_has_its_sentence_an_error_its_own_line_and_each_rank_its_k
     ranks = (_rank(0, weights=3 * 2**29, reserve=200 * 2**20, blocks=1_500, block_bytes=2**20), _rank(1))
     base = SimulationResult(run_id="r1", scenario="s", model="m", status="ok", ranks=ranks, requests=1_200,
                             finished_requests=1_199, steps=12_345, preemptions=3, max_resident_requests=0,
-                            max_kv_blocks_used=0, virtual_duration_ns=61_260_000_000, wall_duration_ns=1)
+                            max_kv_blocks_used=0, virtual_duration_ns=61_750_000_000, wall_duration_ns=1)
     assert sim_command.render_result(base).splitlines() == [
         "run r1: scenario s, m: the simulated engine served every request",
-        "  1,199 of 1,200 requests finished in 12,345 steps (61.3 s simulated), 3 preemptions",
+        "  1,199 of 1,200 requests finished in 12,345 steps (61.8 s simulated), 3 preemptions",  # 61.75, half-even
         # 1.5 GiB of weights; 1,500 blocks of 1 MiB = 1.46 GiB
         "  rank 0: ok, weights 1.50 GiB, activation reserve 200.00 MiB, 1,500 KV blocks (1.46 GiB)",
         "  rank 1: ok, weights -, activation reserve -, - KV blocks (-)"]
@@ -142,3 +146,55 @@ def test_each_outcome_has_its_sentence_an_error_its_own_line_and_each_rank_its_k
         lines = sim_command.render_result(dataclasses.replace(base, status=status, error="why")).splitlines()
         assert lines[0] == f"run r1: scenario s, m: the simulated engine {said}"
         assert lines[2] == "  why"
+
+
+def test_with_spawning_on_a_sidecar_is_started_into_the_db_given_and_said(runtime_dir: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MEMWATCH_SPAWN", raising=False)  # the default: a sidecar is started where none runs
+    given = tmp_path / "given.db"
+    result = CliRunner().invoke(main, ["sim", "--scenario", "non_torch_leak", "--runtime-dir", str(runtime_dir),
+                                       "--db", str(given), "--json"])
+    said = json.loads(result.output)
+    assert result.output.startswith('{\n  "run_id": ')  # indented by two
+    pid = int(said["store_note"].split("(pid ")[1].split(")")[0])
+    try:
+        assert result.exit_code == 0 and said["stored"] is True
+        assert said["store_note"].splitlines()[1] == (
+            f"that sidecar was started for this run and exits after 60 s with nothing to store (kill {pid} stops it "
+            "now)")
+        assert _status(given) == [(said["run_id"], "crashed")]
+    finally:
+        os.kill(pid, signal.SIGTERM)  # the pid this test's own command started and printed
+
+
+def test_the_list_names_every_shipped_scenario_with_its_description_aligned() -> None:
+    files = sorted(Path(sim_command.__file__).parents[1].glob("sim/scenarios/*.toml"))
+    leak = tomllib.loads((files[0].parent / "non_torch_leak.toml").read_text())
+    result = CliRunner().invoke(main, ["sim", "--list"])
+    lines = result.output.splitlines()
+    width = max(len(path.stem) for path in files)
+    assert result.exit_code == 0 and len(lines) == len(files)
+    assert f"{'non_torch_leak':<{width}}  {leak['description']}" in lines
+    listed = json.loads(CliRunner().invoke(main, ["sim", "--list", "--json"]).output)
+    assert len(listed) == len(files)
+    [entry] = [item for item in listed if item["name"] == "non_torch_leak"]
+    assert entry["description"] == leak["description"]
+    assert entry["expect"]["status"] == "crashed" and entry["expect"]["flags"] == ["oom_risk", "non_torch_drift"]
+
+
+def test_a_fleet_run_prints_each_policys_row_and_as_json_its_ratio_to_the_best_baseline(tmp_path: Path) -> None:
+    # Three 10-token requests a second apart on one engine (the fleet loop's smallest trace): all complete.
+    trace = tmp_path / "tiny.toml"
+    trace.write_text(FLEET_TINY + "count = 3\ninterval_s = 1.0\n")
+    args = ["sim", "--fleet", "1", "--trace", str(trace), "--router", "round-robin", "--seed", "1"]
+    said = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
+    assert said["engines"] == 1 and list(said["policies"]) == ["round-robin"]
+    row = said["policies"]["round-robin"]
+    assert (row["requests"], row["completed"], row["simulated_s"], row["p99_queue_s"]) == (3, 3, 2.25, 0.0)
+    assert 30 / 2.25 <= row["tokens_per_s"] <= 30 / 2.0  # 30 tokens over a little more than 2 s
+    # The only baseline is the best: a ratio of 1, and none for a p99 queue of 0 s.
+    assert row["versus_best_baseline"] == {"tokens_per_s_ratio": 1.0, "p99_queue_ratio": None}
+    table = CliRunner().invoke(main, args)
+    lines = table.output.splitlines()
+    assert table.exit_code == 0 and lines[0] == "trace tiny: 3 requests, 1 engine, seed 1"
+    assert lines[2].split()[:3] == ["round-robin", "3", "0"] and "memwatch" not in table.output

@@ -85,7 +85,8 @@ def render_table(results: list[PolicyResult], baselines: tuple[str, ...] = ()) -
         return "no policy ran"
     first = results[0]
     ratios = versus_best(results, baselines) if any(r.policy in baselines for r in results) else None
-    head = (f"trace {first.trace}: {first.requests:,} requests, {first.engines} engines, seed {first.seed}\n"
+    head = (f"trace {first.trace}: {first.requests:,} request{'s' * (first.requests != 1)}, "
+            f"{first.engines} engine{'s' * (first.engines != 1)}, seed {first.seed}\n"
             f"{'policy':<14} {'completed':>9} {'ooms':>4} {'preemptions':>11} {'p50 queue s':>11} "
             f"{'p99 queue s':>11} {'tokens/s':>9} {'lost':>4} {'rejected':>8}")
     if ratios is not None:
