@@ -81,3 +81,20 @@ def test_a_cpu_runs_ranks_carry_its_probes_note(tmp_path: Path) -> None:
     cpu = stored_readings(load_run(open_store(db_path, readonly=True), run_id))[0]
     assert cpu.device_note == "no CUDA device"
     assert cpu.unsized_sentences() == ["rank 0: no CUDA device."]
+
+
+def test_a_summarised_rank_without_samples_has_no_last_sample(runtime_dir: Path, db_path: Path) -> None:
+    """A rank the sidecar summarised before it recorded any sample (it died loading): its readings are empty."""
+    from memwatch.detectors.summary import RankSummary
+    from memwatch.store.summaries import UPSERT_SUMMARY, config_key, summary_params
+
+    run_id = store_scenario("demo", runtime_dir, db_path, live=True)
+    with sqlite3.connect(db_path) as conn:
+        conn.execute(UPSERT_SUMMARY, summary_params(run_id, RankSummary(1), True, config_key(None)))
+    model = load_run(open_store(db_path, readonly=True), run_id)
+    assert model.from_summaries and sorted(model.summaries) == [0, 1]
+    readings = stored_readings(model)
+    empty = readings[1]
+    assert (empty.samples, empty.last, empty.total_bytes, list(empty.window), empty.first_serving) == (
+        0, None, None, [], None)
+    assert readings[0].last.step == query(db_path, "SELECT max(step) FROM sample_rows")[0][0]
