@@ -171,7 +171,10 @@ def test_nano_vllms_graphs_captured_after_sizing_are_said_on_their_rank(db: Data
     _event(db, 0, 45, "phase_start", {"phase": "cudagraph"})
     _sample(db, 0, 4, 95, "serve", 6 * GiB + HALF, 7 * GiB, 8 * GiB + HALF)
     db.conn.commit()
-    assert [rank.cuda_graphs_outside_budget_bytes for rank in load_run_data(db, "rd").ranks] == [HALF, None, None]
+    ranks = load_run_data(db, "rd").ranks
+    assert [rank.cuda_graphs_outside_budget_bytes for rank in ranks] == [HALF, None, None]
+    # drawn as other long-lived PyTorch: 6.5 GiB allocated less 4 GiB of weights and 1 GiB of KV
+    assert ranks[0].points.stack["torch_other"][-1] == GiB + HALF
 
 
 def test_ranks_are_those_with_a_row_or_samples(db: Database) -> None:
