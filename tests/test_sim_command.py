@@ -175,7 +175,9 @@ def test_the_list_names_every_shipped_scenario_with_its_description_aligned() ->
     width = max(len(path.stem) for path in files)
     assert result.exit_code == 0 and len(lines) == len(files)
     assert f"{'non_torch_leak':<{width}}  {leak['description']}" in lines
-    listed = json.loads(CliRunner().invoke(main, ["sim", "--list", "--json"]).output)
+    printed = CliRunner().invoke(main, ["sim", "--list", "--json"]).output
+    assert printed.startswith('[\n  {\n    "name": ')  # indented by two
+    listed = json.loads(printed)
     assert len(listed) == len(files)
     [entry] = [item for item in listed if item["name"] == "non_torch_leak"]
     assert entry["description"] == leak["description"]
@@ -187,7 +189,9 @@ def test_a_fleet_run_prints_each_policys_row_and_as_json_its_ratio_to_the_best_b
     trace = tmp_path / "tiny.toml"
     trace.write_text(FLEET_TINY + "count = 3\ninterval_s = 1.0\n")
     args = ["sim", "--fleet", "1", "--trace", str(trace), "--router", "round-robin", "--seed", "1"]
-    said = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
+    printed = CliRunner().invoke(main, [*args, "--json"]).output
+    said = json.loads(printed)
+    assert printed.startswith('{\n  "trace": "tiny",\n  "engines": 1,')  # indented by two
     assert said["engines"] == 1 and list(said["policies"]) == ["round-robin"]
     row = said["policies"]["round-robin"]
     assert (row["requests"], row["completed"], row["simulated_s"], row["p99_queue_s"]) == (3, 3, 2.25, 0.0)
@@ -198,3 +202,15 @@ def test_a_fleet_run_prints_each_policys_row_and_as_json_its_ratio_to_the_best_b
     lines = table.output.splitlines()
     assert table.exit_code == 0 and lines[0] == "trace tiny: 3 requests, 1 engine, seed 1"
     assert lines[2].split()[:3] == ["round-robin", "3", "0"] and "memwatch" not in table.output
+    assert lines[1].endswith("tokens/s ÷ best p99 ÷ best")  # against the baselines
+
+
+@pytest.mark.parametrize("routers", [[], ["--router", "all"]])
+def test_without_routers_or_with_all_every_policy_runs_on_the_traces_own_seed(tmp_path: Path,
+                                                                             routers: list[str]) -> None:
+    trace = tmp_path / "tiny.toml"
+    trace.write_text("seed = 5\n" + FLEET_TINY)
+    said = json.loads(CliRunner().invoke(main, ["sim", "--fleet", "1", "--trace", str(trace), *routers,
+                                                "--json"]).output)
+    assert list(said["policies"]) == ["round-robin", "kv-usage", "kv-usage-queue", "memwatch"]
+    assert {row["seed"] for row in said["policies"].values()} == {5}
