@@ -1,0 +1,173 @@
+"""SGLang's model runner wrapped in process: which runner is a rank, where its ring reads, its phases, and what
+``uninstall`` puts back. SGLang is ``sglang_inprocess``'s; the scenario's numbers are ``test_sglang_sizing``'s.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sglang_inprocess import (
+    CONFIGURATOR_MODULE,
+    POOL_MODULE,
+    RESIZE_MODULE,
+    RUNNER_MODULE,
+    ModelRunner,
+    install_sglang,
+    model_config,
+    server_args,
+)
+from test_sglang_sizing import PRE_GB, TOKENS, PostCapture
+from test_vllm_gpu_worker import Device, _ring, stand_in_torch
+
+from memwatch_engine.adapters.sglang import runner as sglang_runner
+from memwatch_engine.adapters.sglang.state import guard, process
+from memwatch_engine.probes.cuda import CudaProbe
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def gpus(runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[int, Device]]:
+    """An 80 GiB GPU and a 48 GiB one."""
+    devices = {0: Device(80 * GiB), 1: Device(48 * GiB)}
+    torch = stand_in_torch(devices)
+    monkeypatch.setattr(sglang_runner, "CudaProbe", lambda index: CudaProbe(index, torch=torch))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setenv("MEMWATCH_RUNTIME_DIR", str(runtime_dir))
+    monkeypatch.setenv("MEMWATCH_SPAWN", "0")
+    yield devices
+    sglang_runner.finish()
+    sglang_runner.uninstall()
+    guard.active = True
+
+
+def _install(monkeypatch: pytest.MonkeyPatch, gpu: Device, runner: type[ModelRunner] = ModelRunner,
+             **published: Any) -> Any:
+    install_sglang(monkeypatch, gpu, runner, **published)
+    sglang_runner.install_live()
+    return sys.modules[RUNNER_MODULE].ModelRunner
+
+
+def _events(runtime_dir: Path, rank: int = 0) -> list[tuple[str, dict[str, Any]]]:
+    sglang_runner.finish()
+    return _ring(runtime_dir, rank)[1]
+
+
+def test_the_target_runner_is_the_rank_and_a_draft_runner_is_not(
+        gpus: dict[int, Device], runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner_class = _install(monkeypatch, gpus[0])
+    draft_first = runner_class(model_config(), 0.75, 0, 29500, server_args(), is_draft_worker=True)
+    assert process.rank is None  # a draft model's runner starts no rank
+    target = runner_class(model_config(), 0.75, 0, 29500, server_args())
+    state = process.rank
+    draft = runner_class(model_config(), 0.75, 0, 29500, server_args(), is_draft_worker=True)
+    again = runner_class(model_config(), 0.75, 0, 29500, server_args())  # one rank a process
+    assert process.rank is state
+    for runner in (target, draft, draft_first, again):
+        runner.alloc_memory_pool()
+    draft.init_cuda_graphs()
+    events = _events(runtime_dir)
+    kinds = [kind for kind, _ in events]
+    # The second target runner's own baseline, load and sizing are recorded; the drafts' never.
+    assert kinds.count("sglang_memory_baseline") == 2 and kinds.count("weights_loaded") == 2
+    assert [data["phase"] for kind, data in events if kind == "phase_start"] == [
+        "load", "load", "kv_alloc", "profile", "kv_alloc", "profile"]
+    assert kinds.count("kv_allocated") == 2 and kinds[-1] == "run_end"
+
+
+def test_a_runner_built_by_keywords_reads_the_gpu_it_was_given(
+        gpus: dict[int, Device], runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner_class = _install(monkeypatch, gpus[1], parallel={"tp_size": 2, "tp_rank": 1, "attn_tp_rank": 1})
+    runner_class(model_config=model_config(), mem_fraction_static=0.75, gpu_id=1, nccl_port=29500,
+                 server_args=server_args(model_path="meta-llama/Llama-3.1-8B", tp_size=2))
+    assert process.rank.records_requests is False  # TP rank 1 is not the scheduler that records the workload
+    sglang_runner.finish()
+    header, events, _ = _ring(runtime_dir, 1)
+    assert (header.rank, header.world_size, header.meta["device_index"], header.meta["gpu_total_bytes"]) == (
+        1, 2, 1, 48 * GiB)
+    assert (header.meta["model"], header.meta["config"]["tensor_parallel_size"],
+            header.meta["config"]["data_parallel_size"], header.meta["config"]["dtype"]) == (
+        "meta-llama/Llama-3.1-8B", 2, 1, "bfloat16")
+    assert dict(events)["rank_identity"]["tp_rank"] == 1
+
+
+def test_a_runner_given_its_gpu_by_position_reads_that_gpu(
+        gpus: dict[int, Device], runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner_class = _install(monkeypatch, gpus[1], parallel={"dp_size": 2, "dp_rank": 1})
+    runner_class(model_config(), 0.75, 1, 29500, server_args(dp_size=2))
+    assert process.rank.records_requests is True
+    sglang_runner.finish()
+    header = _ring(runtime_dir, 1)[0]
+    assert (header.rank, header.world_size, header.meta["gpu_total_bytes"]) == (1, 2, 48 * GiB)
+
+
+def test_only_the_first_pipeline_stages_attention_tp_rank_0_records_requests(
+        gpus: dict[int, Device], monkeypatch: pytest.MonkeyPatch) -> None:
+    runner_class = _install(monkeypatch, gpus[0], parallel={"pp_size": 2, "pp_rank": 1})
+    runner_class(model_config(), 0.75, 0, 29500, server_args())
+    assert process.rank.records_requests is False
+    sglang_runner.finish()
+    runner_class = _install(monkeypatch, gpus[0], parallel={"attn_tp_rank": None, "tp_size": 2})
+    runner_class(model_config(), 0.75, None, 29500, server_args())  # no gpu id: device 0
+    assert process.rank.records_requests is True
+    assert process.rank.monitor.probe.device_info().total_bytes == 80 * GiB
+
+
+def test_the_baseline_is_the_free_memory_sglang_measured_before_the_weights(
+        gpus: dict[int, Device], runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = _install(monkeypatch, gpus[0])(model_config(), 0.75, 0, 29500, server_args())
+    gpus[0].allocate(GiB)
+    runner.init_torch_distributed()  # called again: its new measurement, less the 3 GiB and 1 GiB since
+    named = [data for kind, data in _events(runtime_dir) if kind == "sglang_memory_baseline"]
+    assert named == [{"pre_model_load_gb": PRE_GB}, {"pre_model_load_gb": PRE_GB - 4}]
+
+
+def test_a_resize_with_no_sizing_recorded_passes_through(
+        gpus: dict[int, Device], runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner_class = _install(monkeypatch, gpus[0], PostCapture)
+    draft = runner_class(model_config(), 0.75, 0, 29500, server_args(), is_draft_worker=True)
+    target = runner_class(model_config(), 0.75, 0, 29500, server_args())
+    guard.active = False  # the adapter turned itself off: the pool is sized unrecorded
+    target.alloc_memory_pool()
+    guard.active = True
+    target.init_cuda_graphs()
+    target.post_capture_resize_kv_pool()  # no sizing to follow
+    draft.alloc_memory_pool()
+    draft.post_capture_resize_kv_pool()  # a draft's pool
+    assert target.max_total_num_tokens < TOKENS
+    assert [kind for kind, _ in _events(runtime_dir)].count("kv_allocated") == 0
+
+
+def test_uninstall_puts_every_class_and_function_back(gpus: dict[int, Device], monkeypatch: pytest.MonkeyPatch) -> None:
+    install_sglang(monkeypatch, gpus[0], PostCapture)
+    names = (RUNNER_MODULE, CONFIGURATOR_MODULE, POOL_MODULE, RESIZE_MODULE)
+    originals = {name: dict(vars(sys.modules[name])) for name in names}
+    classes = {(name, attribute): dict(vars(value)) for name in names
+               for attribute, value in vars(sys.modules[name]).items() if isinstance(value, type)}
+    sglang_runner.install_live()
+    runner_class = sys.modules[RUNNER_MODULE].ModelRunner
+    assert vars(runner_class)["post_capture_resize_kv_pool"] is not vars(ModelRunner)["post_capture_resize_kv_pool"]
+    assert sys.modules[RESIZE_MODULE].get_available_gpu_memory is not originals[RESIZE_MODULE][
+        "get_available_gpu_memory"]
+    sglang_runner.uninstall()
+    assert {name: dict(vars(sys.modules[name])) for name in names} == originals
+    assert {(name, attribute): dict(vars(value)) for name in names
+            for attribute, value in vars(sys.modules[name]).items() if isinstance(value, type)} == classes
+
+
+def test_install_patches_modules_already_imported_and_finish_with_no_rank_is_a_no_op(
+        gpus: dict[int, Device], runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sglang_runner.finish()
+    install_sglang(monkeypatch, gpus[0], ModelRunner)
+    sglang_runner.install()
+    runner = sys.modules[RUNNER_MODULE].ModelRunner(model_config(), 0.75, 0, 29500, server_args())
+    runner.alloc_memory_pool()
+    runner.init_cuda_graphs()
+    events = _events(runtime_dir)
+    assert [data["phase"] for kind, data in events if kind == "phase_start"] == [
+        "load", "kv_alloc", "profile", "cudagraph"]
+    assert [data["num_blocks"] for kind, data in events if kind == "kv_allocated"] == [TOKENS]
