@@ -155,6 +155,7 @@ def test_a_process_running_neither_a_worker_nor_a_scheduler_is_not_attached(
     module, worker = _live(LiveWorker, monkeypatch, device)
     del worker.model_runner  # a worker that has not loaded its model yet
     _scheduler_module(monkeypatch)  # and a scheduler class with no live instance
+    monkeypatch.setitem(sys.modules, vllm_worker.CPU_WORKER_MODULE, ModuleType(vllm_worker.CPU_WORKER_MODULE))
     originals = dict(vars(module.Worker))
     assert _attach(runtime_dir) is None
     assert dict(vars(module.Worker)) == originals and list(runtime_dir.glob("*.ring")) == []
@@ -173,12 +174,15 @@ def test_a_serving_worker_records_its_kv_cache_weights_and_steps_from_the_live_o
     assert vllm_scheduler.lead() is monitor  # rank 0 writes the workload
     assert _attach(runtime_dir) == []  # attached once: a second attach leaves the ranked worker be
     assert worker.execute_model(_output(("a", 1, 3))) == "output 4"  # the patched method, on the live object
+    loading = module.Worker(_config(), 0, 0, {0: device})  # a worker that never had a rank: nothing to forget
     vllm_late.detach()
+    assert vllm_worker.RANK_ATTRIBUTE not in vars(loading)
     assert dict(vars(module.Worker)) == originals and vllm_worker.RANK_ATTRIBUTE not in vars(worker)
     monitor.close("ok")
 
     header, events, samples = _ring(runtime_dir)
     assert (header.rank, header.world_size, header.run_id, header.meta["source"]) == (0, 1, RUN, "injected")
+    assert (header.meta["engine"], header.meta["model"]) == ("vllm", "meta-llama/Llama-3.1-8B")
     assert header.meta["config"] == {
         "model_config": "meta-llama/Llama-3.1-8B", "dtype": "bfloat16", "kv_cache_dtype": "auto",
         "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "gpu_memory_utilization": 0.5,
@@ -215,16 +219,28 @@ def test_an_extensible_kv_cache_counts_the_committed_blocks_and_what_the_driver_
     assert sizing["total_bytes"] == 80 * GiB
 
 
+@pytest.mark.parametrize("switch", [{"enable_extensible_kv_cache": False}, {}])
 def test_an_extensible_cache_vllm_did_not_turn_on_is_the_configs_one_buffer(
-        device: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _, worker = _live(LiveWorker, monkeypatch, device, _config(enable_extensible_kv_cache=False))
-    worker.initialize_from_config(SimpleNamespace(num_blocks=400, kv_cache_tensors=[SimpleNamespace(size=400 * BLOCK)]))
+        device: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch, switch: dict[str, bool]) -> None:
+    _, worker = _live(LiveWorker, monkeypatch, device, _config(**switch))  # off, or a config without the switch
+    padded = 400 * BLOCK + 64  # the buffer ends 64 bytes past its last block (an alignment tail)
+    worker.initialize_from_config(SimpleNamespace(num_blocks=400, kv_cache_tensors=[SimpleNamespace(size=padded)]))
     worker.model_runner.extensible_kv_cache = SimpleNamespace(bytes_per_block=2 * BLOCK, physical_bytes=GiB)
     [monitor] = _attach(runtime_dir)
     monitor.close("ok")
     sizing = dict(_ring(runtime_dir)[1])["kv_allocated"]
-    assert (sizing["num_blocks"], sizing["block_bytes"], sizing["kv_cache_bytes"]) == (400, BLOCK, 400 * BLOCK)
+    assert (sizing["num_blocks"], sizing["block_bytes"], sizing["kv_cache_bytes"]) == (400, BLOCK, padded)
     assert "kv_outside_allocator_bytes" not in sizing
+
+
+def test_a_one_block_cache_is_that_blocks_bytes(device: Device, runtime_dir: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    _, worker = _live(LiveWorker, monkeypatch, device)
+    worker.initialize_from_config(SimpleNamespace(num_blocks=1, kv_cache_tensors=[SimpleNamespace(size=BLOCK)]))
+    [monitor] = _attach(runtime_dir)
+    monitor.close("ok")
+    sizing = dict(_ring(runtime_dir)[1])["kv_allocated"]
+    assert (sizing["num_blocks"], sizing["block_bytes"], sizing["kv_cache_bytes"]) == (1, BLOCK, BLOCK)
 
 
 def test_a_runner_without_its_config_has_the_cache_configs_block_count(
@@ -243,7 +259,7 @@ def test_a_runner_without_its_config_has_the_cache_configs_block_count(
 def test_no_kv_cache_yet_records_no_sizing_and_a_model_without_parameters_no_weights(
         device: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _, worker = _live(LiveWorker, monkeypatch, device, _config(num_gpu_blocks=None))
-    worker.model_runner.model = SimpleNamespace()
+    del worker.model_runner.model  # a runner that holds no model (yet)
     [monitor] = _attach(runtime_dir)
     monitor.close("ok")
     named = dict(_ring(runtime_dir)[1])
@@ -270,12 +286,22 @@ def test_an_empty_config_and_an_unreadable_device_record_what_is_known(
 
 def test_a_second_tp_rank_is_numbered_and_leaves_the_workload_to_rank_0(
         device: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _, worker = _live(LiveWorker, monkeypatch, device, _config(tp=2), rank=1)
+    second = Device(48 * GiB)
+    torch = stand_in_torch({0: device, 1: second})
+    monkeypatch.setattr(vllm_late, "CudaProbe", lambda index: CudaProbe(index, torch=torch))
+    module = _module(LiveWorker)
+    monkeypatch.setitem(sys.modules, vllm_worker.WORKER_MODULE, module)
+    config = _config(tp=2)
+    vars(config.cache_config).setdefault("num_gpu_blocks", None)
+    worker = module.Worker(config, 1, 1, {0: device, 1: second})  # on its own GPU, the second
+    worker.init_device()
+    worker.load_model()
     [monitor] = _attach(runtime_dir)
     assert vllm_scheduler.lead() is None and vars(worker)[vllm_worker.RANK_ATTRIBUTE].monitor is monitor
     monitor.close("ok")
     header = _ring(runtime_dir, rank=1)[0]
-    assert (header.rank, header.world_size) == (1, 2)
+    assert (header.rank, header.world_size, header.meta["device_index"], header.meta["gpu_total_bytes"]) == (
+        1, 2, 1, 48 * GiB)
 
 
 def test_a_live_scheduler_gets_its_own_ring_and_detach_forgets_it(
