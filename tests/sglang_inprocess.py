@@ -59,12 +59,13 @@ class TokenPool:
         self.post_capture_active = post_capture
         self.post_capture_backed_bytes = 0
         if post_capture:
-            self._back(page_size)
+            self._back(page_size, page_size)
         else:
             gpu.allocate(sum(self.get_kv_size_bytes()))
 
-    def _back(self, tokens: int) -> None:
-        backed = _round_up(tokens * self.cell, SEGMENT)
+    def _back(self, tokens: int, swa_tokens: int) -> None:
+        """Each sub-pool's buffer owner backs its span in whole granules."""
+        backed = _round_up(tokens * self.cell, SEGMENT) + _round_up(swa_tokens * self.swa_cell, SEGMENT)
         self.gpu.mapped += backed - self.post_capture_backed_bytes
         self.post_capture_backed_bytes = backed
 
@@ -75,8 +76,8 @@ class TokenPool:
         return half, half
 
     def finalize_backing(self, config: Any) -> None:
-        self._back(config.max_total_num_tokens)
-        self.size = int(config.max_total_num_tokens)
+        self._back(config.max_total_num_tokens, config.swa_max_total_num_tokens or 0)
+        self.size, self.swa_size = int(config.max_total_num_tokens), int(config.swa_max_total_num_tokens or 0)
 
 
 class KVCacheConfigurator:
@@ -97,6 +98,8 @@ class KVCacheConfigurator:
         full = config.full_max_total_num_tokens if self.is_hybrid_swa else config.max_total_num_tokens
         cell = runner.full_per_token * runner.full_layers if self.is_hybrid_swa else runner.cell
         pool = TokenPool(runner.gpu, full, self.page_size, cell, self.post_capture_kv_active, swa)
+        for name in runner.pool_lacks:  # a pool class of another shape
+            delattr(pool, name)
         _module(f"{CONFIGURATOR_MODULE}.get_available_gpu_memory")(self.device, self.gpu_id)  # "Memory pool end."
         return SimpleNamespace(max_total_num_tokens=config.max_total_num_tokens,
                                max_running_requests=self.server_args.max_running_requests,
@@ -185,6 +188,7 @@ class ModelRunner:
     full_layers = swa_layers = 0
     full_per_token = swa_per_token = draft_cell = 0
     swa_ratio = 0.8
+    pool_lacks: tuple[str, ...] = ()
 
     def __init__(self, model_config: Any, mem_fraction_static: float, gpu_id: int, nccl_port: int,
                  server_args: Any, is_draft_worker: bool = False, req_to_token_pool: Any = None) -> None:

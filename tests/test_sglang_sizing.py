@@ -168,6 +168,7 @@ def test_the_pool_sized_again_after_capture_is_a_second_sizing_with_what_the_dri
         "sizing_event": "post_capture",
         "post_capture_budget_bytes": budget, "post_capture_cap_tokens": TOKENS,
         "kv_outside_in_readings_bytes": first_page, "kv_outside_allocator_bytes": backed}
+    assert named["config"] == {"max_num_seqs": 48}  # the running-request limit as the resize left it
     assert named["run_end"]["status"] == "ok"
 
 
@@ -256,3 +257,64 @@ def test_a_pool_configurator_of_another_shape_is_named_only() -> None:
         """DeepSeek V4's: neither a fixed overhead nor sliding-window cells."""
 
     assert sizing.pool_inputs(DSV4PoolConfigurator()) == {"pool_configurator": "DSV4PoolConfigurator"}
+
+
+class HybridPostCapture(Hybrid):
+    post_capture = True
+
+
+def test_a_hybrid_pool_sized_again_after_capture_records_both_pools_as_resized(
+        gpu: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, runner = _start(monkeypatch, gpu, HybridPostCapture)
+    runner.alloc_memory_pool()  # each pool backs its first page: 128 KiB and 384 KiB, a 2 MiB granule each
+    runner.init_cuda_graphs()
+    runner.post_capture_resize_kv_pool()
+    # Free: 80 GiB − 500 MiB − 3 GiB 256 MiB − 4 MiB = 76 GiB 264 MiB; less 19 GiB 899 MiB, plus the 4 MiB backed:
+    # 56 GiB 393 MiB / 27,852.8 = 2,173,628.2 → 2,173,616 full tokens; × 0.8 = 1,738,892.8 → 1,738,880 sliding.
+    full, swa = 2_173_616, 1_738_880
+    assert (runner.full_max_total_num_tokens, runner.swa_max_total_num_tokens) == (full, swa)
+    _, [first, second] = _kv_events(runtime_dir)
+    assert first["kv_pools"]["full"]["tokens"] == 2_183_264 and first["kv_outside_allocator_bytes"] == 4 * MiB
+    assert second["kv_pools"] == {"full": {"tokens": full, "cell_size_bytes": 8192},
+                                  "swa": {"tokens": swa, "cell_size_bytes": 24576}}
+    # 16,981.4 MiB of full tokens and 40,755 MiB of sliding ones, each in whole granules: 16,982 + 40,756 MiB.
+    assert (second["num_blocks"], second["kv_outside_allocator_bytes"], second["kv_cache_bytes"]) == (
+        full, 57_738 * MiB, 57_738 * MiB)
+
+
+@pytest.mark.parametrize(("memory", "rule"), [({"unified_memory": True}, "sglang-unified"), ({}, "sglang")])
+def test_a_unified_memory_pool_claims_no_rule_and_a_memory_bag_without_the_switch_is_not_one(
+        gpu: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch, memory: dict[str, bool], rule: str) -> None:
+    context, runner = _start(monkeypatch, gpu, **memory)
+    if not memory:
+        context.memory = SimpleNamespace()  # an SGLang whose memory settings have no unified pool at all
+    runner.alloc_memory_pool()
+    assert _kv_events(runtime_dir)[0]["kv_allocated"]["budget_rule"] == rule
+
+
+def test_a_one_token_chunk_is_the_batch_limit_and_server_args_without_the_graph_switch_are_not_eager(
+        gpu: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    install_sglang(monkeypatch, gpu, ModelRunner, schedule={"chunked_prefill_size": 1})
+    sglang_runner.install_live()
+    args = server_args()
+    del args.disable_cuda_graph
+    sys.modules[RUNNER_MODULE].ModelRunner(model_config(), 0.75, 0, 29500, args).alloc_memory_pool()
+    config = _kv_events(runtime_dir)[0]["config"]
+    assert (config["max_num_batched_tokens"], config["enforce_eager"]) == (1, False)
+
+
+class OtherPool(PostCapture):
+    pool_lacks = ("post_capture_backed_bytes",)
+
+
+class PlainPool(ModelRunner):
+    pool_lacks = ("post_capture_active", "post_capture_backed_bytes")
+
+
+@pytest.mark.parametrize("runner_class", [OtherPool, PlainPool])
+def test_a_pool_that_says_nothing_of_its_backing_records_none_outside_the_allocator(
+        gpu: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch, runner_class: type[ModelRunner]) -> None:
+    _, runner = _start(monkeypatch, gpu, runner_class)
+    runner.alloc_memory_pool()
+    sized = _kv_events(runtime_dir)[0]["kv_allocated"]
+    assert "kv_outside_allocator_bytes" not in sized and sized["num_blocks"] == TOKENS
