@@ -99,7 +99,10 @@ class KVCacheConfigurator:
         cell = runner.full_per_token * runner.full_layers if self.is_hybrid_swa else runner.cell
         pool = TokenPool(runner.gpu, full, self.page_size, cell, self.post_capture_kv_active, swa)
         for name in runner.pool_lacks:  # a pool class of another shape
-            delattr(pool, name)
+            if name in vars(pool):
+                delattr(pool, name)
+            else:
+                setattr(pool, name, None)  # a method it does not have
         _module(f"{CONFIGURATOR_MODULE}.get_available_gpu_memory")(self.device, self.gpu_id)  # "Memory pool end."
         return SimpleNamespace(max_total_num_tokens=config.max_total_num_tokens,
                                max_running_requests=self.server_args.max_running_requests,
@@ -167,8 +170,14 @@ class SWARequestCapPoolConfigurator(HybridSWAPoolConfigurator):
         return HybridSWAPoolConfigurator.calculate_pool_sizes(self, available_bytes, page_size)
 
 
+class DSV4PoolConfigurator(DefaultPoolConfigurator):
+    """DeepSeek V4's: a ``calculate_pool_sizes`` of its own, which memwatch does not wrap."""
+
+
 def create_memory_pool_configurator(kvc: KVCacheConfigurator) -> Any:
     pools = sys.modules[POOL_MODULE]
+    if kvc.runner.dsv4:
+        return pools.DSV4PoolConfigurator(kvc)
     if kvc.is_hybrid_swa:
         return (pools.SWARequestCapPoolConfigurator if kvc.runner.request_cap else pools.HybridSWAPoolConfigurator)(kvc)
     return pools.DefaultPoolConfigurator(kvc)
@@ -184,7 +193,7 @@ class ModelRunner:
     cell = 24 * 8 * 128 * 2 * 2  # 24 layers × 8 KV heads × dim 128 × K and V × 2 bytes: 96 KiB a token
     overhead = 0
     post_capture = False
-    hybrid = request_cap = False
+    hybrid = request_cap = dsv4 = False
     full_layers = swa_layers = 0
     full_per_token = swa_per_token = draft_cell = 0
     swa_ratio = 0.8
@@ -269,6 +278,8 @@ def install_sglang(monkeypatch: Any, gpu: Device, runner: type[ModelRunner], *, 
         for name in ("calculate_pool_sizes", "_full_cell_bytes", "_swa_cell_bytes")})
     pools.SWARequestCapPoolConfigurator = type("SWARequestCapPoolConfigurator", (pools.HybridSWAPoolConfigurator,), {
         "calculate_pool_sizes": SWARequestCapPoolConfigurator.calculate_pool_sizes})
+    pools.DSV4PoolConfigurator = type("DSV4PoolConfigurator", (DSV4PoolConfigurator,), {
+        "calculate_pool_sizes": DefaultPoolConfigurator.calculate_pool_sizes})
     pools.create_memory_pool_configurator = create_memory_pool_configurator
     modules[RESIZE_MODULE].get_available_gpu_memory = get_available_gpu_memory
     modules[RUNNER_MODULE].ModelRunner = type("ModelRunner", (runner,), {

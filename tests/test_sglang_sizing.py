@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from sglang_inprocess import RUNNER_MODULE, ModelRunner, install_sglang, model_config, server_args
-from test_vllm_gpu_worker import CONTEXT, Device, _ring, stand_in_torch
+from test_vllm_gpu_worker import CONTEXT, Device, _ring, _round_up, stand_in_torch
 
 from memwatch_engine.adapters.sglang import runner as sglang_runner
 from memwatch_engine.adapters.sglang import sizing
@@ -318,3 +318,65 @@ def test_a_pool_that_says_nothing_of_its_backing_records_none_outside_the_alloca
     runner.alloc_memory_pool()
     sized = _kv_events(runtime_dir)[0]["kv_allocated"]
     assert "kv_outside_allocator_bytes" not in sized and sized["num_blocks"] == TOKENS
+
+
+class DeepSeekV4(ModelRunner):
+    dsv4 = True
+
+
+class DeepSeekV4Unmeasured(DeepSeekV4):
+    pool_lacks = ("get_kv_size_bytes",)
+
+
+def test_a_pool_configurator_memwatch_does_not_know_is_sized_on_the_pools_own_bytes(
+        gpu: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, runner = _start(monkeypatch, gpu, DeepSeekV4)
+    runner.alloc_memory_pool()
+    sized = _kv_events(runtime_dir)[0]["kv_allocated"]
+    # No pool configurator's inputs: the bytes a token are the pool's, (618,592 + 16) × 96 KiB over 618,592 tokens.
+    assert (sized["budget_rule"], sized["num_blocks"], sized["kv_cache_bytes"]) == (
+        "sglang-unknown", TOKENS, (TOKENS + 16) * CELL)
+    assert sized["block_bytes"] == CELL + 2  # 16 × 96 KiB / 618,592 = 2.5 bytes more a token, rounded down
+    assert "pool_configurator" not in sized and "pool_budget_bytes" not in sized
+
+
+def test_a_pool_that_cannot_measure_itself_has_no_bytes_a_token(
+        gpu: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, runner = _start(monkeypatch, gpu, DeepSeekV4Unmeasured)
+    runner.alloc_memory_pool()
+    sized = _kv_events(runtime_dir)[0]["kv_allocated"]
+    assert (sized["num_blocks"], sized["block_bytes"], sized["kv_cache_bytes"]) == (TOKENS, 0, None)
+
+
+def test_a_device_that_reads_nothing_records_no_sizing_readings(
+        gpu: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = stand_in_torch({0: gpu})
+
+    def failing(index: int) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    torch.cuda.mem_get_info = torch._C._cuda_memoryStats = failing
+    monkeypatch.setattr(sglang_runner, "CudaProbe", lambda index: CudaProbe(index, torch=torch))
+    _, runner = _start(monkeypatch, gpu)
+    runner.alloc_memory_pool()
+    sized = _kv_events(runtime_dir)[0]["kv_allocated"]
+    assert [sized[key] for key in ("total_bytes", "used_bytes", "peak_bytes", "current_bytes", "reserved_bytes")] \
+        == [None] * 5
+
+
+def test_a_driver_that_cannot_be_read_leaves_the_allocators_reserve_out_too(
+        gpu: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = stand_in_torch({0: gpu})
+
+    def failing(index: int) -> Any:
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    torch.cuda.mem_get_info = failing
+    monkeypatch.setattr(sglang_runner, "CudaProbe", lambda index: CudaProbe(index, torch=torch))
+    _, runner = _start(monkeypatch, gpu)
+    runner.alloc_memory_pool()
+    sized = _kv_events(runtime_dir)[0]["kv_allocated"]
+    # Without the driver's readings the sizing's are not taken at all: the allocator's reserve is read as the event
+    # is written, with the pool in it (3 GiB and 618,608 × 96 KiB, in whole 2 MiB segments), not the sizing's 3 GiB.
+    assert (sized["total_bytes"], sized["used_bytes"]) == (None, None)
+    assert sized["reserved_bytes"] == _round_up(3 * GiB + (TOKENS + 16) * CELL, 2 * MiB) == 64_034_439_168
