@@ -170,8 +170,15 @@ class SWARequestCapPoolConfigurator(HybridSWAPoolConfigurator):
         return HybridSWAPoolConfigurator.calculate_pool_sizes(self, available_bytes, page_size)
 
 
-class DSV4PoolConfigurator(DefaultPoolConfigurator):
-    """DeepSeek V4's: a ``calculate_pool_sizes`` of its own, which memwatch does not wrap."""
+class DSV4PoolConfigurator:
+    """DeepSeek V4's: a ``calculate_pool_sizes`` of its own, which memwatch does not wrap, and neither a fixed
+    overhead nor sliding-window cells to read."""
+
+    def __init__(self, kvc: KVCacheConfigurator) -> None:
+        self._bytes_per_token = kvc.runner.cell
+
+    def calculate_pool_sizes(self, available_bytes: int, page_size: int) -> Any:
+        return _pool_config(available_bytes // self._bytes_per_token // page_size * page_size)
 
 
 def create_memory_pool_configurator(kvc: KVCacheConfigurator) -> Any:
@@ -181,6 +188,30 @@ def create_memory_pool_configurator(kvc: KVCacheConfigurator) -> Any:
     if kvc.is_hybrid_swa:
         return (pools.SWARequestCapPoolConfigurator if kvc.runner.request_cap else pools.HybridSWAPoolConfigurator)(kvc)
     return pools.DefaultPoolConfigurator(kvc)
+
+
+class Tensor:
+    """A CUDA parameter as memwatch reads it: its storage's address and size."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.is_cuda, self._storage = True, SimpleNamespace(data_ptr=lambda: address, nbytes=lambda: nbytes)
+
+    def untyped_storage(self) -> Any:
+        return self._storage
+
+
+class Model:
+    """The loaded model: its weights in two CUDA storages, the embedding tied to the output head (one storage)."""
+
+    def __init__(self, nbytes: int) -> None:
+        embedding = Tensor(1, 1 << 20)
+        self._parameters = [embedding, Tensor(2, nbytes - (1 << 20)), embedding]
+
+    def parameters(self) -> list[Tensor]:
+        return self._parameters
+
+    def buffers(self) -> list[Tensor]:
+        return []
 
 
 class ModelRunner:
@@ -203,7 +234,7 @@ class ModelRunner:
                  server_args: Any, is_draft_worker: bool = False, req_to_token_pool: Any = None) -> None:
         self.model_config, self.mem_fraction_static, self.gpu_id = model_config, mem_fraction_static, gpu_id
         self.server_args, self.is_draft_worker, self.is_hybrid_swa = server_args, is_draft_worker, self.hybrid
-        self.device = "cuda"
+        self.device, self.page_size = "cuda", server_args.page_size
         self.init_torch_distributed()
         self.load_model()
 
@@ -212,6 +243,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.gpu.allocate(self.weights)
+        self.model = Model(self.weights)
 
     def alloc_memory_pool(self, memory_pool_config: Any = None) -> None:
         configurator_class = sys.modules[CONFIGURATOR_MODULE].KVCacheConfigurator
@@ -219,6 +251,7 @@ class ModelRunner:
         result = self.kv_cache_configurator.configure(pre_model_load_memory=self.pre_model_load_memory)
         self.max_total_num_tokens, self.max_running_requests = result.max_total_num_tokens, result.max_running_requests
         self.token_to_kv_pool = result.token_to_kv_pool
+        self.token_to_kv_pool_allocator = SimpleNamespace(size=result.max_total_num_tokens)
         if self.is_hybrid_swa:
             self.full_max_total_num_tokens = result.full_max_total_num_tokens
             self.swa_max_total_num_tokens = result.swa_max_total_num_tokens
@@ -278,8 +311,7 @@ def install_sglang(monkeypatch: Any, gpu: Device, runner: type[ModelRunner], *, 
         for name in ("calculate_pool_sizes", "_full_cell_bytes", "_swa_cell_bytes")})
     pools.SWARequestCapPoolConfigurator = type("SWARequestCapPoolConfigurator", (pools.HybridSWAPoolConfigurator,), {
         "calculate_pool_sizes": SWARequestCapPoolConfigurator.calculate_pool_sizes})
-    pools.DSV4PoolConfigurator = type("DSV4PoolConfigurator", (DSV4PoolConfigurator,), {
-        "calculate_pool_sizes": DefaultPoolConfigurator.calculate_pool_sizes})
+    pools.DSV4PoolConfigurator = DSV4PoolConfigurator
     pools.create_memory_pool_configurator = create_memory_pool_configurator
     modules[RESIZE_MODULE].get_available_gpu_memory = get_available_gpu_memory
     modules[RUNNER_MODULE].ModelRunner = type("ModelRunner", (runner,), {
