@@ -91,7 +91,10 @@ class KVCacheConfigurator:
         self.post_capture_kv_active = runner.post_capture
 
     def configure(self, *, pre_model_load_memory: float) -> Any:
-        config = self.config_from_budget(self._profile_available_bytes(pre_model_load_memory))
+        return self.pooled(self.config_from_budget(self._profile_available_bytes(pre_model_load_memory)))
+
+    def pooled(self, config: Any) -> Any:
+        """The pools of ``config`` allocated: ``configure``'s result."""
         runner = self.runner
         swa = (config.swa_max_total_num_tokens, runner.swa_per_token * runner.swa_layers) if self.is_hybrid_swa \
             else (0, 0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from sglang_inprocess import (
@@ -15,6 +15,8 @@ from sglang_inprocess import (
     POOL_MODULE,
     RESIZE_MODULE,
     RUNNER_MODULE,
+    DefaultPoolConfigurator,
+    KVCacheConfigurator,
     ModelRunner,
     install_sglang,
     model_config,
@@ -23,7 +25,9 @@ from sglang_inprocess import (
 from test_sglang_sizing import PRE_GB, TOKENS, PostCapture
 from test_vllm_gpu_worker import Device, _ring, stand_in_torch
 
+from memwatch_engine.adapters import hooks
 from memwatch_engine.adapters.sglang import runner as sglang_runner
+from memwatch_engine.adapters.sglang import sizing
 from memwatch_engine.adapters.sglang.state import guard, process
 from memwatch_engine.probes.cuda import CudaProbe
 
@@ -171,3 +175,88 @@ def test_install_patches_modules_already_imported_and_finish_with_no_rank_is_a_n
     assert [data["phase"] for kind, data in events if kind == "phase_start"] == [
         "load", "kv_alloc", "profile", "cudagraph"]
     assert [data["num_blocks"] for kind, data in events if kind == "kv_allocated"] == [TOKENS]
+
+
+class LaterConfigurator(KVCacheConfigurator):
+    """A later SGLang's configurator, whose methods take arguments 0.5.23's do not: each must reach the method."""
+
+    seen: ClassVar[list[tuple[Any, ...]]] = []
+
+    def configure(self, tag: str, *, pre_model_load_memory: float, margin_gb: float) -> Any:
+        self.seen.append(("configure", tag, margin_gb))
+        return self.pooled(self.config_from_budget(self._profile_available_bytes(pre_model_load_memory, tag,
+                                                                                 margin_gb=margin_gb)))
+
+    def _profile_available_bytes(self, pre_model_load_memory: float, tag: str, *, margin_gb: float) -> int:
+        self.seen.append(("profile", tag, margin_gb))
+        return KVCacheConfigurator._profile_available_bytes(self, pre_model_load_memory)
+
+    def config_from_budget(self, budget_bytes: int, *, cap_tokens: int | None = None) -> Any:
+        pools = sys.modules[POOL_MODULE]
+        return pools.create_memory_pool_configurator(self).calculate_pool_sizes(budget_bytes, 16, "later", margin=0)
+
+
+class LaterPool(DefaultPoolConfigurator):
+    def calculate_pool_sizes(self, available_bytes: int, page_size: int, tag: str, *, margin: int) -> Any:
+        LaterConfigurator.seen.append(("pool", tag, margin))
+        return DefaultPoolConfigurator.calculate_pool_sizes(self, available_bytes, page_size)
+
+
+class LaterRunner(PostCapture):
+    def alloc_memory_pool(self, memory_pool_config: Any = None) -> None:
+        self.kv_cache_configurator = sys.modules[CONFIGURATOR_MODULE].KVCacheConfigurator(self, False)
+        result = self.kv_cache_configurator.configure("later", pre_model_load_memory=self.pre_model_load_memory,
+                                                      margin_gb=0.5)
+        self.max_total_num_tokens, self.max_running_requests = result.max_total_num_tokens, result.max_running_requests
+        self.token_to_kv_pool = result.token_to_kv_pool
+
+    def post_capture_resize_kv_pool(self, tag: str, *, draft_runners: tuple[Any, ...] = ()) -> None:
+        LaterConfigurator.seen.append(("resize", tag, draft_runners))
+        ModelRunner.post_capture_resize_kv_pool(self, draft_runners=draft_runners)
+
+
+def test_arguments_a_later_sglang_adds_reach_its_methods(
+        gpus: dict[int, Device], runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    install_sglang(monkeypatch, gpus[0], LaterRunner)
+    monkeypatch.setattr(sys.modules[CONFIGURATOR_MODULE], "KVCacheConfigurator", LaterConfigurator)
+    monkeypatch.setattr(sys.modules[POOL_MODULE], "DefaultPoolConfigurator", LaterPool)
+    monkeypatch.setattr(LaterConfigurator, "seen", [])
+    sglang_runner.install_live()
+    runner_class = sys.modules[RUNNER_MODULE].ModelRunner
+    target = runner_class(model_config(), 0.75, 0, 29500, server_args())
+    draft = runner_class(model_config(), 0.75, 0, 29500, server_args(), is_draft_worker=True)
+    for runner in (target, draft):
+        runner.alloc_memory_pool()
+        runner.post_capture_resize_kv_pool("again", draft_runners=())
+    assert LaterConfigurator.seen == [("configure", "later", 0.5), ("profile", "later", 0.5), ("pool", "later", 0),
+                                      ("resize", "again", ()), ("pool", "later", 0)] * 2
+    events = _events(runtime_dir)
+    assert [data.get("sizing_event") for kind, data in events if kind == "kv_allocated"] == [None, "post_capture"]
+    assert [data["page_size"] for kind, data in events if kind == "kv_allocated"] == [16, 16]
+
+
+def test_a_drafts_resize_after_the_targets_sizing_is_not_recorded(
+        gpus: dict[int, Device], runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner_class = _install(monkeypatch, gpus[0], PostCapture)
+    target = runner_class(model_config(), 0.75, 0, 29500, server_args())
+    draft = runner_class(model_config(), 0.75, 0, 29500, server_args(), is_draft_worker=True)
+    target.alloc_memory_pool()
+    draft.alloc_memory_pool()
+    draft.post_capture_resize_kv_pool()
+    kinds = [data.get("sizing_event") for kind, data in _events(runtime_dir) if kind == "kv_allocated"]
+    assert kinds == [None]
+
+
+def test_a_pool_module_without_the_sliding_window_configurators_is_patched_and_one_without_their_cells_is_not(
+        gpus: dict[int, Device], monkeypatch: pytest.MonkeyPatch) -> None:
+    install_sglang(monkeypatch, gpus[0], ModelRunner)
+    pools = sys.modules[POOL_MODULE]
+    hybrid = pools.HybridSWAPoolConfigurator
+    for name in ("HybridSWAPoolConfigurator", "SWARequestCapPoolConfigurator"):
+        monkeypatch.delattr(pools, name)  # an SGLang before sliding-window pools
+    sizing._patch_pool_configurator(pools)
+    assert getattr(vars(pools.DefaultPoolConfigurator)["calculate_pool_sizes"], hooks.WRAPPED)
+    monkeypatch.setattr(pools, "HybridSWAPoolConfigurator", type("HybridSWAPoolConfigurator", (), {
+        "calculate_pool_sizes": vars(hybrid)["calculate_pool_sizes"]}), raising=False)  # no cells of its own
+    with pytest.raises(AttributeError, match="_full_cell_bytes, _swa_cell_bytes"):
+        sizing._patch_pool_configurator(pools)
