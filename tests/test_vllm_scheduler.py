@@ -26,7 +26,7 @@ from test_vllm_gpu_worker import _config, _ring
 from memwatch_engine.adapters import hooks
 from memwatch_engine.adapters.vllm import scheduler as vllm_scheduler
 from memwatch_engine.monitor import Monitor
-from memwatch_engine.probes.base import UNKNOWN
+from memwatch_engine.probes.base import UNKNOWN, Probe
 from memwatch_engine.ring_format import STEP_KIND_CODES
 
 BLOCKS = 1001  # 1,000 blocks and the null block
@@ -200,7 +200,8 @@ def test_another_engines_scheduler_records_no_workload_and_engine_0s_goes_to_the
     other.shutdown()
     _, events, _ = _ring(runtime, rank=5)  # engine 1's scheduler: past 2 engines × 2 GPU ranks
     assert not [kind for kind, _ in events if kind.startswith("request_")]
-    lead = Monitor(engine="vllm", rank=0, world_size=2, runtime_dir=tmp_path / "lead", spawn_sidecar=False)
+    lead = Monitor(engine="vllm", rank=0, world_size=2, runtime_dir=tmp_path / "lead", spawn_sidecar=False,
+                   probe=Probe())  # the rank-0 worker's ring; its readings do not matter here
     vllm_scheduler.set_lead(lead)
     first = _scheduler(module)
     _serve(first)
