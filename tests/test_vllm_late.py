@@ -152,10 +152,11 @@ def _attach(runtime_dir: Path) -> list[Any] | None:
 def test_a_process_running_neither_a_worker_nor_a_scheduler_is_not_attached(
         device: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert _attach(runtime_dir) is None  # no vLLM module imported at all
+    monkeypatch.setitem(sys.modules, vllm_scheduler.SCHEDULER_MODULE, ModuleType(vllm_scheduler.SCHEDULER_MODULE))
+    assert _attach(runtime_dir) is None  # a scheduler module of another shape: no Scheduler class in it
     module, worker = _live(LiveWorker, monkeypatch, device)
     del worker.model_runner  # a worker that has not loaded its model yet
     _scheduler_module(monkeypatch)  # and a scheduler class with no live instance
-    monkeypatch.setitem(sys.modules, vllm_worker.CPU_WORKER_MODULE, ModuleType(vllm_worker.CPU_WORKER_MODULE))
     originals = dict(vars(module.Worker))
     assert _attach(runtime_dir) is None
     assert dict(vars(module.Worker)) == originals and list(runtime_dir.glob("*.ring")) == []
