@@ -102,11 +102,44 @@ def test_a_runner_built_by_keywords_reads_the_gpu_it_was_given(
 def test_a_runner_given_its_gpu_by_position_reads_that_gpu(
         gpus: dict[int, Device], runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runner_class = _install(monkeypatch, gpus[1], parallel={"dp_size": 2, "dp_rank": 1})
-    runner_class(model_config(), 0.75, 1, 29500, server_args(dp_size=2))
-    assert process.rank.records_requests is True
+    runner_class(model_config(), 0.75, 1, 29500, server_args(dp_size=2, model_path="Qwen/Qwen3-32B"))
+    assert process.rank.records_requests is True and process.rank.identity.replica == 1
     sglang_runner.finish()
     header = _ring(runtime_dir, 1)[0]
     assert (header.rank, header.world_size, header.meta["gpu_total_bytes"]) == (1, 2, 48 * GiB)
+    assert (header.meta["model"], header.meta["config"]["dtype"]) == ("Qwen/Qwen3-32B", "bfloat16")
+
+
+def test_with_dp_attention_the_run_counts_replicas_not_attention_groups(
+        gpus: dict[int, Device], runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # DP attention over TP 4: SGLang's dp_size 4 is the attention groups; one replica of four GPUs.
+    runner_class = _install(monkeypatch, gpus[0], parallel={"tp_size": 4, "attn_dp_size": 4, "dp_rank": 0})
+    runner_class(model_config=model_config(), mem_fraction_static=0.75, gpu_id=0, nccl_port=29500,
+                 server_args=server_args(tp_size=4, dp_size=4))
+    sglang_runner.finish()
+    header = _ring(runtime_dir)[0]
+    assert (header.world_size, header.meta["config"]["data_parallel_size"]) == (4, 1)
+
+
+class DraftRunner(ModelRunner):
+    """A draft model's runner class of its own, a draft whatever its caller passes."""
+
+    is_draft_worker = True
+
+
+def test_a_runner_class_that_is_a_draft_starts_no_rank(
+        gpus: dict[int, Device], monkeypatch: pytest.MonkeyPatch) -> None:
+    _install(monkeypatch, gpus[0], DraftRunner)(model_config(), 0.75, 0, 29500, server_args())
+    assert process.rank is None
+
+
+def test_placement_without_an_attention_tp_rank_records_requests(
+        gpus: dict[int, Device], monkeypatch: pytest.MonkeyPatch) -> None:
+    context = install_sglang(monkeypatch, gpus[0], ModelRunner)
+    del context.parallel.attn_tp_rank  # an SGLang that publishes none
+    sglang_runner.install_live()
+    sys.modules[RUNNER_MODULE].ModelRunner(model_config(), 0.75, 0, 29500, server_args())
+    assert process.rank.records_requests is True
 
 
 def test_only_the_first_pipeline_stages_attention_tp_rank_0_records_requests(
@@ -166,15 +199,19 @@ def test_uninstall_puts_every_class_and_function_back(gpus: dict[int, Device], m
 def test_install_patches_modules_already_imported_and_finish_with_no_rank_is_a_no_op(
         gpus: dict[int, Device], runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sglang_runner.finish()
-    install_sglang(monkeypatch, gpus[0], ModelRunner)
+    install_sglang(monkeypatch, gpus[0], PostCapture)
     sglang_runner.install()
     runner = sys.modules[RUNNER_MODULE].ModelRunner(model_config(), 0.75, 0, 29500, server_args())
     runner.alloc_memory_pool()
     runner.init_cuda_graphs()
+    runner.post_capture_resize_kv_pool()
     events = _events(runtime_dir)
     assert [data["phase"] for kind, data in events if kind == "phase_start"] == [
         "load", "kv_alloc", "profile", "cudagraph"]
-    assert [data["num_blocks"] for kind, data in events if kind == "kv_allocated"] == [TOKENS]
+    first, second = [data for kind, data in events if kind == "kv_allocated"]
+    # Every module patched: the pool configurator's inputs, and the free memory the resize read.
+    assert (first["num_blocks"], first["pool_configurator"]) == (TOKENS, "DefaultPoolConfigurator")
+    assert second["post_capture_available_gb"] == 76 + 266 / 1024
 
 
 class LaterConfigurator(KVCacheConfigurator):
