@@ -27,7 +27,8 @@ from memwatch_engine.adapters import hooks
 from memwatch_engine.adapters.vllm import scheduler as vllm_scheduler
 from memwatch_engine.monitor import Monitor
 from memwatch_engine.probes.base import UNKNOWN, Probe
-from memwatch_engine.ring_format import STEP_KIND_CODES
+from memwatch_engine.ring_format import STEP_KIND_CODES, sample_load
+from memwatch_engine.ring_reader import RingReader
 
 BLOCKS = 1001  # 1,000 blocks and the null block
 
@@ -56,6 +57,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting: list[Request] = []
+        self.kv_holding_waiting: list[Request] = []  # 0.34: waiting, and holding KV blocks
         self.preempted: set[str] = set()
         self.down = False
 
@@ -81,7 +83,7 @@ class Scheduler:
         return output
 
     def get_request_counts(self) -> tuple[int, int]:
-        return len(self.running), len(self.waiting)
+        return len(self.running), len(self.waiting) + len(self.kv_holding_waiting)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> None:
         self.running.remove(request)
@@ -114,6 +116,16 @@ def _scheduler(module: ModuleType, blocks: int = BLOCKS, **parallel: Any) -> Any
     return module.Scheduler(config, SimpleNamespace(num_blocks=blocks), None, 16)
 
 
+def _loads(runtime_dir: Path, rank: int) -> list[tuple[int, int, int] | None]:
+    """Each step's load as its sample carries it: requests running and waiting, KV blocks still needed."""
+    [path] = runtime_dir.glob(f"*-r{rank}.ring")
+    reader = RingReader(path)
+    drained = reader.drain(0)
+    reader.close()
+    first = int.from_bytes(drained.slots[:8], "little")
+    return [sample_load(drained.slots, sample[0] - first) for sample in drained.samples if sample[15] >= 0]
+
+
 def _serve(scheduler: Any) -> list[Request]:
     """Two requests: a (40 prompt tokens, 10 to generate) and b (100, 30), two steps; b is then preempted."""
     a, b = Request("a", 40, 10), Request("b", 100, 30)
@@ -134,6 +146,7 @@ def test_each_step_is_a_sample_with_its_kv_blocks_and_load_and_a_preemption_is_a
     assert scheduler.down and vllm_scheduler.MONITOR_ATTRIBUTE not in vars(scheduler)
     header, events, samples = _ring(runtime, rank=2)  # one past the engine's two GPU ranks
     assert (header.rank, header.world_size, header.meta["probe"]) == (2, 2, "probe")  # no GPU: reads nothing
+    assert (header.meta["engine"], header.meta["model"]) == ("vllm", "meta-llama/Llama-3.1-8B")
     assert header.meta["config"] == {"model_config": "meta-llama/Llama-3.1-8B"}
     named = dict(events)
     assert named["config"] == {
@@ -151,6 +164,8 @@ def test_each_step_is_a_sample_with_its_kv_blocks_and_load_and_a_preemption_is_a
              if s["num_seqs"] >= 0]
     # Step 1: a's 40 tokens in 3 blocks, b's 100 in 7. Step 2: a at 41 tokens (3 blocks), b at 101 (7).
     assert steps == [(STEP_KIND_CODES["prefill"], 2, 140, 10, 1000), (STEP_KIND_CODES["decode"], 2, 2, 10, 1000)]
+    # Both running, none waiting; a needs 1 more block to reach 50 tokens, b 2 more to reach 130 (3 and 7 held).
+    assert _loads(runtime, 2) == [(2, 0, 3), (2, 0, 3)]
     assert named["run_end"]["status"] == "ok"
 
 
@@ -163,6 +178,8 @@ def test_the_load_counts_running_and_waiting_and_the_blocks_still_needed(runtime
     assert vllm_scheduler.scheduler_load(scheduler) == (2, 1, 3)
     scheduler.block_size = 32  # a: 2 blocks now, 2 at the end; b: 4 now, 5 at the end
     assert vllm_scheduler.scheduler_load(scheduler) == (2, 1, 1)
+    scheduler.kv_holding_waiting.append(Request("h", 8, 8))  # vLLM's own count has it, its waiting list not
+    assert vllm_scheduler.scheduler_load(scheduler) == (2, 2, 1)
     scheduler.shutdown()
     older = SimpleNamespace(running=[a, b], waiting=[c, Request("d", 1, 1)], block_size=16)  # 0.33: no counts
     assert vllm_scheduler.scheduler_load(older) == (2, 2, 3)
@@ -189,7 +206,7 @@ def test_a_block_pool_that_is_not_fresh_leaves_the_kv_columns_out(runtime: Path,
         "adapter does not know): its steps are recorded without KV block usage"]
     samples = _ring(runtime, rank=2)[2]
     steps = [(s["num_seqs"], s["kv_used"], s["kv_total"]) for s in samples if s["num_seqs"] >= 0]
-    assert steps == [(2, UNKNOWN, UNKNOWN)] * 2
+    assert steps == [(2, UNKNOWN, UNKNOWN)] * 2 and _loads(runtime, 2) == [(2, 0, 3)] * 2
 
 
 def test_another_engines_scheduler_records_no_workload_and_engine_0s_goes_to_the_rank_0_worker(
