@@ -60,8 +60,11 @@ class Scheduler:
         self.kv_holding_waiting: list[Request] = []  # 0.34: waiting, and holding KV blocks
         self.preempted: set[str] = set()
         self.down = False
+        self.priorities: list[int] = []
+        self.delayed: list[bool] = []
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, priority: int = 0) -> None:
+        self.priorities.append(priority)  # an argument a later vLLM might add
         if request.request_id not in self.requests:
             self.requests[request.request_id] = request
             self.waiting.append(request)
@@ -85,9 +88,11 @@ class Scheduler:
     def get_request_counts(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting) + len(self.kv_holding_waiting)
 
-    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> None:
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> tuple[Any, Any]:
         self.running.remove(request)
         del self.requests[request.request_id]
+        self.delayed.append(delay_free_blocks)
+        return None, {"request_id": request.request_id}  # the KV transfer parameters
 
     def shutdown(self) -> None:
         self.down = True
@@ -140,8 +145,12 @@ def _serve(scheduler: Any) -> list[Request]:
 
 def test_each_step_is_a_sample_with_its_kv_blocks_and_load_and_a_preemption_is_an_event(runtime: Path) -> None:
     scheduler = _scheduler(_module())
-    a, _ = _serve(scheduler)
-    scheduler._free_request(a)
+    a, b = _serve(scheduler)
+    scheduler.add_request(Request("c", 8, 1), 3)
+    scheduler.add_request(request=Request("d", 8, 1), priority=5)
+    assert scheduler._free_request(a, True) == (None, {"request_id": "a"})
+    assert scheduler._free_request(b, delay_free_blocks=True) == (None, {"request_id": "b"})
+    assert (scheduler.priorities[-2:], scheduler.delayed) == ([3, 5], [True, True])  # what vLLM passed, passed on
     scheduler.shutdown()
     assert scheduler.down and vllm_scheduler.MONITOR_ATTRIBUTE not in vars(scheduler)
     header, events, samples = _ring(runtime, rank=2)  # one past the engine's two GPU ranks
@@ -159,7 +168,10 @@ def test_each_step_is_a_sample_with_its_kv_blocks_and_load_and_a_preemption_is_a
     assert [(kind, data) for kind, data in events if kind.startswith("request_")] == [
         ("request_arrived", {"request_id": "a", "prompt_tokens": 40, "max_tokens": 10}),
         ("request_arrived", {"request_id": "b", "prompt_tokens": 100, "max_tokens": 30}),
-        ("request_finished", {"request_id": "a", "output_tokens": 1})]
+        ("request_arrived", {"request_id": "c", "prompt_tokens": 8, "max_tokens": 1}),
+        ("request_arrived", {"request_id": "d", "prompt_tokens": 8, "max_tokens": 1}),
+        ("request_finished", {"request_id": "a", "output_tokens": 1}),
+        ("request_finished", {"request_id": "b", "output_tokens": 1})]
     steps = [(s["step_kind"], s["num_seqs"], s["num_tokens"], s["kv_used"], s["kv_total"]) for s in samples
              if s["num_seqs"] >= 0]
     # Step 1: a's 40 tokens in 3 blocks, b's 100 in 7. Step 2: a at 41 tokens (3 blocks), b at 101 (7).
