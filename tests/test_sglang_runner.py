@@ -240,6 +240,26 @@ class LaterPool(DefaultPoolConfigurator):
 
 
 class LaterRunner(PostCapture):
+    def __init__(self, model_config: Any, mem_fraction_static: float, gpu_id: int, nccl_port: int,
+                 server_args: Any, is_draft_worker: bool = False) -> None:
+        self.model_config, self.mem_fraction_static, self.gpu_id = model_config, mem_fraction_static, gpu_id
+        self.server_args, self.is_draft_worker, self.is_hybrid_swa = server_args, is_draft_worker, False
+        self.device, self.page_size = "cuda", server_args.page_size
+        self.init_torch_distributed("later", timeout=30)
+        self.load_model("later", eager=True)
+
+    def init_torch_distributed(self, tag: str, *, timeout: int) -> None:
+        LaterConfigurator.seen.append(("distributed", tag, timeout))
+        ModelRunner.init_torch_distributed(self)
+
+    def load_model(self, tag: str, *, eager: bool) -> None:
+        LaterConfigurator.seen.append(("load", tag, eager))
+        ModelRunner.load_model(self)
+
+    def init_cuda_graphs(self, capture_decode_cuda_graph: bool, *, tag: str) -> None:
+        LaterConfigurator.seen.append(("graphs", capture_decode_cuda_graph, tag))
+        ModelRunner.init_cuda_graphs(self)
+
     def alloc_memory_pool(self, memory_pool_config: Any = None) -> None:
         self.kv_cache_configurator = sys.modules[CONFIGURATOR_MODULE].KVCacheConfigurator(self, False)
         result = self.kv_cache_configurator.configure("later", pre_model_load_memory=self.pre_model_load_memory,
@@ -264,9 +284,12 @@ def test_arguments_a_later_sglang_adds_reach_its_methods(
     draft = runner_class(model_config(), 0.75, 0, 29500, server_args(), is_draft_worker=True)
     for runner in (target, draft):
         runner.alloc_memory_pool()
+        runner.init_cuda_graphs(False, tag="later")
         runner.post_capture_resize_kv_pool("again", draft_runners=())
-    assert LaterConfigurator.seen == [("configure", "later", 0.5), ("profile", "later", 0.5), ("pool", "later", 0),
-                                      ("resize", "again", ()), ("pool", "later", 0)] * 2
+    started = [("distributed", "later", 30), ("load", "later", True)] * 2
+    assert LaterConfigurator.seen == started + [
+        ("configure", "later", 0.5), ("profile", "later", 0.5), ("pool", "later", 0), ("graphs", False, "later"),
+        ("resize", "again", ()), ("pool", "later", 0)] * 2
     events = _events(runtime_dir)
     assert [data.get("sizing_event") for kind, data in events if kind == "kv_allocated"] == [None, "post_capture"]
     assert [data["page_size"] for kind, data in events if kind == "kv_allocated"] == [16, 16]
