@@ -49,7 +49,8 @@ class Request:
 class Scheduler:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, structured_output_manager: Any, block_size: int,
                  log_stats: bool = False) -> None:
-        self.vllm_config, self.block_size = vllm_config, block_size
+        self.vllm_config, self.block_size, self.log_stats = vllm_config, block_size, log_stats
+        self.throttled: list[bool] = []
         self.held = 0
         pool = SimpleNamespace(num_gpu_blocks=kv_cache_config.num_blocks,
                                get_num_free_blocks=lambda: kv_cache_config.num_blocks - 1 - self.held)
@@ -70,6 +71,7 @@ class Scheduler:
             self.waiting.append(request)
 
     def schedule(self, throttle_prefills: bool = False) -> Any:
+        self.throttled.append(throttle_prefills)
         new, cached = list(self.waiting), list(self.running)
         self.running, self.waiting = cached + new, []
         for request in cached:
@@ -118,7 +120,7 @@ def _module(cls: type = Scheduler, requests: bool = True) -> ModuleType:
 def _scheduler(module: ModuleType, blocks: int = BLOCKS, **parallel: Any) -> Any:
     config = _config(tp=2)
     vars(config.parallel_config).update(parallel)
-    return module.Scheduler(config, SimpleNamespace(num_blocks=blocks), None, 16)
+    return module.Scheduler(config, SimpleNamespace(num_blocks=blocks), None, 16, log_stats=True)
 
 
 def _loads(runtime_dir: Path, rank: int) -> list[tuple[int, int, int] | None]:
@@ -139,7 +141,8 @@ def _serve(scheduler: Any) -> list[Request]:
     scheduler.add_request(Request("b", 20, 30))  # a streaming session's next chunk: the same request
     scheduler.schedule()
     scheduler.preempted = {"b"}
-    scheduler.schedule()
+    scheduler.schedule(True)
+    assert scheduler.throttled == [False, True] and scheduler.log_stats  # what vLLM passed, passed on
     return [a, b]
 
 
@@ -263,7 +266,13 @@ def test_a_scheduler_without_request_methods_still_records_its_steps(runtime: Pa
 
 
 def test_after_an_internal_fault_the_scheduler_runs_unrecorded(runtime: Path) -> None:
-    scheduler = _scheduler(_module())
+    module = _module()
+    vllm_scheduler._guard.active = False
+    unmonitored = _scheduler(module)  # built with the adapter off: no ring at all
+    vllm_scheduler._guard.active = True
+    unmonitored.shutdown()
+    assert unmonitored.down and list(runtime.glob("*.ring")) == []
+    scheduler = _scheduler(module)
     vllm_scheduler._guard.active = False
     _serve(scheduler)
     scheduler._free_request(scheduler.running[0])
