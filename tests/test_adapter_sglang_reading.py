@@ -41,7 +41,7 @@ def test_a_parallel_name_sglang_has_not_written_counts_as_its_default() -> None:
         def __getattr__(self, name: str) -> int:
             raise RuntimeError(f"parallel name {name!r} has not been written in this process")
 
-    assert rank_identity(Unpublished()).rank == 0
+    assert rank_identity(Unpublished()) == (0, 1, 0, 1, 0, 0, 0, 1)
 
 
 @pytest.mark.parametrize(("mode", "kind"), [("EXTEND", "prefill"), ("MIXED", "prefill"), ("DECODE", "decode"),
@@ -89,18 +89,21 @@ def test_a_pool_configurator_sglang_did_not_name_is_unknown() -> None:
     assert sizing_rule(plain, "DSV4PoolConfigurator", 1, False) == "sglang-DSV4PoolConfigurator"
     assert sizing_rule(SimpleNamespace(is_hybrid_swa=True), None, 1, False) == "sglang-hybrid-swa-unknown"
     assert sizing_rule(SimpleNamespace(), "DefaultPoolConfigurator", 1, False) == "sglang"  # no hybrid or Mamba fields
+    # Not said to be plain: a hybrid pool is not taken for the one memwatch's rule re-derives.
+    assert sizing_rule(SimpleNamespace(is_hybrid_swa=True), "HybridSWAPoolConfigurator", 1, False) == \
+        "sglang-hybrid-swa-draft"
 
 
 def test_the_engines_settings_are_plain_values() -> None:
     server_args = SimpleNamespace(model_path="Qwen/Qwen3-8B", kv_cache_dtype="fp8_e5m2", tp_size=2, pp_size=1,
-                                  dp_size=1, mem_fraction_static=0.85, page_size=16, max_total_tokens=None,
+                                  dp_size=1, mem_fraction_static=0.85, page_size=16, max_total_tokens=500_000,
                                   max_running_requests=64, chunked_prefill_size=8192, max_prefill_tokens=16384,
                                   disable_radix_cache=True)
     settings = engine_settings(server_args, SimpleNamespace(dtype="torch.bfloat16", context_len=32768))
     assert settings == {
         "model_config": "Qwen/Qwen3-8B", "dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2", "tensor_parallel_size": 2,
         "pipeline_parallel_size": 1, "data_parallel_size": 1, "mem_fraction_static": 0.85, "page_size": 16,
-        "max_total_tokens": None, "max_running_requests": 64, "chunked_prefill_size": 8192,
+        "max_total_tokens": 500_000, "max_running_requests": 64, "chunked_prefill_size": 8192,
         "max_prefill_tokens": 16384, "context_length": 32768, "disable_radix_cache": True}
     server_args.kv_cache_dtype = Path("auto")  # a value of another type is recorded as its text
     assert engine_settings(server_args, None)["kv_cache_dtype"] == "auto"
