@@ -285,11 +285,11 @@ def test_arguments_a_later_sglang_adds_reach_its_methods(
     for runner in (target, draft):
         runner.alloc_memory_pool()
         runner.init_cuda_graphs(False, tag="later")
-        runner.post_capture_resize_kv_pool("again", draft_runners=())
+        runner.post_capture_resize_kv_pool("again", draft_runners=("eagle",))
     started = [("distributed", "later", 30), ("load", "later", True)] * 2
     assert LaterConfigurator.seen == started + [
         ("configure", "later", 0.5), ("profile", "later", 0.5), ("pool", "later", 0), ("graphs", False, "later"),
-        ("resize", "again", ()), ("pool", "later", 0)] * 2
+        ("resize", "again", ("eagle",)), ("pool", "later", 0)] * 2
     events = _events(runtime_dir)
     assert [data.get("sizing_event") for kind, data in events if kind == "kv_allocated"] == [None, "post_capture"]
     assert [data["page_size"] for kind, data in events if kind == "kv_allocated"] == [16, 16]

@@ -263,6 +263,22 @@ class HybridPostCapture(Hybrid):
     post_capture = True
 
 
+def test_each_resize_records_the_free_memory_it_read_itself(
+        gpu: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, runner = _start(monkeypatch, gpu, PostCapture)
+    runner.alloc_memory_pool()
+    runner.init_cuda_graphs()
+    runner.post_capture_resize_kv_pool()
+    gpu.allocate(2 * GiB)  # then 2 GiB more in use: a second resize reads 2 GiB less free
+    runner.post_capture_resize_kv_pool()
+    _, [_, first, second] = _kv_events(runtime_dir)
+    # Less the 57,736 MiB the first resize backed past its first page, and the 2 GiB: 17 GiB 898 MiB, below the
+    # 19 GiB 899 MiB headroom, so the budget is what the pool backs already.
+    assert first["post_capture_available_gb"] == 76 + 266 / 1024
+    assert second["post_capture_available_gb"] == 17 + 898 / 1024
+    assert second["post_capture_budget_bytes"] == 57_738 * MiB
+
+
 def test_a_hybrid_pool_sized_again_after_capture_records_both_pools_as_resized(
         gpu: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _, runner = _start(monkeypatch, gpu, HybridPostCapture)
