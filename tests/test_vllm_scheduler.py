@@ -139,9 +139,9 @@ def _serve(scheduler: Any) -> list[Request]:
     scheduler.add_request(a)
     scheduler.add_request(b)
     scheduler.add_request(Request("b", 20, 30))  # a streaming session's next chunk: the same request
-    scheduler.schedule()
+    scheduler.schedule(False)
     scheduler.preempted = {"b"}
-    scheduler.schedule(True)
+    scheduler.schedule(throttle_prefills=True)
     assert scheduler.throttled == [False, True] and scheduler.log_stats  # what vLLM passed, passed on
     return [a, b]
 
