@@ -139,10 +139,10 @@ def _serve(scheduler: Any) -> list[Request]:
     scheduler.add_request(a)
     scheduler.add_request(b)
     scheduler.add_request(Request("b", 20, 30))  # a streaming session's next chunk: the same request
-    scheduler.schedule(False)
+    scheduler.schedule(True)
     scheduler.preempted = {"b"}
     scheduler.schedule(throttle_prefills=True)
-    assert scheduler.throttled == [False, True] and scheduler.log_stats  # what vLLM passed, passed on
+    assert scheduler.throttled == [True, True] and scheduler.log_stats  # what vLLM passed, passed on
     return [a, b]
 
 
