@@ -84,8 +84,10 @@ def test_a_serving_runner_records_its_pool_weights_and_identity(
         header.meta["config"].items()
     named = dict(events)
     assert named["rank_identity"]["tp_rank"] == 1
-    assert named["attached_late"]["unknown_terms"] == UNKNOWN_TERMS
+    assert named["attached_late"] == {"unknown_terms": UNKNOWN_TERMS, "reason": (
+        "memwatch was injected after SGLang started: the readings it sized its token pool on were never taken")}
     assert named["weights_loaded"]["weights_bytes"] == 3 * GiB  # the tied embedding counted once
+    assert (header.meta["config"]["dtype"], process.rank is None) == ("bfloat16", True)
     assert named["kv_allocated"] == {
         "total_bytes": 80 * GiB, "gpu_memory_utilization": 0.75, "used_bytes": None, "peak_bytes": None,
         "current_bytes": None, "reserved_bytes": None, "num_blocks": TOKENS, "block_bytes": CELL, "block_size": 1,
@@ -166,3 +168,16 @@ def test_a_pool_configurator_module_of_another_shape_leaves_the_cell_unknown(
     monitor.close("ok")
     sized = dict(_ring(runtime_dir)[1])["kv_allocated"]
     assert (sized["block_bytes"], sized["budget_rule"]) == (None, "sglang-unknown")
+
+
+def test_a_pipeline_stage_claims_no_rule_and_a_model_on_the_cpu_has_no_gpu_weights(
+        gpu: Device, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = _serving(monkeypatch, gpu, parallel={"pp_size": 2, "pp_rank": 1, "tp_size": 1})
+    for tensor in target.model.parameters():
+        tensor.is_cuda = False  # offloaded to the host: nothing of it on the GPU
+    [monitor] = _attach(runtime_dir)
+    assert process.rank.records_requests is False and process.rank.identity.pp_rank == 1
+    monitor.close("ok")
+    named = dict(_ring(runtime_dir, 1)[1])
+    assert named["kv_allocated"]["budget_rule"] == "sglang-pipeline"
+    assert "weights_loaded" not in named and named["attached_late"]["unknown_terms"][0] == "weights_bytes"
