@@ -1,0 +1,158 @@
+"""The collector's own look at a ring's writer (no ``is_alive`` given: the writer's lock and its pid, as ``memwatch
+serve`` runs it), what :meth:`Collector.ready` answers between polls, and how quickly the discovery thread the
+collector starts finds a ring and stops. Real rings, a real child process holding its ring's lock, a real store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from memwatch.sidecar.collector import Collector
+from memwatch.store import open_store
+from memwatch.store.writer import StoreWriter
+from memwatch_engine.ring import RingWriter
+from memwatch_engine.ring_reader import RingReader
+
+WRITER_START_AT = 40
+"""Where a ring's header keeps its writer's start time (u64, clock ticks since boot): :mod:`.ring_format`."""
+
+WRITER = """
+import sys
+from memwatch_engine.ring import RingWriter
+ring = RingWriter(sys.argv[1], run_id="reused", meta={"engine": "raw"}, capacity=64)
+for step in range(3):
+    ring.write_sample(step, 1000 + step, 5, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+print("written", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _until(predicate: Callable[[], object], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def writer(db_path: Path) -> Iterator[StoreWriter]:
+    made = StoreWriter(open_store(db_path))
+    made.start()
+    yield made
+    made.close()
+
+
+def _status(writer: StoreWriter, db_path: Path, run_id: str) -> tuple[str, int]:
+    assert writer.flush(timeout=60), "the store writer did not commit within 60 s"
+    db = open_store(db_path, readonly=True)
+    try:
+        return db.execute("SELECT status, records FROM ranks WHERE run_id = ?", (run_id,)).fetchone()
+    finally:
+        db.conn.close()
+
+
+def test_a_pid_that_now_names_a_process_started_at_another_time_is_not_the_writer(
+        runtime_dir: Path, db_path: Path, writer: StoreWriter) -> None:
+    """The lock is held, but the pid the ring names started later than its writer did (the pid was reused): the
+    writer is gone, and its rank ends ``crashed`` with what it wrote."""
+    ring = runtime_dir / "reused-r0.ring"
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(ring)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    collector = Collector(runtime_dir, db_path, writer)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "written\n"
+        reader = RingReader(ring)
+        started = reader.header.writer_start
+        reader.close()
+        assert started > 0
+        with open(ring, "r+b") as f:
+            f.seek(WRITER_START_AT)
+            f.write((started + 1).to_bytes(8, "little"))
+        collector.scan()
+        assert collector.poll() == 3  # read, caught up: its writer is looked at by the next poll
+        assert collector.poll() == 0
+        assert collector.rings == {} and child.poll() is None  # ended while that process still runs
+        assert _status(writer, db_path, "reused") == ("crashed", 3)
+    finally:
+        child.communicate("\n", timeout=30)
+        collector.close()
+
+
+def test_a_caught_up_ring_wants_draining_only_for_records_past_its_cursor(
+        runtime_dir: Path, db_path: Path, writer: StoreWriter) -> None:
+    ring = RingWriter(runtime_dir / "held-r0.ring", run_id="held", meta={"engine": "raw"})
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: True)
+    try:
+        for step in range(10):
+            ring.write_sample(step, 1000 + step, 5, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+        collector.scan()
+        assert collector.ready(10) and not collector.ready(11)
+        assert collector.poll() == 10
+        assert not collector.ready(1)  # ten published, ten read: nothing waits
+        for step in range(10, 14):
+            ring.write_sample(step, 1000 + step, 5, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+        assert collector.ready(4) and not collector.ready(5)
+    finally:
+        collector.close()
+        ring.close()
+
+
+def test_a_ring_cut_short_between_polls_wants_draining_at_once(
+        runtime_dir: Path, db_path: Path, writer: StoreWriter) -> None:
+    """The poll is what sees the ring is unreadable and ends its rank as ``error``; ``ready`` only says "now"."""
+    path = runtime_dir / "cut-r0.ring"
+    ring = RingWriter(path, run_id="cut", meta={"engine": "raw"}, capacity=1024)
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: True)
+    try:
+        for step in range(3):
+            ring.write_sample(step, 1000 + step, 5, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+        collector.scan()
+        assert collector.poll() == 3 and not collector.ready(10**6)
+        size = path.stat().st_size
+        os.truncate(path, 0)  # not even a header left
+        assert collector.ready(10**6)
+        assert collector.poll() == 0 and collector.rings == {}
+        assert _status(writer, db_path, "cut") == ("error", 3)
+        os.truncate(path, size)  # whole again before this process's writer marks it closed
+    finally:
+        collector.close()
+        ring.close()
+
+
+def test_a_ring_created_while_the_thread_waits_is_found_at_once_where_the_kernel_reports_changes(
+        runtime_dir: Path, db_path: Path, writer: StoreWriter) -> None:
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: True)
+    collector.discover(interval=30.0)  # watched unless told otherwise: no 30 s scan to wait for
+    try:
+        time.sleep(0.2)  # the thread's first listing: an empty directory
+        assert not collector.found
+        ring = RingWriter(runtime_dir / "new-r0.ring", run_id="new", meta={"engine": "raw"})
+        _until(lambda: collector.found, timeout=5.0)
+        collector.scan()
+        assert [path.name for path in collector.rings] == ["new-r0.ring"]
+        ring.close()
+    finally:
+        collector.close()
+
+
+def test_the_thread_started_with_the_defaults_stops_within_its_quarter_second_wait(
+        runtime_dir: Path, db_path: Path, writer: StoreWriter) -> None:
+    ring = RingWriter(runtime_dir / "early-r0.ring", run_id="early", meta={"engine": "raw"})
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: True)
+    collector.discover()
+    try:
+        _until(lambda: collector.found)  # listed: the thread now waits for changes, a quarter second at a time
+        began = time.monotonic()
+        collector.last_scan(time.monotonic() + 5.0)
+        took = time.monotonic() - began
+        assert took < 0.6, took  # the stop waited out at most the thread's current wait
+        assert [path.name for path in collector.rings] == ["early-r0.ring"]
+    finally:
+        collector.close()
+        ring.close()
