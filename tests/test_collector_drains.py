@@ -38,6 +38,11 @@ def _rank(collector: Collector, db_path: Path, run_id: str) -> tuple[int, int]:
         return conn.execute("SELECT records, lost_records FROM ranks WHERE run_id = ?", (run_id,)).fetchone()
 
 
+def _cursor(db_path: Path, run_id: str) -> tuple[int, int, int]:
+    with sqlite3.connect(db_path) as conn:
+        return conn.execute("SELECT next_seq, lost, finished FROM ring_cursors WHERE run_id = ?", (run_id,)).fetchone()
+
+
 def _samples(ring: RingWriter, n: int, first: int = 0) -> None:
     for step in range(first, first + n):
         ring.write_sample(step, 1000 + step, 5, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
@@ -71,6 +76,7 @@ def test_losses_add_up_over_drains_with_the_engines_own_and_each_drain_says_what
         assert caplog.messages == ["ring small-r0.ring: 44 records overwritten before they were read"]
     assert (collector.records_total, collector.lost_total) == (115, 95)
     assert _rank(collector, db_path, "small") == (115, 95)
+    assert _cursor(db_path, "small") == (203, 95, 0)  # where a restarted sidecar goes on: 203 records written
     # What a rank given up on says it read: every drain's records, not the last drain's.
     caplog.clear()
     os.truncate(runtime_dir / "small-r0.ring", 4096)
@@ -147,3 +153,4 @@ def test_a_closed_ring_ends_its_rank_with_the_status_it_said_unless_it_ran_out_o
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("SELECT status, records FROM ranks WHERE run_id = 'ends'").fetchone() == (
             status, 2 + len(events))
+    assert _cursor(db_path, "ends") == (2 + len(events), 0, 1)  # finished: a copy of the ring found later is not read
