@@ -187,3 +187,24 @@ def test_a_store_writer_that_stopped_ends_the_loop_saying_the_records_wait_in_th
     assert str(failure) == ("the store writer stopped: None; records stay in the rings for the next sidecar to "
                             "store")
     assert sidecar.health()[:2] == (False, False)
+
+
+def test_a_database_locked_by_another_writer_is_not_ready_until_it_takes_records_again(
+        runtime_dir: Path, db_path: Path, started: Sidecar) -> None:
+    ring = _ring(runtime_dir, "wait")
+    started.heartbeat = time.monotonic()
+    other = sqlite3.connect(db_path, isolation_level=None)
+    try:
+        other.execute("BEGIN EXCLUSIVE")  # another process writing, for as long as it likes
+        started.collector.scan()
+        ring.write_sample(0, 1000, 5, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+        started.collector.poll()
+        _until(lambda: started.writer.paused is not None)
+        assert started.health() == (True, False, "the database is not taking records (database is locked); they "
+                                                 "wait in the rings")
+        other.execute("COMMIT")
+        assert started.writer.flush(timeout=60)
+        assert started.health() == (True, True, "ready; 1 ring being stored")
+    finally:
+        other.close()
+        ring.close()
