@@ -154,3 +154,25 @@ def test_a_closed_ring_ends_its_rank_with_the_status_it_said_unless_it_ran_out_o
         assert conn.execute("SELECT status, records FROM ranks WHERE run_id = 'ends'").fetchone() == (
             status, 2 + len(events))
     assert _cursor(db_path, "ends") == (2 + len(events), 0, 1)  # finished: a copy of the ring found later is not read
+
+
+def test_a_ring_whose_writer_died_before_writing_a_record_ends_crashed_with_its_cursor_naming_the_run(
+        runtime_dir: Path, db_path: Path) -> None:
+    ring = RingWriter(runtime_dir / "empty-r2.ring", run_id="empty", rank=2, world_size=4, meta={"engine": "raw"})
+    writer = StoreWriter(open_store(db_path))
+    writer.start()
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: False)
+    try:
+        collector.scan()
+        assert collector.poll() == 0 and collector.rings  # read to its end: caught up
+        assert collector.poll() == 0 and collector.rings == {}  # its writer looked at: gone, nothing to wait for
+        assert writer.flush(timeout=60), "the store writer did not commit within 60 s"
+        with sqlite3.connect(db_path) as conn:
+            assert conn.execute("SELECT status, records, ended_ns FROM ranks WHERE run_id = 'empty'").fetchone() == (
+                "crashed", 0, None)  # no record: no time it ended at
+            assert conn.execute("SELECT run_id, rank, next_seq, lost, finished FROM ring_cursors").fetchall() == [
+                ("empty", 2, 0, 0, 1)]
+    finally:
+        collector.close()
+        writer.close()
+        ring.close()
