@@ -208,3 +208,37 @@ def test_a_database_locked_by_another_writer_is_not_ready_until_it_takes_records
     finally:
         other.close()
         ring.close()
+
+
+def test_a_sidecar_not_yet_started_is_alive_not_ready_and_would_store_no_ring(runtime_dir: Path, db_path: Path,
+                                                                             tmp_path: Path) -> None:
+    sidecar = Sidecar(runtime_dir, db_path, detect=False, state_dir=tmp_path / "state")
+    try:
+        assert sidecar.health() == (True, False, "starting")
+        assert sidecar.readiness() == "ready; 0 rings being stored"
+    finally:
+        sidecar.close()
+
+
+def test_a_loop_that_has_not_come_round_for_30_s_is_dead_by_default(started: Sidecar) -> None:
+    started.heartbeat = time.monotonic() - 29.5
+    assert started.health()[:2] == (True, True)
+    started.heartbeat = time.monotonic() - 30.5
+    assert started.health() == (False, False, "the sidecar's loop has not come round for 30 s")
+
+
+def test_no_ring_in_time_with_none_refused_is_said_without_a_count(
+        runtime_dir: Path, db_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    sidecar = Sidecar(runtime_dir, db_path, detect=False, state_dir=tmp_path / "state", poll_interval=0.05,
+                      scan_interval=0.05, no_ring_after=0.3)
+    sidecar.start()
+    with caplog.at_level(logging.WARNING, logger="memwatch.serve"):
+        loop = Loop(sidecar)
+        try:
+            _until(lambda: any(m.startswith("no ring has arrived") for m in caplog.messages))
+            assert sidecar.readiness() == "ready; 0 rings being stored; no ring has arrived in 0 s"
+        finally:
+            loop.stop()
+    assert [m for m in caplog.messages if m.startswith("no ring")] == [
+        f"no ring has arrived in {runtime_dir} in 0 s; an engine is stored only when its MEMWATCH_RUNTIME_DIR names "
+        "this directory (a private /tmp or another XDG_RUNTIME_DIR hides it) and its uid is trusted (--trust-uid)"]
