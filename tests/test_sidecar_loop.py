@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from memwatch.errors import UnavailableError
-from memwatch.sidecar.daemon import Sidecar
+from memwatch.sidecar.daemon import Sidecar, _each
 from memwatch_engine.ring import RingWriter
 
 
@@ -242,3 +242,20 @@ def test_no_ring_in_time_with_none_refused_is_said_without_a_count(
     assert [m for m in caplog.messages if m.startswith("no ring")] == [
         f"no ring has arrived in {runtime_dir} in 0 s; an engine is stored only when its MEMWATCH_RUNTIME_DIR names "
         "this directory (a private /tmp or another XDG_RUNTIME_DIR hides it) and its uid is trusted (--trust-uid)"]
+
+
+def test_a_flag_reaches_the_exporters_and_the_incident_triggers_each_whichever_are_running() -> None:
+    heard: list[tuple[str, object]] = []
+
+    def exporters(flag: object) -> None:
+        heard.append(("exporters", flag))
+
+    def triggers(flag: object) -> None:
+        heard.append(("triggers", flag))
+
+    assert _each(None, None) is None  # nothing to tell: the detectors are not asked to call anything
+    assert _each(exporters, None) is exporters and _each(None, triggers) is triggers  # one: called as it is
+    both = _each(exporters, triggers)
+    assert both is not None
+    both("flag")
+    assert heard == [("exporters", "flag"), ("triggers", "flag")]
