@@ -4,8 +4,10 @@ drain at a stop, and a store writer that stopped under it. Real rings, a real st
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import signal
 import sqlite3
 import threading
 import time
@@ -259,3 +261,39 @@ def test_a_flag_reaches_the_exporters_and_the_incident_triggers_each_whichever_a
     assert both is not None
     both("flag")
     assert heard == [("exporters", "flag"), ("triggers", "flag")]
+
+
+def test_a_first_signal_stops_the_loop_and_a_second_exits_at_once_with_its_number(started: Sidecar) -> None:
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    started.heartbeat = time.monotonic()
+    try:
+        started.install_signal_handlers()
+        os.kill(os.getpid(), signal.SIGTERM)
+        _until(lambda: not started.health()[1])
+        assert started.health() == (True, False, "stopping: draining the rings")
+        with pytest.raises(SystemExit) as exited:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler runs before this ends
+        assert exited.value.code == 128 + signal.SIGINT == 130
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _descriptors() -> set[str]:
+    gc.collect()  # what earlier tests left to the garbage collector
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_sidecar_closed_twice_leaves_no_descriptor_behind(runtime_dir: Path, db_path: Path, tmp_path: Path) -> None:
+    first = Sidecar(runtime_dir, db_path, detect=False, state_dir=tmp_path / "state")
+    first.start()  # what opens once in a process (and stays) is opened now
+    first.close()
+    del first
+    open_before = _descriptors()
+    sidecar = Sidecar(runtime_dir, db_path, detect=False, state_dir=tmp_path / "state")
+    sidecar.start()
+    sidecar.close()
+    sidecar.close()  # as the loop's end and then its caller do: nothing closed twice
+    del sidecar
+    assert _descriptors() == open_before
