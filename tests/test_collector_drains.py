@@ -7,12 +7,13 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from memwatch.sidecar.collector import Collector
+from memwatch.sidecar.collector import ALIVE_CHECK_S, Collector
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine.ring import HEADER_SIZE, RECORD_SIZE, RingWriter
@@ -176,3 +177,59 @@ def test_a_ring_whose_writer_died_before_writing_a_record_ends_crashed_with_its_
         collector.close()
         writer.close()
         ring.close()
+
+
+class _Calls:
+    """An observer (a detector, say) that keeps what each call gave it."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, header: object, records: list[object]) -> tuple[()]:
+        self.calls.append(len(records))
+        return ()
+
+
+def test_a_poll_with_nothing_new_stores_nothing_and_calls_no_observer(runtime_dir: Path, db_path: Path) -> None:
+    ring = RingWriter(runtime_dir / "calm-r0.ring", run_id="calm", meta={"engine": "raw"})
+    observer = _Calls()
+    writer = StoreWriter(open_store(db_path))
+    writer.start()
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: True, observers=[observer])
+    try:
+        collector.scan()
+        _samples(ring, 3)
+        assert collector.poll() == 3 and observer.calls == [3]
+        for _ in range(3):
+            assert collector.poll() == 0
+        assert observer.calls == [3]  # nothing new: not called with nothing
+        _samples(ring, 2, first=3)
+        assert collector.poll() == 2 and observer.calls == [3, 2]
+    finally:
+        collector.close()
+        writer.close()
+        ring.close()
+
+
+def test_a_ring_closed_without_its_end_event_by_a_writer_now_gone_ends_ok(runtime_dir: Path, db_path: Path) -> None:
+    """Closed, but no ``run_end`` before the flag: an end only once its writer is gone too (looked at, not assumed)."""
+    ring = RingWriter(runtime_dir / "quiet-r0.ring", run_id="quiet", meta={"engine": "raw"})
+    _samples(ring, 2)
+    ring.close()
+    alive = [True]
+    writer = StoreWriter(open_store(db_path))
+    writer.start()
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: alive[0])
+    try:
+        collector.scan()
+        assert collector.poll() == 2 and collector.poll() == 0
+        assert [path.name for path in collector.rings] == ["quiet-r0.ring"]  # its writer still runs: waited for
+        alive[0] = False
+        time.sleep(ALIVE_CHECK_S)  # its writer is looked at once a second
+        assert collector.poll() == 0 and collector.rings == {}
+        assert writer.flush(timeout=60), "the store writer did not commit within 60 s"
+        with sqlite3.connect(db_path) as conn:
+            assert conn.execute("SELECT status, records FROM ranks WHERE run_id = 'quiet'").fetchone() == ("ok", 2)
+    finally:
+        collector.close()
+        writer.close()

@@ -156,3 +156,19 @@ def test_the_thread_started_with_the_defaults_stops_within_its_quarter_second_wa
     finally:
         collector.close()
         ring.close()
+
+
+def test_a_thread_told_not_to_watch_finds_a_new_ring_only_at_its_next_scan(
+        runtime_dir: Path, db_path: Path, writer: StoreWriter) -> None:
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: True)
+    collector.discover(interval=60.0, watch=False)
+    try:
+        time.sleep(0.2)  # its first scan: an empty directory; the next is a minute away
+        ring = RingWriter(runtime_dir / "unseen-r0.ring", run_id="unseen", meta={"engine": "raw"})
+        time.sleep(0.5)
+        assert not collector.found  # no kernel report asked for: not found yet
+        collector.last_scan(time.monotonic() + 5.0)
+        assert [path.name for path in collector.rings] == ["unseen-r0.ring"]  # the last look lists it
+        ring.close()
+    finally:
+        collector.close()
