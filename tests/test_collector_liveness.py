@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from memwatch.sidecar.collector import Collector
+from memwatch.sidecar.collector import ALIVE_CHECK_S, DRAIN_LIMIT, Collector
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine.ring import RingWriter
@@ -170,5 +170,58 @@ def test_a_thread_told_not_to_watch_finds_a_new_ring_only_at_its_next_scan(
         collector.last_scan(time.monotonic() + 5.0)
         assert [path.name for path in collector.rings] == ["unseen-r0.ring"]  # the last look lists it
         ring.close()
+    finally:
+        collector.close()
+
+
+class _Asked:
+    """Whether the writer runs, as the collector asks it (counted)."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def __call__(self, pid: int, start: int) -> bool:
+        self.asked += 1
+        return True
+
+
+def test_a_writer_is_asked_after_once_a_second_while_its_ring_is_caught_up_and_at_once_when_it_catches_up(
+        runtime_dir: Path, db_path: Path, writer: StoreWriter) -> None:
+    ring = RingWriter(runtime_dir / "busy-r0.ring", run_id="busy", meta={"engine": "raw"}, capacity=16384)
+    asked = _Asked()
+    collector = Collector(runtime_dir, db_path, writer, is_alive=asked)
+    try:
+        for step in range(DRAIN_LIMIT + 10):
+            ring.write_sample(step, 1000 + step, 5, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+        collector.scan()
+        assert collector.poll() == DRAIN_LIMIT and collector.behind and asked.asked == 0  # behind: not asked
+        assert collector.poll() == 10 and not collector.behind and asked.asked == 0  # caught up by this drain
+        assert collector.backlogged is False and collector.behind is False  # the writer had room throughout
+        began = time.monotonic()
+        for _ in range(5):
+            assert collector.poll() == 0
+        assert asked.asked == 1 or time.monotonic() - began >= ALIVE_CHECK_S  # the first poll asked; not again
+        time.sleep(ALIVE_CHECK_S)
+        collector.poll()
+        assert asked.asked == 2 and [path.name for path in collector.rings] == ["busy-r0.ring"]
+    finally:
+        collector.close()
+        ring.close()
+
+
+def test_a_ring_that_said_its_end_but_is_not_closed_is_waited_for_while_its_writer_runs(
+        runtime_dir: Path, db_path: Path, writer: StoreWriter) -> None:
+    ring = RingWriter(runtime_dir / "ending-r0.ring", run_id="ending", meta={"engine": "raw"})
+    ring.write_sample(0, 1000, 5, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+    ring.write_event(1, 1001, "run_end", {"status": "ok"})  # its close is still to come
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: True)
+    try:
+        collector.scan()
+        for _ in range(3):
+            collector.poll()
+        assert [path.name for path in collector.rings] == ["ending-r0.ring"]
+        ring.close()
+        assert collector.poll() == 0 and collector.rings == {}
+        assert _status(writer, db_path, "ending") == ("ok", 2)
     finally:
         collector.close()
