@@ -44,9 +44,11 @@ class Loop:
             self.failed.append(exc)
 
     def stop(self) -> None:
+        began = time.monotonic()
         self.sidecar.stop()
         self.thread.join(30)
         assert not self.thread.is_alive()
+        assert time.monotonic() - began < 3.0  # the discovery thread stops within its scan interval
 
 
 @pytest.fixture
