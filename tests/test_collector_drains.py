@@ -233,3 +233,19 @@ def test_a_ring_closed_without_its_end_event_by_a_writer_now_gone_ends_ok(runtim
     finally:
         collector.close()
         writer.close()
+
+
+def test_a_ring_given_up_on_does_not_hold_back_the_rest_of_the_round(runtime_dir: Path, db_path: Path,
+                                                                     collector: Collector) -> None:
+    cut = RingWriter(runtime_dir / "cut-r0.ring", run_id="cut", meta={"engine": "raw"}, capacity=1024)
+    collector.scan()  # opened first: drained first in every round
+    fine = RingWriter(runtime_dir / "fine-r0.ring", run_id="fine", meta={"engine": "raw"})
+    collector.scan()
+    _samples(cut, 2)
+    _samples(fine, 2)
+    assert collector.poll() == 4
+    os.truncate(runtime_dir / "cut-r0.ring", 4096)
+    _samples(fine, 5, first=2)
+    assert collector.poll() == 5  # the cut ring ended as error, the next one drained in the same poll
+    assert [path.name for path in collector.rings] == ["fine-r0.ring"]
+    fine.close()

@@ -4,6 +4,7 @@ collector starts finds a ring and stops. Real rings, a real child process holdin
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -225,3 +226,37 @@ def test_a_ring_that_said_its_end_but_is_not_closed_is_waited_for_while_its_writ
         assert _status(writer, db_path, "ending") == ("ok", 2)
     finally:
         collector.close()
+
+
+def test_a_scan_takes_what_the_thread_found_so_nothing_is_left_found(runtime_dir: Path, db_path: Path,
+                                                                     writer: StoreWriter) -> None:
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: True)
+    collector.discover(interval=0.05)
+    ring = RingWriter(runtime_dir / "taken-r0.ring", run_id="taken", meta={"engine": "raw"})
+    try:
+        _until(lambda: collector.found)
+        collector.scan()
+        assert [path.name for path in collector.rings] == ["taken-r0.ring"]
+        assert not collector.found  # else the loop would wake at once, every time, for a ring it has
+    finally:
+        collector.close()
+        ring.close()
+
+
+def _descriptors() -> set[str]:
+    gc.collect()  # what earlier tests left to the garbage collector
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_ring_is_read_through_the_descriptor_it_was_judged_by_and_none_is_left_open(
+        runtime_dir: Path, db_path: Path, writer: StoreWriter) -> None:
+    ring = RingWriter(runtime_dir / "fd-r0.ring", run_id="fd", meta={"engine": "raw"})
+    ring.write_sample(0, 1000, 5, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+    Collector(runtime_dir, db_path, writer).close()  # SQLite keeps a descriptor of a file it locked: opened now
+    before = _descriptors()
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: True)
+    collector.scan()
+    assert collector.poll() == 1
+    collector.close()
+    assert _descriptors() == before
+    ring.close()
