@@ -249,3 +249,19 @@ def test_a_ring_given_up_on_does_not_hold_back_the_rest_of_the_round(runtime_dir
     assert collector.poll() == 5  # the cut ring ended as error, the next one drained in the same poll
     assert [path.name for path in collector.rings] == ["fine-r0.ring"]
     fine.close()
+
+
+def test_a_new_ring_under_the_name_of_one_stored_and_removed_is_read(runtime_dir: Path, db_path: Path,
+                                                                     collector: Collector) -> None:
+    path = runtime_dir / "again-r0.ring"
+    for run in range(2):  # the same run id and rank started twice: the same name, another ring
+        ring = RingWriter(path, run_id="again", meta={"engine": "raw"})
+        _samples(ring, 2 + run, first=10 * run)
+        ring.write_event(9, 1009, "run_end", {"status": "ok"})
+        ring.close()
+        collector.scan()
+        assert [p.name for p in collector.rings] == ["again-r0.ring"]
+        assert collector.poll() == 3 + run and collector.rings == {}
+        _flush(collector)
+        collector.poll()  # its end committed: removed
+        assert not path.exists()

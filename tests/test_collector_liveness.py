@@ -17,6 +17,7 @@ import pytest
 from memwatch.sidecar.collector import ALIVE_CHECK_S, DRAIN_LIMIT, Collector
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
+from memwatch_engine.dirfd import open_dir
 from memwatch_engine.ring import RingWriter
 from memwatch_engine.ring_reader import RingReader
 
@@ -260,3 +261,24 @@ def test_a_ring_is_read_through_the_descriptor_it_was_judged_by_and_none_is_left
     collector.close()
     assert _descriptors() == before
     ring.close()
+
+
+def test_the_collector_lists_the_directory_it_was_given_open_and_trusts_the_uids_it_was_told(
+        runtime_dir: Path, db_path: Path, writer: StoreWriter, tmp_path: Path) -> None:
+    """The sidecar judged the runtime directory it opened: a directory moved into its place later is not read."""
+    theirs = RingWriter(runtime_dir / "theirs-r0.ring", run_id="theirs", meta={"engine": "raw"})
+    os.chown(runtime_dir / "theirs-r0.ring", 4321, 4321)  # another uid's engine, trusted by --trust-uid
+    judged = open_dir(runtime_dir)
+    runtime_dir.rename(tmp_path / "judged")
+    runtime_dir.mkdir(mode=0o700)
+    swapped = RingWriter(runtime_dir / "swapped-r0.ring", run_id="swapped", meta={"engine": "raw"})
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: True, trust=[4321],
+                          runtime_fd=judged)
+    try:
+        collector.scan()
+        assert [path.name for path in collector.rings] == ["theirs-r0.ring"]
+    finally:
+        collector.close()
+        os.close(judged)
+        theirs.close()
+        swapped.close()
