@@ -259,9 +259,14 @@ def test_a_new_ring_under_the_name_of_one_stored_and_removed_is_read(runtime_dir
         _samples(ring, 2 + run, first=10 * run)
         ring.write_event(9, 1009, "run_end", {"status": "ok"})
         ring.close()
+        kept = path.read_bytes()
         collector.scan()
         assert [p.name for p in collector.rings] == ["again-r0.ring"]
         assert collector.poll() == 3 + run and collector.rings == {}
         _flush(collector)
         collector.poll()  # its end committed: removed
         assert not path.exists()
+        path.write_bytes(kept)  # the stored ring back (a restore): found stored whole, removed at once
+        os.chmod(path, 0o600)
+        collector.scan()
+        assert collector.rings == {} and not path.exists()
