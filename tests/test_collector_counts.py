@@ -4,14 +4,18 @@ scenario: the engine's monitor writes one record a step, none at its start."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+import pytest
 
 from memwatch.sidecar.collector import DRAIN_LIMIT, Collector
 from memwatch.store import open_store
 from memwatch.store.writer import StoreWriter
 from memwatch_engine import Monitor
-from memwatch_engine.ring import RingWriter
+from memwatch_engine.dirfd import private_dir
+from memwatch_engine.ring import HEADER_SIZE, RECORD_SIZE, RingWriter
 
 from probes import ScriptedProbe
 
@@ -101,3 +105,29 @@ def test_rings_set_aside_are_counted_and_a_ring_given_up_on_stays_unopened(runti
     finally:
         collector.close()
         writer.close()
+
+
+def test_every_ring_set_aside_is_counted_and_moved_while_the_log_says_at_most_twenty_a_minute(
+        runtime_dir: Path, db_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    for i in range(23):
+        junk = runtime_dir / f"junk{i:02d}-r0.ring"
+        junk.write_bytes(b"\0" * (HEADER_SIZE + RECORD_SIZE))
+        os.chmod(junk, 0o600)
+    writer = StoreWriter(open_store(db_path))
+    writer.start()
+    state_fd = private_dir(tmp_path / "state")
+    collector = Collector(runtime_dir, db_path, writer, is_alive=lambda pid, start: True, state_fd=state_fd)
+    try:
+        with caplog.at_level(logging.WARNING, logger="memwatch"):
+            collector.scan()
+        assert (collector.rings_set_aside, collector.rings_moved_aside) == (23, 23)
+        assert os.listdir(runtime_dir) == []  # every one moved (rejected/ itself keeps only the newest)
+        said = [m for m in caplog.messages if m.startswith("ignoring ring junk")]
+        assert len(said) == 20  # the log's limit a minute; the rest are counted, and said when the window ends
+        for line in said:
+            name = line.removeprefix("ignoring ring ").split(":")[0]
+            assert line == f"ignoring ring {name}: is not a memwatch ring (bad magic); moved to rejected/{name}"
+    finally:
+        collector.close()
+        writer.close()
+        os.close(state_fd)

@@ -75,11 +75,11 @@ def test_a_round_cut_short_by_a_full_queue_drains_the_rings_it_did_not_reach_fir
     writer.has_room = lambda: room.pop(0) if room else True  # type: ignore[method-assign]
     try:
         collector.scan()
-        collector.poll()
+        read = collector.poll()
         assert collector.backlogged
         drained = {state.header.rank: state.records for state in collector.rings.values()}
         (first,) = [rank for rank, records in drained.items() if records]  # one ring, in the order found
-        assert drained[first] >= 50 and sum(drained.values()) == drained[first]
+        assert drained[first] >= 50 and sum(drained.values()) == drained[first] == read  # what the cut poll read
         for monitor in monitors:
             monitor.step("decode", num_seqs=1)
         collector.poll()  # the rest of the round: the two others, not the first again for its one new step

@@ -112,3 +112,19 @@ def test_a_stuck_thread_is_waited_for_a_second_at_most_and_nothing_is_listed_bes
     stuck_log.gate.set()
     found.close()
     unseen.close()
+
+
+@pytest.mark.parametrize(("left", "waited"), [(30.0, 1.0), (0.4, 0.4), (-1.0, 0.0)])
+def test_a_stuck_thread_is_waited_for_what_is_left_of_the_deadline_up_to_a_second_and_no_more(
+        runtime_dir: Path, collector: Collector, stuck_log: StuckLog, left: float, waited: float) -> None:
+    """As above with nothing handed over, so nothing is opened after the wait: the wait alone is timed."""
+    collector.discover(interval=0.05)
+    os.close(os.open(runtime_dir / "other-r0.ring", os.O_CREAT | os.O_WRONLY, 0o644))
+    os.chmod(runtime_dir / "other-r0.ring", 0o644)
+    assert stuck_log.entered.wait(5)
+    began = time.monotonic()
+    collector.last_scan(time.monotonic() + left)
+    took = time.monotonic() - began
+    assert waited - 0.05 <= took <= waited + 0.45, took
+    assert _open(collector) == set()
+    stuck_log.gate.set()
