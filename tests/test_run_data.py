@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from memwatch.report.facts import rank_facts
 from memwatch.report.run_data import Phase, RunData, load_run_data, run_data_of
 from memwatch.store import open_store
 from memwatch.store.db import Database
@@ -202,3 +203,23 @@ def test_one_rank_or_a_store_in_memory_is_read_on_its_own_connection(db: Databas
         _sample(memory, rank, 0, 5 + rank, "serve", GiB, GiB, (2 + rank) * GiB, run="mem")
     memory.conn.commit()
     assert [rank.points.used for rank in load_run_data(memory, "mem").ranks] == [[2 * GiB], [3 * GiB]]
+
+
+def test_the_serving_peak_is_read_from_the_stored_samples_however_few_the_buckets(tmp_path: Path) -> None:
+    """300 samples a nanosecond apart: warm-up peaks at 9 GiB, the first serving sample (t = 150) at 8 GiB, the
+    rest 5 GiB. At 50 buckets one bucket spans t = 144..149 and the next begins the serve phase; whichever bucket
+    holds t = 150, the serving peak is 8 GiB, never warm-up's 9 GiB nor the later 5 GiB."""
+    db = open_store(tmp_path / "peak.db")
+    db.execute(ENSURE_RUN, ("pk", "pk"))
+    db.execute("UPDATE runs SET started_ns = 0, ended_ns = 400, status = 'ok', rank_count = 1 WHERE run_id = 'pk'")
+    db.execute("INSERT INTO events (run_id, rank, step, ts_ns, kind, data) VALUES ('pk', 0, 0, 150, 'phase_start',"
+               " '{\"phase\": \"serve\"}')")
+    for ts in range(1, 301):
+        peak = 9 * GiB if ts < 150 else 8 * GiB if ts == 150 else 5 * GiB
+        db.execute("INSERT INTO samples (run_id, rank, step, ts_ns, allocated_bytes, peak_bytes) VALUES"
+                   " ('pk', 0, ?, ?, ?, ?)", (ts, ts, GiB, peak))
+    db.conn.commit()
+    for buckets in (50, 1500):
+        [rank] = run_data_of(load_run(db, "pk"), buckets=buckets).ranks
+        assert rank.series.downsampled is (buckets == 50)
+        assert rank.serving_peak_bytes == rank_facts(rank).serving_peak_bytes == 8 * GiB

@@ -90,11 +90,9 @@ def rank_facts(data: RankData) -> RankFacts:
 
 
 def _serving_peak(data: RankData) -> int | None:
-    serve = next((phase.start_ns for phase in data.phases if phase.name == "serve"), None)
-    if serve is None:
-        return None
-    series = data.series
-    return _max([peak for first, peak in zip(series.first_ns, series.peak_max, strict=True) if first >= serve])
+    """Read from the stored samples, never from the drawn series: a downsampled bucket spans the serve phase's
+    start, and the peak inside it would be dropped (or warm-up's taken) at 50 buckets and not at 1,500."""
+    return data.serving_peak_bytes
 
 
 def run_facts(data: RunData) -> list[RankFacts]:

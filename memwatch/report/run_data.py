@@ -21,6 +21,7 @@ from memwatch.report.series import DEFAULT_BUCKETS, Series, peak_series
 from memwatch.store import open_store
 from memwatch.store.queries import Run
 from memwatch.store.run_model import StoredRun, load_run
+from memwatch.store.window import peak_since
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database
@@ -72,6 +73,9 @@ class RankData:
     total_bytes: int | None
     cuda_graphs_outside_budget_bytes: int | None = None
     """CUDA graphs captured after sizing that the engine's budget leaves out, as ``check`` measures them."""
+    serving_peak_bytes: int | None = None
+    """The largest allocator peak from the serve phase's start, read from the stored samples (a downsampled series
+    would lose the bucket the phase starts in)."""
 
     @property
     def has_kv(self) -> bool:
@@ -192,9 +196,11 @@ def run_data_of(model: StoredRun, buckets: int = DEFAULT_BUCKETS) -> RunData:
         points, ledger = _points(series, rank_events, run.run_id, rank)
         sizing = None if ledger.sizing is None else ledger.sizing._asdict()
         last_ns = series.last_ns[-1] if series.last_ns else (run.ended_ns or 0)
+        phases = _phases(rank_events, last_ns)
+        serve = next((phase.start_ns for phase in phases if phase.name == "serve"), None)
         ranks.append(RankData(
             rank=rank, status=(ranks_rows.get(rank) or {}).get("status"), series=series, points=points,
-            phases=_phases(rank_events, last_ns), flags=[f for f in all_flags if f.rank == rank],
+            phases=phases, flags=[f for f in all_flags if f.rank == rank],
             ooms=[e for e in rank_events if e.kind == "oom"],
             preemptions=[e for e in rank_events if e.kind == "preemption"],
             snapshot=[e for e in rank_events if e.kind.startswith("snapshot_")],
@@ -202,6 +208,7 @@ def run_data_of(model: StoredRun, buckets: int = DEFAULT_BUCKETS) -> RunData:
                                                 if e.kind == "weights_loaded"), None),
             total_bytes=(sizing or {}).get("total_bytes") or run.gpu_total_bytes,
             cuda_graphs_outside_budget_bytes=graphs.get(rank),
+            serving_peak_bytes=None if serve is None else peak_since(db, run.run_id, rank, serve),
         ))
     start = start if start is not None else run.started_ns or 0
     end = end if end is not None else run.ended_ns or start
