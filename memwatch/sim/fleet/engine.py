@@ -93,7 +93,7 @@ class FleetEngine:
                               world_size=config.tensor_parallel_size, run_id=run_id, probe=gpu,
                               runtime_dir=runtime_dir, config={"scenario": scenario.name, "fleet_engine": index},
                               spawn_sidecar=False, source="sim",  # the default clock: this host's wall clock
-                              close_at_exit=False)
+                              close_at_exit=False)  # pragma: no mutate (only its truth is read: None is False)
             if not monitor.enabled:
                 for runner in runners:
                     runner.monitor.close("error")
