@@ -194,6 +194,42 @@ def test_two_requests_that_outgrow_the_cache_preempt_the_later_one_which_resumes
         engine.close()
 
 
+def test_an_engine_that_goes_idle_writes_a_step_of_nothing_with_the_blocks_its_last_step_freed(
+        tmp_path: Path) -> None:
+    # A (100 + 3) and B (100 + 6) at 0 s, one 256-token block each: a prefill of both, two decodes of both (A ends
+    # in the second), three of B alone (B ends in the last). Each step's sample reads the blocks and the load
+    # before its finished requests free theirs, so A's end shows 2 blocks and 2 running, B's 1 and 1. B running
+    # on, A's end writes nothing more; B's leaves the engine idle: one step of nothing, no blocks, nothing
+    # running, waiting or needed. C (100 + 2) at 1 s: a prefill, a decode, and again one step of nothing.
+    engine = engine_of(TINY, tmp_path)
+    engine.start()
+    try:
+        serving = engine.clock.now_ns()
+        engine.submit(FleetRequest(0, 100, 3, 0), serving)
+        engine.submit(FleetRequest(1, 100, 6, 0), serving)
+        engine.submit(FleetRequest(2, 100, 2, 1_000_000_000), serving)
+        engine.advance_to(serving + 2_000_000_000)
+        assert engine.finished_ns.keys() == {0, 1, 2} and not engine.busy
+        ring = RingReader(engine.ring_paths[0])
+        try:
+            drained = ring.drain(0)
+        finally:
+            ring.close()
+        first = int.from_bytes(drained.slots[:8], "little")
+        serve = [s for s in drained.samples if s[PHASE] == PHASE_CODES["serve"] and s[STEP]]
+        assert {s[KV_TOTAL] for s in serve} == {engine.runners[0].kv_sizing.num_blocks}
+        seen = [(s[STEP_KIND], s[NUM_TOKENS], s[KV_USED], s[NUM_SEQS], sample_load(drained.slots, s[0] - first))
+                for s in serve]
+        empty = (0, 0, 0, 0, (0, 0, 0))
+        assert seen == [empty, (PREFILL, 200, 2, 2, (2, 0, 0)), (DECODE, 2, 2, 2, (2, 0, 0)),
+                        (DECODE, 2, 2, 2, (2, 0, 0)), (DECODE, 1, 1, 1, (1, 0, 0)), (DECODE, 1, 1, 1, (1, 0, 0)),
+                        (DECODE, 1, 1, 1, (1, 0, 0)), empty,
+                        (PREFILL, 100, 1, 1, (1, 0, 0)), (DECODE, 1, 1, 1, (1, 0, 0)), empty]
+        assert (engine.sim.stats.steps, engine.sim.stats.finished) == (8, 3)  # the steps of nothing run nothing
+    finally:
+        engine.close()
+
+
 def test_a_prompt_longer_than_a_batch_is_prefilled_in_two_chunks_before_its_first_output(tmp_path: Path) -> None:
     # 5,000 prompt tokens with batches of 4,096: 4,096 (512 ms at 8,000 tokens a second), then 904 (113 ms) and
     # the first output; two decodes of one (25.1 ms each) give the other two: done 675.2 ms after it arrived.
@@ -256,8 +292,9 @@ def test_each_rank_of_a_tensor_parallel_engine_has_its_device_its_ring_and_every
             assert (header.meta["device_index"], header.meta["gpu_name"], header.meta["probe"]) == (
                 rank, "NVIDIA H100 80GB HBM3", "sim")
             steps.append([s[STEP] for s in samples if s[PHASE] == PHASE_CODES["serve"]])
-        # On both ranks: the phase's start (step 0), the empty step at the start, a prefill and two decodes.
-        assert steps == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
+        # On both ranks: the phase's start (step 0), the empty step at the start, a prefill, two decodes and the
+        # empty step once the request has finished.
+        assert steps == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]]
     finally:
         engine.close()
     assert [runner.status for runner in engine.runners] == ["ok", "ok"]

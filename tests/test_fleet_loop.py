@@ -89,17 +89,51 @@ arrival_s = 20.1
 
 def test_held_requests_are_offered_every_fifth_tick_and_one_that_never_fits_is_rejected_once_idle() -> None:
     """One engine of 19 KV blocks (4,864 tokens). At 0 s: A and B of 2,000 + 500 tokens, D of 2,000 + 3,000. A is
-    sent; B (2,500 more) and D (5,000 alone) do not fit and wait at the router. A finishes about 13 s in; the
-    engine's last sample still shows its blocks, so at the retry ticks B still does not fit. C (100 + 10) arrives
-    at 20.1 s, in tick 402: no retry tick, so it queues behind the held ones until tick 405 (20.25 s), where B and
-    D still do not fit and C is sent (queue 0.15 s). C's steps show A's blocks freed: at the next retry tick, 410
-    (20.5 s), B is sent (queue 20.5 s). D never fits; once B is done, the engine idle and nothing left to arrive,
-    D is rejected. Queues 0, 0.15 and 20.5 s: p50 0.15, p99 20.5."""
+    sent; B (2,500 more) and D (5,000 alone) do not fit and wait at the router. A's last step begins at 12.7498 s
+    and ends at 12.7749 s; the step of nothing the engine writes on going idle shows A's blocks freed, so at the
+    retry tick of 12.75 s B is sent, and taken in as that step ends (queue 12.7749 s). C (100 + 10) arrives at
+    20.1 s, in tick 402: no retry tick, so it queues behind D until tick 405 (20.25 s), where D still does not fit
+    and C, beside B, does; B's decode running then ends at 20.2537 s, when C is taken in (queue 0.1537 s). D never
+    fits; once B and C are done, the engine idle and nothing left to arrive, D is rejected. Queues 0, 0.1537 and
+    12.7749 s."""
     (result,) = run_fleet(from_text(HELD, source="held.toml"), 1, ["memwatch"], seed=1)
     assert (result.requests, result.completed, result.rejected, result.lost, result.ooms) == (4, 3, 1, 0, 0)
-    assert (result.p50_queue_s, result.p99_queue_s) == (0.15, 20.5)
-    # 1,010 tokens, the last of them within the last tick.
-    assert 1010 / result.simulated_s - 0.01 <= result.tokens_per_s < 1010 / (result.simulated_s - 0.05)
+    assert (result.p50_queue_s, result.p99_queue_s) == (0.1537, 12.7749)
+    # 1,010 tokens. B's prefill ends at 13.0249 s, then 288 decodes alone (25.1 ms) to 20.2537 s, C's prefill
+    # (12.5 ms), 9 decodes of both (25.2 ms) to 20.493 s, and B's last 202 alone: it ends at 25.5632 s. D is
+    # rejected at the next retry tick, 25.75 s, where the run stops.
+    assert (result.tokens_per_s, result.simulated_s) == (round(1010 / 25.5632, 2), 25.75)
+
+
+FREED = """
+name = "freed"
+model = "Qwen3-0.6B"
+[gpu]
+total_bytes = 2_684_354_560
+[engine]
+max_num_batched_tokens = 4096
+max_model_len = 16384
+[[workload.requests]]
+prompt_tokens = 2000
+output_tokens = 500
+[[workload.requests]]
+prompt_tokens = 2000
+output_tokens = 1000
+"""
+
+
+def test_a_held_request_is_admitted_once_the_engine_shows_the_blocks_its_last_request_freed() -> None:
+    """HELD's engine (19 KV blocks, 4,864 tokens), A of 2,000 + 500 and B of 2,000 + 1,000 tokens at 0 s. A is sent;
+    B (3,000 more) does not fit beside it and waits at the router. A's prefill takes 0.25 s, its 499 decodes
+    25.1 ms each: its last step begins at 12.7498 s, before the retry tick of 12.75 s, and ends at 12.7749 s.
+    That step's sample still shows A's blocks; the empty step the engine writes on going idle shows them freed, so
+    at 12.75 s, with the engine idle and nothing left to arrive, B fits and is sent instead of being rejected. The
+    engine takes it in when that step ends (queue 12.7749 s) and ends it 0.25 s + 999 x 25.1 ms later, at 38.0998 s
+    (1,500 tokens), within the tick ending at 38.1 s."""
+    (result,) = run_fleet(from_text(FREED, source="freed.toml"), 1, ["memwatch"], seed=1)
+    assert (result.requests, result.completed, result.rejected, result.lost, result.ooms) == (2, 2, 0, 0, 0)
+    assert (result.p50_queue_s, result.p99_queue_s, result.simulated_s) == (0.0, 12.7749, 38.1)
+    assert result.tokens_per_s == round(1500 / 38.0998, 2)
 
 
 def test_an_engine_that_crashes_serving_loses_its_request_and_the_later_ones_are_rejected() -> None:
@@ -122,13 +156,14 @@ def test_an_engine_dead_from_the_start_neither_delays_serving_nor_receives_a_req
 def test_the_fleet_stops_a_bounded_time_after_the_last_arrival_rejecting_what_it_holds(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """HELD with the bound at 0.25 s after the last arrival (20.1 s): at 20.35 s. At the tick of 20.4 s, the first
-    past it, the router still holds B and D (B is sent only at 20.5 s): both rejected. C, sent at 20.25 s, needs
-    a prefill and 9 decodes (0.2384 s): the engine still holds it, lost. Only A completed. The engine's clock
-    stops at the end of the step running at 20.4 s: 20.25 + 0.0125 + 6 x 0.0251 = 20.4131 s."""
+    past it, the router still holds D: rejected. B, sent at 12.75 s, and C, sent at 20.25 s, are still running:
+    both lost. Only A completed. C is taken in at 20.2537 s; its prefill takes 12.5 ms, then decodes of B and C
+    25.2 ms each: the step running at 20.4 s ends at 20.2537 + 0.0125 + 6 x 0.0252 = 20.4174 s, where the
+    engine's clock stops."""
     monkeypatch.setattr(fleet_loop, "DRAIN_AFTER_S", 0.25)
     (result,) = run_fleet(from_text(HELD, source="held.toml"), 1, ["memwatch"], seed=1)
-    assert (result.requests, result.completed, result.rejected, result.lost, result.ooms) == (4, 1, 2, 1, 0)
-    assert result.simulated_s == 20.413
+    assert (result.requests, result.completed, result.rejected, result.lost, result.ooms) == (4, 1, 1, 2, 0)
+    assert result.simulated_s == 20.417
 
 
 def test_the_last_request_finishing_right_after_the_bound_s_tick_completes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,11 +190,11 @@ def test_each_policy_s_engines_are_runs_of_their_own_whatever_run_id_the_environ
 
 
 def test_ties_between_idle_engines_are_broken_by_the_seed_s_draws(tmp_path: Path) -> None:
-    # Eight requests a second apart, each done in 0.24 s, so each finds both engines idle. An engine's last
-    # sample still shows the block of the request it last ran: request 1 goes to engine 1, which shows none.
-    # Otherwise both show the same usage and kv-usage's draws (one per engine, the lower wins) decide:
-    # random.Random(1) draws 0.134, 0.847 | (0.764, 0.255) | 0.495, 0.449 | 0.652, 0.789 | 0.094, 0.028 |
-    # 0.836, 0.433 | 0.762, 0.002 | 0.445, 0.722: requests 0, 3 and 7 go to engine 0, the others to engine 1.
+    # Eight requests a second apart, each done in 0.24 s, so each finds both engines idle, and showing no blocks
+    # (an engine that goes idle writes a step of nothing after the one that still held its last request's
+    # block): the same usage, so kv-usage's draws (one per engine, the lower wins) decide: random.Random(1)
+    # draws 0.134, 0.847 | 0.764, 0.255 | 0.495, 0.449 | 0.652, 0.789 | 0.094, 0.028 | 0.836, 0.433 |
+    # 0.762, 0.002 | 0.445, 0.722: requests 0, 3 and 7 go to engine 0, the others to engine 1.
     eight = FLEET_TINY + "count = 8\ninterval_s = 1.0\n"
     (result,) = run_fleet(from_text(eight, source="eight.toml"), 2, ["kv-usage"], seed=1, workdir=tmp_path)
     assert (result.completed, result.p99_queue_s) == (8, 0.0)

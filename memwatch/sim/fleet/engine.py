@@ -93,7 +93,7 @@ class FleetEngine:
                               world_size=config.tensor_parallel_size, run_id=run_id, probe=gpu,
                               runtime_dir=runtime_dir, config={"scenario": scenario.name, "fleet_engine": index},
                               spawn_sidecar=False, source="sim",  # the default clock: this host's wall clock
-                              close_at_exit=False)
+                              close_at_exit=False)  # pragma: no mutate (only its truth is read: None is False)
             if not monitor.enabled:
                 for runner in runners:
                     runner.monitor.close("error")
@@ -136,10 +136,7 @@ class FleetEngine:
         self.status = "serving"
         # An empty step says the KV cache is free and nothing runs, so the sidecar's headroom signal is
         # complete before the first request (a router would otherwise see an idle engine as unknown).
-        self.runners[0].monitor.step(num_seqs=0, num_tokens=0, kv_blocks_used=0, kv_blocks_total=sizing.num_blocks,
-                                     requests_running=0, requests_waiting=0, kv_blocks_needed=0)
-        for runner in self.runners[1:]:
-            runner.monitor.step()
+        self._empty_step(self._scheduler.block_manager)
 
     def submit(self, request: FleetRequest, serving_start_ns: int) -> None:
         """Queue a request the router sent here; it reaches the engine at its arrival time."""
@@ -163,6 +160,21 @@ class FleetEngine:
                 self.sim._step(scheduler, scheduler.block_manager)
             except (SimulatedOutOfMemory, SimulatedCrash, MemwatchError) as exc:
                 self._die(exc)
+            else:
+                if scheduler.is_finished():
+                    # A step's sample reads the blocks before the requests it finished free them, and an idle
+                    # engine steps no more: without this its last sample would show the freed blocks held for as
+                    # long as it idles. vLLM's engine core schedules once more after its last finish: a step of
+                    # nothing.
+                    self._empty_step(scheduler.block_manager)
+
+    def _empty_step(self, manager: BlockManager) -> None:
+        """A step that schedules nothing: nothing running or waiting, the blocks the cache holds (none)."""
+        self.runners[0].monitor.step(num_seqs=0, num_tokens=0, kv_blocks_used=manager.num_used,
+                                     kv_blocks_total=manager.num_blocks, requests_running=0, requests_waiting=0,
+                                     kv_blocks_needed=0)
+        for runner in self.runners[1:]:
+            runner.monitor.step()
 
     def _die(self, exc: BaseException) -> None:
         """The engine's process ends: an OOM is recorded by the rank it hit (inside the serving phase), the
