@@ -212,3 +212,19 @@ def test_released_vllm_under_a_version_it_was_not_tested_as_says_so_once_and_rec
                for rank, data in ((rank, json.loads(data)) for rank, data in
                                   query(db_path, "SELECT rank, data FROM events WHERE kind = 'kv_allocated'"))}
     assert sizings == {0: (100, 100 * 32 * 1024), 1: (100, 100 * 32 * 1024)}
+
+
+def test_the_first_tested_distribution_installed_is_the_one_read() -> None:
+    tested = {"memwatch-no-such-distribution": ("1.0",), "pytest": (pytest.__version__,)}
+    assert versions.installed_version(tested) == ("pytest", pytest.__version__)
+    assert versions.installed_version({"memwatch-no-such-distribution": ("1.0",)}) is None
+
+
+def test_a_seam_the_engine_no_longer_has_is_named_as_changed() -> None:
+    class Worker:
+        def load_model(self) -> None: ...
+
+    with pytest.raises(versions.SeamChanged) as changed:
+        versions.require_signature(Worker, "init_device", ("self",))
+    assert str(changed.value) == (f"{__name__}.{Worker.__qualname__} has no init_device (an engine version this "
+                                  "adapter does not know)")
