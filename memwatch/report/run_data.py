@@ -21,7 +21,7 @@ from memwatch.report.series import DEFAULT_BUCKETS, Series, peak_series
 from memwatch.store import open_store
 from memwatch.store.queries import Run
 from memwatch.store.run_model import StoredRun, load_run
-from memwatch.store.window import peak_since
+from memwatch.store.sample_peaks import peak_since
 
 if TYPE_CHECKING:
     from memwatch.store.db import Database

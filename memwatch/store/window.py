@@ -163,19 +163,6 @@ def time_span(db: Database, run_id: str, rank: int | None = None) -> tuple[int |
     return (min(firsts) if firsts else None, max(lasts) if lasts else None)
 
 
-def peak_since(db: Database, run_id: str, rank: int, since_ns: int) -> int | None:
-    """The rank's largest allocator peak stamped at or after ``since_ns``: its full-resolution rows through the
-    samples' index, and each rolled-up second that ends then or later (a second is kept whole)."""
-    key = run_key(db, run_id)
-    if key is None:
-        return None
-    found = [db.execute("SELECT max(peak_bytes) FROM sample_rows WHERE run_key = ? AND rank = ? AND ts_ns >= ?",
-                        (key, rank, since_ns)).fetchone()[0],
-             db.execute("SELECT max(max_peak_bytes) FROM sample_seconds WHERE run_key = ? AND rank = ?"
-                        " AND last_ts_ns >= ?", (key, rank, since_ns)).fetchone()[0]]
-    return max((peak for peak in found if peak is not None), default=None)
-
-
 class Bucket(NamedTuple):
     """One bucket of a downsampled series: its time span, how many samples, and per column min and max."""
 
