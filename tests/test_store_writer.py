@@ -101,13 +101,14 @@ def test_every_kind_of_row_is_stored_and_statements_run_after_the_inserts_in_ord
 
 
 def test_counts_add_up_over_rounds_and_a_cursor_is_moved_not_doubled(writer: StoreWriter, db_path: Path) -> None:
-    _store(writer, Batch(samples=[SAMPLE], events=[EVENT], cursors=[(RING, "run1", 0, 8, 0, 0)]))
+    _store(writer, Batch(samples=[SAMPLE], events=[EVENT], set_aside=[("run1", 0, 8, 1, "w", b"")],
+                         cursors=[(RING, "run1", 0, 8, 0, 0)]))
     _store(writer, Batch(ring_samples=[(_ring_insert(), [RING_SAMPLE]),
                                        (_ring_insert(), [(*RING_SAMPLE[:6], 4000, *RING_SAMPLE[7:]),
                                                          (*RING_SAMPLE[:6], 5000, *RING_SAMPLE[7:])])],
                          flags=[FLAG, FLAG], set_aside=[("run1", 0, 9, 1, "x", b""), ("run1", 0, 10, 2, "y", b"")],
                          cursors=[(RING, "run1", 0, 12, 2, 1), ("other.ring", "run2", 1, 3, 0, 0)]))
-    assert (writer.rows_written, writer.rows_set_aside) == (2 + 3 + 2, 2)
+    assert (writer.rows_written, writer.rows_set_aside) == (2 + 3 + 2, 1 + 2)
     assert _rows(db_path, "SELECT count(*) FROM samples") == [(4,)]
     assert _rows(db_path, "SELECT * FROM ring_cursors ORDER BY ring") == [
         ("other.ring", "run2", 1, 3, 0, 0), (RING, "run1", 0, 12, 2, 1)]
@@ -214,7 +215,7 @@ def test_a_refused_batch_is_stored_row_by_row_and_only_its_bad_rows_are_set_asid
     called: list[str] = []
     good = Batch(flags=[FLAG], cursors=[("good.ring", "run3", 0, 5, 0, 0)], after_commit=[lambda: called.append("g")])
     refused = Batch(samples=[SAMPLE], events=[EVENT, bad_event], flags=[FLAG],
-                    statements=[("UPDATE runs SET status = 'ok' WHERE run_id = ?", ("run1",)), duplicate_run],
+                    statements=[("UPDATE runs SET status = ? WHERE run_id = ?", ("ok", "run1")), duplicate_run],
                     set_aside=[("run1", 0, 9, 4000, "bad checksum", b"\xff")], cursors=[(RING, "run1", 0, 8, 0, 0)],
                     after_commit=[lambda: called.append("r")])
     before = time.time_ns()

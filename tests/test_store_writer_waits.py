@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -58,6 +59,16 @@ def _until(check: Callable[[], Any], timeout: float = 5.0) -> float:
     return time.monotonic() - started
 
 
+def _within(bound: float, call: Callable[[], Any]) -> Any:
+    """``call()``'s result, from a thread given ``bound`` seconds: a wait that does not end fails the test."""
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(bound)
+    assert result, f"still waiting after {bound} s"
+    return result[0]
+
+
 def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [record.getMessage() for record in caplog.records if record.name == "memwatch.store"]
 
@@ -91,12 +102,15 @@ def test_a_flush_or_a_close_ends_a_held_round_at_once(writer: StoreWriter, db_pa
 
 def test_a_held_round_goes_once_held_longest(writer: StoreWriter, db_path: Path) -> None:
     writer.start()
-    with writer.held(longest=0.5):
+    started = time.monotonic()
+    with writer.held(longest=1.3):
         writer.submit(Batch(events=[EVENT]), timeout=1)
         time.sleep(0.2)
         assert _events(db_path) == 0
-        # The writer looks at the clock every 0.1 s while held, after its first wait (1 s at most) ends.
-        assert _until(lambda: _events(db_path) == 1, timeout=3.0) < 1.6
+        # The writer's first wait ends at 1 s; held, it then looks at the clock every 0.1 s: it goes at 1.3 s,
+        # not at its next 1 s wait's end.
+        _until(lambda: _events(db_path) == 1, timeout=4.0)
+        assert 1.25 <= time.monotonic() - started < 1.8
 
 
 def test_a_held_round_goes_once_the_queue_reaches_its_byte_cap(db_path: Path) -> None:
@@ -122,20 +136,49 @@ def test_room_submit_and_flush_are_bounded_while_nothing_commits(db_path: Path) 
     writer.submit(Batch(events=[EVENT]), timeout=0.1)
     assert writer.has_room() is False and writer.queued_bytes == 2 * ROW_BYTES
     started = time.monotonic()
-    assert writer.wait_for_room(0.3) is False
+    assert _within(5, lambda: writer.wait_for_room(0.3)) is False
     assert 0.3 <= time.monotonic() - started < 2.0
     started = time.monotonic()
     with pytest.raises(WriterStalled, match=r"^the store writer took nothing for 1 s$"):
         writer.submit(Batch(events=[EVENT]), timeout=0.6)
     assert 0.6 <= time.monotonic() - started < 2.5
     started = time.monotonic()
-    assert writer.flush(timeout=0.3) is False
+    assert _within(5, lambda: writer.flush(timeout=0.3)) is False
     assert 0.3 <= time.monotonic() - started < 2.0
     writer.start()
     assert writer.wait_for_room(5.0) is True and writer.flush(timeout=5) is True
     assert (writer.queued_bytes, writer.backlog, _events(db_path)) == (0, 0, 2)
     writer.close(timeout=5)
-    assert not writer.is_alive()
+    assert not writer.is_alive() and writer.queued_bytes == 0
+
+
+def test_close_waits_its_bound_at_most_for_a_writer_that_does_not_end(writer: StoreWriter) -> None:
+    release = threading.Event()
+    writer.start()
+    writer.submit(Batch(events=[EVENT], after_commit=[lambda: release.wait(10)]), timeout=1)
+    _until(lambda: writer.backlog == 0)
+    started = time.monotonic()
+    _within(5, lambda: writer.close(timeout=0.3))
+    assert 0.3 <= time.monotonic() - started < 2.0 and writer.is_alive()
+    release.set()
+    writer.join(5)
+    assert not writer.is_alive() and writer.error is None
+
+
+def test_an_idle_writer_sleeps_and_its_defaults_are_as_documented(writer: StoreWriter) -> None:
+    writer.start()
+    assert writer.flush(timeout=5)
+    before = time.process_time()
+    time.sleep(0.6)
+    assert time.process_time() - before < 0.15  # no thread spinning on an empty queue
+    with writer.held():
+        time.sleep(0.6)
+    assert time.process_time() - before < 0.3
+    # Idle past its 1 s wait, the writer still takes the next batch.
+    writer.submit(Batch(events=[EVENT]), timeout=1)
+    assert writer.flush(timeout=5) and writer.rows_written == 1
+    fresh = StoreWriter(writer._db)
+    assert (fresh.max_bytes, fresh.give_up_after) == (16 * 1024 * 1024, 60.0)
 
 
 def test_an_empty_queue_takes_a_batch_larger_than_the_cap(db_path: Path) -> None:
@@ -168,7 +211,7 @@ def test_a_locked_database_is_waited_out_and_the_pause_logged_once(
 
 def test_a_lock_that_stays_is_given_up_after_its_bound(
         db_path: Path, lock: sqlite3.Connection, caplog: pytest.LogCaptureFixture) -> None:
-    writer = StoreWriter(open_store(db_path), give_up_after=1.0)
+    writer = StoreWriter(open_store(db_path), give_up_after=2.0)
     tries: list[str] = []
     writer._db.conn.execute("PRAGMA busy_timeout = 0")
     writer._db.conn.set_trace_callback(lambda sql: tries.append(sql) if sql == "BEGIN " else None)
@@ -178,9 +221,10 @@ def test_a_lock_that_stays_is_given_up_after_its_bound(
     writer.submit(Batch(events=[EVENT]), timeout=1)
     writer.join(10)
     took = time.monotonic() - started
-    # Tries at 0, 0.05, 0.15, 0.35, 0.75 s (waits doubling from 50 ms), then 1.55 s: past 1 s, given up.
-    assert len(tries) == 6 and 1.5 <= took < 4.0
-    message = f"the database stayed locked for 1 s ({LOCKED})"
+    # Tries at 0, 0.05, 0.15, 0.35, 0.75, 1.55 s (waits doubling from 50 ms to 1 s at most), then 2.55 s: past
+    # 2 s, given up (waits up to 1.6 s would try next at 3.15 s).
+    assert len(tries) == 7 and 2.5 <= took < 3.0
+    message = f"the database stayed locked for 2 s ({LOCKED})"
     assert isinstance(writer.error, RuntimeError) and str(writer.error) == message
     assert _messages(caplog) == [PAUSED.format(LOCKED), f"store writer failed: {message}"]
     assert writer.flush(timeout=0.1) is False
