@@ -74,7 +74,8 @@ def test_a_writer_waits_a_second_at_most_inside_sqlite_for_a_lock(writer: StoreW
 
 
 def test_every_kind_of_row_is_stored_and_statements_run_after_the_inserts_in_order(
-        writer: StoreWriter, db_path: Path) -> None:
+        writer: StoreWriter, db_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="memwatch.store")
     before = time.time_ns()
     batch = Batch(samples=[SAMPLE, UNKNOWN], ring_samples=[(_ring_insert(), [RING_SAMPLE])], events=[EVENT],
                   flags=[FLAG], statements=[TALLY, AFTER_TALLY],
@@ -98,6 +99,7 @@ def test_every_kind_of_row_is_stored_and_statements_run_after_the_inserts_in_ord
     # Samples, ring samples, events and flags are counted as written; statements and set-aside rows are not.
     assert (writer.rows_written, writer.rows_set_aside) == (5, 1)
     assert (writer.backlog, writer.queued_bytes) == (0, 0)
+    assert caplog.records == []  # in one go: nothing refused, nothing set aside row by row
 
 
 def test_counts_add_up_over_rounds_and_a_cursor_is_moved_not_doubled(writer: StoreWriter, db_path: Path) -> None:
