@@ -159,6 +159,34 @@ def test_a_writer_stopped_by_a_batch_refuses_more_and_says_why(writer: StoreWrit
     assert time.monotonic() - started < 5.0
 
 
+def test_a_flush_in_the_round_that_stops_the_writer_reads_the_error_set_before_it_was_woken(
+        writer: StoreWriter) -> None:
+    """The writer logs its death after waking the round's flushes: a handler that holds the log line until the
+    flush has answered shows the flush learnt of the failure from the error already set, not from a race."""
+    flushed: list[bool] = []
+
+    class HoldTheDeathLine(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            deadline = time.monotonic() + 5
+            while record.getMessage().startswith("store writer failed") and not flushed \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    handler = HoldTheDeathLine()
+    logging.getLogger("memwatch.store").addHandler(handler)
+    try:
+        writer.start()
+        with writer.held(longest=10.0):
+            writer.submit(Batch(statements=[("SELEC 1", ())]), timeout=5)
+            flusher = threading.Thread(target=lambda: flushed.append(writer.flush(timeout=10)))
+            flusher.start()
+            flusher.join(10)
+        writer.join(10)
+    finally:
+        logging.getLogger("memwatch.store").removeHandler(handler)
+    assert flushed == [False] and not writer.is_alive()
+
+
 class _Died(BaseException):
     pass
 
