@@ -108,7 +108,9 @@ class StoreWriter(threading.Thread):
         self.max_bytes = max_bytes
         self.give_up_after = give_up_after
         self.rows_written = 0
+        """Sample, event and flag rows committed (statements and set-aside records not counted)."""
         self.rows_set_aside = 0
+        """Records committed to ``set_aside``: the batches' own and the rows SQLite refused."""
         self.paused: str | None = None
         """Why the writer is waiting (locked database, full disk), while it waits."""
         self.error: BaseException | None = None
@@ -239,8 +241,8 @@ class StoreWriter(threading.Thread):
         while True:
             try:
                 with conn:
-                    for batch in pending:
-                        self._write(conn, batch)
+                    counts = [self._write(conn, batch) for batch in pending]
+                self._count(counts)
                 if self.paused:
                     log.warning("store writer resumed after: %s", self.paused)
                 self.paused = None
@@ -265,16 +267,22 @@ class StoreWriter(threading.Thread):
                     OverflowError, UnicodeError, ValueError) as exc:
                 log.warning("store writer: a batch was refused (%s); storing it row by row", exc)
                 with conn:
-                    for batch in pending:
-                        self._write_isolated(conn, batch)
+                    counts = [self._write_isolated(conn, batch) for batch in pending]
+                self._count(counts)
                 return
 
-    def _write(self, conn: Any, batch: Batch) -> None:
+    def _count(self, counts: list[tuple[int, int]]) -> None:
+        """Add a committed round's rows: a round rolled back (retried, or refused and stored row by row) counts
+        nothing, so each row is counted once."""
+        self.rows_written += sum(written for written, _ in counts)
+        self.rows_set_aside += sum(aside for _, aside in counts)
+
+    def _write(self, conn: Any, batch: Batch) -> tuple[int, int]:
+        """Insert ``batch``; the sample, event and flag rows written and the records set aside."""
         if batch.samples:
             conn.executemany(INSERT_SAMPLE, batch.samples)
         for sql, rows in batch.ring_samples:
             conn.executemany(sql, rows)
-            self.rows_written += len(rows)
         if batch.events:
             conn.executemany(INSERT_EVENT, batch.events)
         if batch.flags:
@@ -283,36 +291,35 @@ class StoreWriter(threading.Thread):
             conn.execute(sql, params)
         if batch.set_aside:
             conn.executemany(INSERT_SET_ASIDE, [(*row, time.time_ns()) for row in batch.set_aside])
-            self.rows_set_aside += len(batch.set_aside)
         if batch.cursors:
             conn.executemany(UPSERT_CURSOR, batch.cursors)
-        self.rows_written += len(batch.samples) + len(batch.events) + len(batch.flags)
+        return len(batch) - len(batch.statements) - len(batch.set_aside), len(batch.set_aside)
 
-    def _write_isolated(self, conn: Any, batch: Batch) -> None:
+    def _write_isolated(self, conn: Any, batch: Batch) -> tuple[int, int]:
         """Each row on its own: one that SQLite refuses is set aside (its repr kept), the rest stored."""
         groups = [(INSERT_SAMPLE, batch.samples), *batch.ring_samples, (INSERT_EVENT, batch.events),
                   (INSERT_FLAG, batch.flags)]
-        refused = [row for sql, rows in [*groups, *((sql, [p]) for sql, p in batch.statements)]
-                   for row in rows if not self._try(conn, sql, row)]
+        refused = [row for sql, rows in groups for row in rows if not self._try(conn, sql, row)]
+        written = len(batch) - len(batch.statements) - len(batch.set_aside) - len(refused)
+        refused += [params for sql, params in batch.statements if not self._try(conn, sql, params)]
         for row in batch.set_aside:
             self._try(conn, INSERT_SET_ASIDE, (*row, time.time_ns()))
         for row in refused:
-            conn.execute(INSERT_SET_ASIDE, (None, None, None, None, "the store refused this row",
-                                            repr(row).encode("utf-8", "backslashreplace"), time.time_ns()))
-        self.rows_set_aside += len(refused) + len(batch.set_aside)
+            raw = repr(row).encode("utf-8", "backslashreplace")  # pragma: no mutate (repr escapes surrogates)
+            conn.execute(INSERT_SET_ASIDE, (None, None, None, None, "the store refused this row", raw, time.time_ns()))
         if batch.cursors:
             conn.executemany(UPSERT_CURSOR, batch.cursors)
+        return written, len(refused) + len(batch.set_aside)
 
     def _try(self, conn: Any, sql: str, params: Any) -> bool:
         try:
-            conn.execute("SAVEPOINT row")
+            conn.execute("SAVEPOINT row")  # pragma: no mutate (SQLite ignores case in keywords and savepoint names)
             conn.execute(sql, params)
-            conn.execute("RELEASE row")
-            self.rows_written += 1
+            conn.execute("RELEASE row")  # pragma: no mutate (SQLite ignores case in keywords and savepoint names)
             return True
         except (sqlite3.IntegrityError, sqlite3.InterfaceError, sqlite3.DataError, sqlite3.ProgrammingError,
                 sqlite3.OperationalError, OverflowError, UnicodeError, ValueError) as exc:
             log.warning("store writer: set a row aside: %s", exc)
-            conn.execute("ROLLBACK TO row")
-            conn.execute("RELEASE row")
+            conn.execute("ROLLBACK TO row")  # pragma: no mutate (SQLite ignores case in keywords and savepoint names)
+            conn.execute("RELEASE row")  # pragma: no mutate (SQLite ignores case in keywords and savepoint names)
             return False
