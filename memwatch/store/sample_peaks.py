@@ -20,8 +20,7 @@ def peak_since(db: Database, run_id: str, rank: int, since_ns: int) -> int | Non
     key = run_key(db, run_id)
     if key is None:
         return None
-    found = [db.execute("SELECT max(peak_bytes) FROM sample_rows WHERE run_key = ? AND rank = ? AND ts_ns >= ?",
-                        (key, rank, since_ns)).fetchone()[0],
-             db.execute("SELECT max(max_peak_bytes) FROM sample_seconds WHERE run_key = ? AND rank = ?"
-                        " AND last_ts_ns >= ?", (key, rank, since_ns)).fetchone()[0]]
+    rows = """SELECT max(peak_bytes) FROM sample_rows WHERE run_key = ? AND rank = ? AND ts_ns >= ?"""
+    seconds = """SELECT max(max_peak_bytes) FROM sample_seconds WHERE run_key = ? AND rank = ? AND last_ts_ns >= ?"""
+    found = [db.execute(sql, (key, rank, since_ns)).fetchone()[0] for sql in (rows, seconds)]
     return max((peak for peak in found if peak is not None), default=None)
