@@ -35,6 +35,7 @@ from memwatch.detectors.batch import (
     ring_columns,
     terms_at,
 )
+from memwatch.errors import UsageError
 from memwatch.ledger import Ledger
 from memwatch.records import Event
 from memwatch.ring_records import typed_records, typed_sample
@@ -310,6 +311,7 @@ CASES = {
     "rise mid-batch": {100: {"peak": 2990}, 150: {"peak": 3100, "flags": 2}, 220: {"peak": 2950, "flags": 3}},
     "reserved under active + pinned": {step: {"active": 2650, "pinned": 120} for step in range(60, 200)},
     "driver free unknown": {step: {"free": -1} for step in range(70, 140)},
+    "need rises on a drain's second last sample": {63: {"peak": 2990}},
     "kept memory rising": {step: {"allocated": 2500 + step, "active": 2500 + step, "peak": 2600 + step}
                            for step in range(1, 300)},
 }
@@ -344,3 +346,40 @@ def test_ring_columns_refuses_rows_of_unequal_length_instead_of_truncating() -> 
     rows = _rows(2)
     with pytest.raises(ValueError):
         ring_columns(np, [rows[0], (*rows[1], 99)])
+
+
+def _serving() -> tuple[_Counting, RankSummary]:
+    """A rank 100 samples into serving (fed one by one), past every window that still fills."""
+    detectors, summary = _Counting(), RankSummary(RANK)
+    for event in SIZING_EVENTS:
+        detectors.on_event(event)
+    for row in _rows(100):
+        detectors.on_ring_samples(RUN, RANK, [row], NAMES, summary)
+    return detectors, summary
+
+
+def test_ring_samples_of_another_run_are_refused_not_batched() -> None:
+    detectors, summary = _serving()
+    with pytest.raises(UsageError, match="records of run 'other' mixed into run 'edge'"):
+        detectors.on_ring_samples("other", RANK, _rows(MIN_BATCH), NAMES, summary)
+    assert detectors.batched == 0
+
+
+def test_the_callers_columns_are_the_ones_batched() -> None:
+    """A caller without columns (``None``) sends every sample one by one; with them, the drain is one batch."""
+    rows = _rows(100 + MIN_BATCH)[100:]
+    detectors, summary = _serving()
+    detectors.on_ring_samples(RUN, RANK, rows, NAMES, summary, lambda np: None)
+    assert detectors.batched == 0 and detectors.last_terms(RANK).headroom_bytes == 1700  # type: ignore[union-attr]
+    detectors, summary = _serving()
+    detectors.on_ring_samples(RUN, RANK, rows, NAMES, summary, lambda np: ring_columns(np, rows))
+    assert detectors.batched == MIN_BATCH
+
+
+def test_after_a_drain_the_fast_path_cannot_take_it_goes_16_samples_one_by_one_then_batches_the_rest() -> None:
+    """Driver free unknown on the drain's first sample: no batch covers it, so the first stretch (8, doubled
+    because nothing was batched) of 16 goes sample by sample and the other 284 of 300 as one batch."""
+    rows = _rows(400, at={100: {"free": -1}})[100:]
+    detectors, summary = _serving()
+    detectors.on_ring_samples(RUN, RANK, rows, NAMES, summary)
+    assert detectors.batched == 284

@@ -11,7 +11,7 @@ from memwatch.errors import UsageError
 from memwatch.flags import BLOCK_COUNT_MISMATCH, CRITICAL, FLAG_KINDS, INFO, WARNING, severity_at_least
 from memwatch.records import Event, Sample
 
-from synthetic import BLOCK_BYTES, MiB, SyntheticRun, kinds, run_flags
+from synthetic import BLOCK_BYTES, GB, MiB, SyntheticRun, kinds, run_flags
 
 FORMULA_BLOCKS = 3_610  # (72 - 1 - 14 - 4) GB // 14,680,064 on the synthetic run's readings
 
@@ -185,4 +185,69 @@ def test_a_rank_without_sizing_and_free_blocks_raises_nothing() -> None:
     for step in range(2, 50):
         flags += detectors.on_sample(Sample("run", 1, step, step, None, None, None, None, None, None,
                                             kv_blocks_used=10, kv_blocks_total=16))
+    assert flags == []
+
+
+def test_the_config_given_is_the_one_the_set_judges_with() -> None:
+    config = DetectorConfig.from_mapping({"rearm_steps": 7})
+    assert DetectorSet(config).config is config
+    assert DetectorSet().config == DetectorConfig() and DetectorSet().config.rearm_steps == 100
+
+
+def test_latest_terms_is_none_for_an_unseen_rank_and_before_a_ranks_first_sample() -> None:
+    detectors = DetectorSet()
+    assert detectors.latest_terms(3) is None
+    detectors.on_event(sizing_event())
+    assert detectors.latest_terms(0) is None and detectors.last_terms(0) is None
+    detectors.on_sample(Sample("run", 0, 5, 5, "serve", 9 << 30, 9 << 30, 9 << 30, 10 << 30, 6 << 30))
+    assert detectors.latest_terms(0) == detectors.last_terms(0) is not None
+    assert detectors.latest_terms(1) is None
+
+
+def test_an_oom_flag_carries_the_ranks_last_ledger_terms() -> None:
+    detectors = DetectorSet()
+    detectors.on_event(sizing_event())
+    detectors.on_sample(Sample("run", 0, 5, 5, "serve", 9 << 30, 9 << 30, 9 << 30, 10 << 30, 6 << 30))
+    terms = detectors.last_terms(0)
+    assert terms is not None
+    (flag,) = detectors.on_event(Event("run", 0, 6, 6, "oom", {"requested_bytes": 1 << 30}))
+    assert flag.kind == "oom"
+    assert flag.data == {"requested_bytes": 1 << 30, "oom_margin_bytes": terms.oom_margin_bytes,
+                         "non_torch_bytes": terms.non_torch_bytes, "cache_slack_bytes": terms.cache_slack_bytes}
+    # non-PyTorch: 10 GiB used - 9 GiB reserved = 1 GiB; slack: reserved - allocated = 0
+    assert (terms.non_torch_bytes, terms.cache_slack_bytes) == (1 << 30, 0)
+
+
+def test_ranks_of_different_data_parallel_engines_may_size_different_block_counts() -> None:
+    """Ranks 0 and 1 size 46 and 45 blocks at the same moment: a mismatch within one engine, none across two."""
+    def across(identities: bool) -> list[object]:
+        detectors, flags = DetectorSet(), []
+        for rank, blocks in ((0, 46), (1, 45)):
+            if identities:
+                detectors.on_event(Event("run", rank, 1, 1, "rank_identity", {"dp_rank": rank}))
+            flags += detectors.on_event(sizing_event(rank=rank, num_blocks=blocks))
+        return [flag.data["num_blocks_by_rank"] for flag in flags if "num_blocks_by_rank" in flag.data]
+
+    assert across(identities=False) == [{"0": 46, "1": 45}]
+    assert across(identities=True) == []
+
+
+def test_a_sized_ranks_detectors_count_in_its_block_bytes() -> None:
+    overstated = run_flags(SyntheticRun(jitter=False, reserve=12 * GB, true_reserve=4 * GB, serve_steps=600))
+    assert [(flag.data["block_bytes"], flag.data["regainable_blocks"]) for flag in overstated] == [
+        (BLOCK_BYTES, (12 * GB - 3_600_000_000) // BLOCK_BYTES)]
+    full = run_flags(SyntheticRun(jitter=False, kv_full_from=400, preempt_every=10, serve_steps=600))
+    assert [(flag.data["kv_used_bytes"], flag.data["kv_total_bytes"]) for flag in full] == [
+        (3_600 * BLOCK_BYTES, 3_610 * BLOCK_BYTES)]
+
+
+def test_a_rank_without_sizing_is_not_judged_during_startup_phases() -> None:
+    """The same full cache and preemption that raise kv_pressure while serving raise nothing during warmup."""
+    detectors = DetectorSet()
+    flags = []
+    for step in range(1, 6):
+        flags += detectors.on_sample(Sample("run", 1, step, step * 10, "warmup", None, None, None, None, None,
+                                            kv_blocks_used=16 if step >= 3 else 8, kv_blocks_total=16))
+        if step == 2:
+            flags += detectors.on_event(Event("run", 1, 2, 21, "preemption", {"count": 1}))
     assert flags == []
