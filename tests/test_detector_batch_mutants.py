@@ -311,7 +311,7 @@ CASES = {
     "rise mid-batch": {100: {"peak": 2990}, 150: {"peak": 3100, "flags": 2}, 220: {"peak": 2950, "flags": 3}},
     "reserved under active + pinned": {step: {"active": 2650, "pinned": 120} for step in range(60, 200)},
     "driver free unknown": {step: {"free": -1} for step in range(70, 140)},
-    "need rises on a drain's second last sample": {63: {"peak": 2990}},
+    "need rises on a drain's second last sample": {191: {"peak": 2990}},
     "kept memory rising": {step: {"allocated": 2500 + step, "active": 2500 + step, "peak": 2600 + step}
                            for step in range(1, 300)},
 }
