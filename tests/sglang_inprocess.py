@@ -32,6 +32,7 @@ import sys
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+from cuda_params import Tensor
 from test_vllm_gpu_worker import SEGMENT, Device, _round_up
 
 GiB = 1 << 30
@@ -191,16 +192,6 @@ def create_memory_pool_configurator(kvc: KVCacheConfigurator) -> Any:
     if kvc.is_hybrid_swa:
         return (pools.SWARequestCapPoolConfigurator if kvc.runner.request_cap else pools.HybridSWAPoolConfigurator)(kvc)
     return pools.DefaultPoolConfigurator(kvc)
-
-
-class Tensor:
-    """A CUDA parameter as memwatch reads it: its storage's address and size."""
-
-    def __init__(self, address: int, nbytes: int) -> None:
-        self.is_cuda, self._storage = True, SimpleNamespace(data_ptr=lambda: address, nbytes=lambda: nbytes)
-
-    def untyped_storage(self) -> Any:
-        return self._storage
 
 
 class Model:

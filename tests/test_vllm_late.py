@@ -19,6 +19,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
+from cuda_params import Tensor
 from test_vllm_gpu_worker import (
     SEGMENT,
     WEIGHTS,
@@ -41,16 +42,6 @@ MiB = 1 << 20
 GiB = 1 << 30
 BLOCK = 2 * 16 * 8 * 128 * 2 * 24  # K and V × block size 16 × 8 KV heads × dim 128 × 2 bytes × 24 layers: 1.5 MiB
 RUN = "late-run-1"
-
-
-class Tensor:
-    """A CUDA parameter as ``weights_bytes`` reads it: its storage's address and size."""
-
-    def __init__(self, address: int, nbytes: int) -> None:
-        self.is_cuda, self._storage = True, SimpleNamespace(data_ptr=lambda: address, nbytes=lambda: nbytes)
-
-    def untyped_storage(self) -> Any:
-        return self._storage
 
 
 class Model:
