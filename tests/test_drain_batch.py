@@ -281,3 +281,23 @@ def test_a_record_stamped_more_than_a_day_before_its_ring_leaves_the_rings_time(
         assert _rows(db_path, "SELECT started_ns FROM runs") == [(created[0] - before_ns if moved else created[0],)]
     finally:
         monitor.close()
+
+
+def test_a_drains_statement_is_made_once_per_shape_and_again_for_a_run_key_or_a_new_phase(monitor: Monitor) -> None:
+    monitor.sample()
+    monitor.sample()
+    state = _state(monitor)
+    first = state.reader.drain(0)
+    sql = state.sample_insert(first.slots)
+    assert state.sample_insert(first.slots) is sql  # the same shape: the statement made once
+    assert "VALUES ((SELECT run_key FROM runs WHERE run_id = 'run1'), 0, " in sql  # no key known yet
+    state.learn_run_key(7)
+    keyed = state.sample_insert(first.slots)
+    assert keyed is not sql and "VALUES (7, 0, " in keyed and "'mycustom'" not in keyed
+    with monitor.phase("mycustom"):  # a phase named since: the next statement must know its name
+        monitor.sample()
+    later = state.reader.drain(2)
+    phased = state.sample_insert(later.slots)
+    assert "'mycustom'" in phased and "VALUES (7, 0, " in phased
+    again = state.sample_insert(first.slots)  # the old shape is made again, knowing the new phase too
+    assert again is not keyed and "VALUES (7, 0, " in again and state.sample_insert(first.slots) is again
